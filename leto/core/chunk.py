@@ -1,0 +1,73 @@
+"""One chunk of a rank's retained state.
+
+Theory of operation: a chunk moves from step v to v+1 in three writes. BeginChunk keeps
+the old bytes as an undo copy and starts overwriting (the chunk is torn until EndChunk);
+EndChunk completes the new bytes; ParityChunk folds the change into the node's tier-1
+parity and only then releases the undo copy. So at every instant the chunk can produce
+the version its parity encodes (the undo copy, or the new bytes), and a death anywhere
+leaves nothing torn that cannot be undone. LOST is memory that vanished (a keeper crash,
+a GPU reset, a node); CORRUPT is bytes that fail their checksum: neither is ever used,
+both are repaired from parity or reported.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from leto.core import events as ev
+from leto.core.table import Table
+
+# Values of a chunk in the abstract model: a step number, or one of these.
+TORN = -1
+LOST = -2
+GARBAGE = -3
+NONE = -1  # "no undo copy" / "no gradients"
+
+
+class ChunkState(enum.Enum):
+    CLEAN = "clean"  # at a step, no undo copy
+    WRITING = "writing"  # torn: new bytes being written, undo copy held
+    WRITTEN = "written"  # new bytes complete, parity pending, undo copy held
+    LOST = "lost"
+    CORRUPT = "corrupt"  # fails its checksum (torn without undo, or a foreign write)
+
+
+def classify(data: int, undo: int) -> ChunkState:
+    """The machine state of a chunk from its model value and undo copy."""
+    if data == LOST:
+        return ChunkState.LOST
+    if data == GARBAGE or (data == TORN and undo == NONE):
+        return ChunkState.CORRUPT
+    if data == TORN:
+        return ChunkState.WRITING
+    return ChunkState.CLEAN if undo == NONE else ChunkState.WRITTEN
+
+
+def producible(data: int, undo: int) -> frozenset[int]:
+    """The versions this chunk can produce from its own memory."""
+    state = classify(data, undo)
+    if state is ChunkState.CLEAN:
+        return frozenset((data,))
+    if state is ChunkState.WRITTEN:
+        return frozenset((data, undo))
+    if state is ChunkState.WRITING:
+        return frozenset((undo,))
+    return frozenset()
+
+
+_ANY = tuple(ChunkState)
+_INTACT = (ChunkState.CLEAN, ChunkState.WRITING, ChunkState.WRITTEN)
+
+CHUNK: Table[ChunkState] = Table.build(
+    "chunk",
+    [
+        (ChunkState.CLEAN, ev.BeginChunk, ChunkState.WRITING),
+        (ChunkState.WRITING, ev.EndChunk, ChunkState.WRITTEN),
+        (ChunkState.WRITTEN, ev.ParityChunk, ChunkState.CLEAN),
+        (_ANY, (ev.LoseMemory, ev.LoseNode), ChunkState.LOST),
+        # Recovery rewrites every chunk at the target step.
+        (_ANY, (ev.Reconcile, ev.RestoreCheckpoint), ChunkState.CLEAN),
+        # Only a keeper without fencing lets an old generation write (a mutant).
+        (_INTACT, ev.StaleWrite, ChunkState.CORRUPT),
+    ],
+)

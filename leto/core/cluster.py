@@ -1,0 +1,913 @@
+"""The whole protocol as one model: every rank's machines, the coordinator, the faults.
+
+This is the Python twin of ``spec/Leto.tla`` (``spec/PROTOCOL.md`` is the contract):
+one handler per TLA+ action, each a guard followed by an update. The machines'
+transition tables (:mod:`leto.core.txn`, :mod:`~leto.core.chunk`,
+:mod:`~leto.core.shadow`, :mod:`~leto.core.trainer`, :mod:`~leto.core.recovery`) decide
+which events each machine accepts; the guards here add what crosses machines (is every
+rank prepared? does the writer hold the current generation?). ``step`` never mutates:
+it returns a new state and the effects a backend must carry out, or raises
+:class:`~leto.core.errors.ProtocolError` and the caller keeps the old state.
+
+The explicit-state checker (:mod:`leto.core.checker`), the Hypothesis machines
+(:mod:`leto.testing`) and, later, the backends' coordinators all drive this model.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from leto.core import events as ev
+from leto.core.chunk import CHUNK, GARBAGE, LOST, NONE, TORN, ChunkState, classify
+from leto.core.erasure import Topology
+from leto.core.errors import ProtocolError
+from leto.core.reconcile import Plan, Survivors, empty_grad_parity, plan, reencoded_parity
+from leto.core.recovery import RECOVERY, Kind, Phase
+from leto.core.shadow import SHADOW, ShadowState
+from leto.core.table import Table
+from leto.core.trainer import TRAINER, TrainerState
+from leto.core.txn import COMMIT, TXN, CommitState, TxnState
+
+
+class Mutant(enum.Enum):
+    """Deliberately broken variants of the protocol; the checks must catch each."""
+
+    NONE = "none"
+    NO_UNDO = "no_undo"  # recovery does not undo a torn chunk
+    EARLY_COMMIT = "early_commit"  # COMMIT recorded before every rank prepared
+    NO_FENCING = "no_fencing"  # the keeper accepts writes of an old generation
+    PARITY_FIRST = "parity_first"  # parity updated before the data is complete
+    STALE_SHADOW = "stale_shadow"  # a promoted shadow resumes at its own stale step
+
+
+FAULT_KINDS = frozenset({"crash", "hang", "lose_memory", "lose_node"})
+
+# The parity-first mutant's chunk table: parity may be written while the chunk is torn.
+_CHUNK_PARITY_FIRST: Table[ChunkState] = Table(
+    machine="chunk",
+    transitions={
+        **CHUNK.transitions,
+        (ChunkState.WRITING, ev.ParityChunk): ChunkState.WRITING,
+    },
+)
+
+
+def _check_fault_kinds(_inst: Any, _attr: Any, value: frozenset[str]) -> None:
+    unknown = set(value) - FAULT_KINDS
+    if unknown:
+        raise ValueError(
+            f"faults: unknown fault kind(s) {sorted(unknown)}; known: {sorted(FAULT_KINDS)}"
+        )
+
+
+def _positive(_inst: Any, attr: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attr.name} must be >= 1, got {value}")
+
+
+def _non_negative(_inst: Any, attr: attrs.Attribute[int], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{attr.name} must be >= 0, got {value}")
+
+
+@attrs.frozen
+class ClusterConfig:
+    """The constants of one model instance (``MC*.cfg`` in TLA+)."""
+
+    topology: Topology = attrs.field(factory=lambda: Topology((2, 1)))
+    chunks: int = attrs.field(default=2, validator=_positive)
+    max_step: int = attrs.field(default=2, validator=_positive)
+    max_faults: int = attrs.field(default=2, validator=_non_negative)
+    k: int = attrs.field(default=1, validator=_positive)
+    faults: frozenset[str] = attrs.field(
+        default=FAULT_KINDS, converter=frozenset, validator=_check_fault_kinds
+    )
+    reclaim: bool = True  # shadows may go cold
+    mutant: Mutant = attrs.field(default=Mutant.NONE, converter=Mutant)
+
+    @property
+    def ranks(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(self.topology.ranks_of(n)) for n in range(self.topology.nodes))
+
+
+@attrs.frozen(cache_hash=True)
+class ClusterState:
+    """One global state. Chunk values are steps, or TORN / LOST / GARBAGE."""
+
+    trainer: tuple[TrainerState, ...]
+    tgen: tuple[int, ...]
+    pc: tuple[TxnState, ...]
+    step: tuple[int, ...]
+    data: tuple[tuple[int, ...], ...]
+    undo: tuple[tuple[int, ...], ...]
+    grad: tuple[int, ...]
+    shadow: tuple[ShadowState, ...]
+    stale: tuple[bool, ...]
+    par: tuple[tuple[tuple[int, ...], ...] | None, ...]
+    gpar: tuple[tuple[int, ...] | None, ...]
+    gen: int = 0
+    phase: Phase = Phase.RUNNING
+    commit: CommitState = CommitState.OPEN
+    committed: int = 0
+    prepared: frozenset[int] = frozenset()
+    faults: int = 0
+    t2: int = 0
+    t2lost: frozenset[int] = frozenset()
+    target: int = NONE
+    kind: Kind = Kind.NONE
+    loss: int = 0
+    mlost: frozenset[int] = frozenset()
+    nlost: frozenset[int] = frozenset()
+    promoted: frozenset[int] = frozenset()
+    stale_writes: int = 0
+
+
+Effect = tuple[str, dict[str, Any]]
+
+
+def _set(t: tuple[Any, ...], i: int, v: Any) -> tuple[Any, ...]:
+    return t[:i] + (v,) + t[i + 1 :]
+
+
+def _set2(t: tuple[tuple[Any, ...], ...], i: int, j: int, v: Any) -> tuple[tuple[Any, ...], ...]:
+    return _set(t, i, _set(t[i], j, v))
+
+
+@attrs.frozen
+class ClusterModel:
+    """Initial state, enabled events, and the step function of the whole protocol."""
+
+    config: ClusterConfig = attrs.field(factory=ClusterConfig)
+    node_of: tuple[int, ...] = attrs.field(init=False)
+    member: tuple[int, ...] = attrs.field(init=False)
+    chunk_table: Table[ChunkState] = attrs.field(init=False)
+
+    @node_of.default
+    def _node_of(self) -> tuple[int, ...]:
+        return tuple(self.config.topology.node_of(r) for r in range(self.config.ranks))
+
+    @member.default
+    def _member(self) -> tuple[int, ...]:
+        return tuple(self.config.groups[self.node_of[r]].index(r) for r in range(self.config.ranks))
+
+    @chunk_table.default
+    def _chunk_table(self) -> Table[ChunkState]:
+        return _CHUNK_PARITY_FIRST if self.config.mutant is Mutant.PARITY_FIRST else CHUNK
+
+    # --- states -------------------------------------------------------------------
+
+    def initial(self) -> ClusterState:
+        cfg = self.config
+        R, C = cfg.ranks, cfg.chunks
+        return ClusterState(
+            trainer=(TrainerState.ALIVE,) * R,
+            tgen=(0,) * R,
+            pc=(TxnState.IDLE,) * R,
+            step=(0,) * R,
+            data=((0,) * C,) * R,
+            undo=((NONE,) * C,) * R,
+            grad=(NONE,) * R,
+            shadow=(ShadowState.WARM,) * R,
+            stale=(False,) * R,
+            par=reencoded_parity(cfg.groups, C, 0),
+            gpar=empty_grad_parity(cfg.groups),
+        )
+
+    def candidates(self, s: ClusterState) -> Iterator[ev.Event]:
+        """Every event worth trying in ``s`` (a superset of the enabled ones)."""
+        cfg = self.config
+        R = range(cfg.ranks)
+        if s.phase is Phase.RUNNING:
+            for r in R:
+                if s.trainer[r] is not TrainerState.ALIVE or s.tgen[r] != s.gen:
+                    continue
+                pc = s.pc[r]
+                if pc is TxnState.IDLE:
+                    yield ev.Compute(r)
+                elif pc is TxnState.COMPUTED:
+                    yield ev.Reduce(r)
+                elif pc is TxnState.REDUCED:
+                    yield ev.Prepare(r)
+                if pc in (TxnState.PREPARED, TxnState.APPLYING):
+                    for c in range(cfg.chunks):
+                        yield ev.BeginChunk(r, c)
+                        yield ev.EndChunk(r, c)
+                        yield ev.ParityChunk(r, c)
+                    yield ev.Finish(r)
+            yield ev.Decide()
+            yield ev.Tier2Snapshot()
+        for r in R:
+            yield ev.ShadowWarm(r)
+            if cfg.reclaim:
+                yield ev.ShadowReclaim(r)
+            if s.stale[r]:
+                for c in range(cfg.chunks):
+                    yield ev.StaleWrite(r, c)
+        if s.faults < cfg.max_faults:
+            for r in R:
+                if "crash" in cfg.faults:
+                    yield ev.Crash(r)
+                if "hang" in cfg.faults:
+                    yield ev.Hang(r)
+                if "lose_memory" in cfg.faults:
+                    yield ev.LoseMemory(r)
+            if "lose_node" in cfg.faults:
+                for n in range(cfg.topology.nodes):
+                    yield ev.LoseNode(n)
+        if s.phase is not Phase.RUNNING:
+            yield ev.Detect()
+            yield ev.Fence()
+            for r in R:
+                yield ev.Promote(r)
+            yield ev.EndPromote()
+            yield ev.Reconcile()
+            yield ev.GoFallback()
+            yield ev.RestoreCheckpoint()
+            yield ev.Rebuild()
+            yield ev.Resume()
+        else:
+            yield ev.Detect()
+
+    def why_not(self, s: ClusterState, e: ev.Event) -> ProtocolError | None:
+        """``None`` if ``e`` is enabled in ``s``, else the error ``step`` would raise."""
+        handler = _HANDLERS.get(type(e))
+        if handler is None:
+            return ProtocolError("cluster", s.phase, e, "not an event of this protocol")
+        guard, _ = handler
+        return guard(self, s, e)
+
+    def enabled(self, s: ClusterState) -> list[ev.Event]:
+        return [e for e in self.candidates(s) if self.why_not(s, e) is None]
+
+    def step(self, s: ClusterState, e: ev.Event) -> tuple[ClusterState, tuple[Effect, ...]]:
+        err = self.why_not(s, e)
+        if err is not None:
+            raise err
+        _, update = _HANDLERS[type(e)]
+        return update(self, s, e)
+
+    def successors(self, s: ClusterState) -> Iterator[tuple[ev.Event, ClusterState]]:
+        for e in self.enabled(s):
+            _, update = _HANDLERS[type(e)]
+            yield e, update(self, s, e)[0]
+
+    # --- helpers ------------------------------------------------------------------
+
+    def survivors(self, s: ClusterState) -> Survivors:
+        return Survivors(
+            groups=self.config.groups,
+            data=s.data,
+            undo=s.undo,
+            grad=s.grad,
+            par=s.par,
+            gpar=s.gpar,
+            committed=s.committed,
+            t2=s.t2,
+            t2_intact=len(s.t2lost) <= 1,
+        )
+
+    def plan(self, s: ClusterState) -> Plan:
+        return plan(self.survivors(s))
+
+    def active(self, s: ClusterState, r: int) -> bool:
+        return (
+            s.phase is Phase.RUNNING and s.trainer[r] is TrainerState.ALIVE and s.tgen[r] == s.gen
+        )
+
+
+# --- guards and updates, one pair per event type --------------------------------------
+
+Guard = Callable[[ClusterModel, ClusterState, Any], ProtocolError | None]
+Update = Callable[[ClusterModel, ClusterState, Any], tuple[ClusterState, tuple[Effect, ...]]]
+_HANDLERS: dict[type, tuple[Guard, Update]] = {}
+
+
+def _handler(event_type: type) -> Callable[[Guard], Callable[[Update], Update]]:
+    def register_guard(guard: Guard) -> Callable[[Update], Update]:
+        def register_update(update: Update) -> Update:
+            _HANDLERS[event_type] = (guard, update)
+            return update
+
+        return register_update
+
+    return register_guard
+
+
+def _err(machine: str, state: Any, e: Any, why: str) -> ProtocolError:
+    return ProtocolError(machine, state, e, why)
+
+
+def _rank_ok(m: ClusterModel, s: ClusterState, e: Any) -> ProtocolError | None:
+    if e.rank >= m.config.ranks:
+        return _err("cluster", s.phase, e, f"rank {e.rank} out of range 0..{m.config.ranks - 1}")
+    if hasattr(e, "chunk") and e.chunk >= m.config.chunks:
+        return _err("cluster", s.phase, e, f"chunk {e.chunk} out of range 0..{m.config.chunks - 1}")
+    return None
+
+
+def _trainer_guard(m: ClusterModel, s: ClusterState, e: Any) -> ProtocolError | None:
+    """Rank index valid, the cluster running, and the writer of the current generation."""
+    err = _rank_ok(m, s, e)
+    if err:
+        return err
+    r = e.rank
+    if s.phase is not Phase.RUNNING:
+        return _err("recovery", s.phase, e, "training is paused during recovery")
+    if s.trainer[r] is not TrainerState.ALIVE:
+        return _err("trainer", s.trainer[r], e, f"rank {r}'s trainer is not alive")
+    if s.tgen[r] != s.gen:
+        return _err("keeper", s.phase, e, f"generation {s.tgen[r]} is fenced (current {s.gen})")
+    if not TXN.accepts(s.pc[r], e):
+        return _err("txn", s.pc[r], e, "")
+    return None
+
+
+# Compute -------------------------------------------------------------------------
+
+
+def _g_compute(m: ClusterModel, s: ClusterState, e: ev.Compute) -> ProtocolError | None:
+    err = _trainer_guard(m, s, e)
+    if err:
+        return err
+    if s.step[e.rank] >= m.config.max_step:
+        return _err("txn", s.pc[e.rank], e, f"training is done at step {m.config.max_step}")
+    if s.step[e.rank] - s.t2 >= m.config.k:
+        return _err("txn", s.pc[e.rank], e, "tier 2 lags K steps: waiting for the snapshot")
+    return None
+
+
+@_handler(ev.Compute)(_g_compute)
+def _u_compute(
+    m: ClusterModel, s: ClusterState, e: ev.Compute
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r = e.rank
+    return attrs.evolve(s, pc=_set(s.pc, r, TxnState.COMPUTED)), (
+        ("forward_backward", {"rank": r, "step": s.step[r] + 1}),
+    )
+
+
+# Reduce --------------------------------------------------------------------------
+
+
+def _g_reduce(m: ClusterModel, s: ClusterState, e: ev.Reduce) -> ProtocolError | None:
+    err = _trainer_guard(m, s, e)
+    if err:
+        return err
+    st = s.step[e.rank]
+    in_collective = (TxnState.COMPUTED, TxnState.REDUCED, TxnState.PREPARED)
+    for q in range(m.config.ranks):
+        if not (
+            s.trainer[q] is TrainerState.ALIVE
+            and s.tgen[q] == s.gen
+            and s.step[q] == st
+            and s.pc[q] in in_collective
+        ):
+            return _err("txn", s.pc[e.rank], e, f"rank {q} is not in the gradient collective")
+    return None
+
+
+@_handler(ev.Reduce)(_g_reduce)
+def _u_reduce(
+    m: ClusterModel, s: ClusterState, e: ev.Reduce
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r = e.rank
+    nxt = s.step[r] + 1
+    return attrs.evolve(s, pc=_set(s.pc, r, TxnState.REDUCED), grad=_set(s.grad, r, nxt)), (
+        ("all_reduce_gradients", {"rank": r, "step": nxt}),
+    )
+
+
+# Prepare -------------------------------------------------------------------------
+
+
+@_handler(ev.Prepare)(_trainer_guard)
+def _u_prepare(
+    m: ClusterModel, s: ClusterState, e: ev.Prepare
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r = e.rank
+    n = m.node_of[r]
+    gp = s.gpar[n]
+    gpar = s.gpar if gp is None else _set(s.gpar, n, _set(gp, m.member[r], s.grad[r]))
+    return attrs.evolve(
+        s,
+        pc=_set(s.pc, r, TxnState.PREPARED),
+        gpar=gpar,
+        prepared=s.prepared | {r},
+        commit=COMMIT.next(s.commit, e),
+    ), (
+        ("write_gradient_parity", {"rank": r, "step": s.grad[r]}),
+        ("vote", {"rank": r, "step": s.grad[r]}),
+    )
+
+
+# Decide --------------------------------------------------------------------------
+
+
+def _g_decide(m: ClusterModel, s: ClusterState, e: ev.Decide) -> ProtocolError | None:
+    if not RECOVERY.accepts(s.phase, e):
+        return _err("recovery", s.phase, e, "")
+    if not COMMIT.accepts(s.commit, e):
+        return _err("commit", s.commit, e, "no vote yet")
+    need = 1 if m.config.mutant is Mutant.EARLY_COMMIT else m.config.ranks
+    if len(s.prepared) < need:
+        missing = sorted(set(range(m.config.ranks)) - s.prepared)
+        return _err("commit", s.commit, e, f"ranks {missing} have not prepared")
+    if any(s.grad[r] != s.committed + 1 for r in s.prepared):
+        return _err("commit", s.commit, e, "a vote is not for the next step")
+    return None
+
+
+@_handler(ev.Decide)(_g_decide)
+def _u_decide(
+    m: ClusterModel, s: ClusterState, e: ev.Decide
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    return attrs.evolve(
+        s, committed=s.committed + 1, prepared=frozenset(), commit=COMMIT.next(s.commit, e)
+    ), (("record_commit", {"step": s.committed + 1}),)
+
+
+# BeginChunk / EndChunk / ParityChunk / Finish -----------------------------------------
+
+
+def _g_begin(m: ClusterModel, s: ClusterState, e: ev.BeginChunk) -> ProtocolError | None:
+    err = _trainer_guard(m, s, e)
+    if err:
+        return err
+    r, c = e.rank, e.chunk
+    st = s.step[r]
+    if s.committed != st + 1:
+        return _err("commit", s.commit, e, f"step {st + 1} is not committed")
+    state = classify(s.data[r][c], s.undo[r][c])
+    if not m.chunk_table.accepts(state, e) or s.data[r][c] != st:
+        return _err("chunk", state, e, f"chunk is not clean at step {st}")
+    for lower in range(c):
+        if s.data[r][lower] != st + 1 or s.undo[r][lower] != NONE:
+            return _err("chunk", state, e, f"chunk {lower} is not done yet (chunks apply in order)")
+    return None
+
+
+@_handler(ev.BeginChunk)(_g_begin)
+def _u_begin(
+    m: ClusterModel, s: ClusterState, e: ev.BeginChunk
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r, c = e.rank, e.chunk
+    return attrs.evolve(
+        s,
+        undo=_set2(s.undo, r, c, s.data[r][c]),
+        data=_set2(s.data, r, c, TORN),
+        pc=_set(s.pc, r, TXN.next(s.pc[r], e)),
+    ), (
+        ("save_undo", {"rank": r, "chunk": c, "step": s.data[r][c]}),
+        ("apply_chunk", {"rank": r, "chunk": c, "step": s.step[r] + 1}),
+    )
+
+
+def _g_end(m: ClusterModel, s: ClusterState, e: ev.EndChunk) -> ProtocolError | None:
+    err = _trainer_guard(m, s, e)
+    if err:
+        return err
+    state = classify(s.data[e.rank][e.chunk], s.undo[e.rank][e.chunk])
+    if not m.chunk_table.accepts(state, e):
+        return _err("chunk", state, e, "")
+    return None
+
+
+@_handler(ev.EndChunk)(_g_end)
+def _u_end(
+    m: ClusterModel, s: ClusterState, e: ev.EndChunk
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r, c = e.rank, e.chunk
+    return attrs.evolve(s, data=_set2(s.data, r, c, s.step[r] + 1)), (
+        ("chunk_written", {"rank": r, "chunk": c, "step": s.step[r] + 1}),
+    )
+
+
+def _g_parity(m: ClusterModel, s: ClusterState, e: ev.ParityChunk) -> ProtocolError | None:
+    err = _trainer_guard(m, s, e)
+    if err:
+        return err
+    r, c = e.rank, e.chunk
+    state = classify(s.data[r][c], s.undo[r][c])
+    if not m.chunk_table.accepts(state, e):
+        return _err("chunk", state, e, "")
+    if state is ChunkState.WRITING:  # the parity-first mutant: once per chunk
+        par = s.par[m.node_of[r]]
+        if par is not None and par[c][m.member[r]] == s.step[r] + 1:
+            return _err("chunk", state, e, "parity already written")
+    return None
+
+
+@_handler(ev.ParityChunk)(_g_parity)
+def _u_parity(
+    m: ClusterModel, s: ClusterState, e: ev.ParityChunk
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r, c = e.rank, e.chunk
+    n = m.node_of[r]
+    new = s.step[r] + 1
+    p = s.par[n]
+    par = s.par if p is None else _set(s.par, n, _set2(p, c, m.member[r], new))
+    torn = s.data[r][c] == TORN
+    undo = s.undo if torn else _set2(s.undo, r, c, NONE)
+    effects: tuple[Effect, ...] = (("update_parity", {"rank": r, "chunk": c, "step": new}),)
+    if not torn:
+        effects += (("release_undo", {"rank": r, "chunk": c}),)
+    return attrs.evolve(s, par=par, undo=undo), effects
+
+
+def _g_finish(m: ClusterModel, s: ClusterState, e: ev.Finish) -> ProtocolError | None:
+    err = _trainer_guard(m, s, e)
+    if err:
+        return err
+    r = e.rank
+    new = s.step[r] + 1
+    if any(d != new for d in s.data[r]) or any(u != NONE for u in s.undo[r]):
+        return _err("txn", s.pc[r], e, "not every chunk is done")
+    return None
+
+
+@_handler(ev.Finish)(_g_finish)
+def _u_finish(
+    m: ClusterModel, s: ClusterState, e: ev.Finish
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r = e.rank
+    return attrs.evolve(
+        s, step=_set(s.step, r, s.step[r] + 1), pc=_set(s.pc, r, TXN.next(s.pc[r], e))
+    ), (("step_done", {"rank": r, "step": s.step[r] + 1}),)
+
+
+# Tier2Snapshot ---------------------------------------------------------------------
+
+
+def _g_t2(m: ClusterModel, s: ClusterState, e: ev.Tier2Snapshot) -> ProtocolError | None:
+    if not RECOVERY.accepts(s.phase, e):
+        return _err("recovery", s.phase, e, "")
+    st = s.step[0]
+    if st <= s.t2:
+        return _err("recovery", s.phase, e, "the snapshot is current")
+    for r in range(m.config.ranks):
+        if s.pc[r] is not TxnState.IDLE or s.step[r] != st or any(d != st for d in s.data[r]):
+            return _err("txn", s.pc[r], e, f"rank {r} is not idle at step {st}")
+    return None
+
+
+@_handler(ev.Tier2Snapshot)(_g_t2)
+def _u_t2(
+    m: ClusterModel, s: ClusterState, e: ev.Tier2Snapshot
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    return attrs.evolve(s, t2=s.step[0], t2lost=frozenset()), (
+        ("tier2_snapshot", {"step": s.step[0]}),
+    )
+
+
+# Shadows ---------------------------------------------------------------------------
+
+
+def _shadow_guard(m: ClusterModel, s: ClusterState, e: Any) -> ProtocolError | None:
+    err = _rank_ok(m, s, e)
+    if err:
+        return err
+    if isinstance(e, ev.ShadowReclaim) and not m.config.reclaim:
+        return _err("shadow", s.shadow[e.rank], e, "memory reclaim is off")
+    if not SHADOW.accepts(s.shadow[e.rank], e):
+        return _err("shadow", s.shadow[e.rank], e, "")
+    return None
+
+
+def _u_shadow(m: ClusterModel, s: ClusterState, e: Any) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r = e.rank
+    new = SHADOW.next(s.shadow[r], e)
+    name = "warm_shadow" if new is ShadowState.WARM else "reclaim_shadow"
+    return attrs.evolve(s, shadow=_set(s.shadow, r, new)), ((name, {"rank": r}),)
+
+
+_handler(ev.ShadowWarm)(_shadow_guard)(_u_shadow)
+_handler(ev.ShadowReclaim)(_shadow_guard)(_u_shadow)
+
+
+# Faults ----------------------------------------------------------------------------
+
+
+def _fault_budget(m: ClusterModel, s: ClusterState, e: Any, kind: str) -> ProtocolError | None:
+    if kind not in m.config.faults:
+        return _err("fault", s.phase, e, f"{kind} faults are not in this model")
+    if s.faults >= m.config.max_faults:
+        return _err("fault", s.phase, e, f"fault budget {m.config.max_faults} spent")
+    return None
+
+
+def _g_trainer_fault(m: ClusterModel, s: ClusterState, e: Any) -> ProtocolError | None:
+    err = _rank_ok(m, s, e) or _fault_budget(
+        m, s, e, "crash" if isinstance(e, ev.Crash) else "hang"
+    )
+    if err:
+        return err
+    if not TRAINER.accepts(s.trainer[e.rank], e):
+        return _err("trainer", s.trainer[e.rank], e, "")
+    return None
+
+
+def _u_trainer_fault(
+    m: ClusterModel, s: ClusterState, e: Any
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r = e.rank
+    return attrs.evolve(
+        s, trainer=_set(s.trainer, r, TRAINER.next(s.trainer[r], e)), faults=s.faults + 1
+    ), ((type(e).__name__.lower(), {"rank": r}),)
+
+
+_handler(ev.Crash)(_g_trainer_fault)(_u_trainer_fault)
+_handler(ev.Hang)(_g_trainer_fault)(_u_trainer_fault)
+
+
+def _lose_rank_memory(s: ClusterState, r: int, e: Any) -> dict[str, Any]:
+    C = len(s.data[r])
+    return {
+        "data": _set(s.data, r, (LOST,) * C),
+        "undo": _set(s.undo, r, (NONE,) * C),
+        "grad": _set(s.grad, r, LOST),
+        "trainer": _set(s.trainer, r, TRAINER.next(s.trainer[r], e)),
+        "mlost": s.mlost | {r},
+    }
+
+
+def _g_lose_memory(m: ClusterModel, s: ClusterState, e: ev.LoseMemory) -> ProtocolError | None:
+    err = _rank_ok(m, s, e) or _fault_budget(m, s, e, "lose_memory")
+    if err:
+        return err
+    if all(d == LOST for d in s.data[e.rank]):
+        return _err("chunk", ChunkState.LOST, e, "already lost")
+    return None
+
+
+@_handler(ev.LoseMemory)(_g_lose_memory)
+def _u_lose_memory(
+    m: ClusterModel, s: ClusterState, e: ev.LoseMemory
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    return attrs.evolve(s, faults=s.faults + 1, **_lose_rank_memory(s, e.rank, e)), (
+        ("lose_memory", {"rank": e.rank}),
+    )
+
+
+def _g_lose_node(m: ClusterModel, s: ClusterState, e: ev.LoseNode) -> ProtocolError | None:
+    if e.node >= m.config.topology.nodes:
+        return _err("cluster", s.phase, e, f"node {e.node} out of range")
+    err = _fault_budget(m, s, e, "lose_node")
+    if err:
+        return err
+    if e.node in s.nlost:
+        return _err("fault", s.phase, e, "node already lost in this recovery")
+    return None
+
+
+@_handler(ev.LoseNode)(_g_lose_node)
+def _u_lose_node(
+    m: ClusterModel, s: ClusterState, e: ev.LoseNode
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    n = e.node
+    for r in m.config.groups[n]:
+        s = attrs.evolve(
+            s,
+            shadow=_set(s.shadow, r, SHADOW.next(s.shadow[r], e)),
+            stale=_set(s.stale, r, False),
+            **_lose_rank_memory(s, r, e),
+        )
+    return attrs.evolve(
+        s,
+        par=_set(s.par, n, None),
+        gpar=_set(s.gpar, n, None),
+        t2lost=s.t2lost | {n},
+        nlost=s.nlost | {n},
+        faults=s.faults + 1,
+    ), (("lose_node", {"node": n}),)
+
+
+# Keeper fencing --------------------------------------------------------------------
+
+
+def _g_stale(m: ClusterModel, s: ClusterState, e: ev.StaleWrite) -> ProtocolError | None:
+    err = _rank_ok(m, s, e)
+    if err:
+        return err
+    if not s.stale[e.rank]:
+        return _err("keeper", s.phase, e, f"rank {e.rank} has no process of an old generation")
+    return None
+
+
+@_handler(ev.StaleWrite)(_g_stale)
+def _u_stale(
+    m: ClusterModel, s: ClusterState, e: ev.StaleWrite
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r, c = e.rank, e.chunk
+    stale = _set(s.stale, r, False)
+    state = classify(s.data[r][c], s.undo[r][c])
+    if m.config.mutant is Mutant.NO_FENCING and CHUNK.accepts(state, e):
+        return attrs.evolve(
+            s,
+            stale=stale,
+            data=_set2(s.data, r, c, GARBAGE),
+            undo=_set2(s.undo, r, c, NONE),
+            stale_writes=s.stale_writes + 1,
+        ), (("stale_write_accepted", {"rank": r, "chunk": c}),)
+    return attrs.evolve(s, stale=stale), (
+        ("refuse_stale_write", {"rank": r, "chunk": c}),
+        ("kill_stale", {"rank": r}),
+    )
+
+
+# Recovery coordinator --------------------------------------------------------------
+
+
+def _phase_guard(m: ClusterModel, s: ClusterState, e: Any) -> ProtocolError | None:
+    if not RECOVERY.accepts(s.phase, e):
+        return _err("recovery", s.phase, e, "")
+    return None
+
+
+def _all_alive(m: ClusterModel, s: ClusterState, e: Any) -> ProtocolError | None:
+    err = _phase_guard(m, s, e)
+    if err:
+        return err
+    for r, t in enumerate(s.trainer):
+        if t is not TrainerState.ALIVE:
+            return _err("recovery", s.phase, e, f"rank {r}'s trainer is {t.name}")
+    return None
+
+
+def _g_detect(m: ClusterModel, s: ClusterState, e: ev.Detect) -> ProtocolError | None:
+    err = _phase_guard(m, s, e)
+    if err:
+        return err
+    if all(t is TrainerState.ALIVE for t in s.trainer):
+        return _err("recovery", s.phase, e, "no failed trainer")
+    return None
+
+
+@_handler(ev.Detect)(_g_detect)
+def _u_detect(
+    m: ClusterModel, s: ClusterState, e: ev.Detect
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    failed = [r for r, t in enumerate(s.trainer) if t is not TrainerState.ALIVE]
+    return attrs.evolve(s, phase=RECOVERY.next(s.phase, e)), (
+        ("detected", {"ranks": failed, "during_recovery": s.phase is not Phase.RUNNING}),
+    )
+
+
+@_handler(ev.Fence)(_phase_guard)
+def _u_fence(
+    m: ClusterModel, s: ClusterState, e: ev.Fence
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    trainer = list(s.trainer)
+    stale = list(s.stale)
+    for r, t in enumerate(s.trainer):
+        if TRAINER.accepts(t, e):  # a hung trainer becomes a stale process
+            trainer[r] = TRAINER.next(t, e)
+            stale[r] = True
+    gen = s.gen + 1
+    return attrs.evolve(
+        s,
+        gen=gen,
+        trainer=tuple(trainer),
+        stale=tuple(stale),
+        prepared=frozenset(),
+        commit=COMMIT.next(s.commit, e),
+        phase=RECOVERY.next(s.phase, e),
+    ), (("fence", {"generation": gen}), ("abort_collectives", {"generation": gen - 1}))
+
+
+def _g_promote(m: ClusterModel, s: ClusterState, e: ev.Promote) -> ProtocolError | None:
+    err = _rank_ok(m, s, e) or _phase_guard(m, s, e)
+    if err:
+        return err
+    r = e.rank
+    if not TRAINER.accepts(s.trainer[r], e):
+        return _err("trainer", s.trainer[r], e, "")
+    if not SHADOW.accepts(s.shadow[r], e):
+        return _err("shadow", s.shadow[r], e, "no shadow ready")
+    return None
+
+
+@_handler(ev.Promote)(_g_promote)
+def _u_promote(
+    m: ClusterModel, s: ClusterState, e: ev.Promote
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r = e.rank
+    warm = s.shadow[r] is ShadowState.WARM
+    return attrs.evolve(
+        s,
+        trainer=_set(s.trainer, r, TRAINER.next(s.trainer[r], e)),
+        tgen=_set(s.tgen, r, s.gen),
+        pc=_set(s.pc, r, TXN.next(s.pc[r], e)),
+        shadow=_set(s.shadow, r, SHADOW.next(s.shadow[r], e)),
+        promoted=s.promoted | {r},
+    ), (("promote", {"rank": r, "warm": warm, "generation": s.gen}), ("spawn_shadow", {"rank": r}))
+
+
+_handler(ev.EndPromote)(_all_alive)(
+    lambda m, s, e: (attrs.evolve(s, phase=RECOVERY.next(s.phase, e)), ())
+)
+
+
+def _g_reconcile(m: ClusterModel, s: ClusterState, e: Any) -> ProtocolError | None:
+    err = _phase_guard(m, s, e)
+    if err:
+        return err
+    fallback = m.plan(s).fallback
+    if isinstance(e, ev.Reconcile) and fallback:
+        return _err("recovery", s.phase, e, "the loss is beyond both tiers: fall back")
+    if isinstance(e, ev.GoFallback) and not fallback:
+        return _err("recovery", s.phase, e, "recoverable in place: no fallback")
+    return None
+
+
+def _recovered(m: ClusterModel, s: ClusterState, e: Any, target: int, kind: Kind) -> ClusterState:
+    cfg = m.config
+    data = tuple(
+        tuple(
+            GARBAGE
+            if cfg.mutant is Mutant.NO_UNDO and d == TORN and isinstance(e, ev.Reconcile)
+            else target
+            for d in row
+        )
+        for row in s.data
+    )
+    return attrs.evolve(
+        s,
+        data=data,
+        undo=((NONE,) * cfg.chunks,) * cfg.ranks,
+        grad=(NONE,) * cfg.ranks,
+        par=reencoded_parity(cfg.groups, cfg.chunks, target),
+        gpar=empty_grad_parity(cfg.groups),
+        t2=target,
+        t2lost=frozenset(),
+        committed=target,
+        prepared=frozenset(),
+        commit=COMMIT.next(s.commit, e),
+        target=target,
+        kind=kind,
+        loss=s.committed - target,
+        phase=RECOVERY.next(s.phase, e),
+    )
+
+
+@_handler(ev.Reconcile)(_g_reconcile)
+def _u_reconcile(
+    m: ClusterModel, s: ClusterState, e: ev.Reconcile
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    p = m.plan(s)
+    assert p.target is not None
+    effects: tuple[Effect, ...] = tuple(
+        (f"repair_{x.what}", {"rank": x.rank, "chunk": x.chunk, "step": x.version})
+        for x in p.repairs
+    ) + (("reconciled", {"target": p.target, "kind": p.kind.value, "reason": p.reason}),)
+    return _recovered(m, s, e, p.target, p.kind), effects
+
+
+@_handler(ev.GoFallback)(_g_reconcile)
+def _u_fallback(
+    m: ClusterModel, s: ClusterState, e: ev.GoFallback
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    return attrs.evolve(s, phase=RECOVERY.next(s.phase, e)), (
+        ("fallback", {"reason": m.plan(s).reason}),
+    )
+
+
+@_handler(ev.RestoreCheckpoint)(_phase_guard)
+def _u_restore(
+    m: ClusterModel, s: ClusterState, e: ev.RestoreCheckpoint
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    return _recovered(m, s, e, 0, Kind.CKPT), (("load_checkpoint", {"step": 0}),)
+
+
+@_handler(ev.Rebuild)(_all_alive)
+def _u_rebuild(
+    m: ClusterModel, s: ClusterState, e: ev.Rebuild
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    return attrs.evolve(s, tgen=(s.gen,) * m.config.ranks, phase=RECOVERY.next(s.phase, e)), (
+        ("rebuild_communicator", {"generation": s.gen}),
+    )
+
+
+@_handler(ev.Resume)(_all_alive)
+def _u_resume(
+    m: ClusterModel, s: ClusterState, e: ev.Resume
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    stale_shadow = m.config.mutant is Mutant.STALE_SHADOW
+    step = tuple(0 if stale_shadow and r in s.promoted else s.target for r in range(m.config.ranks))
+    return attrs.evolve(
+        s,
+        step=step,
+        pc=tuple(TXN.next(p, e) for p in s.pc),
+        target=NONE,
+        promoted=frozenset(),
+        mlost=frozenset(),
+        nlost=frozenset(),
+        phase=RECOVERY.next(s.phase, e),
+    ), (("resume", {"step": s.target, "generation": s.gen}),)

@@ -1,0 +1,168 @@
+"""The reconcile plan: where every rank resumes, and how each chunk gets there.
+
+Pure function of what survived. For every chunk it asks which versions the rank can
+produce from its own memory (the chunk, or its undo copy), rebuilds missing chunks and
+gradients from tier-1 parity (single parity per node: one missing member per node and
+chunk), and then picks, in order:
+
+1. the committed step V, if every chunk reaches it (holds V, or holds V-1 and the rank
+   has the gradients of V: roll forward) -- no committed work is ever dropped here;
+2. the tier-2 snapshot step, if the snapshot survived (every rank restores it; the
+   committed steps after it are recomputed: at most K);
+3. otherwise the disk checkpoint (the caller reports what was lost and why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from leto.core.chunk import LOST, NONE, producible
+from leto.core.recovery import Kind
+
+
+@attrs.frozen
+class Repair:
+    """One step of the plan, in execution order."""
+
+    # "tier1" | "grad-tier1" | "forward" (restore the undo copy if torn, then re-apply the
+    # committed step) | "snapshot" | "checkpoint"
+    what: str
+    rank: int
+    chunk: int  # -1 for a rank's gradient block or whole-rank operations
+    version: int
+
+
+@attrs.frozen
+class Plan:
+    target: int | None  # None: fall back to the disk checkpoint
+    kind: Kind
+    repairs: tuple[Repair, ...]
+    reason: str  # one line: why this plan (what was lost)
+
+    @property
+    def fallback(self) -> bool:
+        return self.target is None
+
+
+@attrs.frozen
+class Survivors:
+    """What the reconcile plan reads: the retained state after the failures."""
+
+    groups: tuple[tuple[int, ...], ...]  # tier-1 groups: ranks of each node
+    data: tuple[tuple[int, ...], ...]
+    undo: tuple[tuple[int, ...], ...]
+    grad: tuple[int, ...]
+    par: tuple[tuple[tuple[int, ...], ...] | None, ...]  # node -> chunk -> member -> version
+    gpar: tuple[tuple[int, ...] | None, ...]  # node -> member -> gradient step
+    committed: int
+    t2: int
+    t2_intact: bool
+
+
+def _local(s: Survivors) -> list[list[frozenset[int]]]:
+    return [
+        [producible(d, u) for d, u in zip(s.data[r], s.undo[r], strict=True)]
+        for r in range(len(s.data))
+    ]
+
+
+def plan(s: Survivors) -> Plan:
+    V = s.committed
+    prod = _local(s)
+    n_chunks = len(s.data[0]) if s.data else 0
+    repairs: list[Repair] = []
+    # Tier 1 for chunks: a node's parity rebuilds one missing member per chunk.
+    for n, members in enumerate(s.groups):
+        par = s.par[n]
+        if par is None:
+            continue
+        for c in range(n_chunks):
+            missing = [r for r in members if not prod[r][c]]
+            if len(missing) != 1:
+                continue
+            others_ok = all(
+                par[c][i] in prod[m][c] for i, m in enumerate(members) if m != missing[0]
+            )
+            if others_ok:
+                r = missing[0]
+                version = par[c][members.index(r)]
+                prod[r][c] = frozenset((version,))
+                repairs.append(Repair("tier1", r, c, version))
+    # Gradients: held locally, or rebuilt from the node's gradient parity.
+    grads = list(s.grad)
+    for n, members in enumerate(s.groups):
+        gp = s.gpar[n]
+        if gp is None:
+            continue
+        missing = [r for r in members if grads[r] == LOST]
+        if len(missing) == 1 and all(
+            grads[m] == gp[i] for i, m in enumerate(members) if m != missing[0]
+        ):
+            r = missing[0]
+            if gp[members.index(r)] == V and V > 0:
+                grads[r] = V
+                repairs.append(Repair("grad-tier1", r, -1, V))
+
+    reaches = True
+    forward = False
+    for r in range(len(s.data)):
+        for c in range(n_chunks):
+            if V in prod[r][c]:
+                continue
+            if V - 1 in prod[r][c] and V > 0 and grads[r] == V:
+                forward = True
+                continue
+            reaches = False
+    if reaches:
+        used_tier1 = any(x.what in ("tier1", "grad-tier1") for x in repairs)
+        dropped = any(g == V + 1 for g in s.grad)
+        rolled = [
+            Repair("forward", r, c, V)
+            for r in range(len(s.data))
+            for c in range(n_chunks)
+            if V not in prod[r][c]
+        ]
+        if used_tier1:
+            kind = Kind.TIER1
+        elif forward:
+            kind = Kind.FORWARD
+        elif dropped:
+            kind = Kind.BACK
+        else:
+            kind = Kind.INPLACE
+        return Plan(
+            target=V,
+            kind=kind,
+            repairs=tuple(repairs + rolled),
+            reason=f"every chunk reaches committed step {V}",
+        )
+    lost = sorted((r, c) for r in range(len(s.data)) for c in range(n_chunks) if not prod[r][c])
+    what = ", ".join(f"rank {r} chunk {c}" for r, c in lost) or "gradients of the committed step"
+    if s.t2_intact:
+        return Plan(
+            target=s.t2,
+            kind=Kind.TIER2,
+            repairs=tuple(Repair("snapshot", r, -1, s.t2) for r in range(len(s.data))),
+            reason=f"beyond tier 1 ({what}); restoring the tier-2 snapshot of step {s.t2}",
+        )
+    return Plan(
+        target=None,
+        kind=Kind.CKPT,
+        repairs=tuple(Repair("checkpoint", r, -1, 0) for r in range(len(s.data))),
+        reason=f"beyond tier 1 and tier 2 ({what}; tier-2 snapshot lost)",
+    )
+
+
+def reencoded_parity(
+    groups: Sequence[Sequence[int]], n_chunks: int, version: int
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Tier-1 parity of every node encoding every member's chunks at ``version``."""
+    return tuple(
+        tuple(tuple(version for _ in members) for _ in range(n_chunks)) for members in groups
+    )
+
+
+def empty_grad_parity(groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(NONE for _ in members) for members in groups)
