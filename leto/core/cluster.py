@@ -747,6 +747,8 @@ def _g_detect(m: ClusterModel, s: ClusterState, e: ev.Detect) -> ProtocolError |
         return err
     if all(t is TrainerState.ALIVE for t in s.trainer):
         return _err("recovery", s.phase, e, "no failed trainer")
+    if s.phase is Phase.PROMOTING and TrainerState.HUNG not in s.trainer:
+        return _err("recovery", s.phase, e, "failed ranks are being promoted")
     return None
 
 

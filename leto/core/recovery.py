@@ -44,7 +44,13 @@ P = Phase
 RECOVERY: Table[Phase] = Table.build(
     "recovery",
     [
-        ((P.RUNNING, P.RECONCILING, P.FALLBACK, P.REBUILDING, P.RESUMING), ev.Detect, P.FENCING),
+        # PROMOTING only for a hang (guarded in the cluster model): a dead rank there is
+        # promoted without restarting, but a hung one must be fenced first.
+        (
+            (P.RUNNING, P.PROMOTING, P.RECONCILING, P.FALLBACK, P.REBUILDING, P.RESUMING),
+            ev.Detect,
+            P.FENCING,
+        ),
         (P.FENCING, ev.Fence, P.PROMOTING),
         (P.PROMOTING, ev.Promote, None),
         (P.PROMOTING, ev.EndPromote, P.RECONCILING),
