@@ -84,7 +84,7 @@ def simulate(plan: Plan, trace: Trace) -> Outcome:
     if plan.periodic:
         productive = _periodic(plan, run, lost)
     else:
-        productive = _resilient(plan, run, rework, tier == FALLBACK, lost)
+        productive = _resilient(plan, t, down, run, rework, tier == FALLBACK, lost)
     counts = np.bincount(tier, minlength=TIERS)
     return Outcome(
         strategy=plan.name,
@@ -162,12 +162,16 @@ def _periodic(plan: Plan, run: npt.NDArray[np.float64], lost: dict[str, float]) 
 
 def _resilient(
     plan: Plan,
+    t: npt.NDArray[np.float64],
+    down: npt.NDArray[np.float64],
     run: npt.NDArray[np.float64],
     rework: npt.NDArray[np.float64],
     fallback: npt.NDArray[np.bool_],
     lost: dict[str, float],
 ) -> float:
-    """In-memory strategies: progress carries across failures; fallbacks roll back."""
+    """In-memory strategies: progress carries across failures; fallbacks roll back to
+    the last disk checkpoint, taken on a wall-clock schedule (every ``interval_s`` of
+    training plus its block) and durable ``commit_lag_s`` later."""
     import numpy as np
 
     rate = plan.rate
@@ -178,15 +182,25 @@ def _resilient(
     local = np.where(fallback, 0.0, np.minimum(rework, gross[:-1]))
     net = gross[:-1] - local
     lost["rework"] = lost.get("rework", 0.0) + float(local.sum())
-    cum = np.cumsum(net)
+    # cum[k]: progress at the start of running segment k, before any fallback's loss.
+    cum = np.concatenate([[0.0], np.cumsum(net)])
+    seg_start = np.concatenate([[0.0], t + down])
+    period = plan.interval_s + plan.block_s
     offset = restore = 0.0
-    T = plan.interval_s
+    last_fallback = -math.inf
     for i in np.flatnonzero(fallback).tolist():
-        x = float(cum[i]) - offset
-        durable = math.floor(max(0.0, x - rate * plan.commit_lag_s) / T) * T
-        durable = min(x, max(restore, durable))
-        offset += x - durable
-        restore = durable
+        taken = math.floor((float(t[i]) - plan.commit_lag_s) / period) * period
+        if taken <= 0.0:
+            durable = 0.0
+        elif taken < last_fallback:
+            durable = restore
+        else:
+            k = int(np.searchsorted(t, taken, side="right"))
+            durable = float(cum[k]) - offset + rate * max(0.0, taken - float(seg_start[k]))
+        before = float(cum[i + 1]) - offset
+        durable = min(before, max(durable, restore))
+        offset += before - durable
+        restore, last_fallback = durable, float(t[i])
     if offset > 0.0:
         lost["fallback rework"] = offset
     return float(net.sum() + gross[-1] - offset)

@@ -126,23 +126,25 @@ def _overlap_fallback_rate(
     trace: Trace,
     down: npt.NDArray[np.float64],
     window_s: float,
+    tier_of_class: Sequence[int],
     pair_fallback: Callable[[int, int], float],
 ) -> float:
     """To first order, how often a failure of class b strikes inside the window of an
-    unrepaired class-a failure and the pair needs the disk: sum of
-    rate_a * window_a * rate_b * P(fallback | a, b). Windows are the mean recovery of
-    each class on this trace plus ``window_s``."""
+    unrepaired class-a failure and the pair needs the disk, when neither alone would:
+    sum of rate_a * window_a * rate_b * P(fallback | a, b). Windows are the mean
+    recovery of each class on this trace plus ``window_s``."""
     import numpy as np
 
     rates = [s / p.mtbf_s for s in p.class_shares]
     total = 0.0
     for a in FailureClass:
         mask = trace.cls == a
-        if not mask.any():
+        if not mask.any() or tier_of_class[a] == FALLBACK:
             continue
         window = float(np.mean(down[mask])) + window_s
         for b in FailureClass:
-            total += rates[a] * window * rates[b] * pair_fallback(a, b)
+            if tier_of_class[b] != FALLBACK:
+                total += rates[a] * window * rates[b] * pair_fallback(a, b)
     return total
 
 
@@ -168,7 +170,7 @@ def _in_memory_plan(
     if pair_fallback is not None:
         n = len(trace)
         down = sum(costs.phases.values(), np.zeros((TIERS, n)))[base, np.arange(n)]
-        rate += _overlap_fallback_rate(p, trace, down, window_s, pair_fallback)
+        rate += _overlap_fallback_rate(p, trace, down, window_s, tier_of_class, pair_fallback)
     return Plan(
         name=name,
         periodic=False,
