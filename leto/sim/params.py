@@ -228,6 +228,11 @@ class SimParams:
                     strict=True,
                 )
             ),
+            "in_place_categories": [
+                c.name
+                for c in calibration.load_categories()
+                if c.cls == calibration.FailureClass.IN_PLACE
+            ],
             "spare_nodes": self.spare_nodes,
             "ckpt_write_s": self.ckpt_write_s,
             "ckpt_read_s": self.ckpt_read_s,

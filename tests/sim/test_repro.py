@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import time
 
 import attrs
@@ -42,3 +43,21 @@ def test_twenty_point_sweep_in_under_a_minute() -> None:
     assert result.values[0] == 6 and result.values[-1] == 131_072
     print(f"20-point gpus sweep (5 seeds each): {elapsed:.1f} s")
     assert elapsed < 60.0
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_draws_on_a_terminal_only() -> None:
+    term = _Terminal()
+    bar = sweep.Progress(2, "sweep gpus", term)
+    bar.advance("gpus=6")
+    bar.advance("gpus=72")
+    out = term.getvalue()
+    assert "1/2" in out and "2/2" in out and out.endswith("\n") and "#" * 30 in out
+    pipe = io.StringIO()
+    quiet = sweep.Progress(2, "sweep gpus", pipe)
+    quiet.advance()
+    assert pipe.getvalue() == ""
