@@ -1,0 +1,48 @@
+"""The tensor layer: retained state layout, chunked optimizers, parity on tensors.
+
+* :mod:`leto.retained.layout`: :class:`RetainedLayout` packs a model's params,
+  grads and optimizer state into chunked flat buffers from an injected allocator
+  and makes the parameters views into them; per-chunk version, checksum and undo.
+* :mod:`leto.retained.optim`: :class:`ChunkedSGD`, :class:`ChunkedAdam`,
+  :class:`ChunkedAdamW` (torch's own math, chunk by chunk) and the
+  :class:`WholeStepOptimizer` fallback, all with the same transaction API.
+* :mod:`leto.retained.checksum`: salted Fletcher checksums over int32 words.
+* :mod:`leto.retained.parity`: sum-mod-256 parity (encode, update, decode) over
+  a tiny :class:`Collective` protocol, with an in-process implementation.
+
+Standalone: imports torch, never ``leto.core``.
+"""
+
+from __future__ import annotations
+
+from .checksum import checksum
+from .layout import (
+    DEFAULT_CHUNK_NUMEL,
+    Allocator,
+    ChecksumError,
+    ChunkStateError,
+    ChunkStatus,
+    InMemorySegments,
+    LayoutError,
+    ParamSlot,
+    Piece,
+    RetainedLayout,
+    ShapeMismatchError,
+    default_allocator,
+)
+
+__all__ = [
+    "Allocator",
+    "ChecksumError",
+    "ChunkStateError",
+    "ChunkStatus",
+    "DEFAULT_CHUNK_NUMEL",
+    "InMemorySegments",
+    "LayoutError",
+    "ParamSlot",
+    "Piece",
+    "RetainedLayout",
+    "ShapeMismatchError",
+    "checksum",
+    "default_allocator",
+]
