@@ -42,6 +42,7 @@ from .optim import (
     retain,
     to_retained,
 )
+from .parity import Collective, InProcessCollective, InProcessGroup, TorchDistCollective, run_spmd
 
 __all__ = [
     "Allocator",
@@ -52,19 +53,24 @@ __all__ = [
     "ChunkedAdamW",
     "ChunkedOptimizer",
     "ChunkedSGD",
+    "Collective",
     "DEFAULT_CHUNK_NUMEL",
     "InMemorySegments",
+    "InProcessCollective",
+    "InProcessGroup",
     "LayoutError",
     "ParamSlot",
     "Piece",
     "RetainedLayout",
     "RetainedOptimizer",
     "ShapeMismatchError",
+    "TorchDistCollective",
     "WholeStepOptimizer",
     "checksum",
     "default_allocator",
     "is_chunkable",
     "required_states",
     "retain",
+    "run_spmd",
     "to_retained",
 ]
