@@ -1,0 +1,136 @@
+"""The explicit-state checker over the core: passes on the protocol, rejects mutants and
+a model that cannot make progress, and prints shortest counterexamples."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import attrs
+import pytest
+
+from leto.core import events as ev
+from leto.core.checker import check
+from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Mutant
+from leto.core.erasure import Topology
+from leto.core.errors import ProtocolError
+from leto.core.properties import INVARIANTS, SOMETIMES
+from leto.core.verify import CHECK_CONFIGS, MUTANTS, check_core, check_mutant
+
+EXPECTED_CATCH = {
+    Mutant.NO_UNDO: "Equivalence",
+    Mutant.EARLY_COMMIT: "ParityOK",
+    Mutant.NO_FENCING: "SingleWriter",
+    Mutant.PARITY_FIRST: "ParityOK",
+    Mutant.STALE_SHADOW: "Consistency",
+}
+
+
+@pytest.fixture(scope="module")
+def core_report():  # type: ignore[no-untyped-def]
+    return check_core()
+
+
+def test_protocol_passes_every_check(core_report) -> None:  # type: ignore[no-untyped-def]
+    assert core_report.violations == 0, [
+        v.describe() for r in core_report.results.values() for v in r.violations
+    ]
+    assert core_report.unreached == ()
+    assert all(r.complete for r in core_report.results.values())
+    assert core_report.states > 100_000
+
+
+def test_every_sometimes_property_is_reached_somewhere(core_report) -> None:  # type: ignore[no-untyped-def]
+    reached = set().union(*(r.reached for r in core_report.results.values()))
+    assert reached == {p.name for p in SOMETIMES}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.value)
+def test_checker_catches_mutant(mutant: Mutant) -> None:
+    res = check_mutant(mutant)
+    assert res.caught
+    assert EXPECTED_CATCH[mutant] in res.caught_by
+    assert res.counterexample.startswith("violation of ")
+
+
+def test_counterexample_is_a_legal_shortest_trace() -> None:
+    cfg = attrs.evolve(CHECK_CONFIGS["three-ranks"], mutant=Mutant.STALE_SHADOW)
+    model = ClusterModel(cfg)
+    res = check(model, stop_at_first=True)
+    (v,) = res.violations
+    assert v.trace[0] == (None, model.initial())
+    state = model.initial()
+    for event, expected in v.trace[1:]:
+        assert event is not None
+        state, _ = model.step(state, event)
+        assert state == expected
+    broken = {inv.name for inv in INVARIANTS if not inv.holds(model, state)}
+    assert v.name in broken
+    # BFS: no state on the way already broke it.
+    for _, earlier in v.trace[:-1]:
+        assert all(inv.holds(model, earlier) for inv in INVARIANTS if inv.name == v.name)
+
+
+class _NoPromotion(ClusterModel):
+    """A broken coordinator that never promotes a shadow: recovery cannot end."""
+
+    def successors(self, s: ClusterState) -> Iterator[tuple[ev.Event, ClusterState]]:
+        for e, nxt in super().successors(s):
+            if not isinstance(e, ev.Promote):
+                yield e, nxt
+
+
+def test_checker_rejects_a_model_without_progress() -> None:
+    cfg = ClusterConfig(topology=Topology((1, 1)), chunks=1, max_step=1, max_faults=1,
+                        faults={"crash"}, reclaim=False)  # fmt: skip
+    res = check(_NoPromotion(cfg))
+    assert [v.name for v in res.violations] == ["Progress"]
+    assert "Crash" in res.violations[0].describe()
+
+
+def test_checker_reports_unreached_sometimes() -> None:
+    cfg = ClusterConfig(topology=Topology((1, 1)), chunks=1, max_step=1, max_faults=0)
+    res = check(ClusterModel(cfg))
+    assert not res.violations
+    assert "Fallback" in res.unreached and "RollForward" in res.unreached
+    assert not res.ok
+
+
+def test_illegal_events_raise_and_leave_state_unchanged() -> None:
+    model = ClusterModel()
+    s = model.initial()
+    cases = [
+        (ev.Finish(0), "txn", "IDLE"),
+        (ev.Promote(1), "recovery", "RUNNING"),
+        (ev.Decide(), "commit", "OPEN"),
+        (ev.Compute(7), "cluster", "RUNNING"),
+        (ev.StaleWrite(0, 0), "keeper", "RUNNING"),
+    ]
+    for event, machine, state_name in cases:
+        with pytest.raises(ProtocolError) as info:
+            model.step(s, event)
+        assert info.value.machine == machine
+        assert state_name in str(info.value) and repr(event) in str(info.value)
+        assert s == model.initial()
+    # A fenced (old-generation) writer is refused by the keeper.
+    s1, _ = model.step(s, ev.Hang(0))
+    s2, _ = model.step(s1, ev.Detect())
+    s3, _ = model.step(s2, ev.Fence())
+    with pytest.raises(ProtocolError, match="keeper|recovery"):
+        model.step(s3, ev.Compute(1))
+
+
+def test_config_validation_names_the_field() -> None:
+    with pytest.raises(ValueError, match="chunks"):
+        ClusterConfig(chunks=0)
+    with pytest.raises(ValueError, match="faults"):
+        ClusterConfig(faults={"meteor"})
+    with pytest.raises(ValueError, match="mutant|Mutant"):
+        ClusterConfig(mutant="nonsense")
+
+
+def test_import_core_does_not_import_torch() -> None:
+    code = "import sys, leto.core, leto.core.checker, leto.core.verify; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
