@@ -1,0 +1,211 @@
+"""``leto spec check``: the verification ladder in one command.
+
+TLC on the TLA+ model-checking configs (when Java is present), the explicit-state
+checker on the Python core, and every mutant through both. Prints a summary, or with
+``--json`` one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SPEC_DIR = Path(__file__).resolve().parent.parent / "spec"
+MAIN_CONFIG = "MCLeto.cfg"
+
+_CFG_KEYWORDS = {
+    "SPECIFICATION", "INIT", "NEXT", "CONSTANT", "CONSTANTS", "INVARIANT", "INVARIANTS",
+    "PROPERTY", "PROPERTIES", "SYMMETRY", "CONSTRAINT", "CONSTRAINTS", "VIEW",
+    "CHECK_DEADLOCK", "ACTION_CONSTRAINT", "ACTION_CONSTRAINTS", "POSTCONDITION", "ALIAS",
+}  # fmt: skip
+
+
+class SpecInputError(Exception):
+    """A config given to ``leto spec check`` is missing or malformed."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="spec_command", metavar="ACTION", required=True)
+    p = sub.add_parser("check", help="run TLC, the core's checker and the mutants")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--config",
+        action="append",
+        metavar="CFG",
+        help=f"TLC config(s) to check (default: {MAIN_CONFIG} in the spec directory)",
+    )
+    p.add_argument("--spec-dir", type=Path, default=SPEC_DIR, help="directory of Leto.tla")
+    p.add_argument("--skip-tlc", action="store_true", help="do not run TLC")
+    p.add_argument("--skip-core", action="store_true", help="do not run the Python checker")
+    p.add_argument("--skip-mutants", action="store_true", help="do not run the mutants")
+    p.add_argument("--workers", type=int, default=2, help="TLC worker threads")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per TLC run")
+
+
+def validate_cfg(path: Path) -> None:
+    """Reject a missing or malformed TLC config before TLC sees it."""
+    if not path.is_file():
+        raise SpecInputError(f"config {path}: no such file")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecInputError(f"config {path}: unreadable ({exc})") from None
+    text = re.sub(r"\(\*.*?\*\)", " ", text, flags=re.S)
+    seen: set[str] = set()
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("\\*", 1)[0].strip()
+        if not line:
+            continue
+        word = line.split()[0]
+        if word in _CFG_KEYWORDS:
+            seen.add(word)
+        elif not re.match(r"^[A-Za-z_][\w]*\s*(=|<-)\s*\S", line) and not re.match(
+            r"^[A-Za-z_][\w]*$", line
+        ):
+            raise SpecInputError(f"config {path}:{lineno}: not TLC config syntax: {line!r}")
+    if not seen & {"SPECIFICATION", "INIT"}:
+        raise SpecInputError(f"config {path}: names neither SPECIFICATION nor INIT")
+
+
+def _tlc(cfg: Path, spec_dir: Path, workers: int, timeout: float) -> dict[str, Any]:
+    from leto import tlc
+
+    res = tlc.run_tlc(cfg, spec_dir=spec_dir, workers=workers, timeout=timeout)
+    if res.error:
+        raise SpecInputError(f"config {cfg}: {res.error}")
+    return {
+        "config": cfg.name,
+        "distinct_states": res.distinct_states,
+        "violations": list(res.violations),
+        "seconds": round(res.seconds, 1),
+        "counterexample": res.counterexample,
+    }
+
+
+def run_checks(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    from leto.core.cluster import Mutant
+    from leto.core.verify import MUTANTS, check_core, check_mutant
+
+    spec_dir: Path = args.spec_dir
+    have_java = shutil.which("java") is not None
+    run_tlc = not args.skip_tlc and have_java
+    # Configs named on the command line are always validated; the default one only
+    # when TLC is going to read it.
+    configs = [Path(c) for c in (args.config or [str(spec_dir / MAIN_CONFIG)])]
+    for cfg in configs if (args.config or run_tlc) else []:
+        validate_cfg(cfg)
+    out: dict[str, Any] = {
+        "violations": 0,
+        "tlc_distinct_states": None,
+        "core_states": None,
+        "unreached_sometimes": [],
+        "mutants_caught": 0,
+        "mutants_total": 0,
+        "tlc": [],
+        "tlc_skipped": None if run_tlc else ("--skip-tlc" if args.skip_tlc else "java not found"),
+        "core": {},
+        "mutants": {},
+    }
+    started = time.monotonic()
+    if run_tlc:
+        for cfg in configs:
+            log(f"TLC {cfg.name} ...")
+            r = _tlc(cfg, spec_dir, args.workers, args.timeout)
+            out["tlc"].append(r)
+            out["violations"] += len(r["violations"])
+            log(
+                f"  {r['distinct_states']} distinct states, {len(r['violations'])} violations, {r['seconds']} s"
+            )
+        out["tlc_distinct_states"] = out["tlc"][0]["distinct_states"]
+    if not args.skip_core:
+        report = check_core(on_config=lambda name: log(f"core checker: {name} ..."))
+        out["core_states"] = report.states
+        out["violations"] += report.violations
+        out["unreached_sometimes"] = list(report.unreached)
+        for name, res in report.results.items():
+            out["core"][name] = {
+                "states": res.states,
+                "transitions": res.transitions,
+                "violations": [v.name for v in res.violations],
+                "counterexamples": [v.describe() for v in res.violations],
+                "reached": sorted(res.reached),
+            }
+            log(f"  {name}: {res.states} states, {len(res.violations)} violations")
+    if not args.skip_mutants:
+        for mutant in MUTANTS:
+            entry: dict[str, Any] = {"core": None, "tlc": None}
+            core = check_mutant(mutant)
+            entry["core"] = list(core.caught_by)
+            caught = core.caught
+            mcfg = spec_dir / f"MCLeto_{mutant.value}.cfg"
+            if run_tlc:
+                if mcfg.is_file():
+                    r = _tlc(mcfg, spec_dir, args.workers, args.timeout)
+                    entry["tlc"] = r["violations"]
+                    caught = caught and bool(r["violations"])
+                else:
+                    entry["tlc"] = f"missing {mcfg.name}"
+                    caught = False
+            entry["caught"] = caught
+            out["mutants"][mutant.value] = entry
+            out["mutants_total"] += 1
+            out["mutants_caught"] += int(caught)
+            log(f"mutant {mutant.value}: core {entry['core']} tlc {entry['tlc']}")
+        assert Mutant.NONE not in MUTANTS
+    out["seconds"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def _summary(out: dict[str, Any]) -> str:
+    lines = ["leto spec check"]
+    if out["tlc_skipped"]:
+        lines.append(f"  TLC: skipped ({out['tlc_skipped']})")
+    for r in out["tlc"]:
+        lines.append(
+            f"  TLC {r['config']}: {r['distinct_states']} distinct states, "
+            f"violations {r['violations'] or 'none'} ({r['seconds']} s)"
+        )
+    if out["core_states"] is not None:
+        lines.append(f"  core checker: {out['core_states']} states over {len(out['core'])} configs")
+        for name, c in out["core"].items():
+            lines.append(
+                f"    {name}: {c['states']} states, violations {c['violations'] or 'none'}"
+            )
+        unreached = ", ".join(out["unreached_sometimes"]) or "none"
+        lines.append(f"  unreached 'sometimes' properties: {unreached}")
+    if out["mutants_total"]:
+        lines.append(f"  mutants caught: {out['mutants_caught']}/{out['mutants_total']}")
+        for name, m in out["mutants"].items():
+            lines.append(f"    {name}: core {m['core'] or 'SURVIVED'}; tlc {m['tlc']}")
+    lines.append(f"  violations: {out['violations']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    quiet = args.json
+
+    def log(msg: str) -> None:
+        if not quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    try:
+        out = run_checks(args, log)
+    except SpecInputError as exc:
+        print(f"leto spec check: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(_summary(out))
+    ok = (
+        out["violations"] == 0
+        and not out["unreached_sometimes"]
+        and out["mutants_caught"] == out["mutants_total"]
+    )
+    return 0 if ok else 1
