@@ -206,8 +206,13 @@ class RetainedOptimizer(torch.optim.Optimizer):
             )
         self.layout.save_undo(i, verify=self._verify)
 
-    def apply_chunk(self, i: int) -> None:
-        """Write chunk i's new bytes (the math, in place) and seal them: TORN -> APPLIED."""
+    def apply_chunk(self, i: int, *, seal: bool = True) -> None:
+        """Write chunk i's new bytes (the math, in place) and seal them: TORN -> APPLIED.
+
+        ``seal=False`` writes the bytes but leaves the chunk TORN (header unchanged):
+        a caller that models "new bytes complete" as a separate event seals it later
+        with ``layout.seal_chunk(i, step)``.
+        """
         plan = self._require_plan("apply_chunk")
         status = self.layout.chunk_status(i)
         if status is not ChunkStatus.TORN or self.layout.undo_version(i) != plan.step - 1:
@@ -217,7 +222,8 @@ class RetainedOptimizer(torch.optim.Optimizer):
             )
         with torch.no_grad():
             self._apply(plan, i)
-        self.layout.seal_chunk(i, plan.step)
+        if seal:
+            self.layout.seal_chunk(i, plan.step)
 
     def restore_undo(self, i: int) -> None:
         """Put chunk i's old bytes back: TORN/APPLIED -> CLEAN at the old version."""
@@ -386,7 +392,11 @@ class RetainedOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     g[k] = _dec(v)
         version = int(ps["version"])
-        if self.layout.base_version() != version:
+        base = self.layout.base_version()
+        # A step in flight (its gradients prepared) may have moved some or all chunks
+        # to version + 1 already: that process state is the one to roll forward from.
+        in_flight = self.layout.prepared_step == version + 1 and base == version + 1
+        if base != version and not in_flight:
             raise LayoutError(
                 f"process state is at step {version}, the retained chunks at {self.layout.base_version()}"
             )
@@ -753,7 +763,9 @@ class WholeStepOptimizer(RetainedOptimizer):
             ),
         )
 
-    def apply_chunk(self, i: int) -> None:
+    def apply_chunk(self, i: int, *, seal: bool = True) -> None:
+        if not seal:
+            raise ChunkStateError("the whole-step fallback seals every chunk when its step runs")
         plan = self._require_plan("apply_chunk")
         lay = self.layout
         if plan.applied:

@@ -1,0 +1,179 @@
+"""``leto.wrap``: a plain training loop with in-place recovery.
+
+::
+
+    import leto
+
+    session = leto.wrap(model, optimizer, scheduler, sampler,
+                        config=leto.Config(backend="fake", nodes=2, ranks_per_node=2))
+
+    def step_fn(model, batch):          # one rank's forward; leto calls backward
+        x, y = batch_to_tensors(batch)
+        return F.cross_entropy(model(x), y)
+
+    while session.step < 1000:
+        session.run_step(step_fn)       # every rank: compute, all-reduce, prepare,
+                                        # decide, apply chunk by chunk, finish
+
+Each step is the protocol's transaction; when a rank fails at any point of it
+(``session.faults`` plans failures on the fake backend), the step is recovered in
+place: the run continues from the committed step (or the tier-2 snapshot, or the
+step-0 checkpoint) and stays bitwise equal to a run that never failed.
+
+What leto retains besides the tensors, as JSON: the optimizer's scalars, the LR
+scheduler's ``state_dict()``, the sampler position and every rank's RNG states.
+``sampler`` yields one *global* batch per step (lists or tensors of indices);
+rank ``r`` of ``W`` receives ``batch[r::W]``. Samplers with ``state_dict()`` /
+``load_state_dict()`` (such as :class:`leto.adapters.state.ResumableBatchSampler`)
+resume exactly; other iterables are re-iterated and skipped ahead.
+
+The optimizer must be ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (chunked
+versions with torch's own math). On the fake backend, the simulated ranks get deep
+copies of model, optimizer and scheduler; rank 0 uses the objects passed in
+(until a failure of rank 0 replaces its process: use ``session.model``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from leto.backends.base import Backend
+
+from .checkpoint import Checkpointer, DCPCheckpointer
+from .config import Config, ConfigError
+from .engine import Engine, EngineOptions, Replica, StepFn
+
+__all__ = ["Session", "wrap"]
+
+
+class Session:
+    """A wrapped training job (returned by :func:`wrap`)."""
+
+    def __init__(self, config: Config, backend: Backend, engine: Engine) -> None:
+        self.config = config
+        self.backend = backend
+        self.engine = engine
+
+    @property
+    def model(self) -> nn.Module:
+        """Rank 0's live model (its parameters are views of retained memory)."""
+        return self.engine.procs[0].replica.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """Rank 0's retained (chunked) optimizer."""
+        ropt = self.engine.procs[0].ropt
+        assert ropt is not None
+        return ropt
+
+    @property
+    def step(self) -> int:
+        """The last committed step."""
+        return self.engine.state.committed
+
+    @property
+    def faults(self) -> Any:
+        """The backend's fault injector (fake backend only)."""
+        inj = getattr(self.backend, "faults", None)
+        if inj is None:
+            raise AttributeError(f"the {self.backend.name} backend has no fault injector")
+        return inj
+
+    @property
+    def timeline(self) -> list[dict[str, Any]]:
+        return self.engine.timeline
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats
+
+    def run_step(self, step_fn: StepFn) -> float | None:
+        """One step on every rank (recovering in place on a failure); its mean loss,
+        or None if it was interrupted (the run then continues from the recovered step)."""
+        return self.engine.run_step(step_fn)
+
+    def train(self, step_fn: StepFn, steps: int) -> dict[str, Any]:
+        """Run steps until the committed step is ``steps``; the counters."""
+        self.engine.train(steps, step_fn)
+        return dict(self.engine.stats)
+
+    def retained_state(self) -> list[dict[str, torch.Tensor]]:
+        return self.engine.retained_state()
+
+
+def _checkpointer(config: Config) -> Checkpointer | None:
+    if config.checkpoint_dir is None:
+        return None
+    os.makedirs(config.checkpoint_dir, exist_ok=True)
+    return DCPCheckpointer(config.checkpoint_dir)
+
+
+def make_backend(config: Config) -> Backend:
+    """The backend ``config`` names (only ``fake`` is built so far)."""
+    if config.backend == "fake":
+        from leto.backends.fake import FakeBackend
+
+        return FakeBackend(config.topology)
+    raise NotImplementedError(
+        f"backend: the {config.backend!r} backend is not built yet; use backend='fake' "
+        "(simulated ranks in one process)"
+    )
+
+
+def wrap(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    sampler: Any = None,
+    *,
+    config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    backend: Backend | None = None,
+    checkpointer: Checkpointer | None = None,
+    step_fn: StepFn | None = None,
+) -> Session:
+    """Wrap a model, its optimizer, an LR scheduler and a data sampler for in-place recovery.
+
+    ``config``: a :class:`Config`, a dict, a TOML path, or None (the environment).
+    ``backend``: an existing backend holding retained state of this job (a new
+    trainer attaching to it); the model must match the retained shapes, and
+    nothing retained is modified if it does not.
+    """
+    cfg = Config.load(config)
+    if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("scheduler: it is bound to another optimizer than the one wrapped")
+    attach = backend is not None
+    if backend is None:
+        backend = make_backend(cfg)
+    else:
+        if backend.name != cfg.backend:
+            raise ConfigError(
+                "backend", f"{cfg.backend!r}, but the retained job runs on {backend.name!r}"
+            )
+        if backend.topology != cfg.topology:
+            raise ConfigError(
+                "topology",
+                f"{cfg.nodes}x{cfg.ranks_per_node}, but the retained job has node sizes "
+                f"{list(backend.topology.node_sizes)}",
+            )
+    options = EngineOptions(
+        chunk_numel=cfg.chunk_size,
+        tier1=cfg.tier1,
+        tier2=cfg.tier2,
+        tier2_interval=cfg.tier2_interval,
+        verify=cfg.verify_chunks,
+    )
+    engine = Engine(
+        backend,
+        Replica(model, optimizer, scheduler),
+        step_fn=step_fn,
+        sampler=sampler,
+        options=options,
+        checkpointer=checkpointer if checkpointer is not None else _checkpointer(cfg),
+        attach=attach,
+    )
+    return Session(cfg, backend, engine)

@@ -1,0 +1,296 @@
+"""``leto.Config``: the backend, the topology, chunking, the tiers and the checkpoint.
+
+Load it from a TOML file, a dict or the environment; it is validated on load, and
+every error names the setting that is wrong::
+
+    cfg = leto.Config.load("leto.toml")          # a file ([leto] table or top level)
+    cfg = leto.Config.from_dict({"backend": "fake", "topology": "2x2"})
+    cfg = leto.Config.from_env()                 # LETO_BACKEND, LETO_TOPOLOGY, ...
+
+Settings (TOML key / ``LETO_<KEY>`` variable):
+
+=================  =======  ==========================================================
+backend            "fake"   ``fake`` (simulated ranks in one process), ``gloo`` (CPU
+                            processes), ``nccl`` (CUDA; refused without CUDA)
+topology           "1x1"    ``"NODESxRANKS"``; or ``nodes`` and ``ranks_per_node``
+world_size         none     if given (or ``WORLD_SIZE`` in the environment), it must
+                            equal nodes x ranks_per_node
+chunk_size         1048576  elements per chunk of the retained state (> 0)
+tier1              true     per-step parity inside each node
+tier2              true     cross-node snapshots every ``tier2_interval`` steps
+tier2_interval     10       K: steps between tier-2 snapshots (> 0)
+checkpoint_dir     none     directory for the torch.distributed.checkpoint fallback
+verify_chunks      true     check each chunk's checksum before its step overwrites it
+=================  =======  ==========================================================
+
+``LETO_CONFIG=path.toml`` makes :meth:`Config.from_env` read that file first; the
+other variables override it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from leto.core.erasure import Topology
+
+__all__ = ["BACKENDS", "Config", "ConfigError"]
+
+BACKENDS = ("fake", "gloo", "nccl")
+_ENV_PREFIX = "LETO_"
+
+
+class ConfigError(ValueError):
+    """A bad setting; ``field`` names it."""
+
+    def __init__(self, field: str, message: str, source: str | None = None) -> None:
+        self.field = field
+        self.source = source
+        where = f" ({source})" if source else ""
+        super().__init__(f"leto config{where}: {field}: {message}")
+
+
+def _int(field: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(field, f"must be an integer, got {value!r}")
+    if value < minimum:
+        what = "positive" if minimum == 1 else f">= {minimum}"
+        raise ConfigError(field, f"must be {what}, got {value}")
+
+
+def _v_backend(_inst: Any, _attr: Any, value: Any) -> None:
+    if value not in BACKENDS:
+        raise ConfigError(
+            "backend", f"unknown backend {value!r} (choose one of {', '.join(BACKENDS)})"
+        )
+    if value == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "backend",
+                "'nccl' needs CUDA, but torch.cuda.is_available() is False on this machine "
+                f"(torch {torch.__version__}); use 'gloo' or 'fake' on CPU",
+            )
+
+
+def _v_positive(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    _int(attr.name, value, 1)
+
+
+def _v_bool(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(attr.name, f"must be true or false, got {value!r}")
+
+
+def _v_world(_inst: Any, _attr: Any, value: Any) -> None:
+    if value is not None:
+        _int("world_size", value, 1)
+
+
+def _v_dir(_inst: Any, _attr: Any, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or not value:
+        raise ConfigError("checkpoint_dir", f"must be a directory path or none, got {value!r}")
+    p = Path(value)
+    if p.exists() and not p.is_dir():
+        raise ConfigError("checkpoint_dir", f"{value!r} exists and is not a directory")
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    """Validated leto settings (see the module docstring)."""
+
+    backend: str = attrs.field(default="fake", validator=_v_backend)
+    nodes: int = attrs.field(default=1, validator=_v_positive)
+    ranks_per_node: int = attrs.field(default=1, validator=_v_positive)
+    world_size: int | None = attrs.field(default=None, validator=_v_world)
+    chunk_size: int = attrs.field(default=1 << 20, validator=_v_positive)
+    tier1: bool = attrs.field(default=True, validator=_v_bool)
+    tier2: bool = attrs.field(default=True, validator=_v_bool)
+    tier2_interval: int = attrs.field(default=10, validator=_v_positive)
+    checkpoint_dir: str | None = attrs.field(default=None, validator=_v_dir)
+    verify_chunks: bool = attrs.field(default=True, validator=_v_bool)
+
+    def __attrs_post_init__(self) -> None:
+        n = self.nodes * self.ranks_per_node
+        if self.world_size is not None and self.world_size != n:
+            raise ConfigError(
+                "topology",
+                f"{self.nodes} nodes x {self.ranks_per_node} ranks per node = {n} ranks, "
+                f"but the world size is {self.world_size}",
+            )
+
+    # --- derived ------------------------------------------------------------------
+
+    @property
+    def topology(self) -> Topology:
+        return Topology.uniform(self.nodes, self.ranks_per_node)
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    # --- loading ------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None) -> Config:
+        """Settings from a mapping (TOML values: ints, bools, strings)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                "config", f"expected a table of settings, got {type(data).__name__}", source
+            )
+        fields = {a.name for a in attrs.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key == "topology":
+                nodes, per = _parse_topology(value, source)
+                kwargs.setdefault("nodes", nodes)
+                kwargs.setdefault("ranks_per_node", per)
+                if kwargs["nodes"] != nodes or kwargs["ranks_per_node"] != per:
+                    raise ConfigError(
+                        "topology", f"{value!r} contradicts nodes/ranks_per_node", source
+                    )
+                continue
+            if key not in fields:
+                raise ConfigError(
+                    key,
+                    f"unknown setting (known: topology, {', '.join(sorted(fields))})",
+                    source,
+                )
+            if key in ("nodes", "ranks_per_node") and key in kwargs and kwargs[key] != value:
+                raise ConfigError("topology", f"{key}={value!r} contradicts topology", source)
+            kwargs[key] = value
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            if source is None or e.source is not None:
+                raise
+            raise ConfigError(e.field, str(e).split(": ", 2)[-1], source) from None
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> Config:
+        """Settings from a TOML file: a ``[leto]`` table, or keys at the top level."""
+        p = Path(path)
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10
+            try:
+                import tomli as tomllib
+            except ModuleNotFoundError:
+                raise ConfigError(
+                    "config",
+                    "reading TOML needs Python >= 3.11 (tomllib) or the tomli package",
+                    str(p),
+                ) from None
+        try:
+            raw = p.read_bytes()
+        except OSError as e:
+            raise ConfigError("config", f"cannot read the file: {e.strerror}", str(p)) from None
+        try:
+            data = tomllib.loads(raw.decode())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError("config", f"not valid TOML: {e}", str(p)) from None
+        if "leto" in data:
+            extra = sorted(k for k in data if k != "leto")
+            if extra:
+                raise ConfigError(extra[0], "unknown setting outside the [leto] table", str(p))
+            data = data["leto"]
+        return cls.from_dict(data, source=str(p))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
+        """Settings from ``LETO_*`` variables (and ``LETO_CONFIG``, ``WORLD_SIZE``)."""
+        env = os.environ if environ is None else environ
+        base: dict[str, Any] = {}
+        if env.get("LETO_CONFIG"):
+            base = cls.from_toml(env["LETO_CONFIG"]).as_dict()
+            if base.get("world_size") is None:
+                base.pop("world_size", None)
+        types = {a.name: a for a in attrs.fields(cls)}
+        for name, raw in sorted(env.items()):
+            if not name.startswith(_ENV_PREFIX) or name == "LETO_CONFIG":
+                continue
+            key = name[len(_ENV_PREFIX) :].lower()
+            src = f"from {name}"
+            if key == "topology":
+                base["nodes"], base["ranks_per_node"] = _parse_topology(raw, src)
+                continue
+            if key not in types:
+                raise ConfigError(
+                    key,
+                    f"unknown setting (variable {name}; known: LETO_TOPOLOGY, "
+                    + ", ".join("LETO_" + k.upper() for k in sorted(types))
+                    + ")",
+                    src,
+                )
+            base[key] = _parse_env(key, raw, src)
+        if "world_size" not in base and env.get("WORLD_SIZE"):
+            base["world_size"] = _parse_env("world_size", env["WORLD_SIZE"], "from WORLD_SIZE")
+        return cls.from_dict(base, source="environment")
+
+    @classmethod
+    def load(
+        cls, source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None
+    ) -> Config:
+        """A Config from a Config, a dict, a TOML path, or (None) the environment."""
+        if isinstance(source, Config):
+            return source
+        if source is None:
+            return cls.from_env()
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        if isinstance(source, (str, os.PathLike)):
+            return cls.from_toml(source)
+        raise ConfigError("config", f"cannot load settings from {type(source).__name__}")
+
+
+def _parse_topology(value: Any, source: str | None) -> tuple[int, int]:
+    if isinstance(value, str):
+        parts = value.lower().replace(" ", "").split("x")
+        if len(parts) == 2 and all(p.isdigit() for p in parts):
+            nodes, per = int(parts[0]), int(parts[1])
+        else:
+            raise ConfigError("topology", f'{value!r} is not NODESxRANKS (e.g. "2x4")', source)
+    elif (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        nodes, per = value
+    else:
+        raise ConfigError("topology", f'{value!r} is not NODESxRANKS (e.g. "2x4")', source)
+    if nodes < 1 or per < 1:
+        raise ConfigError(
+            "topology", f"{value!r}: nodes and ranks per node must be positive", source
+        )
+    return nodes, per
+
+
+def _parse_env(key: str, raw: str, source: str) -> Any:
+    a = {f.name: f for f in attrs.fields(Config)}[key]
+    text = raw.strip()
+    if key == "checkpoint_dir":
+        return None if text.lower() in ("", "none") else text
+    if key == "backend":
+        return text
+    if a.validator is _v_bool:
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(key, f"must be true or false, got {raw!r}", source)
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(key, f"must be an integer, got {raw!r}", source) from None

@@ -1,0 +1,262 @@
+"""Reusable process state as JSON: RNG states, the data sampler's position, the scheduler.
+
+A resumed rank must continue *bitwise* as the run that never failed, so besides the
+retained tensors it needs the small state a training process carries: the RNG
+streams (torch's CPU generator, Python's ``random``, NumPy's global generator when
+NumPy is loaded), the position of the data sampler and the LR scheduler's state.
+All of it is encoded as JSON here (never pickle: it is read back by another process).
+
+Data: :class:`ResumableBatchSampler` is a deterministic, resumable sampler of global
+batches (a shuffled permutation per epoch from ``seed + epoch``); :class:`BatchCursor`
+feeds one global batch per step to every rank (rank ``r`` of ``W`` gets
+``batch[r::W]``, the split ``DistributedSampler`` uses) and records its position
+after each step. Any sampler with JSON-able ``state_dict()``/``load_state_dict()``
+works the same way; any other iterable is re-iterated and skipped ahead on resume,
+which is right only if its iteration order is deterministic.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BatchCursor",
+    "ProcessStateError",
+    "ResumableBatchSampler",
+    "capture_rng",
+    "check_json",
+    "restore_rng",
+    "scheduler_state",
+    "shard",
+    "step_scheduler",
+]
+
+
+class ProcessStateError(ValueError):
+    """A piece of process state cannot be encoded as JSON (or decoded)."""
+
+
+def check_json(value: Any, what: str) -> Any:
+    """``value`` if it survives a JSON round trip unchanged in meaning, else a clear error."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise ProcessStateError(
+            f"{what} is not JSON-serialisable ({e}); leto retains process state as JSON, "
+            "never as pickle"
+        ) from None
+    return json.loads(text)
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def capture_rng() -> dict[str, Any]:
+    """The process's RNG states as JSON: torch (CPU), Python ``random``, NumPy if loaded."""
+    t = torch.get_rng_state()
+    version, internal, gauss = random.getstate()
+    out: dict[str, Any] = {
+        "torch": base64.b64encode(t.numpy().tobytes()).decode(),
+        "python": [version, list(internal), gauss],
+    }
+    np = sys.modules.get("numpy")
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        out["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    return out
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Make ``state`` (from :func:`capture_rng`) the process's RNG states."""
+    raw = base64.b64decode(state["torch"])
+    torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone())
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in state:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ----------------------------------------------------------------------- scheduler
+
+
+def scheduler_state(scheduler: Any) -> Any:
+    """The scheduler's ``state_dict()`` as JSON (``None`` without a scheduler)."""
+    if scheduler is None:
+        return None
+    return check_json(scheduler.state_dict(), f"the state of {type(scheduler).__name__}")
+
+
+def step_scheduler(scheduler: Any) -> None:
+    """``scheduler.step()``, without torch's warning that the (retained) optimizer's
+    ``step()`` was not called: the chunked optimizer steps in its place."""
+    if scheduler is None:
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+        scheduler.step()
+
+
+# --------------------------------------------------------------------------- data
+
+
+class ResumableBatchSampler:
+    """Global batches of ``batch_size`` indices of ``range(num_items)``, resumable.
+
+    Epoch ``e`` is a permutation drawn from a generator seeded with ``seed + e``
+    (or the identity with ``shuffle=False``); the last incomplete batch is dropped.
+    Iterating yields batches from the current position and advances it;
+    ``state_dict()`` is ``{"epoch", "index"}`` (JSON).
+    """
+
+    def __init__(
+        self, num_items: int, batch_size: int, *, seed: int = 0, shuffle: bool = True
+    ) -> None:
+        if num_items < batch_size or batch_size < 1:
+            raise ValueError(f"batch_size must be in 1..num_items ({num_items}), got {batch_size}")
+        self.num_items = num_items
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.index = 0  # batches consumed in this epoch
+        self._perm: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.num_items // self.batch_size
+
+    def _order(self) -> torch.Tensor:
+        if self._perm is None:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + self.epoch)
+                self._perm = torch.randperm(self.num_items, generator=g)
+            else:
+                self._perm = torch.arange(self.num_items)
+        return self._perm
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            if self.index >= len(self):
+                self.epoch += 1
+                self.index = 0
+                self._perm = None
+            a = self.index * self.batch_size
+            batch = self._order()[a : a + self.batch_size].tolist()
+            self.index += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self.index = int(state["index"])
+        self._perm = None
+
+
+def shard(batch: Any, rank: int, world_size: int) -> Any:
+    """Rank ``rank``'s part of a global batch: ``batch[rank::world_size]``."""
+    if batch is None:
+        return None
+    if isinstance(batch, torch.Tensor):
+        return batch[rank::world_size]
+    if isinstance(batch, (list, tuple)):
+        return batch[rank::world_size]
+    raise TypeError(
+        f"cannot shard a global batch of type {type(batch).__name__}: "
+        "yield lists, tuples or tensors of indices"
+    )
+
+
+class BatchCursor:
+    """One global batch per step from ``sampler``, shared by every rank, resumable.
+
+    ``batch(step)`` returns the global batch of ``step`` (fetched once, when the
+    first rank computes it); ``state_after(step)`` is the sampler position once it
+    was drawn (JSON, part of each rank's process state); ``restore(state)`` puts
+    the sampler back there (on resume).
+    """
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+        self.stateful = (
+            sampler is not None
+            and hasattr(sampler, "state_dict")
+            and hasattr(sampler, "load_state_dict")
+        )
+        self.consumed = 0  # steps drawn
+        self._it: Iterator[Any] | None = None
+        self._cache: dict[int, Any] = {}
+        self._after: dict[int, Any] = {}
+        if sampler is not None and not self.stateful and not hasattr(sampler, "__iter__"):
+            raise TypeError(f"sampler: {type(sampler).__name__} is not iterable")
+        self._initial = self.state()
+
+    def state(self) -> dict[str, Any]:
+        inner = None
+        if self.stateful:
+            inner = check_json(
+                self.sampler.state_dict(), f"the state of {type(self.sampler).__name__}"
+            )
+        return {"consumed": self.consumed, "sampler": inner}
+
+    @property
+    def initial(self) -> dict[str, Any]:
+        return self._initial
+
+    def _next(self) -> Any:
+        if self.sampler is None:
+            return None
+        if self._it is None:
+            self._it = iter(self.sampler)
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._it = iter(self.sampler)  # a new epoch
+            return next(self._it)
+
+    def batch(self, step: int) -> Any:
+        if step in self._cache:
+            return self._cache[step]
+        if step != self.consumed + 1:
+            raise RuntimeError(
+                f"data: step {step} requested, the sampler is positioned after step {self.consumed}"
+            )
+        b = self._next()
+        self.consumed = step
+        self._cache = {step: b}
+        self._after = {step: self.state()}
+        return b
+
+    def state_after(self, step: int) -> dict[str, Any]:
+        if step not in self._after:
+            raise RuntimeError(f"data: no position recorded after step {step}")
+        return self._after[step]
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._cache.clear()
+        self._after.clear()
+        target = int(state["consumed"])
+        if self.sampler is None:
+            self.consumed = target
+            return
+        if self.stateful:
+            self.sampler.load_state_dict(state["sampler"])
+            self._it = None
+            self.consumed = target
+            return
+        # a plain iterable: start over and skip ahead (deterministic iterables only)
+        self._it = None
+        self.consumed = 0
+        for _ in range(target):
+            self._next()
+        self.consumed = target
