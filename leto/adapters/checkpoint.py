@@ -79,6 +79,7 @@ class DCPCheckpointer:
         path.mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            warnings.filterwarnings("ignore", message=".*existing checkpoint.*overwriting.*")
             dcp.save({k: v.detach() for k, v in tensors.items()}, checkpoint_id=str(path))
         tmp = path / "leto.json.tmp"
         tmp.write_text(json.dumps(meta))

@@ -239,6 +239,7 @@ class Engine:
         self._rec: _Recovery | None = None
         self._current_step = 0
         self.stale: dict[int, RankProc] = {}
+        self._integrity_notes: list[str] = []
 
         # The skeleton for shadows, and one replica per simulated rank (rank 0: the user's).
         self.template = copy_replica(replica, clear_state=True)
@@ -348,7 +349,9 @@ class Engine:
             alloc=self.backend.allocator(p.rank),
             attach=attach,
             align_bytes=self.options.align_bytes,
-            verify=self.options.verify,
+            # chunks are verified at PREPARE (all of them, before the step's vote) and
+            # at every recovery; not again before each chunk's undo copy
+            verify=False,
         )
 
     def _ps_json(self, p: RankProc, step: int) -> str:
@@ -481,6 +484,12 @@ class Engine:
             raise IntegrityError(
                 f"rank {r}: prepare({step}) but the optimizer is at {p.ropt.version}"
             )
+        if self.options.verify:
+            # The step's gradients were computed from these bytes: a chunk that fails its
+            # checksum now must not get a vote (the step is rolled back and recomputed).
+            bad = lay.verify()
+            if bad:
+                raise ChecksumError(f"chunks {bad} fail their checksums at PREPARE of step {step}")
         lay.seal_grads(step, p.present)
         self._inside(r, step, "prepare", adopt=False)
         store = self._store(r)
@@ -578,7 +587,7 @@ class Engine:
         p.ropt.end()
         step_scheduler(p.replica.scheduler)
         store = self._store(r)
-        pend = json.loads(store.pending.pop(r))
+        pend = json.loads(store.pending[r])  # kept: a tier-1 gradient rebuild may read it
         if pend["step"] != step:
             raise IntegrityError(
                 f"rank {r}: the prepare record is of step {pend['step']}, not {step}"
@@ -621,6 +630,8 @@ class Engine:
     def _fx_detected(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
         if self._rec is None:
             self._rec = _Recovery(from_step=self._current_step, started=time.perf_counter())
+            self._rec.integrity.extend(self._integrity_notes)
+            self._integrity_notes.clear()
         else:
             self._rec.restarts += 1
             self.stats["recovery_restarts"] += 1
@@ -1204,10 +1215,10 @@ class Engine:
             self._fire(f.faults)
             raise _Interrupted from None
         except ChecksumError as err:
-            if not isinstance(e, ev.BeginChunk):
+            if not isinstance(e, (ev.BeginChunk, ev.Prepare)):
                 raise
-            coord.adopt(before)  # the undo copy was not taken
-            self._integrity_failure(e.rank, f"chunk {e.chunk}: {err}")
+            coord.adopt(before)  # no vote cast / no undo copy taken
+            self._integrity_failure(e.rank, str(err))
             raise _Interrupted from None
         coord.adopt(self._patched(after))
 
@@ -1250,6 +1261,8 @@ class Engine:
                     f.detected += 1
         if self._rec is not None:
             self._rec.integrity.append(f"rank {r}: {why}")
+        else:
+            self._integrity_notes.append(f"rank {r}: {why}")
         self._log(
             "integrity", rank=r, detail=f"checksum mismatch ({why}); memory of rank {r} discarded"
         )

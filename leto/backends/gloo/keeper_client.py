@@ -1,0 +1,106 @@
+"""A trainer's connection to its rank's keeper: map retained segments, read the fence."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from typing import TYPE_CHECKING
+
+from . import segments
+from .wire import Conn, WireError, connect_unix
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FencedError", "KeeperClient", "KeeperError"]
+
+
+class KeeperError(RuntimeError):
+    """The keeper refused a request or went away."""
+
+
+class FencedError(KeeperError):
+    """This process belongs to a generation that has been fenced off."""
+
+
+class KeeperClient:
+    """``alloc(name, nbytes)`` is a :data:`leto.retained.layout.Allocator` backed by a keeper.
+
+    ``role="writer"`` is the rank's admitted trainer; ``role="shadow"`` connects
+    ahead of promotion and may not map retained memory.
+    """
+
+    def __init__(self, socket_name: str, *, generation: int, role: str = "writer") -> None:
+        self.socket_name = socket_name
+        self.generation = generation
+        self.role = role
+        try:
+            self.conn = Conn(connect_unix("\0" + socket_name), send_timeout=10.0)
+        except OSError as e:
+            raise KeeperError(f"cannot reach the keeper: {e}") from None
+        self._fence: mmap.mmap | None = None
+        self._hello()
+
+    def _call(self, msg: dict[str, object]) -> tuple[dict[str, object], list[int]]:
+        try:
+            self.conn.send(msg)
+            reply, fds = self.conn.recv(timeout=30.0)
+        except (WireError, TimeoutError) as e:
+            raise KeeperError(f"keeper connection lost during {msg.get('op')}: {e}") from None
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            why = reply.get("why", "refused")
+            if reply.get("error") == "fenced":
+                raise FencedError(f"keeper refused {msg.get('op')}: {why}")
+            raise KeeperError(f"keeper refused {msg.get('op')}: {why}")
+        return reply, fds
+
+    def _hello(self) -> None:
+        _, fds = self._call({"op": "hello", "generation": self.generation, "role": self.role})
+        if len(fds) != 1:
+            raise KeeperError("keeper sent no fence word")
+        try:
+            self._fence = mmap.mmap(fds[0], 8, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fds[0])
+
+    def readmit(self, generation: int, role: str = "writer") -> None:
+        """Join ``generation`` (after the agent fenced the keeper and admitted us)."""
+        self.generation = generation
+        self.role = role
+        self._hello()
+
+    @property
+    def fence_generation(self) -> int:
+        assert self._fence is not None
+        return int(struct.unpack_from("<q", self._fence, 0)[0])
+
+    def check_writer(self) -> None:
+        """Raise :class:`FencedError` if our generation has been fenced off."""
+        cur = self.fence_generation
+        if cur != self.generation:
+            raise FencedError(
+                f"this trainer's generation {self.generation} is fenced (the keeper is at {cur})"
+            )
+
+    def alloc(self, name: str, nbytes: int) -> torch.Tensor:
+        reply, fds = self._call({"op": "alloc", "name": name, "nbytes": nbytes})
+        if len(fds) != 1:
+            raise KeeperError(f"keeper sent {len(fds)} descriptors for {name!r}")
+        try:
+            return segments.as_tensor(fds[0], nbytes)
+        finally:
+            os.close(fds[0])
+
+    __call__ = alloc
+
+    def listing(self) -> dict[str, int]:
+        reply, _ = self._call({"op": "list"})
+        out = reply.get("segments", {})
+        assert isinstance(out, dict)
+        return {str(k): int(v) for k, v in out.items()}
+
+    def close(self) -> None:
+        self.conn.close()

@@ -1,0 +1,82 @@
+"""Process plumbing shared by the launcher, agents, keepers and trainers (no torch).
+
+* :func:`die_with_parent`: ``PR_SET_PDEATHSIG(SIGKILL)``, so every leto process
+  dies with the process that started it (a SIGKILLed launcher takes its keepers,
+  zygote, trainers and shadows with it; their memfd memory is then freed);
+* :func:`pidfd`: a process handle (``pidfd_open``) that becomes readable the
+  moment the process exits, for a selector loop;
+* :func:`rss_bytes`: resident memory of a process (``/proc/PID/status``);
+* :func:`free_port`: a TCP port the OS says is free on 127.0.0.1;
+* :func:`describe_status`: "exit code 3" / "killed by SIGKILL".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+
+__all__ = ["describe_status", "die_with_parent", "free_port", "pidfd", "rss_bytes", "port_in_use"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` when our parent dies; exit now if it already has."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)  # the parent died before the request took effect
+
+
+def pidfd(pid: int) -> int:
+    """A pollable handle of process ``pid`` (readable once it has exited)."""
+    return os.pidfd_open(pid)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` in bytes (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return 0
+    return 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def describe_status(status: int | None) -> str:
+    """Human words for a ``waitpid`` status or a Popen-style return code."""
+    if status is None:
+        return "exit status unknown"
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit code {status}"
+
+
+def waitstatus_to_code(status: int) -> int:
+    """``os.waitpid`` status -> Popen-style code (negative: the signal)."""
+    return os.waitstatus_to_exitcode(status)

@@ -1,0 +1,217 @@
+"""Real-tensor recovery on the fake backend: a failure at every point of a step.
+
+Each test trains the tiny job with a planned fault, checks that the fault fired and
+was recovered the way the protocol says, that the real state refines the core's
+after recovery (versions, parity records, parity bytes), and that the final state
+is bitwise the state of a failure-free run of the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fakejob import make_engine, same_state
+
+from leto.adapters.checkpoint import DCPCheckpointer
+from leto.adapters.engine import Engine, IntegrityError, UnrecoverableError
+from leto.core.erasure import Topology
+from leto.core.recovery import Phase
+
+STEPS = 7
+_ref: dict[tuple[object, ...], Engine] = {}
+
+
+def reference(**kw: object) -> Engine:
+    key = tuple(sorted(kw.items()))
+    if key not in _ref:
+        eng = make_engine(**kw)  # type: ignore[arg-type]
+        eng.train(STEPS)
+        _ref[key] = eng
+    return _ref[key]
+
+
+def run(plan: list[tuple[str, dict[str, object]]], **kw: object) -> Engine:
+    eng = make_engine(**kw)  # type: ignore[arg-type]
+    inj = eng.injector
+    for method, args in plan:
+        getattr(inj, method)(**args)
+    eng.train(STEPS)
+    assert inj.unfired() == [], [f.label for f in inj.unfired()]
+    assert inj.unrecovered() == [], [f.label for f in inj.unrecovered()]
+    assert eng.mismatches() == []
+    assert eng.parity_exact() == []
+    diff = same_state(eng, reference(**kw))
+    assert not diff, f"not bitwise equal to the failure-free run: {diff}"
+    return eng
+
+
+CASES = [
+    # (fault, expected recovery kind)
+    (dict(rank=1, step=3, phase="forward"), "inplace"),
+    (dict(rank=2, step=3, phase="backward"), "inplace"),
+    (dict(rank=3, step=3, phase="allreduce"), "back"),  # ranks 0-2 hold reduced gradients
+    (dict(rank=0, step=3, phase="prepare"), "back"),
+    (dict(rank=1, step=3, phase="decide", where="before"), "back"),
+    (dict(rank=2, step=3, phase="decide", where="after"), "forward"),
+    (dict(rank=3, step=3, phase="apply", chunk=0, where="undo_saved"), "forward"),
+    (dict(rank=0, step=3, phase="apply", chunk=1, where="mid_write"), "forward"),
+    (dict(rank=1, step=3, phase="apply", chunk=2, where="written"), "forward"),
+    (dict(rank=2, step=3, phase="apply", chunk=3, where="mid_write"), "forward"),
+    (dict(rank=3, step=3, phase="parity", chunk=0), "forward"),
+    (dict(rank=0, step=3, phase="parity", chunk=3), "forward"),
+    (dict(rank=1, step=3, phase="finish"), "inplace"),
+]
+
+
+@pytest.mark.parametrize("fault,kind", CASES, ids=lambda x: x if isinstance(x, str) else None)
+def test_crash_at_every_point_of_a_step(fault: dict[str, object], kind: str) -> None:
+    eng = run([("fail_at", fault)])
+    assert [r["kind"] for r in eng.recoveries] == [kind]
+    rec = eng.recoveries[0]
+    assert rec["promoted"] == [fault["rank"]]
+    committed = fault["phase"] in ("apply", "parity", "finish") or fault.get("where") == "after"
+    assert rec["resumed_at"] == (3 if committed else 2)
+    if kind == "forward":
+        assert eng.stats["rolled_forward"] == 1 and rec["chunks_rolled_forward"] > 0
+    if kind == "back":
+        assert eng.stats["rolled_back"] == 1
+
+
+def test_a_torn_chunk_is_restored_from_its_undo_copy_not_trusted() -> None:
+    eng = run([("fail_at", dict(rank=0, step=2, phase="apply", chunk=0, where="mid_write"))])
+    assert eng.recoveries[0]["chunks_rolled_forward"] >= 1
+
+
+def test_lost_memory_is_rebuilt_from_tier1_parity_chunks_and_gradients() -> None:
+    eng = run([("lose_memory", dict(rank=1, step=4, phase="apply", chunk=2, where="mid_write"))])
+    rec = eng.recoveries[0]
+    assert rec["kind"] == "tier1"
+    assert rec["chunks_repaired_from_parity"] == eng.n_chunks
+    assert rec["grad_blocks_repaired_from_parity"] == 1  # rank 1 still had chunks to apply
+    assert rec["steps_lost"] == 0 and rec["resumed_at"] == 4
+
+
+def test_lost_node_restores_the_tier2_snapshot_and_recomputes() -> None:
+    eng = run([("lose_node", dict(node=1, step=5, phase="apply", chunk=1, where="written"))], k=3)
+    rec = eng.recoveries[0]
+    assert rec["kind"] == "tier2"
+    assert rec["resumed_at"] == 3  # the snapshot of step 3 (K = 3); steps 4-5 recomputed
+    assert rec["steps_lost"] == 2
+    assert eng.stats["snapshot_restores"] == 1
+
+
+def test_hang_is_fenced_and_the_stale_write_refused() -> None:
+    eng = run([("fail_at", dict(rank=2, step=3, phase="forward", kind="hang"))])
+    assert eng.stats["stale_writes_refused"] == 1
+    assert eng.backend.stats["refused_writes"] == 1
+
+
+def test_failure_during_recovery_restarts_it_at_the_next_generation() -> None:
+    eng = run(
+        [
+            ("fail_at", dict(rank=0, step=3, phase="apply", chunk=0, where="written")),
+            ("fail_at", dict(rank=1, step=3, phase="recovery", where="Reconcile")),
+            ("lose_memory", dict(rank=2, step=3, phase="recovery", where="Rebuild")),
+        ]
+    )
+    rec = eng.recoveries[0]
+    assert rec["restarts"] == 2
+    assert sorted(rec["promoted"]) == [0, 1, 2]
+
+
+def test_corrupted_chunk_is_caught_by_its_checksum_and_repaired() -> None:
+    eng = run([("corrupt", dict(rank=2, step=3, chunk=1, bit=5))])
+    f = eng.injector.faults[0]
+    assert f.fired == 1 and f.detected == 1
+    assert eng.stats["integrity_failures"] == 1
+    rec = eng.recoveries[0]
+    assert rec["kind"] == "tier1" and "fail their checksums" in rec["integrity_failures"][0]
+    # caught at PREPARE of step 4, before its vote: step 4 was not committed
+    assert rec["resumed_at"] == 3
+
+
+def test_corruption_found_during_recovery_is_repaired_too() -> None:
+    eng = make_engine()
+    eng.injector.fail_at(rank=0, step=3, phase="decide", where="after")
+    eng.train(2)
+    b = eng.procs[1].layout.param_buffer.view(torch.uint8)
+    b[3] = int(b[3]) ^ 0x10  # rank 1 is not the one that fails
+    eng.train(STEPS)
+    assert eng.stats["integrity_failures"] == 1
+    assert eng.recoveries[0]["kind"] == "tier1"
+    assert not same_state(eng, reference())
+
+
+def test_beyond_both_tiers_falls_back_to_the_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    plan = [
+        ("lose_node", dict(node=0, step=4, phase="prepare")),
+        ("lose_node", dict(node=1, step=4, phase="recovery", where="Promote", rank=0)),
+    ]
+    eng = run(plan, checkpointer=DCPCheckpointer(tmp_path / "ckpt"))
+    rec = eng.recoveries[0]
+    assert rec["kind"] == "ckpt" and rec["resumed_at"] == 0
+    assert eng.stats["checkpoint_restores"] == 1
+    assert (tmp_path / "ckpt" / "step-0" / "leto.json").is_file()
+    meta = json.loads((tmp_path / "ckpt" / "step-0" / "leto.json").read_text())
+    assert sorted(meta["process_states"]) == ["0", "1", "2", "3"]
+
+
+def test_beyond_both_tiers_without_checkpoint_stops_and_names_the_loss() -> None:
+    eng = make_engine(checkpointer=None)
+    eng.injector.lose_node(node=0, step=3, phase="finish").lose_node(
+        node=1, step=3, phase="recovery", where="Promote", rank=0
+    )
+    with pytest.raises(UnrecoverableError) as err:
+        eng.train(STEPS)
+    msg = str(err.value)
+    assert "node(s) [0, 1]" in msg and "No checkpoint is configured" in msg
+    assert "tier-2" in msg and "instead of resuming on wrong state" in msg
+    # it never resumes: the job stays in recovery, and asking again stops again
+    before = eng.backend.retained_bytes()
+    assert eng.state.phase is Phase.RECONCILING
+    with pytest.raises(UnrecoverableError):
+        eng.run_step()
+    assert eng.backend.retained_bytes() == before
+    assert eng.state.phase is Phase.RECONCILING
+
+
+def test_a_bad_parity_decode_is_caught_not_resumed() -> None:
+    eng = make_engine()
+    eng.injector.lose_memory(rank=0, step=3, phase="forward")
+    eng.train(2)
+    eng.backend.node_store(0).parity[1][0] ^= 1  # type: ignore[index]  # flip a parity bit
+    with pytest.raises(IntegrityError, match="fail the checksum"):
+        eng.train(STEPS)
+
+
+def test_tier1_off_uses_tier2_for_a_lost_memory() -> None:
+    eng = run([("lose_memory", dict(rank=1, step=5, phase="finish"))], tier1=False)
+    assert eng.recoveries[0]["kind"] == "tier2"
+    assert eng.backend.node_store(0).parity is None
+
+
+def test_tier2_off_still_recovers_a_node_loss_from_the_recovery_snapshot() -> None:
+    # with tier 2 off there are no periodic snapshots: only the one the core assumes at
+    # step 0 and after each recovery (here: after the crash at step 3)
+    plan = [
+        ("fail_at", dict(rank=0, step=3, phase="finish")),
+        ("lose_node", dict(node=1, step=6, phase="finish")),
+    ]
+    eng = run(plan, tier2=False)
+    assert [r["kind"] for r in eng.recoveries] == ["inplace", "tier2"]
+    assert eng.recoveries[1]["resumed_at"] == 3
+
+
+def test_several_faults_in_one_run_across_a_three_node_topology() -> None:
+    topo = Topology((2, 1, 2))
+    plan = [
+        ("fail_at", dict(rank=2, step=2, phase="apply", chunk=1, where="mid_write")),
+        ("lose_memory", dict(rank=4, step=3, phase="parity", chunk=2)),
+        ("lose_node", dict(node=1, step=5, phase="decide", where="after")),
+        ("fail_at", dict(rank=0, step=6, phase="allreduce")),
+    ]
+    eng = run(plan, topology=topo)
+    # rank 0 fails before any rank has its reduced gradients: nothing to roll back
+    assert [r["kind"] for r in eng.recoveries] == ["forward", "tier1", "tier2", "inplace"]
