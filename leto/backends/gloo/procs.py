@@ -80,3 +80,21 @@ def describe_status(status: int | None) -> str:
 def waitstatus_to_code(status: int) -> int:
     """``os.waitpid`` status -> Popen-style code (negative: the signal)."""
     return os.waitstatus_to_exitcode(status)
+
+
+def processes_with(tag: str) -> list[int]:
+    """Pids (other than ours) whose command line contains ``tag``."""
+    out = []
+    me = os.getpid()
+    needle = tag.encode()
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == me:
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if needle in cmd:
+            out.append(int(d))
+    return out

@@ -1,0 +1,12 @@
+"""The gloo backend: real processes on CPU, retained state in memfd shared memory.
+
+Pieces (each module's docstring says more; ``docs/gloo.md`` is the overview):
+
+* :mod:`.wire`: length-prefixed JSON messages, file descriptors via ``SCM_RIGHTS``;
+* :mod:`.segments`: anonymous memfd segments mapped as tensors;
+* :mod:`.keeper` / :mod:`.keeper_client`: the per-rank process owning retained
+  memory, with generation fencing;
+* :mod:`.procs`: process handles (pidfd), parent-death signals, memory use.
+
+Importing this package imports no torch.
+"""

@@ -1,0 +1,48 @@
+"""Fixtures for the real-process tests: every test must leave no process and no shm behind.
+
+Every process a test starts carries the test's unique tag (its tmp path) in its
+command line: keepers get ``--tag``, agents and launchers have it in ``--run-dir``,
+and trainers are forked from an agent (same command line). After the test the
+guard waits briefly, then fails if any such process is alive (and kills it, so one
+failure does not cascade) or if a new entry appeared in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from leto.backends.gloo.procs import processes_with as tagged_pids
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+@pytest.fixture
+def tag(tmp_path: Path) -> Iterator[str]:
+    """A string unique to this test, found in the command line of every process it starts."""
+    before = shm_entries()
+    t = str(tmp_path)
+    yield t
+    deadline = time.monotonic() + 5.0
+    left = tagged_pids(t)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = tagged_pids(t)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    leaked = sorted(shm_entries() - before)
+    assert not left, f"processes left running after the test: {left}"
+    assert not leaked, f"/dev/shm entries leaked by the test: {leaked}"

@@ -1,0 +1,220 @@
+"""Rung (a): memfd segments, fd passing, the keeper, fencing; no leak after SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from leto.backends.gloo import segments
+from leto.backends.gloo.keeper import Keeper, spawn_keeper
+from leto.backends.gloo.keeper_client import FencedError, KeeperClient, KeeperError
+from leto.backends.gloo.procs import processes_with as tagged_pids
+from leto.backends.gloo.wire import MAX_FRAME, Conn, WireError
+from leto.retained.layout import LayoutError, RetainedLayout
+
+# --- wire ------------------------------------------------------------------------------
+
+
+def test_wire_roundtrip_with_fds() -> None:
+    a, b = socket.socketpair()
+    ca, cb = Conn(a), Conn(b)
+    fd = segments.create("t", 16)
+    ca.send({"op": "x", "v": [1, 2.5, "s"]}, [fd])
+    ca.send({"op": "y"})
+    msg, fds = cb.recv(timeout=5)
+    assert msg == {"op": "x", "v": [1, 2.5, "s"]} and len(fds) == 1
+    assert os.fstat(fds[0]).st_size == 16
+    os.close(fds[0])
+    assert cb.recv(timeout=5) == ({"op": "y"}, [])
+    os.close(fd)
+    ca.close()
+    with pytest.raises(WireError, match="closed"):
+        cb.recv(timeout=5)
+    cb.close()
+
+
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (struct.pack("!I", 5) + b"nope!", "not a leto message"),
+        (struct.pack("!I", 2) + b"[]", "not an object"),
+        (struct.pack("!I", MAX_FRAME + 1), "max"),
+    ],
+)
+def test_wire_refuses_garbage(raw: bytes, why: str) -> None:
+    a, b = socket.socketpair()
+    a.sendall(raw)
+    with pytest.raises(WireError, match=why):
+        Conn(b).recv(timeout=5)
+    a.close()
+    b.close()
+
+
+def test_segment_is_anonymous_private_and_fixed_size() -> None:
+    before = set(os.listdir("/dev/shm"))
+    fd = segments.create("leto-test", 4096)
+    assert os.fstat(fd).st_mode & 0o777 == 0o600
+    assert set(os.listdir("/dev/shm")) == before  # nothing named anywhere
+    with pytest.raises(OSError):
+        os.ftruncate(fd, 1)  # sealed: a mapping can never be cut short
+    t = segments.as_tensor(fd)
+    t.fill_(9)
+    os.close(fd)  # the mapping keeps the memory
+    assert int(t.sum()) == 9 * 4096
+
+
+# --- keeper ----------------------------------------------------------------------------
+
+
+def test_keeper_state_machine_fences_and_admits() -> None:
+    k = Keeper("unit", 0)
+    k.admit(0, 100)
+    assert k.may_write(0, 100) is None
+    assert "not the trainer admitted" in (k.may_write(0, 101) or "")
+    k.fence(1)
+    assert "fenced" in (k.may_write(0, 100) or "")
+    assert "not the trainer admitted" in (k.may_write(1, 100) or "")
+    k.admit(1, 100)
+    assert k.may_write(1, 100) is None
+    with pytest.raises(ValueError):
+        k.fence(0)
+    fd, created = k.alloc("a", 8)
+    assert created and k.alloc("a", 8) == (fd, False)
+    with pytest.raises(ValueError, match="has 8 bytes"):
+        k.alloc("a", 16)
+
+
+def test_keeper_process_retains_state_across_trainers(tag: str) -> None:
+    h = spawn_keeper(0, "job1", tag=tag)
+    try:
+        h.admit(0, os.getpid())
+        model = torch.nn.Linear(4, 3)
+        c = KeeperClient(h.socket_name, generation=0)
+        lay = RetainedLayout.create(model, chunk_numel=8, alloc=c.alloc)
+        want = lay.param_buffer.clone()
+        c.close()
+        del lay
+        # a new "process" (connection) attaches to the same bytes on a meta skeleton
+        with torch.device("meta"):
+            skel = torch.nn.Linear(4, 3)
+        c2 = KeeperClient(h.socket_name, generation=0)
+        lay2 = RetainedLayout.attach(skel, alloc=c2.alloc)
+        assert torch.equal(lay2.param_buffer, want)
+        assert skel.weight.data_ptr() == lay2.param_view(0).data_ptr()  # a view, no copy
+        assert set(h.listing()) >= {"leto.param", "leto.grad", "leto.header", "leto.super"}
+        c2.close()
+    finally:
+        h.stop()
+
+
+def test_fencing_refuses_old_generation_and_other_pids(tag: str) -> None:
+    h = spawn_keeper(1, "job2", tag=tag)
+    try:
+        h.admit(0, os.getpid())
+        c = KeeperClient(h.socket_name, generation=0)
+        t = c.alloc("x", 64)
+        c.check_writer()
+        h.fence(1)
+        with pytest.raises(FencedError, match="generation 0 is fenced"):
+            c.alloc("x", 64)
+        with pytest.raises(FencedError, match="fenced"):
+            c.check_writer()  # the fence word a stale trainer checks before writing
+        with pytest.raises(FencedError):
+            KeeperClient(h.socket_name, generation=0)
+        with pytest.raises(FencedError, match="not the trainer admitted"):
+            KeeperClient(h.socket_name, generation=1)  # not admitted yet
+        shadow = KeeperClient(h.socket_name, generation=1, role="shadow")
+        with pytest.raises(FencedError, match="shadow"):
+            shadow.alloc("x", 64)
+        h.admit(1, os.getpid())
+        c.readmit(1)
+        t2 = c.alloc("x", 64)
+        t2[0] = 5
+        assert int(t[0]) == 5  # same memory
+        c.check_writer()
+        with pytest.raises(KeeperError, match="has 64 bytes"):
+            c.alloc("x", 65)
+        c.close()
+        shadow.close()
+    finally:
+        h.stop()
+
+
+def _shmem_kb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1])
+    raise AssertionError("no Shmem in /proc/meminfo")
+
+
+def test_sigkill_of_the_keeper_frees_its_memory(tag: str) -> None:
+    h = spawn_keeper(0, "job3", tag=tag)
+    h.admit(0, os.getpid())
+    c = KeeperClient(h.socket_name, generation=0)
+    n = 64 << 20
+    base = _shmem_kb()
+    t = c.alloc("big", n)
+    t.fill_(1)  # touch every page
+    assert _shmem_kb() - base > (n >> 10) * 0.8
+    del t
+    c.close()
+    os.kill(h.pid, signal.SIGKILL)
+    h.proc.wait()
+    h.close()
+    deadline = time.monotonic() + 5
+    while _shmem_kb() - base > (n >> 10) * 0.5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _shmem_kb() - base < (n >> 10) * 0.5, "the keeper's memory outlived it"
+
+
+def test_sigkill_of_the_owner_takes_the_keeper_and_its_memory(tag: str) -> None:
+    """The agent (here a stand-in process) is SIGKILLed: its keeper dies, memory is freed."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from leto.backends.gloo.keeper import spawn_keeper
+        from leto.backends.gloo.keeper_client import KeeperClient
+        h = spawn_keeper(0, "job4", tag={tag!r})
+        h.admit(0, os.getpid())
+        c = KeeperClient(h.socket_name, generation=0)
+        c.alloc("big", 32 << 20).fill_(1)
+        print(h.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    base = _shmem_kb()
+    owner = subprocess.Popen([sys.executable, "-c", script, tag], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    keeper_pid = int(owner.stdout.readline())
+    assert _shmem_kb() - base > (32 << 10) * 0.8
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 5
+    while keeper_pid in tagged_pids(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert keeper_pid not in tagged_pids(tag)
+    while _shmem_kb() - base > (32 << 10) * 0.5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _shmem_kb() - base < (32 << 10) * 0.5
+
+
+def test_attach_to_an_empty_keeper_is_a_clear_error(tag: str) -> None:
+    h = spawn_keeper(0, "job5", tag=tag)
+    try:
+        h.admit(0, os.getpid())
+        c = KeeperClient(h.socket_name, generation=0)
+        with pytest.raises(LayoutError, match="no complete retained layout"):
+            RetainedLayout.attach(torch.nn.Linear(2, 2), alloc=c.alloc)
+        c.close()
+    finally:
+        h.stop()
