@@ -214,7 +214,12 @@ def fault_plan(
     )
     if not checkpoint:
         groups += beyond
-    first, last = 3, max(4, steps - 3)
+    first, last = 3, steps - 3
+    if last - first < len(groups) - 1:
+        raise ValueError(
+            f"steps: {steps} is too few to give each of the {len(groups)} failure groups its own "
+            f"step; use at least {len(groups) + 5}"
+        )
     for i, group in enumerate(groups):
         step = first + (i * (last - first)) // max(1, len(groups) - 1)
         base_rank = i % W
@@ -503,9 +508,6 @@ def run(args: argparse.Namespace) -> int:
     from leto.adapters.config import ConfigError
     from leto.adapters.engine import UnrecoverableError
 
-    if args.steps < 8:
-        print("leto demo: --steps must be at least 8", file=sys.stderr)
-        return 2
     tmp = None
     ckpt = args.checkpoint_dir
     if ckpt is None and not args.no_checkpoint:

@@ -1,0 +1,132 @@
+"""leto.Config: loading from TOML, dicts and the environment; every error names its field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import leto
+from leto.adapters.config import Config, ConfigError
+
+
+def err(fn, *args, **kwargs) -> ConfigError:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError) as e:
+        fn(*args, **kwargs)
+    return e.value
+
+
+def test_defaults_and_lazy_export() -> None:
+    assert leto.Config is Config
+    c = Config()
+    assert (c.backend, c.nodes, c.ranks_per_node, c.chunk_size) == ("fake", 1, 1, 1 << 20)
+    assert c.tier1 and c.tier2 and c.tier2_interval == 10 and c.checkpoint_dir is None
+    assert c.topology.node_sizes == (1,)
+
+
+def test_from_dict_with_topology_string() -> None:
+    c = Config.from_dict({"backend": "fake", "topology": "2x4", "chunk_size": 4096, "tier2": False})
+    assert (c.nodes, c.ranks_per_node, c.ranks, c.chunk_size, c.tier2) == (2, 4, 8, 4096, False)
+    assert Config.from_dict({"topology": [3, 2]}).ranks == 6
+
+
+@pytest.mark.parametrize(
+    "data,field,message",
+    [
+        ({"backend": "mpi"}, "backend", "unknown backend 'mpi' (choose one of fake, gloo, nccl)"),
+        ({"chunk_size": -1}, "chunk_size", "must be positive, got -1"),
+        ({"chunk_size": 0}, "chunk_size", "must be positive, got 0"),
+        ({"chunk_size": 1.5}, "chunk_size", "must be an integer"),
+        ({"tier2_interval": 0}, "tier2_interval", "must be positive"),
+        (
+            {"nodes": 2, "ranks_per_node": 2, "world_size": 3},
+            "topology",
+            "2 nodes x 2 ranks per node = 4 ranks, but the world size is 3",
+        ),
+        ({"topology": "2by2"}, "topology", "is not NODESxRANKS"),
+        ({"topology": "0x2"}, "topology", "must be positive"),
+        ({"topology": "2x2", "nodes": 3}, "topology", "contradicts"),
+        ({"tier1": "yes"}, "tier1", "must be true or false"),
+        ({"colour": "blue"}, "colour", "unknown setting"),
+        ({"checkpoint_dir": ""}, "checkpoint_dir", "must be a directory path"),
+    ],
+)
+def test_bad_settings_name_their_field(data: dict, field: str, message: str) -> None:  # type: ignore[type-arg]
+    e = err(Config.from_dict, data)
+    assert e.field == field
+    assert str(e).startswith(f"leto config: {field}: ") and message in str(e)
+
+
+def test_checkpoint_dir_must_not_be_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert err(Config, checkpoint_dir=str(f)).field == "checkpoint_dir"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_nccl_without_cuda_fails_at_load() -> None:
+    e = err(Config.from_dict, {"backend": "nccl"})
+    assert e.field == "backend"
+    assert "'nccl' needs CUDA" in str(e) and "torch.cuda.is_available() is False" in str(e)
+
+
+def test_toml_with_and_without_a_leto_table(tmp_path: Path) -> None:
+    p = tmp_path / "leto.toml"
+    p.write_text(
+        '[leto]\nbackend = "fake"\ntopology = "2x2"\nchunk_size = 512\ntier2_interval = 4\n'
+    )
+    c = Config.load(p)
+    assert (c.ranks, c.chunk_size, c.tier2_interval) == (4, 512, 4)
+    p.write_text('backend = "gloo"\nnodes = 1\nranks_per_node = 3\ncheckpoint_dir = "ck"\n')
+    c = Config.load(str(p))
+    assert (c.backend, c.ranks, c.checkpoint_dir) == ("gloo", 3, "ck")
+
+
+def test_toml_errors_name_the_file_and_the_field(tmp_path: Path) -> None:
+    p = tmp_path / "bad.toml"
+    p.write_text("[leto]\nchunk_size = -8\n")
+    e = err(Config.from_toml, p)
+    assert e.field == "chunk_size" and str(p) in str(e)
+    p.write_text("backend = \n")
+    assert err(Config.from_toml, p).field == "config"
+    p.write_text('[leto]\nbackend = "fake"\n[other]\nx = 1\n')
+    assert err(Config.from_toml, p).field == "other"
+    assert err(Config.from_toml, tmp_path / "missing.toml").field == "config"
+
+
+def test_environment(tmp_path: Path) -> None:
+    env = {
+        "LETO_BACKEND": "fake",
+        "LETO_TOPOLOGY": "2x3",
+        "LETO_CHUNK_SIZE": "1024",
+        "LETO_TIER1": "off",
+        "LETO_TIER2_INTERVAL": "5",
+        "LETO_CHECKPOINT_DIR": "none",
+        "PATH": "/bin",
+    }
+    c = Config.from_env(env)
+    assert (c.ranks, c.chunk_size, c.tier1, c.tier2_interval, c.checkpoint_dir) == (
+        6,
+        1024,
+        False,
+        5,
+        None,
+    )
+    assert err(Config.from_env, {"LETO_CHUNK_SIZE": "big"}).field == "chunk_size"
+    assert err(Config.from_env, {"LETO_CHUNK_SIZE": "-3"}).field == "chunk_size"
+    assert err(Config.from_env, {"LETO_TIER2": "maybe"}).field == "tier2"
+    assert err(Config.from_env, {"LETO_TEIR2": "1"}).field == "teir2"  # a typo is not ignored
+    e = err(Config.from_env, {"LETO_TOPOLOGY": "2x2", "WORLD_SIZE": "8"})
+    assert e.field == "topology" and "world size is 8" in str(e)
+    p = tmp_path / "base.toml"
+    p.write_text('[leto]\ntopology = "2x2"\nchunk_size = 64\n')
+    c = Config.from_env({"LETO_CONFIG": str(p), "LETO_CHUNK_SIZE": "128"})
+    assert (c.ranks, c.chunk_size) == (4, 128)
+
+
+def test_load_dispatch() -> None:
+    c = Config(nodes=2)
+    assert Config.load(c) is c
+    assert Config.load({"nodes": 3}).nodes == 3
+    assert err(Config.load, 42).field == "config"
