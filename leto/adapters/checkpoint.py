@@ -80,7 +80,9 @@ class DCPCheckpointer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             warnings.filterwarnings("ignore", message=".*existing checkpoint.*overwriting.*")
-            dcp.save({k: v.detach() for k, v in tensors.items()}, checkpoint_id=str(path))
+            dcp.save(  # type: ignore[attr-defined]
+                {k: v.detach() for k, v in tensors.items()}, checkpoint_id=str(path)
+            )
         tmp = path / "leto.json.tmp"
         tmp.write_text(json.dumps(meta))
         tmp.replace(path / "leto.json")  # last: the checkpoint is complete
@@ -95,7 +97,7 @@ class DCPCheckpointer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:
-                dcp.load(tensors, checkpoint_id=str(path))
+                dcp.load(tensors, checkpoint_id=str(path))  # type: ignore[attr-defined]
             except Exception as e:  # noqa: BLE001 - DCP raises several types
                 raise CheckpointError(f"cannot load the checkpoint in {path}: {e}") from e
         out: dict[str, Any] = json.loads(meta_file.read_text())

@@ -62,10 +62,12 @@ class _Attention(nn.Module):
         k = k.view(B, T, h, C // h).transpose(1, 2)
         v = v.view(B, T, h, C // h).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // h))
-        att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
+        mask: torch.Tensor = self.mask  # type: ignore[assignment]
+        att = att.masked_fill(~mask[:, :, :T, :T], float("-inf"))
         att = self.drop(F.softmax(att, dim=-1))
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
-        return self.drop(self.proj(y))
+        out: torch.Tensor = self.drop(self.proj(y))
+        return out
 
 
 class _Block(nn.Module):
@@ -80,7 +82,8 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+        out: torch.Tensor = x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+        return out
 
 
 class TinyGPT(nn.Module):

@@ -429,7 +429,7 @@ class Engine:
             prm.grad = None
         loss = self.step_fn(model, batch)
         self._inside(r, step, "forward", adopt=False)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         self._inside(r, step, "backward", adopt=False)
         p.rng = capture_rng()
         lay = p.layout
@@ -937,9 +937,8 @@ class Engine:
         """Tier 2: every rank restores its node's snapshot (a lost node's is decoded)."""
         N = self.backend.nodes
         stores = [self.backend.node_store(n) for n in range(N)]
-        missing = [
-            n for n in range(N) if stores[n].snapshot is None or stores[n].snapshot.step != step
-        ]  # type: ignore[union-attr]
+        snaps = [st.snapshot for st in stores]
+        missing = [n for n, sn in enumerate(snaps) if sn is None or sn.step != step]
         if len(missing) > 1:
             raise IntegrityError(f"tier-2 snapshots of nodes {missing} are gone: beyond tier 2")
         if missing:

@@ -240,7 +240,8 @@ class BatchCursor:
     def state_after(self, step: int) -> dict[str, Any]:
         if step not in self._after:
             raise RuntimeError(f"data: no position recorded after step {step}")
-        return self._after[step]
+        out: dict[str, Any] = self._after[step]
+        return out
 
     def restore(self, state: dict[str, Any]) -> None:
         self._cache.clear()

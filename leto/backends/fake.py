@@ -495,8 +495,8 @@ class FakeBackend(Backend):
         first = [
             e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)
         ]
-        if first or any(errors):
-            raise (first or [e for e in errors if e is not None])[0]  # type: ignore[misc]
+        for e in first + [e for e in errors if e is not None]:
+            raise e
         return results
 
     def barrier(self, generation: int) -> None:
