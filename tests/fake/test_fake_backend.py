@@ -147,3 +147,14 @@ def test_spmd_parity_program_is_exact_with_wraparound() -> None:
     assert torch.equal(lost, data[1])
     with pytest.raises(ZeroDivisionError):
         b.spmd([0, 1], lambda c: 1 // 0)
+
+
+def test_the_backend_interface_and_the_core_do_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, leto, leto.core, leto.backends, leto.backends.base; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
