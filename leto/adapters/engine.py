@@ -59,7 +59,13 @@ from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
 from leto.core.txn import TxnState
 from leto.retained.checksum import DOMAIN_GRAD, checksum_chunks
-from leto.retained.layout import ChecksumError, ChunkStatus, LayoutError, RetainedLayout
+from leto.retained.layout import (
+    ChecksumError,
+    ChunkStatus,
+    LayoutError,
+    RetainedLayout,
+    ShapeMismatchError,
+)
 from leto.retained.optim import RetainedOptimizer, is_chunkable, retain
 from leto.retained.parity import (
     add_delta_,
@@ -1399,6 +1405,8 @@ class Engine:
             if p.ropt is None:
                 try:
                     self._attach_layout(p)
+                except ShapeMismatchError:
+                    raise  # the shadow's model does not fit: a program error, not lost memory
                 except (LayoutError, ChecksumError) as e:
                     bad[r] = f"cannot attach its retained state: {e}"
                     continue

@@ -34,16 +34,16 @@ _TRAINING = (
     ev.ParityChunk, ev.Finish, ev.Tier2Snapshot,
 )  # fmt: skip
 
-_reference: list[Any] = []
+_reference: dict[ClusterConfig, Any] = {}
 
 
-def reference() -> Any:
-    """The failure-free run to the model's last step (computed once)."""
-    if not _reference:
-        eng = make_engine(CONFIG.topology, chunk_numel=CHUNK, k=1, core_config=CONFIG)
+def reference(config: ClusterConfig) -> Any:
+    """The failure-free run to the model's last step (computed once per config)."""
+    if config not in _reference:
+        eng = make_engine(config.topology, chunk_numel=CHUNK, k=config.k, core_config=config)
         finish_training(eng)
-        _reference.append(eng)
-    return _reference[0]
+        _reference[config] = eng
+    return _reference[config]
 
 
 def finish_training(eng: Any) -> None:
@@ -52,7 +52,9 @@ def finish_training(eng: Any) -> None:
     model = eng.model
     for _ in range(10_000):
         s = eng.state
-        if all(st == CONFIG.max_step for st in s.step) and all(p is TxnState.IDLE for p in s.pc):
+        if all(st == model.config.max_step for st in s.step) and all(
+            p is TxnState.IDLE for p in s.pc
+        ):
             return
         options = sorted((e for e in model.enabled(s) if isinstance(e, _TRAINING)), key=repr)
         assert options, f"training is stuck in {s}"
@@ -65,7 +67,8 @@ class RealCluster(ClusterMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.engine = make_engine(CONFIG.topology, chunk_numel=CHUNK, k=1, core_config=CONFIG)
+        cfg = self.config
+        self.engine = make_engine(cfg.topology, chunk_numel=CHUNK, k=cfg.k, core_config=cfg)
         assert self.engine.state == self.state
         self.last: ClusterState = self.state
 
@@ -111,13 +114,28 @@ class RealCluster(ClusterMachine):
             event(f"recovered: {rec['kind']}")
         self.engine.coordinator.adopt(self.state)
         finish_training(self.engine)
-        diff = same_state(self.engine, reference())
+        diff = same_state(self.engine, reference(self.config))
         assert not diff, f"not bitwise equal to the failure-free run: {diff}"
 
 
 TestRealCluster = RealCluster.TestCase
 TestRealCluster.settings = settings(
     max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+class RealClusterTwoByTwo(RealCluster):
+    """Two ranks on each node, tier 2 every second step."""
+
+    config = ClusterConfig(topology=Topology((2, 2)), chunks=2, max_step=3, max_faults=3, k=2)
+
+
+TestRealClusterTwoByTwo = RealClusterTwoByTwo.TestCase
+TestRealClusterTwoByTwo.settings = settings(
+    max_examples=30,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -215,3 +215,27 @@ def test_several_faults_in_one_run_across_a_three_node_topology() -> None:
     eng = run(plan, topology=topo)
     # rank 0 fails before any rank has its reduced gradients: nothing to roll back
     assert [r["kind"] for r in eng.recoveries] == ["forward", "tier1", "tier2", "inplace"]
+
+
+def test_a_shadow_whose_model_does_not_fit_is_refused_and_modifies_nothing() -> None:
+    from torch import nn
+
+    from leto.adapters.engine import copy_replica
+    from leto.retained.layout import ShapeMismatchError
+
+    eng = make_engine()
+    eng.train(2)
+    wrong = copy_replica(eng.template)
+    wrong.model[0] = nn.Linear(3, 5)  # the shadow was built from another model
+    eng.template = wrong
+    for r in range(eng.W):
+        eng.backend.spawn_shadow(r, eng._shadow_factory)
+    eng.injector.fail_at(rank=1, step=3, phase="finish")
+    with pytest.raises(ShapeMismatchError, match=r"parameter '0.weight'"):
+        eng.train(4)
+    assert eng.state.phase is Phase.RECONCILING  # it does not resume
+    before = eng.backend.retained_bytes()
+    with pytest.raises(ShapeMismatchError):  # and trying again changes nothing retained
+        eng.run_step()
+    assert eng.backend.retained_bytes() == before
+    assert eng.state.phase is Phase.RECONCILING
