@@ -135,13 +135,16 @@ def wrap(
     backend: Backend | None = None,
     checkpointer: Checkpointer | None = None,
     step_fn: StepFn | None = None,
+    check: bool = False,
 ) -> Session:
     """Wrap a model, its optimizer, an LR scheduler and a data sampler for in-place recovery.
 
     ``config``: a :class:`Config`, a dict, a TOML path, or None (the environment).
     ``backend``: an existing backend holding retained state of this job (a new
     trainer attaching to it); the model must match the retained shapes, and
-    nothing retained is modified if it does not.
+    nothing retained is modified if it does not. ``check``: after every recovery,
+    compare the real state with the protocol core's and recompute the parity (slow;
+    for tests and the demo).
     """
     cfg = Config.load(config)
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
@@ -166,6 +169,7 @@ def wrap(
         tier2=cfg.tier2,
         tier2_interval=cfg.tier2_interval,
         verify=cfg.verify_chunks,
+        check=check,
     )
     engine = Engine(
         backend,

@@ -328,7 +328,7 @@ def _train(
 
     job = build(seed, cfg.ranks)
     session = leto.wrap(
-        job["model"], job["optimizer"], job["scheduler"], job["sampler"], config=cfg
+        job["model"], job["optimizer"], job["scheduler"], job["sampler"], config=cfg, check=plan
     )
     if plan:
         fault_plan(
@@ -441,6 +441,7 @@ def _demo(cfg: Any, steps: int, seed: int, faults: bool, say: Any) -> dict[str, 
         "chunk_size": cfg.chunk_size,
         "tier2_interval": cfg.tier2_interval,
         "checkpoint": cfg.checkpoint_dir is not None,
+        "real_state_matches_core": not eng.mismatches() and not eng.parity_exact(),
         "final_loss": eng.losses.get(steps),
         "reference_final_loss": ref.engine.losses.get(steps),
         "recovery_ms_total": round(sum(r["ms"] for r in eng.recoveries), 3),

@@ -155,6 +155,7 @@ class EngineOptions:
     verify: bool = True
     align_bytes: int = 256
     max_steps: int = 10**9
+    check: bool = False  # after each recovery: real state vs the core's, parity bytes exact
 
 
 def copy_replica(rep: Replica, *, clear_state: bool = False) -> Replica:
@@ -723,6 +724,12 @@ class Engine:
         sampler = self.procs[0].sampler_state
         assert sampler is not None
         self.cursor.restore(sampler)
+        if self.options.check:
+            wrong = self.mismatches(after) + self.parity_exact()
+            if wrong:
+                raise IntegrityError(
+                    f"after recovery the real state differs from the core's: {wrong}"
+                )
         for f in self._open:
             f.recovered += 1
         self._open.clear()

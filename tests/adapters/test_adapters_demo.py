@@ -52,6 +52,7 @@ def test_demo_json_is_bitwise_equal_with_a_failure_at_every_phase(
         "ckpt",
     }
     assert out["final_loss"] == out["reference_final_loss"]
+    assert out["real_state_matches_core"] is True
 
 
 def test_demo_without_checkpoint_stops_on_a_loss_beyond_both_tiers(

@@ -56,7 +56,12 @@ def make_engine(
         step_fn=step_fn,
         sampler=sampler,
         options=EngineOptions(
-            chunk_numel=chunk_numel, tier1=tier1, tier2=tier2, tier2_interval=k, align_bytes=4
+            chunk_numel=chunk_numel,
+            tier1=tier1,
+            tier2=tier2,
+            tier2_interval=k,
+            align_bytes=4,
+            check=True,
         ),
         checkpointer=ckpt,
         core_config=core_config,
