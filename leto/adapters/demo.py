@@ -275,13 +275,16 @@ def _all_phases(inj: Any, n_chunks: int) -> bool:
 # --------------------------------------------------------------------------- run
 
 
+DEFAULTS = {"nodes": 2, "ranks_per_node": 2, "chunk_size": 4096, "tier2_interval": 10}
+
+
 def demo(
     *,
     steps: int = 200,
-    nodes: int = 2,
-    ranks_per_node: int = 2,
-    chunk_size: int = 4096,
-    tier2_interval: int = 10,
+    nodes: int | None = None,
+    ranks_per_node: int | None = None,
+    chunk_size: int | None = None,
+    tier2_interval: int | None = None,
     checkpoint_dir: str | None = None,
     seed: int = 0,
     faults: bool = True,
@@ -290,7 +293,10 @@ def demo(
 ) -> dict[str, Any]:
     """Run the demo (and its failure-free twin); the summary as a dict.
 
-    ``out``: a stream for the human-readable timeline (None: silent).
+    Settings come from ``config`` (a :class:`leto.Config`, dict or TOML path) or,
+    without one, from :data:`DEFAULTS` (2 nodes x 2 ranks, chunks of 4096, K = 10);
+    the keyword arguments that are not None override either. ``out``: a stream for
+    the human-readable timeline (None: silent).
     """
     import leto
     from leto.adapters.engine import UnrecoverableError
@@ -299,16 +305,17 @@ def demo(
         if out is not None:
             print(msg, file=out, flush=True)
 
-    base = {} if config is None else leto.Config.load(config).as_dict()
-    base.update(
-        backend=base.get("backend", "fake"),
-        nodes=nodes,
-        ranks_per_node=ranks_per_node,
-        chunk_size=chunk_size,
-        tier2_interval=tier2_interval,
-        checkpoint_dir=checkpoint_dir,
-        world_size=None,
-    )
+    base: dict[str, Any] = {"backend": "fake", **DEFAULTS}
+    if config is not None:
+        base = leto.Config.load(config).as_dict()
+    given = {
+        "nodes": nodes,
+        "ranks_per_node": ranks_per_node,
+        "chunk_size": chunk_size,
+        "tier2_interval": tier2_interval,
+    }
+    base.update({k: v for k, v in given.items() if v is not None})
+    base.update(checkpoint_dir=checkpoint_dir, world_size=None)
     cfg = leto.Config.from_dict(base)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny simulated ranks: intra-op threads would only contend
@@ -485,16 +492,16 @@ def attrs_evolve(cfg: Any, **changes: Any) -> Any:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="fake", help="backend (only 'fake' is built so far)")
-    parser.add_argument("--config", default=None, help="a leto TOML config (flags override it)")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="a leto TOML config (instead of the demo's defaults; flags override it)",
+    )
     parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
-    parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
-    parser.add_argument(
-        "--chunk-size", type=int, default=4096, help="elements per chunk (default 4096)"
-    )
-    parser.add_argument(
-        "--tier2-interval", type=int, default=10, help="steps between tier-2 snapshots"
-    )
+    parser.add_argument("--nodes", type=int, help="simulated nodes (default 2)")
+    parser.add_argument("--ranks-per-node", type=int, help="ranks per node (default 2)")
+    parser.add_argument("--chunk-size", type=int, help="elements per chunk (default 4096)")
+    parser.add_argument("--tier2-interval", type=int, help="steps between tier-2 snapshots (10)")
     parser.add_argument(
         "--checkpoint-dir", default=None, help="checkpoint directory (default: a temporary one)"
     )
@@ -520,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config: Any = args.config
         if config is None:
-            config = {"backend": args.backend}
+            config = {"backend": args.backend, **DEFAULTS}
         elif args.backend != "fake":
             print(
                 "leto demo: give the backend in the config file or as --backend, not both",

@@ -47,7 +47,6 @@ from leto.backends.base import (
     Coordinator,
     FencedError,
     NodeStore,
-    ProcState,
     Snapshot,
     Work,
 )
@@ -1476,7 +1475,3 @@ class Engine:
         if self.injector is not None:
             self.injector.n_chunks = self.procs[0].layout.n_chunks
         self._log("attach", step=step, detail=self._describe())
-
-
-def alive_ranks(backend: Backend) -> list[int]:
-    return [r for r in range(backend.world_size) if backend.alive(r) is ProcState.ALIVE]
