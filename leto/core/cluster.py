@@ -271,7 +271,9 @@ class ClusterModel:
             gpar=s.gpar,
             committed=s.committed,
             t2=s.t2,
-            t2_intact=len(s.t2lost) <= 1,
+            # Single cross-node parity: the snapshot survives one lost node, and only
+            # when some other node holds that node's share.
+            t2_intact=len(s.t2lost) <= min(1, self.config.topology.nodes - 1),
         )
 
     def plan(self, s: ClusterState) -> Plan:
