@@ -1,0 +1,57 @@
+"""How often the checkpointing baselines checkpoint, and when the failures strike.
+
+Checkpoint interval: Daly's optimum (Young's first-order ``sqrt(2 C M)``, refined;
+:mod:`leto.sim.theory`) of the compute time between checkpoints, for the save cost
+``C`` measured in the job (the time training is blocked) and the MTBF ``M`` given
+on the command line. An asynchronous save blocks only while it stages the state;
+its background write must end before the next one starts, so its interval is at
+least the write time. In steps: rounded, at least one.
+
+Failure schedule (``leto bench recovery``): ``n`` failures, each at a step a
+fraction ``(j + 1/2)/n`` of the way into a checkpoint interval of the synchronous
+disk baseline, so the steps lost to it are spread evenly over the interval (their
+median is half of it, the expected loss under failures uniform in time). Every
+system gets the same steps and the same failing ranks (rotating, so a rank's
+shadow has time to warm again), spaced at least ``gap_s`` of training apart.
+"""
+
+from __future__ import annotations
+
+import math
+
+from leto.sim.theory import daly_interval, young_interval
+
+from .workload import BenchError
+
+__all__ = ["checkpoint_interval_steps", "failure_schedule", "young_interval", "daly_interval"]
+
+
+def checkpoint_interval_steps(
+    save_s: float, mtbf_s: float, step_s: float, write_s: float = 0.0
+) -> int:
+    """Steps between checkpoints (see the module docstring)."""
+    if mtbf_s <= 0:
+        raise BenchError(f"MTBF must be positive, got {mtbf_s}")
+    if step_s <= 0:
+        raise BenchError(f"step time must be positive, got {step_s}")
+    compute_s = max(daly_interval(max(save_s, 0.0), mtbf_s), write_s)
+    steps = max(1, round(compute_s / step_s))
+    if write_s > 0:
+        steps = max(steps, math.ceil(write_s / step_s))
+    return steps
+
+
+def failure_schedule(
+    n: int, interval: int, *, step_s: float, world: int, after_step: int, gap_s: float
+) -> list[dict[str, int]]:
+    """``n`` failures ``{"rank", "step"}`` (see the module docstring)."""
+    if n < 1 or interval < 1:
+        raise BenchError("a failure schedule needs n >= 1 failures and an interval >= 1 step")
+    gap_steps = max(1, math.ceil(gap_s / max(step_s, 1e-9)))
+    spacing = interval * max(1, math.ceil(gap_steps / interval))
+    base = interval * (after_step // interval + 1)
+    out = []
+    for j in range(n):
+        offset = 1 + int((j + 0.5) * interval / n)  # 1..interval
+        out.append({"rank": (j + 1) % world, "step": base + j * spacing + offset})
+    return out

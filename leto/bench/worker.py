@@ -1,0 +1,537 @@
+"""One training process of a benchmark job: ``python -m leto.bench.worker SPEC_JSON``.
+
+The agent (:mod:`leto.bench.agent`) starts these, one per rank, and reads what
+they report on a pipe (JSON lines with ``time.monotonic()`` stamps, a clock every
+process of the machine shares). The first stamp is taken before ``import torch``,
+so a restart's cost is measured from the interpreter's start.
+
+Systems (``spec["system"]``):
+
+``plain``
+    ``DistributedDataParallel`` on gloo, AdamW, no checkpoints.
+``ckpt-disk`` / ``ckpt-disk-async``
+    the same, with ``torch.distributed.checkpoint`` ``save`` (or ``async_save`` on
+    its own gloo group) of model and optimizer every ``interval`` steps to local
+    disk; a restarted process loads the newest complete checkpoint (one with DCP's
+    ``.metadata``, written last) and recomputes the steps since.
+``gemini``
+    the same, with a checkpoint of every step in host memory that outlives the
+    process (the agent's memfd): this rank's copy, and a copy sent over gloo to
+    the next rank's host memory; a restarted process reloads from it.
+``leto``
+    leto's retained layer in real processes: parameters, gradients and AdamW
+    state are views into the rank's memfd (:func:`leto.retained.retain`, chunked
+    AdamW, one transaction per step); gradients are all-reduced flat. On a peer's
+    death the survivors keep their process and state, re-check it and join the
+    next generation's process group; a warm shadow (``role="shadow"``: torch
+    imported, model skeleton on the meta device) attaches to the dead rank's
+    retained state and takes its place.
+
+Failures strike at one point of a step, the same for every system: after the
+forward pass, before the backward (so no gradient of the step has been
+exchanged): where ``plan["fail"]`` says, or at the first such point after a
+``SIGUSR1`` from the agent. The process then reports ``fail`` and SIGKILLs itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+__all__ = ["main"]
+
+_fail_requested = False
+_abort_requested = False
+
+
+def _on_usr1(_sig: int, _frame: Any) -> None:
+    global _fail_requested
+    _fail_requested = True
+
+
+def _on_usr2(_sig: int, _frame: Any) -> None:
+    global _abort_requested
+    _abort_requested = True
+
+
+class _Aborted(RuntimeError):
+    """The agent aborted this generation's collectives (a peer is gone)."""
+
+
+class Events:
+    """JSON lines on the agent's pipe (each line is one atomic write)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def emit(self, ev: str, t: float | None = None, **kw: Any) -> float:
+        t = time.monotonic() if t is None else t
+        line = json.dumps({"ev": ev, "t": t, **kw}) + "\n"
+        os.write(self.fd, line.encode())
+        return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    t0 = time.monotonic()
+    spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    signal.signal(signal.SIGUSR1, _on_usr1)
+    signal.signal(signal.SIGUSR2, _on_usr2)
+    from leto.backends.gloo.procs import die_with_parent
+
+    die_with_parent(spec.get("parent"))
+    out = Events(spec["events_fd"])
+    out.emit("main", t=t0)
+    import torch
+
+    torch.set_num_threads(1)
+    out.emit("torch")
+    try:
+        if spec["role"] == "shadow":
+            _Shadow(spec, out).run()
+        elif spec["system"] == "leto":
+            _LetoTrainer(spec, out).run()
+        else:
+            _DDPTrainer(spec, out).run()
+    except BaseException as e:  # report, then die the way a crashed trainer does
+        if not isinstance(e, SystemExit):
+            out.emit("error", error=f"{type(e).__name__}: {e}"[:1500])
+        raise
+    return 0
+
+
+# --------------------------------------------------------------------------- common
+
+
+class _Trainer:
+    def __init__(self, spec: dict[str, Any], out: Events) -> None:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from .workload import Workload
+
+        self.spec, self.out = spec, out
+        self.torch, self.dist = torch, dist
+        self.rank, self.world = spec["rank"], spec["world"]
+        self.gen = spec["gen"]
+        self.wl = Workload.from_dict(spec["workload"])
+        self.store = dist.TCPStore(
+            "127.0.0.1", spec["store_port"], is_master=False, timeout=timedelta(seconds=120)
+        )
+        self.x, self.y = self.wl.dataset()
+        self.step = 0
+        self.plan: dict[str, Any] = {}
+        self.step_times: list[float] = []
+
+    def get_plan(self, key: str) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(self.store.get(key))
+        return out
+
+    def init_pg(self) -> None:
+        from datetime import timedelta
+
+        self.dist.init_process_group(
+            "gloo",
+            store=self.dist.PrefixStore(f"pg/{self.gen}", self.store),
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(seconds=60),
+        )
+
+    def should_fail(self, s: int) -> bool:
+        f = self.plan.get("fail")
+        return _fail_requested or (f is not None and f["rank"] == self.rank and f["step"] == s)
+
+    def die(self, s: int) -> None:
+        self.out.emit("fail", step=s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def loss(self, model: Any, s: int) -> Any:
+        import torch.nn.functional as F
+
+        idx = self.wl.batch_indices(s, self.rank)
+        return F.cross_entropy(model(self.x[idx]), self.y[idx])
+
+    def finish(self) -> None:
+        self.out.emit("done", step=self.step)
+        os._exit(0)
+
+
+# ------------------------------------------------------------------- DDP baselines
+
+
+class _DDPTrainer(_Trainer):
+    def run(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        system = self.spec["system"]
+        model = self.wl.build_model()
+        self.opt = self.wl.build_optimizer(model)
+        self.out.emit("model")
+        self.init_pg()
+        self.ddp = DDP(model)
+        self.side = None
+        if system in ("gemini", "ckpt-disk-async"):
+            self.side = self.dist.new_group(backend="gloo")
+        self.out.emit("pg")
+        self.gem = None
+        if system == "gemini":
+            from .hostmem import GeminiSlots
+
+            self.gem = GeminiSlots(self.spec["mem_fd"], 3 * self.wl.params)
+            self._gem_views()
+        self.pending: Any = None
+        if self.spec.get("resume"):
+            self.restore()
+        elif self.gem is not None:
+            self.gem.clear()
+        self.out.emit("loaded", step=self.step)
+        self.plan = self.get_plan(f"plan/{self.gen}")
+        cal = self.plan.get("calibrate")
+        if cal:
+            self.train_until(cal["steps"])
+            self.calibrate(cal["saves"])
+            self.plan = self.get_plan(f"plan/{self.gen}/run")
+        self.train_until(self.plan["stop_step"])
+        self.finish()
+
+    def train_until(self, stop: int) -> None:
+        while self.step < stop:
+            s = self.step + 1
+            t = time.monotonic()
+            self.opt.zero_grad(set_to_none=True)
+            loss = self.loss(self.ddp, s)
+            if self.should_fail(s):
+                self.die(s)
+            loss.backward()
+            self.opt.step()
+            self.step = s
+            self.step_times.append(self.out.emit("step", step=s) - t)
+            self.after_step(s)
+
+    # --- checkpoints ---------------------------------------------------------------
+
+    def _state(self, s: int) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.ddp, self.opt)
+        return {"model": msd, "optim": osd, "step": self.torch.tensor(s)}
+
+    def _path(self, s: int) -> str:
+        return os.path.join(self.spec["ckpt_dir"], f"step-{s:08d}")
+
+    def save(self, s: int, path: str) -> float:
+        """One checkpoint; the seconds training was blocked."""
+        import torch.distributed.checkpoint as dcp
+
+        t = time.monotonic()
+        if self.spec["system"] == "ckpt-disk":
+            dcp.save(self._state(s), checkpoint_id=path)
+        elif self.spec["system"] == "ckpt-disk-async":
+            if self.pending is not None:  # a new save waits for the previous one
+                self.pending[1].result()
+                self._durable()
+            fut = dcp.async_save(self._state(s), checkpoint_id=path, process_group=self.side)
+            self.pending = (s, fut, time.monotonic())
+        else:
+            self.gemini_snapshot(s)
+        return time.monotonic() - t
+
+    def _durable(self) -> None:
+        assert self.pending is not None
+        s, _fut, t = self.pending
+        self.out.emit("durable", step=s, write_s=time.monotonic() - t)
+        self.pending = None
+
+    def after_step(self, s: int) -> None:
+        system = self.spec["system"]
+        if self.pending is not None and self.pending[1].done():
+            self.pending[1].result()
+            self._durable()
+        if system == "gemini":
+            self.gemini_snapshot(s)
+        elif system.startswith("ckpt-disk") and s % self.plan["interval"] == 0:
+            block = self.save(s, self._path(s))
+            self.out.emit("ckpt", step=s, block_s=block)
+            if self.rank == 0:
+                self._prune(s)
+
+    def _prune(self, s: int) -> None:
+        """Keep the two newest checkpoints (the newest may still be in flight)."""
+        import shutil
+
+        d = self.spec["ckpt_dir"]
+        steps = sorted(int(n[5:]) for n in os.listdir(d) if n.startswith("step-"))
+        for old in steps[:-2]:
+            shutil.rmtree(os.path.join(d, f"step-{old:08d}"), ignore_errors=True)
+
+    def calibrate(self, saves: int) -> None:
+        """Step time and the cost of this system's checkpoint, measured in the job."""
+        steps = sorted(self.step_times[1:]) or self.step_times
+        blocks, writes = [], []
+        for _ in range(saves):
+            if self.spec["system"] == "gemini":
+                blocks.append(self.save(self.step, ""))
+                continue
+            path = os.path.join(self.spec["ckpt_dir"], "calibrate")
+            blocks.append(self.save(self.step, path))
+            if self.pending is not None:
+                t = self.pending[2]
+                self.pending[1].result()
+                writes.append(time.monotonic() - t)
+                self.pending = None
+        self.out.emit(
+            "calibrated",
+            step_s=steps[len(steps) // 2] if steps else 0.0,
+            save_s=sorted(blocks)[len(blocks) // 2] if blocks else 0.0,
+            write_s=sorted(writes)[len(writes) // 2] if writes else 0.0,
+        )
+
+    def restore(self) -> None:
+        system = self.spec["system"]
+        if system == "gemini":
+            self._gemini_restore()
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        d = self.spec["ckpt_dir"]
+        done = sorted(
+            n
+            for n in os.listdir(d)
+            if n.startswith("step-") and os.path.exists(os.path.join(d, n, ".metadata"))
+        )
+        if not done:
+            return  # no checkpoint yet: start over
+        sd = self._state(0)
+        dcp.load(sd, checkpoint_id=os.path.join(d, done[-1]))
+        set_state_dict(
+            self.ddp, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
+        self.step = int(sd["step"])
+
+    # --- Gemini ------------------------------------------------------------------------
+
+    def _gem_views(self) -> None:
+        P = self.wl.params
+        self.gviews: list[list[Any]] = []
+        for i in range(4):
+            flat = self.gem.slot(i)  # type: ignore[union-attr]
+            views, off = [], 0
+            for p in self.ddp.module.parameters():
+                n = p.numel()
+                views.append([flat[k * P + off : k * P + off + n].view_as(p) for k in range(3)])
+                off += n
+            self.gviews.append(views)
+        self.peer_ops: list[Any] = []
+        self.peer_step = -1
+
+    def gemini_snapshot(self, s: int) -> None:
+        gem = self.gem
+        assert gem is not None
+        self._gemini_wait()
+        i = s % 2
+        gem.set_step(i, -1)
+        with self.torch.no_grad():
+            for p, (vp, va, vb) in zip(self.ddp.module.parameters(), self.gviews[i], strict=True):
+                st = self.opt.state[p]
+                vp.copy_(p)
+                va.copy_(st["exp_avg"])
+                vb.copy_(st["exp_avg_sq"])
+        gem.set_step(i, s)
+        W, r = self.world, self.rank
+        if W > 1:  # and a copy in the next rank's host memory (overlaps the next step)
+            gem.set_step(2 + i, -1)
+            self.peer_ops = [
+                self.dist.isend(gem.slot(i), dst=(r + 1) % W, group=self.side),
+                self.dist.irecv(gem.slot(2 + i), src=(r - 1) % W, group=self.side),
+            ]
+            self.peer_step = s
+
+    def _gemini_wait(self) -> None:
+        if self.peer_ops:
+            for op in self.peer_ops:
+                op.wait()
+            self.gem.set_step(2 + self.peer_step % 2, self.peer_step)  # type: ignore[union-attr]
+            self.peer_ops = []
+
+    def _gemini_restore(self) -> None:
+        gem = self.gem
+        assert gem is not None
+        mine = max(gem.step_of(0), gem.step_of(1))
+        t = self.torch.tensor([mine], dtype=self.torch.int64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)
+        common = int(t.item())
+        if common < 0:
+            gem.clear()
+            return
+        slot = next(i for i in (0, 1) if gem.step_of(i) == common)
+        with self.torch.no_grad():
+            for p, (vp, va, vb) in zip(
+                self.ddp.module.parameters(), self.gviews[slot], strict=True
+            ):
+                p.copy_(vp)
+                self.opt.state[p] = {
+                    "step": self.torch.tensor(float(common)),
+                    "exp_avg": va.clone(),
+                    "exp_avg_sq": vb.clone(),
+                }
+        self.step = common
+
+
+# ------------------------------------------------------------- leto (retained layer)
+
+
+class _LetoTrainer(_Trainer):
+    """A trainer whose state lives in retained memory (see the module docstring).
+
+    Its process group is a ``ProcessGroupGloo`` of its own per generation, not the
+    default group: a generation whose collective is stuck on a dead peer is
+    abandoned (kept referenced, since destroying it waits for its timeout) and the
+    next one is formed beside it, in the same process.
+    """
+
+    graveyard: list[Any]
+
+    def init_pg(self) -> None:
+        from datetime import timedelta
+
+        if not hasattr(self, "graveyard"):
+            self.graveyard = []
+        self.pg = self.dist.ProcessGroupGloo(
+            self.dist.PrefixStore(f"pg/{self.gen}", self.store),
+            self.rank,
+            self.world,
+            timedelta(seconds=60),
+        )
+
+    def bind(self, model: Any, opt: Any, attach: bool) -> None:
+        from leto.retained import retain
+
+        from .hostmem import Arena
+
+        self.arena = Arena(self.spec["mem_fd"])
+        self.model = model
+        self.ropt = retain(
+            model,
+            opt,
+            chunk_numel=self.wl.chunk_numel,
+            alloc=self.arena,
+            attach=attach,
+            verify=True,
+        )
+
+    def run(self) -> None:
+        model = self.wl.build_model()
+        self.bind(model, self.wl.build_optimizer(model), attach=False)
+        self.arena.write_state(0, self.ropt.process_state())
+        self.out.emit("model")
+        self.init_pg()
+        self.out.emit("pg")
+        self.out.emit("loaded", step=0)
+        self.plan = self.get_plan(f"plan/{self.gen}")
+        cal = self.plan.get("calibrate")
+        if cal:
+            self.train_until(cal["steps"])
+            steps = sorted(self.step_times[1:]) or self.step_times
+            self.out.emit("calibrated", step_s=steps[len(steps) // 2], save_s=0.0, write_s=0.0)
+            self.plan = self.get_plan(f"plan/{self.gen}/run")
+        self.loop()
+
+    def loop(self) -> None:
+        while True:
+            try:
+                self.train_until(self.plan["stop_step"])
+                self.finish()
+            except RuntimeError as e:  # a peer died inside a collective
+                self.out.emit("abort", step=self.step + 1, error=str(e)[:300])
+                self.graveyard.append(self.pg)
+                self.reconcile()
+                self.gen += 1
+                self.plan = self.get_plan(f"plan/{self.gen}")
+                self.init_pg()
+                self.out.emit("pg")
+
+    def reconcile(self) -> None:
+        """Check every chunk's checksum; undo a step that was begun but not finished."""
+        lay = self.ropt.layout
+        bad = lay.verify()
+        if bad:
+            raise RuntimeError(f"rank {self.rank}: chunks {bad} fail their checksums")
+        if lay.prepared_step > self.ropt.version or any(
+            lay.chunk_status(c).value != "clean" for c in range(lay.n_chunks)
+        ):
+            self.ropt.roll_back()
+        self.step = self.ropt.version
+        self.out.emit("reconciled", step=self.step)
+
+    def wait(self, work: Any) -> None:
+        """Wait for a collective, but give up when the agent aborts this generation
+        (a survivor may wait on another survivor, which no socket error reaches)."""
+        global _abort_requested
+        from datetime import timedelta
+
+        poll = timedelta(milliseconds=50)
+        while True:
+            try:
+                work.wait(timeout=poll)
+                return
+            except RuntimeError as e:
+                if "Operation timed out" not in str(e):
+                    raise
+            if _abort_requested:
+                _abort_requested = False
+                if self.store.check([f"abort/{self.gen}"]):
+                    raise _Aborted(f"generation {self.gen} aborted by the agent")
+
+    def train_until(self, stop: int) -> None:
+        W = self.world
+        while self.step < stop:
+            s = self.step + 1
+            t = time.monotonic()
+            self.ropt.zero_grad(set_to_none=True)
+            loss = self.loss(self.model, s)
+            if self.should_fail(s):
+                self.die(s)
+            loss.backward()
+            g = self.ropt.layout.grad_buffer
+            self.wait(self.pg.allreduce([g]))
+            g.div_(W)
+            self.ropt.step()
+            self.arena.write_state(s, self.ropt.process_state())
+            self.step = s
+            self.step_times.append(self.out.emit("step", step=s) - t)
+
+
+class _Shadow(_LetoTrainer):
+    """A warm standby for one rank: it has paid for torch and the model skeleton."""
+
+    def run(self) -> None:
+        model = self.wl.build_model(device="meta")
+        opt = self.wl.build_optimizer(model)
+        self.out.emit("warm")
+        line = sys.stdin.readline()
+        if not line:
+            os._exit(0)  # the job ended
+        self.gen = json.loads(line)["gen"]
+        self.out.emit("promote")
+        self.bind(model, opt, attach=True)
+        found = self.arena.read_state()
+        if found is None:
+            raise RuntimeError(f"rank {self.rank}: no process state in retained memory")
+        self.ropt.load_process_state(found[1])
+        self.out.emit("attached", step=self.ropt.version)
+        self.reconcile()
+        self.plan = self.get_plan(f"plan/{self.gen}")
+        self.init_pg()
+        self.out.emit("pg")
+        self.loop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The training job every system runs: one model, one data stream, one size.
+
+An MLP of ``layers`` GELU blocks of width ``width`` and a classifier, trained with
+AdamW on a fixed synthetic classification set (inputs from a seeded generator,
+labels from a random linear teacher, so the loss falls). Its parameter count is
+``layers * (width**2 + width) + width * classes + classes``, so a size such as
+``16M`` picks the width (a multiple of 64) whose count is nearest.
+
+The data stream is a function of the step: global batch ``s`` is drawn from a
+generator seeded with ``(seed, s)``, and rank ``r`` of ``W`` takes rows
+``r::W``. A process that restarts at step ``s`` therefore sees exactly the
+batches the failed one would have seen, with no sampler state to restore.
+
+This module imports torch only inside the functions that build tensors, so the
+command line can validate sizes and memory before any process starts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = [
+    "BenchError",
+    "Workload",
+    "available_memory",
+    "parse_count",
+    "format_count",
+]
+
+LAYERS = 4
+CLASSES = 16
+SAMPLES = 2048
+_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
+
+
+class BenchError(ValueError):
+    """Bad benchmark input, or a run that cannot go on; the message is one line."""
+
+
+def parse_count(text: str) -> int:
+    """``"16M"`` -> 16000000 (suffixes K, M, G; case-insensitive; decimals allowed)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", str(text))
+    if not m:
+        raise BenchError(f"model size {text!r} is not a parameter count such as 4M or 250K")
+    value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if value < 1:
+        raise BenchError(f"model size {text!r} must be a positive parameter count")
+    return int(round(value))
+
+
+def format_count(n: int) -> str:
+    for suffix, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def params_of(width: int, layers: int = LAYERS, classes: int = CLASSES) -> int:
+    return layers * (width * width + width) + width * classes + classes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Model and data of one benchmark run (JSON-able: it is sent to every worker)."""
+
+    width: int
+    layers: int = LAYERS
+    classes: int = CLASSES
+    batch: int = 32  # rows per rank per step
+    world: int = 4
+    seed: int = 0
+    lr: float = 1e-3
+    chunk_numel: int = 1 << 20  # leto's chunk size (elements)
+
+    @classmethod
+    def for_params(cls, target: int, **kw: Any) -> Workload:
+        """The workload whose model has the parameter count nearest ``target``."""
+        layers = kw.get("layers", LAYERS)
+        w = max(64, int(round(math.sqrt(target / layers) / 64.0)) * 64)
+        best = min((w - 64, w, w + 64), key=lambda x: abs(params_of(max(64, x), layers) - target))
+        return cls(width=max(64, best), **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Workload:
+        return cls(**d)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def params(self) -> int:
+        return params_of(self.width, self.layers, self.classes)
+
+    @property
+    def label(self) -> str:
+        return format_count(self.params)
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters and AdamW's two moments, fp32: what a checkpoint holds per replica."""
+        return 12 * self.params
+
+    # ------------------------------------------------------------------ memory
+
+    def memory_estimate(self, system: str) -> int:
+        """Peak bytes of the whole machine while ``system`` runs (all its processes).
+
+        Deliberately generous: every torch process costs ~350 MB before any
+        tensor; a plain replica holds params, grads and two AdamW moments
+        (16 B/param) plus DDP's gradient buckets (4 B/param).
+        """
+        P, W = self.params, self.world
+        proc = 350 * 2**20
+        data = SAMPLES * self.width * 4
+        replica = 20 * P + data
+        if system in ("plain", "ckpt-disk"):
+            return W * (proc + replica + 12 * P)  # DCP write buffers
+        if system == "ckpt-disk-async":
+            return W * (proc + replica + 24 * P)  # + the staged copy
+        if system == "gemini":
+            return W * (proc + replica + 12 * P + 48 * P)  # + 2 slots x (own + peer) in host memory
+        if system == "leto":
+            # trainers (retained layout: 16 B/param + one chunk of undo) and warm shadows
+            return W * (2 * proc + 20 * P + data) + self.engine_estimate()
+        raise BenchError(f"unknown system {system!r}")
+
+    def engine_estimate(self) -> int:
+        """The engine on the fake backend (every rank in one process): retained state,
+        replicas, shadows, tier-1 parity and tier-2 snapshots of all ranks."""
+        return 350 * 2**20 + self.world * 64 * self.params
+
+    # ------------------------------------------------------------- torch parts
+
+    def build_model(self, device: str = "cpu") -> nn.Module:
+        import torch
+        from torch import nn
+
+        torch.manual_seed(self.seed)
+        blocks: list[nn.Module] = []
+        for _ in range(self.layers):
+            blocks += [nn.Linear(self.width, self.width, device=device), nn.GELU()]
+        blocks.append(nn.Linear(self.width, self.classes, device=device))
+        return nn.Sequential(*blocks)
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        import torch
+
+        return torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.01)
+
+    def dataset(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed + 1)
+        x = torch.randn(SAMPLES, self.width, generator=g)
+        teacher = torch.randn(self.width, self.classes, generator=g)
+        return x, (x @ teacher).argmax(dim=1)
+
+    def batch_indices(self, step: int, rank: int) -> torch.Tensor:
+        """Rows of rank ``rank``'s share of global batch ``step`` (steps count from 1)."""
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        idx = torch.randint(0, SAMPLES, (self.world * self.batch,), generator=g)
+        return idx[rank :: self.world]
+
+
+def available_memory() -> int:
+    """``MemAvailable`` of this machine in bytes (0 when unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
