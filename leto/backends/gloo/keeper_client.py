@@ -57,8 +57,22 @@ class KeeperClient:
             raise KeeperError(f"keeper refused {msg.get('op')}: {why}")
         return reply, fds
 
-    def _hello(self) -> None:
-        _, fds = self._call({"op": "hello", "generation": self.generation, "role": self.role})
+    def _hello(self, patience: float = 5.0) -> None:
+        import time
+
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                _, fds = self._call(
+                    {"op": "hello", "generation": self.generation, "role": self.role}
+                )
+                break
+            except FencedError as e:
+                # the agent admits a new trainer right after forking it: a hello may win
+                # that race; a fenced generation never becomes current again
+                if "not the trainer admitted" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
         if len(fds) != 1:
             raise KeeperError("keeper sent no fence word")
         try:

@@ -1,0 +1,119 @@
+"""What a forked trainer or shadow runs: the user's script, connected to its agent.
+
+The zygote calls :func:`child_main` in the child. It sets the torchrun-style
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``, ...), connects to the node agent, and runs the script as
+``__main__`` (``runpy``). ``leto.wrap`` with ``backend="gloo"`` then finds the
+connection here (:data:`CHANNEL`) and turns into a :class:`~.runtime.GlooSession`;
+in a shadow it returns only once the shadow is promoted. An exception anywhere is
+reported to the agent with its traceback before the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+from typing import Any
+
+from .channel import AgentChannel, AgentGone
+
+__all__ = ["CHANNEL", "SPEC", "child_main"]
+
+CHANNEL: AgentChannel | None = None
+SPEC: dict[str, Any] = {}
+
+
+def _install_wrap_dispatch() -> None:
+    """Route ``leto.wrap(..., config with backend="gloo")`` to the gloo session.
+
+    Stopgap until ``leto.adapters.api.wrap`` dispatches on the backend itself (see
+    docs/gloo.md): the original function still serves every other backend.
+    """
+    try:
+        from leto.adapters import api
+    except ImportError:  # pragma: no cover - adapters not installed
+        return
+    if getattr(api.wrap, "_leto_gloo", False):
+        return
+    original = api.wrap
+
+    def wrap(
+        model: Any, optimizer: Any, scheduler: Any = None, sampler: Any = None, **kw: Any
+    ) -> Any:
+        from leto.adapters.config import Config
+
+        cfg = Config.load(kw.get("config"))
+        if cfg.backend == "gloo":
+            from .runtime import wrap_gloo
+
+            return wrap_gloo(model, optimizer, scheduler, sampler, **{**kw, "config": cfg})
+        return original(model, optimizer, scheduler, sampler, **kw)
+
+    wrap._leto_gloo = True  # type: ignore[attr-defined]
+    api.wrap = wrap
+    import leto
+
+    leto.__dict__.pop("wrap", None)  # leto.wrap is resolved lazily from leto.adapters.api
+
+
+def child_main(spec: dict[str, Any]) -> int:
+    global CHANNEL, SPEC
+    SPEC = spec
+    os.environ.update({k: str(v) for k, v in spec["env"].items()})
+    os.chdir(spec["cwd"])
+    try:
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+        sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    except AttributeError:  # pragma: no cover
+        pass
+    import torch
+
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    hello = {k: spec[k] for k in ("role", "rank", "local_rank", "node", "incarnation") if k in spec}
+    CHANNEL = AgentChannel(spec["agent_socket"], hello, heartbeat=float(spec.get("heartbeat", 0.5)))
+    _install_wrap_dispatch()
+    script = spec["script"]
+    sys.argv = [script, *spec.get("args", [])]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except AgentGone as e:
+        sys.stderr.write(f"leto: {e}\n")
+        code = 1
+    except BaseException:  # noqa: BLE001 - every failure is reported, then the process ends
+        tb = traceback.format_exc()
+        sys.stderr.write(tb)
+        code = 1
+        try:
+            CHANNEL.send(
+                {"t": "error", "traceback": tb, "phase": CHANNEL.phase, "step": CHANNEL.step}
+            )
+        except AgentGone:
+            pass
+    if code == 0:
+        from . import runtime
+
+        try:
+            runtime.finish(CHANNEL)
+        except AgentGone:
+            code = 1
+        except BaseException:  # noqa: BLE001
+            tb = traceback.format_exc()
+            sys.stderr.write(tb)
+            code = 1
+            try:
+                CHANNEL.send(
+                    {"t": "error", "traceback": tb, "phase": "finish", "step": CHANNEL.step}
+                )
+            except AgentGone:
+                pass
+    try:
+        CHANNEL.send({"t": "exit", "code": code})
+    except AgentGone:
+        pass
+    return code

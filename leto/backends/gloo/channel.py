@@ -1,0 +1,167 @@
+"""A trainer's (or shadow's) connection to its node agent, with heartbeats.
+
+A reader thread takes every message off the socket: ``commit`` and ``t2``
+decisions are recorded (a waiting step wakes up), ``abort`` raises a flag the
+training loop checks at each safe point, replies to requests are matched by id,
+and commands (``promote``, ``report``, ``reconcile``, ``rebuild``, ``resume``,
+``complete``, ...) queue up for the loop that follows recovery. A heartbeat
+thread sends ``{"t": "hb", phase, step, progress}`` every interval, so a process
+that stops (SIGSTOP, a deadlock in native code) goes silent and the agent's
+heartbeat timeout catches it; one stuck in Python with the heartbeat alive is
+caught by the progress counter not moving.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from .wire import Conn, WireError, connect_unix
+
+__all__ = ["AgentChannel", "Aborted", "AgentGone"]
+
+
+class Aborted(Exception):
+    """The coordinator started a recovery: stop at this safe point."""
+
+
+class AgentGone(RuntimeError):
+    """The node agent went away (the node is being torn down)."""
+
+
+COMMANDS = {"promote", "report", "reconcile", "rebuild", "resume", "complete", "fail", "abort"}
+
+
+class AgentChannel:
+    def __init__(self, socket_name: str, hello: dict[str, Any], heartbeat: float = 0.5) -> None:
+        self.conn = Conn(connect_unix("\0" + socket_name, timeout=30.0), send_timeout=30.0)
+        self.info = dict(hello)
+        self.phase = "startup"
+        self.step = 0
+        self.progress = 0
+        self.commits: set[tuple[int, int]] = set()
+        self.t2: set[int] = set()
+        self.abort_gen = -1
+        self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._replies: dict[int, tuple[dict[str, Any], list[int]]] = {}
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self.gone = False
+        self.conn.send({"t": "hello", **hello, "pid": os.getpid()})
+        self._reader = threading.Thread(target=self._read, name="leto-agent-reader", daemon=True)
+        self._reader.start()
+        self._hb = threading.Thread(
+            target=self._beat, args=(heartbeat,), name="leto-heartbeat", daemon=True
+        )
+        self._hb.start()
+
+    # --- threads -------------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg, fds = self.conn.recv()
+            except (WireError, OSError):
+                with self._cond:
+                    self.gone = True
+                    self._cond.notify_all()
+                self.commands.put({"t": "gone"})
+                return
+            t = msg.get("t")
+            with self._cond:
+                if "re" in msg:
+                    self._replies[int(msg["re"])] = (msg, fds)
+                elif t == "commit":
+                    self.commits.add((int(msg["gen"]), int(msg["step"])))
+                elif t == "t2":
+                    self.t2.add(int(msg["step"]))
+                elif t == "abort":
+                    self.abort_gen = max(self.abort_gen, int(msg["gen"]))
+                self._cond.notify_all()
+            if t in COMMANDS:
+                self.commands.put(msg)
+
+    def _beat(self, interval: float) -> None:
+        while not self.gone:
+            try:
+                self.conn.send(
+                    {"t": "hb", "phase": self.phase, "step": self.step, "progress": self.progress}
+                )
+            except WireError:
+                return
+            time.sleep(interval)
+
+    # --- use -------------------------------------------------------------------------
+
+    def send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+        try:
+            self.conn.send(msg, fds or [])
+        except WireError as e:
+            raise AgentGone(f"the node agent is gone: {e}") from None
+
+    def request(
+        self, msg: dict[str, Any], timeout: float = 60.0
+    ) -> tuple[dict[str, Any], list[int]]:
+        """Send ``msg`` and wait for the agent's reply to it."""
+        rid = next(self._ids)
+        self.send({**msg, "id": rid})
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while rid not in self._replies:
+                if self.gone:
+                    raise AgentGone("the node agent is gone")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no reply from the agent to {msg.get('t')} in {timeout} s")
+                self._cond.wait(left)
+            reply, fds = self._replies.pop(rid)
+        if not reply.get("ok", True):
+            for fd in fds:
+                os.close(fd)
+            raise RuntimeError(f"agent refused {msg.get('t')}: {reply.get('why')}")
+        return reply, fds
+
+    def aborted_since(self, gen: int) -> bool:
+        return self.abort_gen >= gen
+
+    def mark(self, phase: str, step: int | None = None) -> None:
+        """Record progress; a new phase is told to the agent at once (so a death is placed)."""
+        changed = phase != self.phase or (step is not None and step != self.step)
+        self.phase = phase
+        if step is not None:
+            self.step = step
+        self.progress += 1
+        if changed:
+            try:
+                self.conn.send(
+                    {"t": "hb", "phase": phase, "step": self.step, "progress": self.progress}
+                )
+            except WireError:
+                pass
+
+    def wait_for(self, what: str, key: Any, gen: int, timeout: float | None = None) -> None:
+        """Block until ``commit``/``t2`` ``key`` arrived; :class:`Aborted` if ``gen`` is aborted."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self.abort_gen >= gen:
+                    raise Aborted(f"recovery started (generation {self.abort_gen})")
+                if self.gone:
+                    raise AgentGone("the node agent is gone")
+                have = self.commits if what == "commit" else self.t2
+                if key in have:
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no {what} {key} within {timeout} s")
+                self._cond.wait(0.5 if left is None else min(0.5, left))
+
+    def next_command(self, timeout: float | None = None) -> dict[str, Any]:
+        msg = self.commands.get(timeout=timeout)
+        if msg.get("t") == "gone":
+            raise AgentGone("the node agent is gone")
+        return msg

@@ -1,0 +1,785 @@
+"""The recovery coordinator of a gloo job: the core's ClusterModel, fed by real events.
+
+It runs inside the agent of node 0 (no torch, no IO but the event log; time comes
+in as an argument). Agents forward what their processes report; the coordinator
+turns it into the core's events, steps :class:`~leto.core.cluster.ClusterModel`
+(the same model the TLA+ spec and the explicit-state checker verify), and turns
+the effects into commands for the agents (``outbox``: ``(node or None for every
+node, message)``).
+
+Training path, per step ``V``: every rank's ``vote`` (gradients sealed, gradient
+parity written, prepare record in its node's memory) -> once all ``W`` are in, the
+step's ``Compute``/``Reduce``/``Prepare`` of every rank and ``Decide`` are fed and
+``commit(V)`` is broadcast (COMMIT lives here, outside every trainer). Each rank's
+``finished(V)`` feeds its ``BeginChunk``/``EndChunk``/``ParityChunk`` per chunk and
+``Finish``. Every K steps the ranks' ``snapshot_done`` feed ``Tier2Snapshot``. So
+between failures the model's state is exactly the job's at step boundaries.
+
+Recovery: a failure report becomes ``Crash``/``Hang``/``LoseMemory``/``LoseNode``;
+then, as the core allows: ``Detect`` (abort broadcast), ``Fence`` (agents kill the
+stale processes and fence the keepers; promotion waits for their answer),
+``Promote`` per failed rank (warm or cold shadow), ``EndPromote``, then every
+trainer joins the communicator of the new generation and reports the *truth*
+of its retained state (chunk versions, undo copies, sealed gradients, its node's
+parity records), which replaces the model's data/undo/grad/par/gpar (a trainer
+that died between doing something and reporting it leaves the model one event
+behind; the retained headers never are) before the core computes the reconcile
+plan. ``Reconcile`` (or ``GoFallback`` + ``RestoreCheckpoint``) is carried out by
+every trainer, then ``Rebuild`` and ``Resume``. A failure during any of it feeds
+``Detect`` again where the core allows it: recovery restarts at the next
+generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import attrs
+
+from leto.core import events as ev
+from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState
+from leto.core.erasure import Topology
+from leto.core.errors import ProtocolError
+from leto.core.recovery import Kind, Phase
+from leto.core.shadow import ShadowState
+from leto.core.trainer import TrainerState
+
+from .eventlog import EventLog
+
+__all__ = ["Coordinator", "CoordinatorOptions"]
+
+Out = tuple[int | None, dict[str, Any]]
+BIG = 10**12
+
+
+@dataclass
+class CoordinatorOptions:
+    spare_timeout: float = 60.0  # a lost node's replacement must join within this
+    recovery_timeout: float = 180.0  # one recovery phase waiting longer fails the job
+    stopped_grace: float = 2.0  # a collective error with no failure reported: then blame it
+    max_recoveries: int = 100
+
+
+@dataclass
+class _Recovery:
+    started: float
+    from_step: int
+    generation: int = 0
+    restarts: int = 0
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    phase_start: float = 0.0
+    phase_name: str = "detect"
+    phases: dict[str, float] = field(default_factory=dict)
+    promoted: list[dict[str, Any]] = field(default_factory=list)
+    plan: dict[str, Any] = field(default_factory=dict)
+    summaries: dict[int, dict[str, Any]] = field(default_factory=dict)
+    snapshot: dict[int, Any] = field(default_factory=dict)
+    truth_notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Wait:
+    what: str  # "fence" | "promote" | "report" | "reconcile" | "rebuild"
+    generation: int
+    pending: set[int]  # nodes (fence) or ranks
+    since: float
+
+
+class Coordinator:
+    """See the module docstring. Drive it with :meth:`handle` and :meth:`tick`."""
+
+    def __init__(
+        self,
+        nodes: int,
+        per_node: int,
+        *,
+        log: EventLog,
+        options: CoordinatorOptions | None = None,
+    ) -> None:
+        self.topology = Topology.uniform(nodes, per_node)
+        self.W = nodes * per_node
+        self.log = log
+        self.opt = options or CoordinatorOptions()
+        self.outbox: list[Out] = []
+        self.model: ClusterModel | None = None
+        self.state: ClusterState | None = None
+        self.info: dict[str, Any] = {}  # from the trainers' ready reports
+        self.ready: dict[int, dict[str, Any]] = {}
+        self.votes: dict[int, set[int]] = {}
+        self.finished: dict[int, set[int]] = {}
+        self.snaps: dict[int, dict[int, Any]] = {}
+        self.t2_step = 0
+        self.t2_meta: dict[int, Any] = {}  # rank -> {checksums, ps} of the confirmed snapshot
+        self.nodes_up: set[int] = set()
+        self.nodes_lost_at: dict[int, float] = {}
+        self.shadow_pending: list[tuple[int, str]] = []  # shadow reports before the model exists
+        self.rec: _Recovery | None = None
+        self.wait: _Wait | None = None
+        self.reports: dict[int, dict[str, Any]] = {}
+        self.stopped_at: dict[int, float] = {}
+        self.done: dict[int, dict[str, Any]] = {}
+        self.finished_nodes: set[int] = set()
+        self.failed: str | None = None
+        self.complete = False
+        self.recoveries: list[dict[str, Any]] = []
+        self.losses: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _send(self, node: int | None, msg: dict[str, Any]) -> None:
+        self.outbox.append((node, msg))
+
+    def _node_of(self, rank: int) -> int:
+        return self.topology.node_of(rank)
+
+    @property
+    def generation(self) -> int:
+        return self.state.gen if self.state is not None else 0
+
+    def _feed(self, e: ev.Event) -> tuple[tuple[str, dict[str, Any]], ...]:
+        assert self.model is not None and self.state is not None
+        after, effects = self.model.step(self.state, e)
+        self.state = self._patched(after)
+        return effects
+
+    def _try(self, e: ev.Event) -> bool:
+        assert self.model is not None and self.state is not None
+        if self.model.why_not(self.state, e) is not None:
+            return False
+        self._feed(e)
+        return True
+
+    def _patched(self, s: ClusterState) -> ClusterState:
+        if self.info.get("tier1", True):
+            return s
+        n = len(s.par)
+        return attrs.evolve(s, par=(None,) * n, gpar=(None,) * n)
+
+    def fail(self, message: str, **fields: Any) -> None:
+        if self.failed is not None:
+            return
+        self.failed = message
+        self.log.write("job_failed", error=message, **fields)
+        self._send(None, {"t": "fail", "error": message})
+
+    # ------------------------------------------------------------------ inputs
+
+    def handle(self, node: int, msg: dict[str, Any], now: float) -> None:
+        """One message from the agent of ``node``."""
+        t = msg.get("t")
+        handler = getattr(self, "_on_" + str(t), None)
+        if handler is None:
+            self.log.write("unknown_message", node=node, message=msg)
+            return
+        handler(node, msg, now)
+        if self.model is not None and self.failed is None and not self.complete:
+            self._advance(now)
+
+    def node_up(self, node: int, *, spare: bool, now: float) -> None:
+        self.nodes_up.add(node)
+        self.nodes_lost_at.pop(node, None)
+        self.log.write("node_joined", node=node, spare=spare)
+
+    def node_down(self, node: int, now: float, why: str = "agent link closed") -> None:
+        """The link to ``node``'s agent closed: the node is lost (unless the job is over)."""
+        self.nodes_up.discard(node)
+        if self.complete or self.failed is not None:
+            return
+        if self.model is None:
+            self.fail(f"node {node} was lost before training started ({why})")
+            return
+        self.nodes_lost_at[node] = now
+        self._failure({"kind": "node_lost", "node": node, "detected_by": why, "rank": None}, now)
+        self._advance(now)
+
+    def tick(self, now: float) -> None:
+        """Timers: a spare that does not come, a recovery stuck waiting."""
+        if self.failed is not None or self.complete or self.model is None:
+            return
+        for node, since in list(self.nodes_lost_at.items()):
+            if now - since > self.opt.spare_timeout and node not in self.nodes_up:
+                self.fail(
+                    f"node {node} was lost and no replacement joined within "
+                    f"{self.opt.spare_timeout:g} s: start `leto launch` with --node-rank {node} "
+                    "on a spare node (same arguments) to recover in place"
+                )
+                return
+        if self.wait is not None and now - self.wait.since > self.opt.recovery_timeout:
+            self.fail(
+                f"recovery stuck: waited {now - self.wait.since:.1f} s for {self.wait.what} "
+                f"of generation {self.wait.generation} from {sorted(self.wait.pending)}"
+            )
+            return
+        s = self.state
+        assert s is not None
+        for rank, since in list(self.stopped_at.items()):
+            if now - since > self.opt.stopped_grace:
+                del self.stopped_at[rank]
+                if s.phase is Phase.RUNNING and s.trainer[rank] is TrainerState.ALIVE:
+                    self._failure(
+                        {
+                            "kind": "collective_error",
+                            "rank": rank,
+                            "detected_by": "collective error with no failure reported",
+                        },
+                        now,
+                    )
+                    self._advance(now)
+
+    # --- start ---------------------------------------------------------------
+
+    def _on_ready(self, node: int, msg: dict[str, Any], now: float) -> None:
+        r = int(msg["rank"])
+        self.ready[r] = msg
+        if len(self.ready) < self.W or self.model is not None:
+            return
+        infos = list(self.ready.values())
+        keys = ("n_chunks", "chunk_numel", "tier1", "tier2", "tier2_interval", "checkpoint")
+        for k in keys:
+            vals = {str(i.get(k)) for i in infos}
+            if len(vals) > 1:
+                self.fail(
+                    f"ranks disagree on {k}: {sorted(vals)} (is every node running the same script and config?)"
+                )
+                return
+        self.info = {k: infos[0].get(k) for k in keys}
+        tier2 = bool(self.info["tier2"]) and self.topology.nodes >= 1
+        cfg = ClusterConfig(
+            topology=self.topology,
+            chunks=int(self.info["n_chunks"]),
+            max_step=BIG,
+            max_faults=BIG,
+            k=int(self.info["tier2_interval"]) if tier2 else BIG,
+        )
+        self.model = ClusterModel(cfg)
+        s = self.model.initial()
+        # shadows are started with the trainers: spawning until they report warm
+        s = attrs.evolve(s, shadow=(ShadowState.SPAWNING,) * self.W)
+        self.state = self._patched(s)
+        for r, i in self.ready.items():
+            self.t2_meta[r] = i.get("snapshot")
+        self.log.write(
+            "training_started",
+            n_chunks=cfg.chunks,
+            chunk_numel=self.info["chunk_numel"],
+            tier1=self.info["tier1"],
+            tier2=self.info["tier2"],
+            tier2_interval=self.info["tier2_interval"],
+            checkpoint=self.info["checkpoint"],
+            world_size=self.W,
+            nodes=self.topology.nodes,
+        )
+        for r, st in self.shadow_pending:
+            self._shadow(r, st)
+        self.shadow_pending.clear()
+        self._send(None, {"t": "t2", "step": 0, "gen": 0})  # the step-0 snapshot is current
+
+    # --- training path ---------------------------------------------------------
+
+    def _current(self, msg: dict[str, Any]) -> bool:
+        return self.state is not None and int(msg.get("gen", -1)) == self.state.gen
+
+    def _on_vote(self, node: int, msg: dict[str, Any], now: float) -> None:
+        if not self._current(msg):
+            return
+        s = self.state
+        assert s is not None
+        step = int(msg["step"])
+        votes = self.votes.setdefault(step, set())
+        votes.add(int(msg["rank"]))
+        if len(votes) < self.W or s.phase is not Phase.RUNNING or step != s.committed + 1:
+            return
+        try:
+            for e in (
+                *(ev.Compute(r) for r in range(self.W)),
+                *(ev.Reduce(r) for r in range(self.W)),
+                *(ev.Prepare(r) for r in range(self.W)),
+                ev.Decide(),
+            ):
+                self._feed(e)
+        except ProtocolError as err:
+            self.log.write("model_mismatch", step=step, error=str(err))
+            return
+        del self.votes[step]
+        self._send(None, {"t": "commit", "step": step, "gen": s.gen})
+
+    def _on_finished(self, node: int, msg: dict[str, Any], now: float) -> None:
+        if not self._current(msg):
+            return
+        r, step = int(msg["rank"]), int(msg["step"])
+        assert self.model is not None
+        try:
+            for c in range(self.model.config.chunks):
+                self._feed(ev.BeginChunk(r, c))
+                self._feed(ev.EndChunk(r, c))
+                self._feed(ev.ParityChunk(r, c))
+            self._feed(ev.Finish(r))
+        except ProtocolError as err:
+            self.log.write("model_mismatch", step=step, rank=r, error=str(err))
+            return
+        if msg.get("loss") is not None:
+            fin = self.finished.setdefault(step, set())
+            fin.add(r)
+            self.losses[step] = self.losses.get(step, 0.0) + float(msg["loss"]) / self.W
+            if len(fin) == self.W:
+                del self.finished[step]
+                self.log.write("step", step=step, loss=round(self.losses[step], 6))
+
+    def _on_snapshot_done(self, node: int, msg: dict[str, Any], now: float) -> None:
+        if not self._current(msg):
+            return
+        step = int(msg["step"])
+        got = self.snaps.setdefault(step, {})
+        got[int(msg["rank"])] = msg.get("meta")
+        if len(got) < self.W:
+            return
+        del self.snaps[step]
+        if not self._try(ev.Tier2Snapshot()):
+            self.log.write("model_mismatch", step=step, error="Tier2Snapshot not enabled")
+            return
+        self.t2_step = step
+        self.t2_meta = dict(got)
+        self._send(None, {"t": "t2", "step": step, "gen": self.generation})
+        self.log.write("tier2_snapshot", step=step)
+
+    def _on_done(self, node: int, msg: dict[str, Any], now: float) -> None:
+        if not self._current(msg):
+            return
+        self.done[int(msg["rank"])] = msg
+        if len(self.done) < self.W:
+            return
+        steps = {int(m["step"]) for m in self.done.values()}
+        if len(steps) != 1:
+            self.fail(f"ranks finished at different steps: {sorted(steps)}")
+            return
+        self.complete = True
+        self.log.write(
+            "training_done",
+            step=steps.pop(),
+            digests={str(r): m.get("digest") for r, m in sorted(self.done.items())},
+            recoveries=len(self.recoveries),
+        )
+        self._send(None, {"t": "complete"})
+
+    def _on_node_finished(self, node: int, msg: dict[str, Any], now: float) -> None:
+        self.finished_nodes.add(node)
+
+    # --- shadows -----------------------------------------------------------------
+
+    def _on_shadow(self, node: int, msg: dict[str, Any], now: float) -> None:
+        r, st = int(msg["rank"]), str(msg["state"])
+        self.log.write("shadow", rank=r, state=st, reason=msg.get("reason", ""))
+        if self.model is None:
+            self.shadow_pending.append((r, st))
+            return
+        self._shadow(r, st)
+
+    def _shadow(self, r: int, st: str) -> None:
+        if st == "warm":
+            self._try(ev.ShadowWarm(r))
+        elif st == "cold":
+            self._try(ev.ShadowReclaim(r))
+
+    # --- failures ------------------------------------------------------------------
+
+    def _on_failure(self, node: int, msg: dict[str, Any], now: float) -> None:
+        if self.model is None:
+            tb = msg.get("traceback") or ""
+            what = msg.get("detail") or msg.get("kind")
+            self.fail(
+                f"rank {msg.get('rank')} failed before training started ({what})"
+                + (f":\n{tb}" if tb else ""),
+                rank=msg.get("rank"),
+            )
+            return
+        self._failure(msg, now)
+
+    def _on_fatal(self, node: int, msg: dict[str, Any], now: float) -> None:
+        self.fail(f"rank {msg.get('rank')}: {msg.get('error')}", rank=msg.get("rank"))
+
+    def _on_stopped(self, node: int, msg: dict[str, Any], now: float) -> None:
+        s = self.state
+        if s is None:
+            return
+        if s.phase is Phase.RUNNING and msg.get("reason"):
+            self.stopped_at.setdefault(int(msg["rank"]), now)
+
+    def _failure(self, msg: dict[str, Any], now: float) -> None:
+        s = self.state
+        assert s is not None and self.model is not None
+        kind = msg.get("kind")
+        rank = msg.get("rank")
+        fault: ev.Event
+        if kind == "node_lost":
+            fault = ev.LoseNode(int(msg["node"]))
+        elif kind == "keeper_lost":
+            fault = ev.LoseMemory(int(rank))  # type: ignore[arg-type]
+        elif kind == "hang":
+            fault = ev.Hang(int(rank))  # type: ignore[arg-type]
+        else:
+            fault = ev.Crash(int(rank))  # type: ignore[arg-type]
+        why = self.model.why_not(s, fault)
+        record = {k: v for k, v in msg.items() if k not in ("t",)}
+        record["step"] = s.committed
+        record["phase"] = s.phase.value
+        if why is not None:
+            # e.g. a crash of a rank already dead, or of a process of an old generation
+            self.log.write("failure_ignored", **record, why=str(why))
+            return
+        self._feed(fault)
+        self.log.write("failure", **record, generation=s.gen)
+        if isinstance(fault, ev.LoseNode):
+            self.nodes_lost_at.setdefault(fault.node, now)
+        if self.rec is None:
+            self.rec = _Recovery(started=now, from_step=s.committed, phase_start=now)
+        self.rec.failures.append(record)
+        if self.wait is not None and self.wait.what == "promote" and rank is not None:
+            self.wait.pending.discard(int(rank))
+        if self.wait is not None and kind == "node_lost" and self.wait.what == "fence":
+            self.wait.pending.discard(int(msg["node"]))
+
+    # --- recovery acknowledgements ----------------------------------------------------
+
+    def _ack(self, what: str, key: int, msg: dict[str, Any]) -> bool:
+        w = self.wait
+        if w is None or w.what != what or int(msg.get("gen", -1)) != w.generation:
+            return False
+        w.pending.discard(key)
+        return True
+
+    def _on_fenced(self, node: int, msg: dict[str, Any], now: float) -> None:
+        if self._ack("fence", node, msg) and self.rec is not None:
+            self.rec.truth_notes.extend(msg.get("notes", []))
+
+    def _on_promoted(self, node: int, msg: dict[str, Any], now: float) -> None:
+        if self._ack("promote", int(msg["rank"]), msg) and self.rec is not None:
+            self.rec.promoted.append(
+                {"rank": int(msg["rank"]), "warm": bool(msg.get("warm")), "ms": msg.get("ms")}
+            )
+            self.log.write(
+                "promoted",
+                rank=int(msg["rank"]),
+                warm=bool(msg.get("warm")),
+                ms=msg.get("ms"),
+                generation=self.generation,
+            )
+
+    def _on_report(self, node: int, msg: dict[str, Any], now: float) -> None:
+        if self._ack("report", int(msg["rank"]), msg):
+            self.reports[int(msg["rank"])] = msg
+
+    def _on_reconciled(self, node: int, msg: dict[str, Any], now: float) -> None:
+        if self._ack("reconcile", int(msg["rank"]), msg) and self.rec is not None:
+            self.rec.summaries[int(msg["rank"])] = msg.get("summary", {})
+            self.rec.snapshot[int(msg["rank"])] = msg.get("snapshot")
+
+    def _on_rebuilt(self, node: int, msg: dict[str, Any], now: float) -> None:
+        self._ack("rebuild", int(msg["rank"]), msg)
+
+    # ------------------------------------------------------------------ the driver
+
+    def _phase(self, name: str, now: float) -> None:
+        rec = self.rec
+        if rec is None:
+            return
+        rec.phases[rec.phase_name] = rec.phases.get(rec.phase_name, 0.0) + (now - rec.phase_start)
+        rec.phase_name = name
+        rec.phase_start = now
+
+    def _wait(self, what: str, pending: set[int], now: float) -> None:
+        self.wait = _Wait(what, self.generation, set(pending), now)
+
+    def _advance(self, now: float) -> None:
+        for _ in range(1000):
+            if self.failed is not None or self.complete:
+                return
+            s = self.state
+            assert s is not None and self.model is not None
+            alive = all(t is TrainerState.ALIVE for t in s.trainer)
+            if s.phase is Phase.RUNNING and alive:
+                return
+            restart = not alive and s.phase not in (Phase.FENCING, Phase.PROMOTING)
+            restart = restart or (s.phase is Phase.PROMOTING and TrainerState.HUNG in s.trainer)
+            if restart:
+                self._detect(now)
+                continue
+            if self.wait is not None and self.wait.pending:
+                return
+            if s.phase is Phase.FENCING:
+                self._fence(now)
+                return
+            if s.phase is Phase.PROMOTING:
+                if not self._promote(now):
+                    return
+                continue
+            if s.phase is Phase.RECONCILING:
+                if not self._reconcile(now):
+                    return
+                continue
+            if s.phase is Phase.FALLBACK:
+                self._restore_checkpoint(now)
+                return
+            if s.phase is Phase.REBUILDING:
+                self._log_reconciled(now)
+                self._phase("rebuild", now)
+                self._feed(ev.Rebuild())
+                self._send(None, {"t": "rebuild", "gen": s.gen})
+                self._wait("rebuild", set(range(self.W)), now)
+                return
+            if s.phase is Phase.RESUMING:
+                self._resume(now)
+                return
+        raise RuntimeError("recovery driver did not settle")  # pragma: no cover
+
+    def _detect(self, now: float) -> None:
+        s = self.state
+        assert s is not None
+        during = s.phase is not Phase.RUNNING
+        if self.rec is None:
+            self.rec = _Recovery(started=now, from_step=s.committed, phase_start=now)
+        rec = self.rec
+        if len(self.recoveries) >= self.opt.max_recoveries:
+            self.fail(f"more than {self.opt.max_recoveries} recoveries: giving up")
+            return
+        self._feed(ev.Detect())
+        self.wait = None
+        self.done.clear()
+        if during:
+            rec.restarts += 1
+            self.log.write(
+                "recovery_restart",
+                generation=s.gen,
+                phase=s.phase.value,
+                cause=[f for f in rec.failures[-1:]],
+            )
+        else:
+            self.log.write("recovery_start", generation=s.gen, from_step=s.committed)
+        self._phase("fence", now)
+        self._send(None, {"t": "abort", "gen": s.gen})
+
+    def _fence(self, now: float) -> None:
+        s = self.state
+        assert s is not None
+        hung = [r for r, t in enumerate(s.trainer) if t is TrainerState.HUNG]
+        self._feed(ev.Fence())
+        gen = self.generation
+        assert self.rec is not None
+        self.rec.generation = gen
+        self._send(None, {"t": "fence", "gen": gen, "kill": hung})
+        self._wait("fence", set(self.nodes_up), now)
+        self.log.write("fence", generation=gen, stale_killed=hung)
+
+    def _promote(self, now: float) -> bool:
+        """Promote what can be; True once EndPromote was fed."""
+        s = self.state
+        assert s is not None and self.model is not None
+        if self.wait is not None and self.wait.what == "fence":
+            for r, stale in enumerate(s.stale):
+                if stale:  # the fence killed it: its writes can no longer happen
+                    self._try(ev.StaleWrite(r, 0))
+            self.wait = None
+            self._phase("promote", now)
+        s = self.state
+        dead = [r for r, t in enumerate(s.trainer) if t is TrainerState.DEAD]
+        if not dead:
+            self._feed(ev.EndPromote())
+            self._phase("reconcile", now)
+            return True
+        sent = set()
+        for r in dead:
+            if s.shadow[r] is ShadowState.SPAWNING:
+                continue  # its replacement shadow is warming (or its node is being replaced)
+            if self._node_of(r) not in self.nodes_up:
+                continue
+            warm = s.shadow[r] is ShadowState.WARM
+            self._feed(ev.Promote(r))
+            self._send(self._node_of(r), {"t": "promote", "rank": r, "gen": s.gen, "warm": warm})
+            sent.add(r)
+        if sent:
+            pending = set(sent)
+            if self.wait is not None and self.wait.what == "promote":
+                pending |= self.wait.pending
+            self._wait("promote", pending, now)
+        return False
+
+    def _reconcile(self, now: float) -> bool:
+        s = self.state
+        assert s is not None and self.model is not None
+        if self.wait is None or self.wait.what not in ("report",):
+            self.reports = {}
+            self._send(None, {"t": "report", "gen": s.gen})
+            self._wait("report", set(range(self.W)), now)
+            return False
+        # every trainer reported: the truth of the retained state replaces the model's
+        self.state = self._truth(s)
+        s = self.state
+        plan = self.model.plan(s)
+        self.wait = None
+        if plan.fallback and not self.info.get("checkpoint"):
+            self.fail(
+                "cannot recover in place: "
+                + plan.reason
+                + ". No checkpoint is configured (set checkpoint_dir in the leto config), "
+                "so training stops here instead of resuming on wrong state",
+                plan=plan.reason,
+            )
+            return False
+        assert self.rec is not None
+        if plan.fallback:
+            self._feed(ev.GoFallback())
+            self.rec.plan = {"kind": "ckpt", "target": 0, "reason": plan.reason}
+            return True
+        effects = self._feed(ev.Reconcile())
+        repairs = [
+            {"what": name[len("repair_") :], **args}
+            for name, args in effects
+            if name.startswith("repair_")
+        ]
+        after = self.state
+        assert after is not None
+        self.rec.plan = {
+            "kind": after.kind.value,
+            "target": after.target,
+            "reason": plan.reason,
+            "steps_lost": after.loss,
+            "repairs": repairs,
+        }
+        self._send(None, self._reconcile_cmd(after.kind, after.target, repairs))
+        self._wait("reconcile", set(range(self.W)), now)
+        return False
+
+    def _reconcile_cmd(
+        self, kind: Kind, target: int, repairs: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        msg: dict[str, Any] = {
+            "t": "reconcile",
+            "gen": self.generation,
+            "kind": kind.value,
+            "target": target,
+            "repairs": repairs,
+        }
+        if kind is Kind.TIER2:
+            msg["snapshot"] = {
+                "step": self.t2_step,
+                "meta": {str(r): m for r, m in self.t2_meta.items()},
+            }
+        return msg
+
+    def _restore_checkpoint(self, now: float) -> None:
+        self._feed(ev.RestoreCheckpoint())
+        self._send(None, self._reconcile_cmd(Kind.CKPT, 0, []))
+        self._wait("reconcile", set(range(self.W)), now)
+
+    def _truth(self, s: ClusterState) -> ClusterState:
+        """The model's state with the retained state as the trainers found it."""
+        data, undo, grad = list(s.data), list(s.undo), list(s.grad)
+        par, gpar = list(s.par), list(s.gpar)
+        notes = []
+        for r in range(self.W):
+            rep = self.reports[r]
+            d = tuple(int(x) for x in rep["data"])
+            u = tuple(int(x) for x in rep["undo"])
+            g = int(rep["grad"])
+            if (d, u, g) != (s.data[r], s.undo[r], s.grad[r]):
+                notes.append(
+                    f"rank {r}: model data={list(s.data[r])} undo={list(s.undo[r])} grad={s.grad[r]}, retained data={list(d)} undo={list(u)} grad={g}"
+                )
+            data[r], undo[r], grad[r] = d, u, g
+        for n in range(self.topology.nodes):
+            head = self.reports[self.topology.ranks_of(n)[0]]
+            p = head.get("node_par")
+            gp = head.get("node_gpar")
+            newp = None if p is None else tuple(tuple(int(v) for v in row) for row in p)
+            newg = None if gp is None else tuple(int(v) for v in gp)
+            if newp != s.par[n] or newg != s.gpar[n]:
+                notes.append(
+                    f"node {n}: model par={s.par[n]} gpar={s.gpar[n]}, retained par={newp} gpar={newg}"
+                )
+            par[n], gpar[n] = newp, newg
+        if self.rec is not None:
+            self.rec.truth_notes.extend(notes)
+        if notes:
+            self.log.write("retained_truth", generation=s.gen, differences=notes)
+        t2lost = s.t2lost if self.info.get("tier2") else frozenset(range(self.topology.nodes))
+        return attrs.evolve(
+            s,
+            data=tuple(data),
+            undo=tuple(undo),
+            grad=tuple(grad),
+            par=tuple(par),
+            gpar=tuple(gpar),
+            t2=self.t2_step,
+            t2lost=t2lost,
+        )
+
+    def _log_reconciled(self, now: float) -> None:
+        rec = self.rec
+        if rec is None:
+            return
+        # every rank took the snapshot of the target step: it becomes the tier-2 snapshot
+        s = self.state
+        assert s is not None
+        if self.info.get("tier2") and len(rec.snapshot) == self.W:
+            self.t2_step = s.target
+            self.t2_meta = dict(rec.snapshot)
+            self._send(None, {"t": "t2", "step": s.target, "gen": s.gen})
+        sums = rec.summaries
+        total = {
+            k: sum(int(x.get(k, 0)) for x in sums.values())
+            for k in (
+                "chunks_repaired_tier1",
+                "grads_repaired_tier1",
+                "chunks_rolled_forward",
+                "chunks_rolled_back",
+                "chunks_restored",
+            )
+        }
+        self.log.write("reconciled", generation=self.generation, **rec.plan, **total)
+        rec.plan.update(total)
+
+    def _resume(self, now: float) -> None:
+        s = self.state
+        assert s is not None
+        target = s.target
+        self._phase("resume", now)
+        self._feed(ev.Resume())
+        self.wait = None
+        self._send(None, {"t": "resume", "gen": s.gen, "step": target, "t2": self.t2_step})
+        rec = self.rec
+        self.rec = None
+        self.votes.clear()
+        self.finished.clear()
+        self.snaps.clear()
+        if rec is None:
+            return
+        self._phase("done", now)
+        total = now - rec.started
+        entry = {
+            "generation": s.gen,
+            "from_step": rec.from_step,
+            "resumed_at": target,
+            "failures": rec.failures,
+            "promoted": rec.promoted,
+            "restarts": rec.restarts,
+            "phases_ms": {k: round(v * 1e3, 3) for k, v in rec.phases.items() if k != "done"},
+            "seconds": round(total, 6),
+            **rec.plan,
+        }
+        if rec.truth_notes:
+            entry["truth_notes"] = rec.truth_notes
+        self.recoveries.append(entry)
+        self.log.write("recovery_end", **entry)
+
+    # ------------------------------------------------------------------ queries
+
+    def summary(self) -> dict[str, Any]:
+        s = self.state
+        return {
+            "phase": None if s is None else s.phase.value,
+            "committed": None if s is None else s.committed,
+            "generation": self.generation,
+            "recoveries": len(self.recoveries),
+            "failed": self.failed,
+            "complete": self.complete,
+        }

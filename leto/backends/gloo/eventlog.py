@@ -1,0 +1,59 @@
+"""The run's event log: one JSON object per line in ``RUN_DIR/events.jsonl``.
+
+Every record has ``t`` (Unix time), ``t_rel`` (seconds since the job started) and
+``event``; what else it carries depends on the event (see ``docs/gloo.md``).
+Lines are flushed as they are written, so a job killed half way leaves a
+readable log, and ``leto report`` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["EventLog", "read_events"]
+
+
+class EventLog:
+    def __init__(self, path: str | os.PathLike[str] | None, *, t0: float | None = None) -> None:
+        self.t0 = time.time() if t0 is None else t0
+        self.path = Path(path) if path is not None else None
+        self._f: TextIO | None = None
+        self.records: list[dict[str, Any]] = []
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, event: str, **fields: Any) -> dict[str, Any]:
+        now = time.time()
+        rec = {"t": round(now, 6), "t_rel": round(now - self.t0, 6), "event": event, **fields}
+        self.records.append(rec)
+        if self._f is not None:
+            self._f.write(json.dumps(rec, separators=(",", ":"), default=str) + "\n")
+            self._f.flush()
+        return rec
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of an event log (a truncated last line is skipped)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+    return out

@@ -1,0 +1,136 @@
+"""Planned faults for real processes: where a trainer SIGKILLs itself, hangs, raises.
+
+A plan is a JSON list of objects (``leto launch --faults PLAN``, a file or inline
+JSON)::
+
+    [{"kind": "crash", "rank": 1, "step": 3, "phase": "backward"},
+     {"kind": "crash", "rank": 2, "step": 5, "phase": "apply", "chunk": 1, "where": "mid_write"},
+     {"kind": "hang", "rank": 0, "step": 7, "phase": "allreduce"},
+     {"kind": "lose_memory", "rank": 3, "step": 9, "phase": "finish"},
+     {"kind": "lose_node", "rank": 2, "step": 11, "phase": "prepare"},
+     {"kind": "crash", "rank": 1, "step": 13, "phase": "recovery", "where": "reconcile"}]
+
+The phases are those of the fake backend's injector (``forward``, ``backward``,
+``allreduce``, ``prepare``, ``decide``, ``apply``, ``parity``, ``finish``, and
+``recovery`` with ``where`` naming the coordinator command being carried out).
+What each kind does, *for real*, when rank ``rank`` reaches the point:
+
+* ``crash``: the trainer sends itself SIGKILL (``apply``/``mid_write``: after
+  writing half of the chunk's new bytes);
+* ``hang``: the trainer sends itself SIGSTOP (a process that lives and makes no
+  progress; found by the heartbeat timeout, then killed by the fence);
+* ``exception``: the trainer raises ``RuntimeError`` (reported with its traceback);
+* ``lose_memory``: the trainer SIGKILLs its keeper (the rank's retained memory is
+  gone; the agent kills the trainer, the last holder of a mapping);
+* ``lose_node``: the trainer SIGKILLs its node's agent (the node's keepers,
+  trainers, shadows and host memory die with it).
+
+Each fault fires once per job, even across trainer incarnations and replacement
+nodes: a trainer claims it with an atomic ``add`` on the job's TCPStore first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FAULT_KINDS", "PHASES", "FaultPlanError", "load_plan", "validate"]
+
+PHASES = (
+    "forward",
+    "backward",
+    "allreduce",
+    "prepare",
+    "decide",
+    "apply",
+    "parity",
+    "finish",
+    "recovery",
+)
+APPLY_WHERE = ("undo_saved", "mid_write", "written")
+DECIDE_WHERE = ("before", "after")
+RECOVERY_WHERE = ("report", "reconcile", "rebuild", "resume")
+FAULT_KINDS = ("crash", "hang", "exception", "lose_memory", "lose_node")
+
+
+class FaultPlanError(ValueError):
+    """A fault plan that cannot be carried out; the message names the entry and field."""
+
+
+def validate(plan: Any, *, world_size: int | None = None) -> list[dict[str, Any]]:
+    if not isinstance(plan, list):
+        raise FaultPlanError(f"a fault plan is a JSON list, got {type(plan).__name__}")
+    out = []
+    for i, f in enumerate(plan):
+        where = f"fault {i}"
+        if not isinstance(f, dict):
+            raise FaultPlanError(f"{where}: not an object")
+        unknown = set(f) - {"kind", "rank", "step", "phase", "chunk", "where"}
+        if unknown:
+            raise FaultPlanError(f"{where}: unknown field(s) {sorted(unknown)}")
+        kind = f.get("kind", "crash")
+        if kind not in FAULT_KINDS:
+            raise FaultPlanError(f"{where}: kind {kind!r} (known: {', '.join(FAULT_KINDS)})")
+        rank, step, phase = f.get("rank"), f.get("step"), f.get("phase")
+        if not isinstance(rank, int) or rank < 0 or (world_size is not None and rank >= world_size):
+            raise FaultPlanError(f"{where}: rank {rank!r} is not a rank of the job")
+        if not isinstance(step, int) or step < 1:
+            raise FaultPlanError(f"{where}: step must be an int >= 1, got {step!r}")
+        if phase not in PHASES:
+            raise FaultPlanError(f"{where}: phase {phase!r} (known: {', '.join(PHASES)})")
+        chunk, at = f.get("chunk"), f.get("where")
+        if phase in ("apply", "parity"):
+            if not isinstance(chunk, int) or chunk < 0:
+                raise FaultPlanError(f"{where}: phase {phase!r} needs a chunk index")
+        elif chunk is not None:
+            raise FaultPlanError(f"{where}: phase {phase!r} takes no chunk")
+        allowed = {"apply": APPLY_WHERE, "decide": DECIDE_WHERE, "recovery": RECOVERY_WHERE}
+        default = {"apply": "mid_write", "decide": "before", "recovery": "reconcile"}
+        if phase in allowed:
+            at = default[phase] if at is None else at
+            if at not in allowed[phase]:
+                raise FaultPlanError(
+                    f"{where}: where {at!r} is not a point of {phase!r} "
+                    f"(known: {', '.join(allowed[phase])})"
+                )
+        elif at is not None:
+            raise FaultPlanError(f"{where}: phase {phase!r} has no sub-points")
+        out.append(
+            {
+                "id": i,
+                "kind": kind,
+                "rank": rank,
+                "step": step,
+                "phase": phase,
+                "chunk": chunk,
+                "where": at,
+            }
+        )
+    return out
+
+
+def load_plan(text: str | None, *, world_size: int | None = None) -> list[dict[str, Any]]:
+    """A plan from inline JSON or a file path (None or empty: no faults)."""
+    if not text:
+        return []
+    raw = text.strip()
+    if not raw.startswith("["):
+        try:
+            raw = Path(raw).read_text()
+        except OSError as e:
+            raise FaultPlanError(f"cannot read the fault plan {text!r}: {e.strerror}") from None
+    try:
+        plan = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise FaultPlanError(f"the fault plan is not valid JSON: {e}") from None
+    return validate(plan, world_size=world_size)
+
+
+def label(f: dict[str, Any]) -> str:
+    at = f["phase"]
+    if f.get("chunk") is not None:
+        at += f"[chunk {f['chunk']}]"
+    if f.get("where"):
+        at += f"/{f['where']}"
+    return f"{f['kind']} rank {f['rank']} at step {f['step']} {at}"

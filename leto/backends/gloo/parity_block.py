@@ -1,0 +1,148 @@
+"""Tier-1 parity in a node's host memory, shared by the node's trainers.
+
+One block per chunk (and one for the gradients): a memfd segment held by the node
+agent and mapped by every trainer of the node. Layout (int64 header, then bytes)::
+
+    valid   (MAGIC once encoded; 0: never encoded = the protocol's LOST)
+    active  (0 or 1: which buffer is current)
+    members, nbytes
+    per buffer b: versions[members], checksums[members]
+    buffer 0 | buffer 1
+
+A member's update (``parity += new - old``) runs under a POSIX record lock on the
+segment (released by the kernel if the holder dies) and is **double-buffered**:
+it writes ``inactive = active + delta`` and the inactive buffer's versions, then
+flips ``active`` with one aligned 8-byte store. A trainer killed at any point of
+an update leaves the previous parity and its versions intact; the protocol's
+``ParityChunk`` is atomic here too. Sums are bytewise mod 256
+(:mod:`leto.retained.parity`), so the order of the members' updates does not
+matter.
+"""
+
+from __future__ import annotations
+
+import fcntl
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from leto.core.chunk import NONE
+from leto.retained.parity import add_delta_, as_bytes
+
+from . import segments
+
+__all__ = ["MAGIC", "ParityBlock", "block_bytes"]
+
+MAGIC = 0x4C45544F50415259  # "LETOPARY"
+_FIXED = 4
+
+
+def _header_words(members: int) -> int:
+    w = _FIXED + 4 * members
+    return -(-w // 8) * 8
+
+
+def block_bytes(members: int, nbytes: int) -> int:
+    return 8 * _header_words(members) + 2 * nbytes
+
+
+class ParityBlock:
+    def __init__(self, fd: int, members: int, nbytes: int) -> None:
+        self.fd = fd  # kept open: the lock is taken on it
+        self.members = members
+        self.nbytes = nbytes
+        self.t = segments.as_tensor(fd, block_bytes(members, nbytes))
+        hw = _header_words(members)
+        self.h = self.t[: 8 * hw].view(torch.int64)
+        self.hn = self.h.numpy()
+        base = 8 * hw
+        self.buf = [self.t[base : base + nbytes], self.t[base + nbytes : base + 2 * nbytes]]
+
+    def _off(self, b: int) -> int:
+        return _FIXED + b * 2 * self.members
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
+    @property
+    def valid(self) -> bool:
+        return int(self.hn[0]) == MAGIC
+
+    @property
+    def active(self) -> int:
+        return int(self.hn[1])
+
+    def versions(self) -> list[int]:
+        o = self._off(self.active)
+        return [int(x) for x in self.hn[o : o + self.members]]
+
+    def checksums(self) -> list[int]:
+        o = self._off(self.active) + self.members
+        return [int(x) for x in self.hn[o : o + self.members]]
+
+    def parity(self) -> torch.Tensor:
+        return self.buf[self.active]
+
+    def update(
+        self,
+        member: int,
+        old: torch.Tensor | Sequence[torch.Tensor],
+        new: torch.Tensor | Sequence[torch.Tensor],
+        version: int,
+        checksum: int = 0,
+    ) -> None:
+        """``parity += new - old`` for one member; its recorded version becomes ``version``."""
+        with self.lock():
+            a = self.active
+            b = 1 - a
+            self.buf[b].copy_(self.buf[a])
+            add_delta_(self.buf[b], old, new)
+            oa, ob = self._off(a), self._off(b)
+            m2 = 2 * self.members
+            self.hn[ob : ob + m2] = self.hn[oa : oa + m2]
+            self.hn[ob + member] = version
+            self.hn[ob + self.members + member] = checksum
+            self.hn[1] = b  # the flip: one aligned store
+
+    def add_delta(self, member: int, delta: torch.Tensor, version: int) -> None:
+        """``parity += delta`` (bytes) for one member's gradients."""
+        with self.lock():
+            a = self.active
+            b = 1 - a
+            self.buf[b].copy_(self.buf[a])
+            self.buf[b].add_(as_bytes(delta))
+            oa, ob = self._off(a), self._off(b)
+            m2 = 2 * self.members
+            self.hn[ob : ob + m2] = self.hn[oa : oa + m2]
+            self.hn[ob + member] = version
+            self.hn[1] = b
+
+    def write_full(
+        self, parity: torch.Tensor | None, versions: Sequence[int], checksums: Sequence[int]
+    ) -> None:
+        """Install a freshly encoded parity (None: zeros) with every member's version."""
+        with self.lock():
+            b = 1 - self.active if self.valid else 0
+            if parity is None:
+                self.buf[b].zero_()
+            else:
+                self.buf[b].copy_(as_bytes(parity))
+            ob = self._off(b)
+            self.hn[ob : ob + self.members] = list(versions)
+            self.hn[ob + self.members : ob + 2 * self.members] = list(checksums)
+            self.hn[1] = b
+            self.hn[0] = MAGIC
+
+    def state(self) -> list[int] | None:
+        """The versions the parity encodes, or None if it was never encoded (LOST)."""
+        return self.versions() if self.valid else None
+
+
+def none_versions(members: int) -> list[int]:
+    return [NONE] * members

@@ -1,0 +1,1199 @@
+"""The trainer side of the gloo backend: one rank's step transaction and its recovery.
+
+:func:`wrap_gloo` is what ``leto.wrap`` becomes in a process started by ``leto
+launch`` with ``backend = "gloo"``. It returns a :class:`GlooSession` with the
+same surface as the fake backend's session (``run_step``, ``train``, ``step``,
+``model``, ``optimizer``, ``timeline``, ``stats``, ``retained_state``).
+
+Each rank is one process. Its parameters, gradients and optimizer state are
+views into memfd segments owned by its keeper (:mod:`.keeper`); its node's
+tier-1 parity and tier-2 snapshot slots are segments owned by the node agent.
+One step ``V`` (the same transaction as the fake backend's engine, the protocol's
+events in brackets):
+
+1. forward and backward on the rank's shard of the global batch [Compute];
+2. the gradients' sum all-reduce over gloo, divided by the world size, copied into
+   the retained gradient buffer [Reduce];
+3. checksums verified, gradients sealed, this rank's delta added to the node's
+   gradient parity, the prepare record (RNG, sampler position, present mask,
+   gradient checksums) sent to the node agent, the vote sent [Prepare];
+4. wait for ``commit(V)`` from the coordinator [Decide];
+5. per chunk: undo copy [BeginChunk], new bytes written and sealed [EndChunk],
+   the node's chunk parity updated [ParityChunk], undo released;
+6. the process state of ``V`` to the node agent, ``finished`` [Finish]; every K
+   steps the tier-2 snapshot (own bytes into the node's slot, rotated parity
+   across nodes) and a wait for its confirmation [Tier2Snapshot].
+
+A recovery (``abort`` from the coordinator, or a collective that fails because
+a peer died) stops the step at the next safe point; the process keeps running,
+tears its process group down and follows the coordinator's commands: ``report``
+(join the communicator of the new generation, attach, report the retained
+truth), ``reconcile`` (tier-1 repairs, roll forward/back, tier-2 restore or the
+checkpoint; verify everything; re-encode parity; new snapshot), ``rebuild``,
+``resume``. A promoted shadow enters the same loop from ``wrap``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from leto.core.chunk import LOST, NONE, TORN
+from leto.retained.checksum import DOMAIN_GRAD, checksum_chunks
+from leto.retained.layout import (
+    ChecksumError,
+    ChunkStatus,
+    LayoutError,
+    RetainedLayout,
+    ShapeMismatchError,
+)
+from leto.retained.optim import RetainedOptimizer, is_chunkable, retain
+from leto.retained.parity import (
+    TorchDistCollective,
+    as_bytes,
+    decode,
+    decode_rotated,
+    encode,
+    encode_rotated,
+    rotated_share_nbytes,
+)
+
+from . import bootstrap
+from .channel import Aborted, AgentChannel
+from .faults import label as fault_label
+from .keeper_client import FencedError, KeeperClient
+from .parity_block import ParityBlock, block_bytes
+
+__all__ = ["GlooSession", "IntegrityError", "finish", "wrap_gloo"]
+
+StepFn = Any
+_STATUS = "gloo.status"  # keeper segment: int64 [lost flag]
+
+
+class IntegrityError(RuntimeError):
+    """Retained state disagrees with what the protocol needs (a checksum, a version)."""
+
+
+class _Interrupted(Exception):
+    """The step was interrupted by a recovery (abort or a failed collective)."""
+
+
+class _CollectiveFailed(Exception):
+    """A collective did not complete (a peer died or the group was torn down)."""
+
+
+def _coll(fn: Any, *args: Any, **kw: Any) -> Any:
+    """Run a collective; its failure becomes :class:`_CollectiveFailed`."""
+    try:
+        return fn(*args, **kw)
+    except (IntegrityError, ChecksumError, LayoutError):
+        raise
+    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistError
+        raise _CollectiveFailed(
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
+
+
+def _comm_error(e: BaseException) -> bool:
+    if isinstance(e, (_CollectiveFailed, Aborted)):
+        return True
+    if isinstance(e, (IntegrityError, ChecksumError, LayoutError)):
+        return False
+    dist_error = getattr(dist, "DistError", ())
+    if dist_error and isinstance(e, dist_error):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        k in text
+        for k in ("gloo", "Gloo", "Connection closed", "Connection reset", "timed out", "Timed out")
+    )
+
+
+def _named_buffers(lay: RetainedLayout) -> list[tuple[str, torch.Tensor]]:
+    return [("param", lay.param_buffer)] + [("state." + s, lay.state_buffer(s)) for s in lay.states]
+
+
+def _packed(lay: RetainedLayout) -> torch.Tensor:
+    return torch.cat([as_bytes(b) for b in lay.data_buffers()])
+
+
+def _to_meta(model: nn.Module) -> None:
+    """Release the parameters' memory: the shadow keeps a meta-device skeleton."""
+    for p in model.parameters():
+        if p.device.type != "meta":
+            torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
+                p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            )
+
+
+def _materialize(model: nn.Module) -> None:
+    """Give meta parameters (uninitialised) CPU memory; buffers are left alone."""
+    for p in model.parameters():
+        if p.device.type == "meta":
+            torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
+                p, nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+            )
+
+
+def wrap_gloo(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    sampler: Any = None,
+    *,
+    config: Any,
+    step_fn: StepFn | None = None,
+    checkpointer: Any = None,
+    backend: Any = None,
+) -> GlooSession:
+    """``leto.wrap`` on the gloo backend (only inside a process started by ``leto launch``)."""
+    from leto.adapters.config import ConfigError
+
+    ch = bootstrap.CHANNEL
+    if ch is None:
+        raise ConfigError(
+            "backend",
+            "'gloo' runs one process per rank: start this script with `leto launch "
+            "--nproc-per-node N [--nnodes M ...] script.py` (or use backend='fake')",
+        )
+    if backend is not None:
+        raise ConfigError("backend", "the gloo backend takes no backend object")
+    if checkpointer is not None:
+        raise ConfigError("checkpointer", "on gloo, set checkpoint_dir in the config instead")
+    spec = bootstrap.SPEC
+    if config.nodes != spec["nnodes"] or config.ranks_per_node != spec["nproc"]:
+        raise ConfigError(
+            "topology",
+            f"{config.nodes}x{config.ranks_per_node} in the config, but `leto launch` started "
+            f"{spec['nnodes']} node(s) x {spec['nproc']} rank(s)",
+        )
+    if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("scheduler: it is bound to another optimizer than the one wrapped")
+    if not is_chunkable(optimizer):
+        raise TypeError(
+            f"optimizer: {type(optimizer).__name__} has no chunked version in leto "
+            "(supported: torch.optim.SGD, Adam, AdamW)"
+        )
+    session = GlooSession(ch, spec, model, optimizer, scheduler, sampler, config, step_fn)
+    session.start()
+    global _SESSION
+    _SESSION = session
+    return session
+
+
+_SESSION: GlooSession | None = None
+
+
+def finish(ch: AgentChannel) -> None:
+    """At the script's end: the job-wide completion barrier, if not done already."""
+    s = _SESSION
+    if s is not None and not s.completed and not s.complete():
+        s._fatal(
+            "the script ended (it does not call session.train), but a recovery then rolled "
+            f"this rank back to step {s.step}: use session.train(step_fn, steps)"
+        )
+
+
+class GlooSession:
+    """One rank of a gloo job (see the module docstring)."""
+
+    def __init__(
+        self,
+        ch: AgentChannel,
+        spec: dict[str, Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        sampler: Any,
+        config: Any,
+        step_fn: StepFn | None,
+    ) -> None:
+        from leto.adapters.state import BatchCursor
+
+        self.ch = ch
+        self.spec = spec
+        self.cfg = config
+        self.rank: int = spec["rank"]
+        self.W: int = spec["world"]
+        self.node: int = spec["node"]
+        self.lr: int = spec["local_rank"]
+        self.nproc: int = spec["nproc"]
+        self.nnodes: int = spec["nnodes"]
+        self.role: str = spec["role"]
+        self.model = model
+        self.user_optimizer = optimizer
+        self.scheduler = scheduler
+        self.step_fn = step_fn
+        self.cursor = BatchCursor(sampler)
+        self.gen: int = int(spec.get("generation", 0))
+        self.ropt: RetainedOptimizer | None = None
+        self.keeper: KeeperClient | None = None
+        self.status: torch.Tensor | None = None
+        self.rng: dict[str, Any] | None = None
+        self.sampler_state: dict[str, Any] | None = None
+        self.t2 = 0
+        self.K = config.tier2_interval if config.tier2 else 10**12
+        self.faults = list(spec.get("faults", []))
+        self.store: Any = None
+        self.pg_gen: int | None = None
+        self.node_group: Any = None
+        self.cross_group: Any = None
+        self.parity: list[ParityBlock] = []
+        self.gparity: ParityBlock | None = None
+        self.completed = False
+        self.t0 = time.perf_counter()
+        self.timeline: list[dict[str, Any]] = []
+        self.losses: dict[int, float] = {}
+        self.stats: dict[str, int] = {
+            "steps_run": 0,
+            "recoveries": 0,
+            "chunks_repaired_from_parity": 0,
+            "grad_blocks_repaired_from_parity": 0,
+            "chunks_rolled_forward": 0,
+            "snapshot_restores": 0,
+            "checkpoint_restores": 0,
+        }
+        self.keeper_pid: int = spec.get("keeper_pid", 0)
+        self._step_in_progress = 0
+
+    # ================================================================ properties
+
+    @property
+    def layout(self) -> RetainedLayout:
+        if self.ropt is None:
+            raise IntegrityError(f"rank {self.rank} has no retained state bound")
+        return self.ropt.layout
+
+    @property
+    def optimizer(self) -> RetainedOptimizer:
+        assert self.ropt is not None
+        return self.ropt
+
+    @property
+    def step(self) -> int:
+        """The last step this rank completed (the committed step between steps)."""
+        return self.ropt.version if self.ropt is not None else 0
+
+    @property
+    def members(self) -> int:
+        return self.nproc
+
+    def _log(self, event: str, **kw: Any) -> None:
+        self.timeline.append(
+            {"t_ms": round((time.perf_counter() - self.t0) * 1e3, 3), "event": event, **kw}
+        )
+
+    # ================================================================ start
+
+    def start(self) -> None:
+        self.store = dist.TCPStore(
+            self.spec["store_host"],
+            int(self.spec["store_port"]),
+            None,
+            False,
+            timedelta(seconds=max(60.0, float(self.spec["collective_timeout"]))),
+        )
+        if self.role == "shadow":
+            self._as_shadow()
+            return
+        self.keeper = KeeperClient(self.spec["keeper_socket"], generation=self.gen)
+        self._init_pg(self.gen)
+        self._create_layout()
+        self.rng = _capture_rng()
+        self.sampler_state = self.cursor.initial
+        self._node_memory()
+        self._send_ps(0)
+        meta = self._after_recovery_state(0)
+        self._save_checkpoint()
+        self.status_lost(False)
+        self.ch.send(
+            {
+                "t": "ready",
+                "rank": self.rank,
+                "gen": self.gen,
+                "n_chunks": self.layout.n_chunks,
+                "chunk_numel": self.layout.chunk_numel,
+                "tier1": bool(self.cfg.tier1),
+                "tier2": bool(self.cfg.tier2),
+                "tier2_interval": int(self.cfg.tier2_interval),
+                "checkpoint": self.cfg.checkpoint_dir is not None,
+                "snapshot": meta,
+            }
+        )
+        self.ch.mark("idle", 0)
+
+    def _as_shadow(self) -> None:
+        """Wait, warm, until promoted; then recover into the job."""
+        _to_meta(self.model)
+        self.keeper = KeeperClient(self.spec["keeper_socket"], generation=self.gen, role="shadow")
+        self.ch.mark("shadow", 0)
+        self.ch.send({"t": "warm"})
+        while True:
+            msg = self.ch.next_command()
+            if msg["t"] == "promote":
+                break
+        self.gen = int(msg["gen"])
+        self.keeper_pid = int(msg["keeper_pid"])
+        self.role = "trainer"
+        # the keeper may have been replaced (its memory lost) since this shadow connected
+        self.keeper.close()
+        self.keeper = KeeperClient(str(msg["keeper_socket"]), generation=self.gen)
+        self.ch.send({"t": "promoted", "rank": self.rank, "gen": self.gen})
+        self._log("promoted", generation=self.gen)
+        self._follow()
+
+    # ================================================================ memory
+
+    def _status_seg(self) -> torch.Tensor:
+        if self.status is None:
+            assert self.keeper is not None
+            self.status = self.keeper.alloc(_STATUS, 8).view(torch.int64)
+        return self.status
+
+    def status_lost(self, lost: bool) -> None:
+        self._status_seg()[0] = 1 if lost else 0
+
+    def _bind(self, *, attach: bool) -> None:
+        assert self.keeper is not None
+        if not attach:
+            _materialize(self.model)  # a skeleton has no values: garbage until repaired
+        self.ropt = retain(
+            self.model,
+            self.user_optimizer,
+            chunk_numel=int(self.cfg.chunk_size),
+            alloc=self.keeper.alloc,
+            attach=attach,
+            verify=bool(self.cfg.verify_chunks),
+        )
+
+    def _create_layout(self) -> None:
+        self._bind(attach=False)
+
+    def _ensure_layout(self) -> bool:
+        """Attach to the retained state, or create it fresh if the keeper lost it.
+
+        Returns True if the memory was lost (the rank must be rebuilt).
+        """
+        assert self.keeper is not None
+        if self.ropt is not None:
+            return bool(self._status_seg()[0])
+        have = self.keeper.listing()
+        if "leto.super" in have:
+            try:
+                self._bind(attach=True)
+            except ShapeMismatchError as e:
+                self._fatal(
+                    f"the script's model does not match the retained state: {e}. "
+                    "Every process of a rank must build the same model (shapes, names, dtype)."
+                )
+            return bool(self._status_seg()[0])
+        self.status_lost(True)  # until the rebuild completes, a restart sees LOST
+        self._bind(attach=False)
+        return True
+
+    def _fatal(self, message: str) -> None:
+        try:
+            self.ch.send({"t": "fatal", "rank": self.rank, "error": message})
+        finally:
+            sys.stderr.write(f"leto: rank {self.rank}: {message}\n")
+            sys.stderr.flush()
+            os._exit(3)
+
+    def _node_memory(self) -> None:
+        """Map this node's parity blocks (tier 1); created empty by the agent."""
+        lay = self.layout
+        if not self.cfg.tier1:
+            return
+        item = lay.dtype.itemsize
+        cbytes = (1 + len(lay.states)) * lay.chunk_numel * item
+        self.parity = [self._block(f"parity.{c}", cbytes) for c in range(lay.n_chunks)]
+        self.gparity = self._block("gparity", lay.numel * item)
+
+    def _block(self, name: str, nbytes: int) -> ParityBlock:
+        fd = self._segment(name, block_bytes(self.members, nbytes))
+        return ParityBlock(fd, self.members, nbytes)
+
+    def _segment(self, name: str, nbytes: int) -> int:
+        _, fds = self.ch.request({"t": "node_segment", "name": name, "nbytes": nbytes})
+        if len(fds) != 1:
+            raise IntegrityError(f"the agent sent no segment for {name}")
+        return fds[0]
+
+    # ================================================================ process groups
+
+    def _init_pg(self, gen: int) -> None:
+        if self.pg_gen == gen and dist.is_initialized():
+            return
+        self._destroy_pg()
+        t = time.perf_counter()
+        prefix = dist.PrefixStore(f"leto/{self.spec['job']}/pg/{gen}", self.store)
+        dist.init_process_group(
+            "gloo",
+            store=prefix,
+            rank=self.rank,
+            world_size=self.W,
+            timeout=timedelta(seconds=float(self.spec["collective_timeout"])),
+        )
+        # every rank creates every group, in the same order
+        for n in range(self.nnodes):
+            g = dist.new_group(list(range(n * self.nproc, (n + 1) * self.nproc)))
+            if n == self.node:
+                self.node_group = g
+        self.cross_group = None
+        if self.nnodes >= 2:
+            for lr in range(self.nproc):
+                g = dist.new_group([n * self.nproc + lr for n in range(self.nnodes)])
+                if lr == self.lr:
+                    self.cross_group = g
+        self.pg_gen = gen
+        self._log("process_group", generation=gen, ms=round((time.perf_counter() - t) * 1e3, 3))
+
+    def _destroy_pg(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group is torn down regardless
+                pass
+        self.pg_gen = None
+        self.node_group = None
+        self.cross_group = None
+
+    # ================================================================ faults
+
+    def _point(
+        self, phase: str, chunk: int | None = None, where: str | None = None, *, tear: Any = None
+    ) -> None:
+        """A safe point (abort check) and a fault point of the plan."""
+        step = self._step_in_progress
+        for f in self.faults:
+            if f.get("_fired"):
+                continue
+            if f["phase"] != phase or (f["chunk"] is not None and f["chunk"] != chunk):
+                continue
+            if f["where"] is not None and f["where"] != where:
+                continue
+            if phase == "recovery":
+                if step < f["step"]:
+                    continue
+            elif f["step"] != step:
+                continue
+            f["_fired"] = True
+            if int(self.store.add(f"leto/{self.spec['job']}/fault/{f['id']}", 1)) != 1:
+                continue  # fired by an earlier incarnation
+            self._fire(f, tear)
+        if phase != "recovery" and self.ch.aborted_since(self.gen):
+            raise _Interrupted
+
+    def _fire(self, f: dict[str, Any], tear: Any) -> None:
+        what = fault_label(f)
+        print(f"leto: injecting fault: {what}", flush=True)
+        sys.stdout.flush()
+        kind = f["kind"]
+        if kind == "crash":
+            if tear is not None:
+                tear()
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif kind == "exception":
+            raise RuntimeError(f"injected exception: {what}")
+        elif kind == "lose_memory":
+            os.kill(self.keeper_pid, signal.SIGKILL)
+            time.sleep(120)  # the agent kills this process (the last holder of the memory)
+        elif kind == "lose_node":
+            os.kill(int(self.spec["agent_pid"]), signal.SIGKILL)
+            time.sleep(120)  # dies with its agent
+        time.sleep(120)
+
+    # ================================================================ the step
+
+    def run_step(self, step_fn: StepFn | None = None) -> float | None:
+        """One step (every rank runs it); its loss on this rank, or None if interrupted."""
+        if step_fn is not None:
+            self.step_fn = step_fn
+        if self.step_fn is None:
+            raise RuntimeError("no step function: pass one to train() / run_step()")
+        try:
+            return self._step()
+        except (_Interrupted, Aborted, FencedError):
+            self._stopped("")
+        except _CollectiveFailed as e:
+            self._stopped(f"collective failed: {e}")
+        self._follow()
+        return None
+
+    def _stopped(self, reason: str) -> None:
+        self._destroy_pg()
+        self.ch.mark("stopped")
+        self.ch.send({"t": "stopped", "rank": self.rank, "gen": self.gen, "reason": reason})
+
+    def _step(self) -> float:
+        assert self.ropt is not None and self.keeper is not None
+        ropt, lay = self.ropt, self.layout
+        V = ropt.version + 1
+        self._step_in_progress = V
+        r, W = self.rank, self.W
+        from leto.adapters.state import shard, step_scheduler
+
+        # 1. compute
+        self.ch.mark("forward", ropt.version)
+        self._point("forward_start")
+        batch = shard(self.cursor.batch(V), r, W)
+        assert self.rng is not None
+        _restore_rng(self.rng)
+        for prm in self.model.parameters():
+            prm.grad = None
+        loss = self.step_fn(self.model, batch)
+        self._point("forward")
+        self.ch.mark("backward")
+        loss.backward()
+        self._point("backward")
+        rng_after = _capture_rng()
+        flat = torch.zeros(lay.numel, dtype=lay.dtype)
+        present = torch.zeros(len(lay.params), dtype=torch.int64)
+        for i, prm in enumerate(lay.params):
+            g = prm.grad
+            if g is not None:
+                s = lay.slots[i]
+                flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
+                present[i] = 1
+            prm.grad = None
+        # 2. reduce
+        self.ch.mark("allreduce")
+        work = _coll(dist.all_reduce, flat, op=dist.ReduceOp.SUM, async_op=True)
+        pwork = _coll(dist.all_reduce, present, op=dist.ReduceOp.SUM, async_op=True)
+        self._point("allreduce")
+        _coll(work.wait)
+        _coll(pwork.wait)
+        flat.div_(W)
+        self._point("reduced")
+        self.keeper.check_writer()
+        m = self.lr
+        gdelta = None
+        if self.gparity is not None:
+            comp = self.gparity.versions()[m]
+            gb = as_bytes(lay.grad_buffer)
+            old = gb.clone() if comp != NONE else torch.zeros_like(gb)
+        lay.clear_prepared()
+        with torch.no_grad():
+            lay.grad_buffer.copy_(flat)
+        if self.gparity is not None:
+            gdelta = as_bytes(lay.grad_buffer).clone().sub_(old)
+        present_mask = [bool(c > 0) for c in present.tolist()]
+        # 3. prepare
+        self.ch.mark("prepare")
+        if self.cfg.verify_chunks:
+            bad = lay.verify()
+            if bad:
+                raise IntegrityError(f"chunks {bad} fail their checksums at PREPARE of step {V}")
+        lay.seal_grads(V, present_mask)
+        self._point("prepare")
+        if self.gparity is not None and gdelta is not None:
+            self.gparity.add_delta(m, gdelta, V)
+        n = lay.n_chunks
+        sums = checksum_chunks([lay.grad_buffer], n, [V] * n, domain=DOMAIN_GRAD)
+        pending = {
+            "step": V,
+            "rng": rng_after,
+            "sampler": self.cursor.state_after(V),
+            "present": present_mask,
+            "grad_checksums": [int(x) for x in sums.tolist()],
+        }
+        self.ch.send({"t": "pending", "rank": r, "json": json.dumps(pending)})
+        self.ch.send({"t": "vote", "rank": r, "step": V, "gen": self.gen})
+        # 4. decide
+        self.ch.mark("decide")
+        self._point("decide", where="before")
+        self.ch.wait_for("commit", (self.gen, V), self.gen)
+        self._point("decide", where="after")
+        # 5. apply, chunk by chunk
+        self.ch.mark("apply")
+        ropt.begin(V)
+        for c in range(n):
+            self.keeper.check_writer()
+            ropt.save_undo(c)
+            self._point("apply", c, "undo_saved")
+
+            def tear(c: int = c) -> None:  # the trainer dies half way through the chunk
+                ropt.apply_chunk(c, seal=False)
+                with torch.no_grad():
+                    for dst, src in zip(lay.chunk_data(c), lay.undo_data(c), strict=True):
+                        h = dst.numel() // 2
+                        dst[h:].copy_(src[h:])
+
+            self._point("apply", c, "mid_write", tear=tear)
+            ropt.apply_chunk(c, seal=False)
+            lay.seal_chunk(c, V)
+            self._point("apply", c, "written")
+            if self.parity:
+                self.parity[c].update(
+                    m, lay.undo_data(c), lay.chunk_data(c), V, lay.stored_checksum(c)
+                )
+            self._point("parity", c)
+            ropt.finish_chunk(c)
+        # 6. finish
+        self._point("finish")
+        ropt.end()
+        step_scheduler(self.scheduler)
+        self.rng = rng_after
+        self.sampler_state = pending["sampler"]
+        self._send_ps(V)
+        lval = float(loss.detach())
+        self.losses[V] = lval
+        self.stats["steps_run"] += 1
+        self.ch.send({"t": "finished", "rank": r, "step": V, "gen": self.gen, "loss": lval})
+        self.ch.mark("idle", V)
+        if self.cfg.tier2 and V - self.t2 >= self.K:
+            meta = _coll(self._snapshot, V)
+            self.ch.send(
+                {"t": "snapshot_done", "rank": r, "step": V, "gen": self.gen, "meta": meta}
+            )
+            self.ch.wait_for("t2", V, self.gen)
+            self.t2 = V
+        return lval
+
+    def train(self, step_fn: StepFn, steps: int) -> dict[str, int]:
+        """Run steps until every rank has completed ``steps``; the counters."""
+        self.step_fn = step_fn
+        while True:
+            while self.step < steps:
+                self.run_step(step_fn)
+            if self.complete():
+                return dict(self.stats)
+
+    def complete(self) -> bool:
+        """Report this rank's final state and wait until the whole job is done.
+
+        False if a recovery intervened (it may have rolled this rank back: train on).
+        """
+        if self.completed or self.ropt is None:
+            self.completed = True
+            return True
+        digest = self.digest()
+        self.ch.send(
+            {"t": "done", "rank": self.rank, "step": self.step, "gen": self.gen, "digest": digest}
+        )
+        self.ch.mark("done")
+        while True:
+            msg = self.ch.next_command()
+            if msg["t"] == "complete":
+                self.completed = True
+                return True
+            if msg["t"] == "abort":
+                break
+        self._stopped("")
+        self._follow()
+        return False
+
+    def digest(self) -> dict[str, str]:
+        """SHA-256 of every retained data buffer (params and optimizer states)."""
+        return {
+            name: hashlib.sha256(as_bytes(buf).numpy().tobytes()).hexdigest()
+            for name, buf in _named_buffers(self.layout)
+        }
+
+    def retained_state(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's params and optimizer state (copies), as a one-element list."""
+        return [{name: buf.clone() for name, buf in _named_buffers(self.layout)}]
+
+    # ================================================================ process state
+
+    def _ps_json(self, step: int) -> str:
+        from leto.adapters.state import scheduler_state
+
+        assert self.ropt is not None
+        return json.dumps(
+            {
+                "step": step,
+                "optimizer": self.ropt.process_state(),
+                "scheduler": scheduler_state(self.scheduler),
+                "sampler": self.sampler_state,
+                "rng": self.rng,
+            }
+        )
+
+    def _send_ps(self, step: int) -> None:
+        self.ch.send({"t": "ps", "rank": self.rank, "step": step, "json": self._ps_json(step)})
+
+    def _load_ps(self, text: str) -> None:
+        ps = json.loads(text)
+        assert self.ropt is not None
+        self.ropt.load_process_state(ps["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(ps["scheduler"])
+        self.rng = ps["rng"]
+        self.sampler_state = ps["sampler"]
+
+    def _node_state(self) -> tuple[dict[int, str], dict[str, Any] | None]:
+        reply, _ = self.ch.request({"t": "get_state", "rank": self.rank})
+        hist = {int(k): v for k, v in reply.get("ps", {}).items()}
+        pend = reply.get("pending")
+        return hist, (json.loads(pend) if pend else None)
+
+    # ================================================================ recovery
+
+    def _follow(self) -> None:
+        """Carry out the coordinator's recovery commands until ``resume``."""
+        self._destroy_pg()
+        while True:
+            msg = self.ch.next_command()
+            t = msg["t"]
+            gen = int(msg.get("gen", self.gen))
+            if t == "abort":
+                self._destroy_pg()
+                continue
+            if t == "complete":
+                self.completed = True
+                continue
+            if gen < self.gen:
+                continue
+            self._point("recovery", where=t)
+            try:
+                if t == "report":
+                    self._report(gen)
+                elif t == "reconcile":
+                    self._reconcile(msg)
+                elif t == "rebuild":
+                    self.ch.mark("rebuild")
+                    _coll(dist.barrier)
+                    self.ch.send({"t": "rebuilt", "rank": self.rank, "gen": gen})
+                elif t == "resume":
+                    self._resume(msg)
+                    return
+            except FencedError as e:
+                # not admitted to the new generation: this process is stale, it must go
+                sys.stderr.write(f"leto: rank {self.rank}: fenced off ({e}); exiting\n")
+                os._exit(4)
+            except Exception as e:  # noqa: BLE001
+                if not _comm_error(e):
+                    self._fatal(
+                        f"recovery ({t}, generation {gen}) failed: {type(e).__name__}: {e}\n"
+                        + traceback.format_exc()
+                    )
+                # a collective of the recovery failed (another failure): wait for the restart
+                self._stopped(
+                    f"recovery step {t} failed: {str(e).splitlines()[0] if str(e) else e}"
+                )
+
+    def _report(self, gen: int) -> None:
+        self.ch.mark("report")
+        self.gen = gen
+        assert self.keeper is not None
+        self.keeper.readmit(gen)
+        self._init_pg(gen)
+        lost = self._ensure_layout()
+        if not self.parity and self.cfg.tier1:
+            self._node_memory()
+        lay = self.layout
+        C = lay.n_chunks
+        if lost:
+            data, undo, grad = [LOST] * C, [NONE] * C, LOST
+        else:
+            bad = set(lay.verify())
+            data, undo = [], []
+            for c in range(C):
+                st = lay.chunk_status(c)
+                if st is ChunkStatus.CLEAN:
+                    d, u = lay.chunk_version(c), NONE
+                elif st is ChunkStatus.TORN:
+                    d, u = TORN, lay.undo_version(c)
+                else:
+                    d, u = lay.chunk_version(c), lay.undo_version(c)
+                if st is not ChunkStatus.CLEAN and not lay.verify_undo(c):
+                    u = NONE
+                if c in bad:
+                    d = LOST
+                data.append(d)
+                undo.append(u)
+            ps = lay.prepared_step
+            grad = ps if ps >= 0 and not lay.verify_grads(ps) else (NONE if ps < 0 else LOST)
+        msg: dict[str, Any] = {
+            "t": "report",
+            "rank": self.rank,
+            "gen": gen,
+            "data": data,
+            "undo": undo,
+            "grad": grad,
+            "lost": lost,
+        }
+        if self.lr == 0:
+            if self.cfg.tier1 and self.parity and all(b.valid for b in self.parity):
+                msg["node_par"] = [b.versions() for b in self.parity]
+                assert self.gparity is not None
+                msg["node_gpar"] = self.gparity.versions() if self.gparity.valid else None
+            else:
+                msg["node_par"] = None
+                msg["node_gpar"] = None
+        self.ch.send(msg)
+
+    def _reconcile(self, msg: dict[str, Any]) -> None:
+        self.ch.mark("reconcile")
+        gen, kind, target = int(msg["gen"]), str(msg["kind"]), int(msg["target"])
+        self._init_pg(gen)
+        summary = {
+            "chunks_repaired_tier1": 0,
+            "grads_repaired_tier1": 0,
+            "chunks_rolled_forward": 0,
+            "chunks_rolled_back": 0,
+            "chunks_restored": 0,
+        }
+        if kind == "tier2":
+            self._restore_snapshot(target, msg["snapshot"])
+            summary["chunks_restored"] = self.layout.n_chunks
+            self.stats["snapshot_restores"] += 1
+        elif kind == "ckpt":
+            self._restore_checkpoint()
+            summary["chunks_restored"] = self.layout.n_chunks
+            self.stats["checkpoint_restores"] += 1
+        else:
+            for rep in msg["repairs"]:
+                what = rep["what"]
+                if rep["rank"] // self.nproc != self.node:
+                    continue
+                if what == "tier1":
+                    self._decode_chunk(int(rep["rank"]), int(rep["chunk"]), int(rep["step"]))
+                    if rep["rank"] == self.rank:
+                        summary["chunks_repaired_tier1"] += 1
+                elif what == "grad-tier1":
+                    self._decode_grads(int(rep["rank"]), int(rep["step"]))
+                    if rep["rank"] == self.rank:
+                        summary["grads_repaired_tier1"] += 1
+            fwd, back = self._settle(target)
+            summary["chunks_rolled_forward"] = fwd
+            summary["chunks_rolled_back"] = back
+        self.stats["chunks_repaired_from_parity"] += summary["chunks_repaired_tier1"]
+        self.stats["grad_blocks_repaired_from_parity"] += summary["grads_repaired_tier1"]
+        self.stats["chunks_rolled_forward"] += summary["chunks_rolled_forward"]
+        meta = self._after_recovery_state(target)
+        self.status_lost(False)
+        self.ch.send(
+            {"t": "reconciled", "rank": self.rank, "gen": gen, "summary": summary, "snapshot": meta}
+        )
+
+    def _resume(self, msg: dict[str, Any]) -> None:
+        self.ch.mark("resume")
+        step = int(msg["step"])
+        assert self.ropt is not None
+        if self.ropt.version != step:
+            self._fatal(f"resume at step {step}, but this rank's state is at {self.ropt.version}")
+        self.t2 = int(msg.get("t2", step))
+        assert self.sampler_state is not None
+        self.cursor.restore(self.sampler_state)
+        self.stats["recoveries"] += 1
+        self._log("resumed", step=step, generation=self.gen)
+        self.ch.mark("idle", step)
+
+    # --- repairs ---------------------------------------------------------------
+
+    def _bytes_at(self, lay: RetainedLayout, c: int, version: int) -> list[torch.Tensor]:
+        st = lay.chunk_status(c)
+        if st is not ChunkStatus.TORN and lay.chunk_version(c) == version:
+            return lay.chunk_data(c)
+        if st is not ChunkStatus.CLEAN and lay.undo_version(c) == version:
+            return lay.undo_data(c)
+        raise IntegrityError(f"chunk {c} cannot produce version {version} (it is {st.value})")
+
+    def _decode_chunk(self, r: int, c: int, version: int) -> None:
+        """Tier 1: rank ``r``'s chunk ``c`` at ``version`` from the node's parity (all members)."""
+        block = self.parity[c]
+        mi = r - self.node * self.nproc
+        vers = block.versions()
+        if vers[mi] != version:
+            raise IntegrityError(
+                f"rank {r} chunk {c}: the parity encodes version {vers[mi]}, the plan expects {version}"
+            )
+        lay = self.layout
+        data = lay.chunk_data(c) if r == self.rank else self._bytes_at(lay, c, vers[self.lr])
+        coll = TorchDistCollective(self.node_group)
+        decode(coll, data, mi, 0, block.parity() if self.lr == 0 else None)
+        if r == self.rank:
+            lay.seal_chunk(c, version)
+            if lay.stored_checksum(c) != block.checksums()[mi]:
+                raise IntegrityError(
+                    f"rank {r} chunk {c}: the bytes rebuilt from tier-1 parity fail the "
+                    "checksum recorded with the parity"
+                )
+
+    def _decode_grads(self, r: int, step: int) -> None:
+        assert self.gparity is not None
+        mi = r - self.node * self.nproc
+        vers = self.gparity.versions()
+        if vers[mi] != step:
+            raise IntegrityError(f"rank {r}: the gradient parity is of step {vers[mi]}, not {step}")
+        lay = self.layout
+        if r == self.rank:
+            data = lay.grad_buffer
+        elif vers[self.lr] == NONE:
+            data = torch.zeros_like(lay.grad_buffer)
+        else:
+            if lay.prepared_step != vers[self.lr] or lay.verify_grads(vers[self.lr]):
+                raise IntegrityError(
+                    f"rank {self.rank}: its gradients of step {vers[self.lr]} are not intact"
+                )
+            data = lay.grad_buffer
+        coll = TorchDistCollective(self.node_group)
+        decode(coll, data, mi, 0, self.gparity.parity() if self.lr == 0 else None)
+        if r == self.rank:
+            _, pend = self._node_state()
+            if pend is None or pend["step"] != step:
+                raise IntegrityError(f"rank {r}: no prepare record of step {step} to rebuild from")
+            lay.seal_grads(step, pend["present"])
+            n = lay.n_chunks
+            sums = checksum_chunks([lay.grad_buffer], n, [step] * n, domain=DOMAIN_GRAD)
+            if [int(x) for x in sums.tolist()] != pend["grad_checksums"]:
+                raise IntegrityError(
+                    f"rank {r}: gradients rebuilt from parity fail their checksums"
+                )
+
+    def _settle(self, target: int) -> tuple[int, int]:
+        """Roll this rank to ``target``; (chunks rolled forward, chunks rolled back)."""
+        from leto.adapters.state import step_scheduler
+
+        lay = self.layout
+        ropt = self.ropt
+        assert ropt is not None
+        hist, pend = self._node_state()
+        back = 0
+        for c in range(lay.n_chunks):
+            st = lay.chunk_status(c)
+            if st is ChunkStatus.APPLIED and lay.chunk_version(c) == target:
+                lay.release_undo(c)  # parity written, undo not yet released: finish that
+            elif st is not ChunkStatus.CLEAN and lay.undo_version(c) == target:
+                lay.restore_undo(c)  # a step beyond the target had begun: undo it
+                back += 1
+        behind = [
+            c
+            for c in range(lay.n_chunks)
+            if lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
+        ]
+        if not behind and target in hist:
+            self._load_ps(hist[target])
+        else:
+            if target - 1 not in hist or pend is None or pend["step"] != target:
+                raise IntegrityError(
+                    f"rank {self.rank}: no process state of step {target - 1} or prepare record "
+                    f"of step {target} to roll forward from"
+                )
+            if lay.prepared_step != target:
+                if behind:
+                    raise IntegrityError(
+                        f"rank {self.rank}: the gradients of step {target} are missing"
+                    )
+                lay.seal_grads(target, pend["present"])
+            self._load_ps(hist[target - 1])
+            if behind:
+                ropt.roll_forward()
+            else:
+                ropt.begin(target)
+                ropt.end()
+            step_scheduler(self.scheduler)
+            self.rng = pend["rng"]
+            self.sampler_state = pend["sampler"]
+        lay.clear_prepared()
+        return len(behind), back
+
+    def _snapshot_layout(self) -> tuple[int, int]:
+        nb = _packed(self.layout).numel()
+        share = rotated_share_nbytes(nb, self.nnodes) if self.nnodes >= 2 else 0
+        return nb, share
+
+    def _snap_seg(self, slot: int) -> torch.Tensor:
+        from . import segments
+
+        nb, share = self._snapshot_layout()
+        total = self.nproc * (nb + share)
+        fd = self._segment(f"snap.{slot}", total)
+        try:
+            return segments.as_tensor(fd, total)
+        finally:
+            os.close(fd)
+
+    def _snapshot(self, step: int) -> dict[str, Any]:
+        """Tier 2: this rank's bytes at ``step`` into its node's slot + the cross-node code."""
+        self.ch.mark("snapshot")
+        reply, _ = self.ch.request({"t": "snapshot_slot", "step": step})
+        seg = self._snap_seg(int(reply["write"]))
+        nb, share = self._snapshot_layout()
+        own = _packed(self.layout)
+        seg[self.lr * nb : (self.lr + 1) * nb].copy_(own)
+        if self.nnodes >= 2:
+            sh = encode_rotated(TorchDistCollective(self.cross_group), own)
+            base = self.nproc * nb
+            seg[base + self.lr * share : base + (self.lr + 1) * share].copy_(sh)
+        lay = self.layout
+        return {
+            "step": step,
+            "checksums": [lay.stored_checksum(c) for c in range(lay.n_chunks)],
+            "ps": self._ps_json(step),
+        }
+
+    def _restore_snapshot(self, step: int, snap: dict[str, Any]) -> None:
+        meta = snap["meta"][str(self.rank)]
+        if int(snap["step"]) != step or meta is None or int(meta["step"]) != step:
+            raise IntegrityError(f"rank {self.rank}: no tier-2 snapshot record of step {step}")
+        reply, _ = self.ch.request({"t": "snapshot_slot", "step": -1})
+        have = reply.get("active") is not None and reply.get("active_step") == step
+        flags = torch.zeros(self.W, dtype=torch.int64)
+        flags[self.rank] = 1 if have else 0
+        dist.all_reduce(flags)
+        missing_nodes = sorted({q // self.nproc for q in range(self.W) if not flags[q]})
+        if len(missing_nodes) > 1:
+            raise IntegrityError(
+                f"tier-2 snapshots of nodes {missing_nodes} are gone: beyond tier 2"
+            )
+        nb, share = self._snapshot_layout()
+        lay = self.layout
+        if have:
+            seg = self._snap_seg(int(reply["active"]))
+            data = seg[self.lr * nb : (self.lr + 1) * nb].clone()
+            base = self.nproc * nb
+            sh = seg[base + self.lr * share : base + (self.lr + 1) * share]
+        else:
+            data = torch.zeros(nb, dtype=torch.uint8)
+            sh = None
+        if missing_nodes:
+            decode_rotated(TorchDistCollective(self.cross_group), data, missing_nodes[0], sh)
+        self._free_undo()
+        off = 0
+        with torch.no_grad():
+            for buf in lay.data_buffers():
+                b = as_bytes(buf)
+                b.copy_(data[off : off + b.numel()])
+                off += b.numel()
+        self._seal_checked(step, meta["checksums"], "tier-2 snapshot")
+        lay.clear_prepared()
+        self._load_ps(meta["ps"])
+
+    def _free_undo(self) -> None:
+        """Before overwriting every chunk: put torn chunks back, release applied ones."""
+        lay = self.layout
+        for c in range(lay.n_chunks):
+            st = lay.chunk_status(c)
+            if st is ChunkStatus.TORN:
+                lay.restore_undo(c)
+            elif st is ChunkStatus.APPLIED:
+                lay.release_undo(c)
+
+    def _seal_checked(self, step: int, expected: list[int], source: str) -> None:
+        lay = self.layout
+        for c in range(lay.n_chunks):
+            lay.seal_chunk(c, step)
+            if lay.stored_checksum(c) != int(expected[c]):
+                raise IntegrityError(
+                    f"rank {self.rank} chunk {c}: the bytes restored from the {source} fail their checksum"
+                )
+
+    def _ckpt_dir(self) -> str:
+        return os.path.join(str(self.cfg.checkpoint_dir), "step-0", f"rank{self.rank}")
+
+    def _save_checkpoint(self) -> None:
+        if self.cfg.checkpoint_dir is None:
+            return
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        path = self._ckpt_dir()
+        os.makedirs(path, exist_ok=True)
+        tensors = {name: buf.detach() for name, buf in _named_buffers(self.layout)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(tensors, checkpoint_id=path, no_dist=True)
+        lay = self.layout
+        meta = {
+            "step": 0,
+            "checksums": [lay.stored_checksum(c) for c in range(lay.n_chunks)],
+            "ps": self._ps_json(0),
+        }
+        tmp = os.path.join(path, "leto.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+        os.replace(tmp, os.path.join(path, "leto.json"))
+
+    def _restore_checkpoint(self) -> None:
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        path = self._ckpt_dir()
+        mfile = os.path.join(path, "leto.json")
+        if not os.path.isfile(mfile):
+            raise IntegrityError(f"no complete checkpoint of step 0 in {path}")
+        lay = self.layout
+        self._free_undo()
+        tensors = {name: buf for name, buf in _named_buffers(lay)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.no_grad():
+                dcp.load(tensors, checkpoint_id=path, no_dist=True)
+        with open(mfile) as f:
+            meta = json.load(f)
+        self._seal_checked(0, meta["checksums"], "disk checkpoint")
+        lay.clear_prepared()
+        self._load_ps(meta["ps"])
+
+    def _after_recovery_state(self, target: int) -> dict[str, Any] | None:
+        """Verify, then rebuild the redundancy at ``target``: parity, gradient parity, snapshot."""
+        lay = self.layout
+        lay.clear_prepared()
+        wrong = [
+            c
+            for c in range(lay.n_chunks)
+            if lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
+        ]
+        bad = lay.verify()
+        if wrong or bad or self.ropt is None or self.ropt.version != target:
+            raise IntegrityError(
+                f"rank {self.rank} would resume on wrong state: chunks {wrong} not clean at step "
+                f"{target}, chunks {bad} fail their checksums"
+            )
+        self.ch.send({"t": "pending", "rank": self.rank, "json": ""})
+        self._send_ps(target)
+        if self.cfg.tier1:
+            if not self.parity:
+                self._node_memory()
+            coll = TorchDistCollective(self.node_group)
+            sums = torch.tensor(
+                [lay.stored_checksum(c) for c in range(lay.n_chunks)], dtype=torch.int64
+            )
+            allsums = [torch.zeros_like(sums) for _ in range(self.nproc)]
+            dist.all_gather(allsums, sums, group=self.node_group)
+            for c in range(lay.n_chunks):
+                par = encode(coll, lay.chunk_data(c), 0)
+                if self.lr == 0:
+                    self.parity[c].write_full(
+                        par, [target] * self.nproc, [int(s[c]) for s in allsums]
+                    )
+            if self.lr == 0:
+                assert self.gparity is not None
+                self.gparity.write_full(None, [NONE] * self.nproc, [0] * self.nproc)
+            dist.barrier(group=self.node_group)
+        meta = self._snapshot(target) if self.cfg.tier2 else None
+        dist.barrier()
+        return meta
+
+
+# --- RNG (JSON, through leto.adapters.state) -----------------------------------------
+
+
+def _capture_rng() -> dict[str, Any]:
+    from leto.adapters.state import capture_rng
+
+    return capture_rng()
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    from leto.adapters.state import restore_rng
+
+    restore_rng(state)
