@@ -128,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
     except FaultPlanError as e:
         return _error(f"--faults: {e}")
     run_dir = args.run_dir or os.path.join("leto-runs", time.strftime("run-%Y%m%d-%H%M%S"))
+    # torch's C++ warnings (store socket timeouts while a peer is gone) are noise here:
+    # leto reports failures itself
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from leto.backends.gloo.agent import Agent, AgentOptions
 
     opts = AgentOptions(
@@ -155,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
     )
     code = Agent(opts).run()
-    if args.node_rank == 0 and not args.quiet:
-        print(f"leto: events in {os.path.join(run_dir, 'events.jsonl')} (leto report {run_dir})")
+    events = os.path.join(run_dir, "events.jsonl")
+    if args.node_rank == 0 and not args.quiet and os.path.exists(events):
+        print(f"leto: events in {events} (leto report {run_dir})")
     return code

@@ -149,6 +149,7 @@ class Agent:
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[int, dict[str, Any]] = {}
         self.unclaimed: dict[int, list[Any]] = {}
+        self.local_inbox: list[dict[str, Any]] = []
         self.incarnation = 0
         self.node_segments: dict[str, tuple[int, int]] = {}
         self.ps: dict[int, dict[int, str]] = {}
@@ -212,6 +213,14 @@ class Agent:
             self.failed = "interrupted"
             if self.log is not None:
                 self.log.write("job_failed", error="interrupted by a signal")
+        except Exception as e:  # noqa: BLE001 - a bug here must still clean up and say so
+            import traceback
+
+            tb = traceback.format_exc()
+            self.failed = f"internal error in the agent: {type(e).__name__}: {e}"
+            print(f"leto[node {self.node}]: {self.failed}\n{tb}", file=sys.stderr, flush=True)
+            if self.log is not None:
+                self.log.write("job_failed", error=self.failed, traceback=tb)
         finally:
             self._cleanup()
         if self.failed is None and self.complete:
@@ -450,7 +459,7 @@ class Agent:
                 self.sel.register(p.pidfd, selectors.EVENT_READ, ("pidfd", p))
                 if p.role == "trainer":
                     self.trainer[p.local_rank] = p
-                    self.keepers[p.local_rank].admit(self.generation, p.pid)
+                    self._keeper(p.local_rank, "admit", self.generation, p.pid)
                 else:
                     self.shadow[p.local_rank] = p
                 self._claim(p)
@@ -497,7 +506,9 @@ class Agent:
             kind = "exception" if p.error else "crash"
             detected = "exception reported by the trainer" if p.error else "process exit (pidfd)"
             latency = None if p.dead_at is None else round((p.dead_at - p.hb) * 1e3, 1)
-            where = "between steps" if p.phase == "idle" else f"in {p.phase} of step {p.step + 1}"
+            where = {"idle": "between steps", "startup": "during startup"}.get(
+                p.phase, f"in {p.phase} of step {p.step + 1}"
+            )
             self.say(
                 f"rank {p.rank} {'raised an exception' if p.error else 'died'} ({how}) {where}"
             )
@@ -546,6 +557,23 @@ class Agent:
             select.select([p.pidfd], [], [], wait)
         except (OSError, ValueError):
             pass
+
+    def _keeper(self, lr: int, op: str, *args: int) -> None:
+        """``fence``/``admit`` on the keeper of ``lr``; a keeper found dead is handled now."""
+        for _ in range(3):
+            h = self.keepers[lr]
+            try:
+                getattr(h, op)(*args)
+                return
+            except (WireError, TimeoutError, RuntimeError, OSError):
+                try:
+                    h.proc.wait(2.0)
+                except Exception:  # noqa: BLE001
+                    raise LaunchError(
+                        f"the keeper of rank {self._rank(lr)} does not answer"
+                    ) from None
+                self._on_keeper_dead(lr)
+        raise LaunchError(f"the keeper of rank {self._rank(lr)} keeps failing")
 
     def _on_keeper_dead(self, lr: int) -> None:
         h = self.keepers[lr]
@@ -773,7 +801,7 @@ class Agent:
             targets = sorted(self.joined) if node is None else [node]
             for n in targets:
                 if n == 0:
-                    self._from_coord(msg)
+                    self.local_inbox.append(msg)  # delivered by the loop: no re-entrance
                 elif n in self.links:
                     try:
                         self.links[n].send(msg)
@@ -899,16 +927,15 @@ class Agent:
                     killed.append({"rank": r, "pid": p.pid})
                     self.trainer[lr] = None
         for lr in self.local_ranks:
-            self.keepers[lr].fence(gen)
+            self._keeper(lr, "fence", gen)
             p = self.trainer.get(lr)
             if p is not None and p.dead_at is None:
-                self.keepers[lr].admit(gen, p.pid)
+                self._keeper(lr, "admit", gen, p.pid)
         self._to_coord({"t": "fenced", "node": self.node, "gen": gen, "killed": killed})
 
     def _promote(self, lr: int, gen: int) -> None:
         sh = self.shadow.get(lr)
-        h = self.keepers[lr]
-        h.fence(max(gen, self.generation))
+        self._keeper(lr, "fence", max(gen, self.generation))
         self.generation = max(gen, self.generation)
         if sh is not None and sh.status == "warm" and sh.conn is not None:
             self._promote_now(sh, gen, warm=True)
@@ -938,8 +965,8 @@ class Agent:
         sh.status = "promoting"
         sh.hb = time.monotonic()
         sh.progress_t = sh.hb
+        self._keeper(lr, "admit", gen, sh.pid)
         h = self.keepers[lr]
-        h.admit(gen, sh.pid)
         self._send_proc(
             sh, {"t": "promote", "gen": gen, "keeper_pid": h.pid, "keeper_socket": h.socket_name}
         )
@@ -1004,6 +1031,9 @@ class Agent:
                 self._tick(now)
             if self.coord is not None:
                 self._flush_coord()
+                while self.local_inbox and not self.stop:
+                    self._from_coord(self.local_inbox.pop(0))
+                    self._flush_coord()
                 if self.coord.failed is not None and not self.stop:
                     self.failed = self.coord.failed
                     self.stop = True

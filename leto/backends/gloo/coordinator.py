@@ -385,12 +385,14 @@ class Coordinator:
 
     def _on_failure(self, node: int, msg: dict[str, Any], now: float) -> None:
         if self.model is None:
-            tb = msg.get("traceback") or ""
+            tb = (msg.get("traceback") or "").strip()
             what = msg.get("detail") or msg.get("kind")
+            last = tb.splitlines()[-1] if tb else ""
             self.fail(
                 f"rank {msg.get('rank')} failed before training started ({what})"
-                + (f":\n{tb}" if tb else ""),
+                + (f": {last}" if last else ""),
                 rank=msg.get("rank"),
+                traceback=tb or None,
             )
             return
         self._failure(msg, now)
@@ -584,7 +586,7 @@ class Coordinator:
         dead = [r for r, t in enumerate(s.trainer) if t is TrainerState.DEAD]
         if not dead:
             self._feed(ev.EndPromote())
-            self._phase("reconcile", now)
+            self._phase("rejoin", now)  # the new generation's communicator + retained truth
             return True
         sent = set()
         for r in dead:
@@ -612,6 +614,7 @@ class Coordinator:
             self._wait("report", set(range(self.W)), now)
             return False
         # every trainer reported: the truth of the retained state replaces the model's
+        self._phase("reconcile", now)
         self.state = self._truth(s)
         s = self.state
         plan = self.model.plan(s)

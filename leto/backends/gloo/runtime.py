@@ -681,6 +681,11 @@ class GlooSession:
             self.completed = True
             return True
         digest = self.digest()
+        if os.environ.get("LETO_DUMP_FINAL"):  # debugging: the final process state as JSON
+            d = os.path.join(os.environ.get("LETO_RUN_DIR", "."), "final")
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"rank{self.rank}.process_state.json"), "w") as f:
+                f.write(self._ps_json(self.step))
         self.ch.send(
             {"t": "done", "rank": self.rank, "step": self.step, "gen": self.gen, "digest": digest}
         )
@@ -697,11 +702,14 @@ class GlooSession:
         return False
 
     def digest(self) -> dict[str, str]:
-        """SHA-256 of every retained data buffer (params and optimizer states)."""
-        return {
+        """SHA-256 of every retained buffer (params, optimizer states) and of the process
+        state (optimizer scalars, LR scheduler, sampler position, RNG)."""
+        out = {
             name: hashlib.sha256(as_bytes(buf).numpy().tobytes()).hexdigest()
             for name, buf in _named_buffers(self.layout)
         }
+        out["process_state"] = hashlib.sha256(self._ps_json(self.step).encode()).hexdigest()
+        return out
 
     def retained_state(self) -> list[dict[str, torch.Tensor]]:
         """This rank's params and optimizer state (copies), as a one-element list."""
@@ -758,6 +766,7 @@ class GlooSession:
                 continue
             if gen < self.gen:
                 continue
+            self.ch.mark(t)
             self._point("recovery", where=t)
             try:
                 if t == "report":

@@ -1,0 +1,336 @@
+"""The gloo demo: ``examples/gpt.py`` on real processes, killed at every phase of a step.
+
+4 ranks as 2 nodes x 2 (two ``leto launch`` agents on 127.0.0.1), a character GPT
+trained with AdamW. The fault plan SIGKILLs trainers at forward, backward, the
+gradient all-reduce, prepare, both sides of the COMMIT, three points of a chunk's
+apply and the parity update, and finish; it kills a keeper (its memory is rebuilt
+from tier-1 parity), hangs a trainer (the heartbeat timeout finds it, the fence
+kills it), makes one raise, fails a rank during a recovery (which restarts at the
+next generation) and SIGKILLs a whole node's agent (a replacement node joins and
+the tier-2 snapshot is restored). Then the same job runs without faults and every
+rank's parameters, optimizer state and process state (scheduler, RNG, sampler)
+are compared bitwise (SHA-256 of each buffer).
+
+Entry points: :func:`demo` (returns the summary dict) and :func:`run_cli` (the
+``leto demo --backend gloo`` command: prints the timeline, or ``--json``). The
+summary has the fake demo's keys where they apply, plus ``recovery_seconds``: the
+wall-clock seconds of each recovery, in order (a recovery restarted by a second
+failure counts once, with both failures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["demo", "example_script", "fault_plan", "run_cli"]
+
+
+def example_script() -> Path:
+    """``examples/gpt.py`` of this checkout."""
+    here = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
+    if not here.is_file():
+        raise FileNotFoundError(
+            f"the gloo demo runs examples/gpt.py, which is not at {here} (run it from a "
+            "source checkout of leto)"
+        )
+    return here
+
+
+def n_chunks_of(chunk_size: int) -> int:
+    """Chunks per rank of examples/gpt.py's model (params packed, 256-byte aligned)."""
+    import torch
+
+    sys.path.insert(0, str(example_script().parent))
+    try:
+        import gpt  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    from importlib import resources
+
+    text = (resources.files("leto") / "data" / "sonnets.txt").read_text(encoding="utf-8")
+    with torch.device("meta"):
+        model = gpt.GPT(len(set(text)))
+    off, align = 0, 256 // 4
+    for p in model.parameters():
+        off = -(-off // align) * align + p.numel()
+    return max(1, -(-off // chunk_size))
+
+
+def fault_plan(
+    *, steps: int, n_chunks: int, nodes: int, per_node: int, node_loss: bool = True
+) -> list[dict[str, Any]]:
+    """A fault at every point of a step, then memory, hang, exception, restart and node loss."""
+    W = nodes * per_node
+    last = n_chunks - 1
+    points: list[dict[str, Any]] = [
+        {"phase": "forward"},
+        {"phase": "backward"},
+        {"phase": "allreduce"},
+        {"phase": "prepare"},
+        {"phase": "decide", "where": "before"},
+        {"phase": "decide", "where": "after"},
+        {"phase": "apply", "chunk": 0, "where": "undo_saved"},
+        {"phase": "apply", "chunk": min(1, last), "where": "mid_write"},
+        {"phase": "apply", "chunk": last, "where": "written"},
+        {"phase": "parity", "chunk": min(2, last)},
+        {"phase": "finish"},
+    ]
+    plan = []
+    step = 3
+    for i, pt in enumerate(points):
+        plan.append({"kind": "crash", "rank": (i + 1) % W, "step": step, **pt})
+        step += 2
+    plan.append(
+        {
+            "kind": "lose_memory",
+            "rank": 1 % W,
+            "step": step,
+            "phase": "apply",
+            "chunk": min(1, last),
+            "where": "written",
+        }
+    )
+    step += 3
+    plan.append({"kind": "hang", "rank": 2 % W, "step": step, "phase": "forward"})
+    step += 3
+    plan.append({"kind": "exception", "rank": 0, "step": step, "phase": "backward"})
+    step += 3
+    plan.append({"kind": "crash", "rank": 3 % W, "step": step, "phase": "backward"})
+    plan.append(
+        {"kind": "crash", "rank": 1 % W, "step": step, "phase": "recovery", "where": "reconcile"}
+    )
+    step += 4
+    if node_loss and nodes >= 2:
+        plan.append({"kind": "lose_node", "rank": per_node, "step": step, "phase": "prepare"})
+        step += 2
+    if step > steps:
+        raise ValueError(f"the fault plan needs at least {step} steps, got {steps}")
+    return plan
+
+
+def _config(
+    path: Path,
+    *,
+    nodes: int,
+    per_node: int,
+    chunk_size: int,
+    tier2_interval: int,
+    checkpoint_dir: str | None,
+) -> Path:
+    lines = [
+        "[leto]",
+        'backend = "gloo"',
+        f'topology = "{nodes}x{per_node}"',
+        f"chunk_size = {chunk_size}",
+        f"tier2_interval = {tier2_interval}",
+    ]
+    if checkpoint_dir:
+        lines.append(f'checkpoint_dir = "{checkpoint_dir}"')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _label(f: dict[str, Any]) -> str:
+    at = f["phase"]
+    if f.get("chunk") is not None:
+        at += f"[chunk {f['chunk']}]"
+    if f.get("where"):
+        at += f"/{f['where']}"
+    return f"{f['kind']}: {at}"
+
+
+def demo(
+    *,
+    steps: int = 60,
+    nodes: int = 2,
+    ranks_per_node: int = 2,
+    chunk_size: int = 4096,
+    tier2_interval: int = 10,
+    checkpoint_dir: str | None = None,
+    seed: int = 0,
+    faults: bool = True,
+    hang_timeout: float = 2.0,
+    workdir: str | None = None,
+    out: Any = None,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Run the faulted job and its failure-free twin; the summary (see the module docstring)."""
+    from leto.backends.gloo.harness import run_local
+
+    from .report import summarize, timeline_lines
+
+    def say(msg: str) -> None:
+        if out is not None:
+            print(msg, file=out, flush=True)
+
+    t_all = time.perf_counter()
+    work = Path(workdir or tempfile.mkdtemp(prefix="leto-gloo-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    script = example_script()
+    n_chunks = n_chunks_of(chunk_size)
+    cfg = _config(
+        work / "gloo.toml",
+        nodes=nodes,
+        per_node=ranks_per_node,
+        chunk_size=chunk_size,
+        tier2_interval=tier2_interval,
+        checkpoint_dir=checkpoint_dir,
+    )
+    plan = (
+        fault_plan(steps=steps, n_chunks=n_chunks, nodes=nodes, per_node=ranks_per_node)
+        if faults
+        else []
+    )
+    args = ["--config", str(cfg), "--steps", str(steps), "--seed", str(seed)]
+    extra = ["--hang-timeout", str(hang_timeout), "--quiet", "--no-echo"]
+    say(
+        f"leto demo (gloo): examples/gpt.py, {steps} steps, {nodes} nodes x {ranks_per_node} ranks "
+        f"(real processes on 127.0.0.1), {n_chunks} chunks per rank, {len(plan)} planned faults"
+    )
+    res = run_local(
+        str(script),
+        nnodes=nodes,
+        nproc=ranks_per_node,
+        run_dir=work / "faulted",
+        faults=plan,
+        extra=extra,
+        script_args=args,
+        timeout=timeout,
+    )
+    for line in timeline_lines(res.events):
+        say(line)
+    ref = run_local(
+        str(script),
+        nnodes=nodes,
+        nproc=ranks_per_node,
+        run_dir=work / "failure-free",
+        extra=extra,
+        script_args=args,
+        timeout=timeout,
+    )
+    s, r = summarize(res.events), summarize(ref.events)
+    a, b = s["digests"] or {}, r["digests"] or {}
+    params_equal = bool(a) and all(a[k]["param"] == b.get(k, {}).get("param") for k in a)
+    state_equal = bool(a) and all(
+        v == b.get(k, {}).get(name)
+        for k, d in a.items()
+        for name, v in d.items()
+        if name != "param"
+    )
+    bitwise = bool(a) and a == b and res.ok and ref.ok
+    recs = res.recoveries
+    by_kind = s["recoveries_by_kind"]
+    failure_events = res.of("failure")
+    covered = sorted({_label(f) for f in plan})
+    result = {
+        "backend": "gloo",
+        "bitwise_equal": bitwise,
+        "params_equal": params_equal,
+        "optimizer_state_equal": state_equal,
+        "failures_injected": len(failure_events),
+        "failures_planned": len(plan),
+        "every_failure_recovered": res.ok and s["status"] == "ok",
+        "recoveries": len(recs),
+        "recoveries_by_kind": by_kind,
+        "rolled_forward": sum(1 for x in recs if x.get("chunks_rolled_forward")),
+        "rolled_back": sum(
+            1 for x in recs if x.get("kind") == "back" or x.get("chunks_rolled_back")
+        ),
+        "chunks_rolled_forward": s["chunks_rolled_forward"],
+        "chunks_repaired_from_parity": s["chunks_repaired_tier1"],
+        "grad_blocks_repaired_from_parity": sum(
+            int(x.get("grads_repaired_tier1", 0)) for x in recs
+        ),
+        "snapshot_restores": by_kind.get("tier2", 0),
+        "checkpoint_restores": by_kind.get("ckpt", 0),
+        "stale_processes_killed": sum(len(e.get("stale_killed", [])) for e in res.of("fence")),
+        "recovery_restarts": s["recovery_restarts"],
+        "promotions_warm": s["promotions_warm"],
+        "promotions_cold": s["promotions_cold"],
+        "phases_covered": covered,
+        "steps": steps,
+        "world_size": nodes * ranks_per_node,
+        "topology": f"{nodes}x{ranks_per_node}",
+        "n_chunks": n_chunks,
+        "chunk_size": chunk_size,
+        "tier2_interval": tier2_interval,
+        "checkpoint": checkpoint_dir is not None,
+        "recovery_seconds": s["recovery_seconds"],
+        "recovery_ms_total": round(1e3 * sum(s["recovery_seconds"]), 3),
+        "seconds": {
+            "with_failures": round(res.seconds, 3),
+            "failure_free": round(ref.seconds, 3),
+            "total": round(time.perf_counter() - t_all, 3),
+        },
+        "error": res.error or ref.error,
+        "run_dirs": {"with_failures": str(res.run_dir), "failure_free": str(ref.run_dir)},
+        "faults": plan,
+    }
+    say("")
+    say(
+        f"{len(failure_events)} failures detected ({len(plan)} planned), {len(recs)} recoveries "
+        f"{by_kind}, {s['recovery_restarts']} restart(s); shadows promoted warm "
+        f"{s['promotions_warm']}, cold {s['promotions_cold']}"
+    )
+    say("recovery seconds: " + ", ".join(f"{x:.3f}" for x in s["recovery_seconds"]))
+    say(
+        f"{res.seconds:.1f} s with failures, {ref.seconds:.1f} s without; leto report {res.run_dir}"
+    )
+    say(
+        "bitwise equal to the failure-free run (every rank's parameters, optimizer state, "
+        f"scheduler, RNG and sampler): {'YES' if bitwise else 'NO'}"
+    )
+    if result["error"]:
+        say(f"error: {result['error']}")
+    return result
+
+
+def run_cli(args: Any) -> int:
+    """``leto demo --backend gloo`` (``args`` as parsed by ``leto.adapters.demo.configure``)."""
+    kw: dict[str, Any] = {
+        "steps": getattr(args, "steps", 60) or 60,
+        "seed": getattr(args, "seed", 0),
+    }
+    for name in ("nodes", "ranks_per_node", "chunk_size", "tier2_interval"):
+        v = getattr(args, name, None)
+        if v is not None:
+            kw[name] = v
+    if getattr(args, "checkpoint_dir", None) and not getattr(args, "no_checkpoint", False):
+        kw["checkpoint_dir"] = os.path.abspath(args.checkpoint_dir)
+    kw["faults"] = not getattr(args, "no_faults", False)
+    as_json = bool(getattr(args, "json", False))
+    try:
+        result = demo(out=None if as_json else sys.stdout, **kw)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"leto demo: error: {e}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(result, indent=2))
+    return 0 if result["bitwise_equal"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="leto-gloo-demo", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--chunk-size", type=int, default=4096)
+    p.add_argument("--tier2-interval", type=int, default=10)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--no-checkpoint", action="store_true")
+    p.add_argument("--no-faults", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    return run_cli(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
