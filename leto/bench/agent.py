@@ -61,6 +61,9 @@ class Proc:
     exited: bool = False
     code: int | None = None
     expected_exit: bool = False
+    last_step: int | None = None  # the step its state is at (trained, loaded or reconciled)
+    done_step: int | None = None  # the last step it completed
+    fail_step: int | None = None  # the step it reported failing in
 
     @property
     def pid(self) -> int:
@@ -106,7 +109,7 @@ class Job:
         self.events: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
         self.finished = False
-        self.recovering_since: float | None = None
+        self.recover_target: int | None = None  # every trainer completes it: recovered
         self._pending_rewarm: set[int] = set()
         self.mem_fds: dict[int, int] = {}
         self.max_failures = max_failures
@@ -131,13 +134,16 @@ class Job:
     def set_plan(self, key: str, plan: dict[str, Any]) -> None:
         self.store.set(key, json.dumps(plan))
 
-    def start(self) -> None:
-        self.set_plan("plan/0", self.plan_for(0))
+    def start(self, timeout: float = 300.0) -> None:
+        """Start every rank; leto's trainers wait (before step 1) until the shadows are
+        warm, so start-up contention on this machine does not fall into any measurement."""
         for r in range(self.wl.world):
             self.trainers[r] = self._spawn(r, "trainer", resume=False)
         if self.system == "leto":
             for r in range(self.wl.world):
                 self.shadows[r] = self._spawn(r, "shadow", resume=False)
+            self.pump(self.shadows_warm, timeout, "the shadows to warm up")
+        self.set_plan("plan/0", self.plan_for(0))
 
     def _spawn(self, rank: int, role: str, *, resume: bool) -> Proc:
         rfd, wfd = os.pipe()
@@ -191,12 +197,21 @@ class Job:
                     f"{self.system}: timed out after {timeout:.0f} s waiting for {what or 'the job'}"
                     f"{self._log_hint()}"
                 )
-            for key, _ in self.sel.select(min(left, 0.5)):
-                kind, proc = key.data
-                if kind == "events":
-                    self._read(proc)
-                else:
-                    self._exited(proc)
+            self._select(min(left, 0.5))
+
+    def run_for(self, seconds: float) -> None:
+        """Process events and exits for ``seconds``."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self._select(left)
+
+    def _select(self, timeout: float) -> None:
+        for key, _ in self.sel.select(timeout):
+            kind, proc = key.data
+            if kind == "events":
+                self._read(proc)
+            else:
+                self._exited(proc)
 
     def _read(self, proc: Proc) -> None:
         try:
@@ -215,6 +230,12 @@ class Job:
             ev.update(rank=proc.rank, role=proc.role, pid=proc.pid, gen=proc.gen)
             proc.seen.add(ev["ev"])
             self.events.append(ev)
+            if "step" in ev and ev["ev"] in ("step", "loaded", "reconciled", "attached"):
+                proc.last_step = ev["step"]
+                if ev["ev"] == "step":
+                    proc.done_step = ev["step"]
+            elif ev["ev"] == "fail":
+                proc.fail_step = ev["step"]
             if ev["ev"] == "error" and not _peer_lost(ev["error"]):
                 raise BenchError(
                     f"{self.system}: rank {proc.rank} ({proc.role}) failed: {ev['error']}"
@@ -270,8 +291,9 @@ class Job:
                 f"{self.system}: {len(self.failures)} failures, more than planned: "
                 f"the job keeps failing{self._log_hint(proc)}"
             )
-        if self.recovering_since is None:
-            self.recovering_since = t_detect
+        done = [p.done_step or 0 for p in self.trainers.values()]
+        failure["step"] = proc.fail_step if proc.fail_step is not None else max(done) + 1
+        self.recover_target = max(failure["step"], self.recover_target or 0)
         if self.system == "leto":
             shadow = self.shadows.pop(proc.rank, None)
             if shadow is None:
@@ -315,25 +337,18 @@ class Job:
     # ---------------------------------------------------------------- queries
 
     def recovered(self) -> bool:
-        """Every rank of the current generation has completed a step in it."""
-        ranks = {
-            e["rank"]
-            for e in self.events
-            if e["ev"] == "step"
-            and e["gen"] == self.gen
-            and e["pid"] == self.trainers[e["rank"]].pid
-        }
-        return len(ranks) == self.wl.world
+        """Every current trainer has completed the step the last failure interrupted."""
+        target = self.recover_target
+        return target is None or all(
+            p.done_step is not None and p.done_step >= target for p in self.trainers.values()
+        )
 
-    def progress(self) -> int:
-        """The last step every current trainer has completed."""
-        last: dict[int, int] = {}
-        for e in self.events:
-            if e["ev"] == "step" and e["pid"] == self.trainers[e["rank"]].pid:
-                last[e["rank"]] = e["step"]
-        if len(last) < self.wl.world:
-            return 0
-        return min(last.values())
+    def progress(self) -> int | None:
+        """The step the job's state is at (None while a restarted rank has not loaded)."""
+        steps = [p.last_step for p in self.trainers.values()]
+        if any(s is None for s in steps) or len(steps) < self.wl.world:
+            return None
+        return min(s for s in steps if s is not None)
 
     def seen(
         self, ev: str, *, gen: int | None = None, role: str | None = None

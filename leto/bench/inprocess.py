@@ -90,21 +90,24 @@ def _timed_engine_class() -> type[Engine]:
     from leto.adapters.engine import Engine
 
     class TimedEngine(Engine):
-        """The engine with per-event clocks inside :meth:`recover`."""
+        """The engine with a clock on every event: ``step_event_s`` accumulates the
+        events of failure-free steps, ``event_s`` those of the last :meth:`recover`."""
 
         in_recovery = False
         recover_s = 0.0
-        event_s: dict[str, float]
+
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            self.step_event_s: dict[str, float] = defaultdict(float)
+            self.event_s: dict[str, float] = defaultdict(float)
+            super().__init__(*a, **kw)
 
         def feed(self, e: Any) -> None:
-            if not self.in_recovery:
-                super().feed(e)
-                return
+            acc = self.event_s if self.in_recovery else self.step_event_s
             t = time.perf_counter()
             try:
                 super().feed(e)
             finally:
-                self.event_s[type(e).__name__] += time.perf_counter() - t
+                acc[type(e).__name__] += time.perf_counter() - t
 
         def recover(self) -> None:
             self.event_s = defaultdict(float)

@@ -261,3 +261,36 @@ def check_systems(names: Sequence[str]) -> list[str]:
     if not names:
         raise BenchError("no system to run")
     return list(names)
+
+
+def run_scaling(
+    systems: Sequence[str],
+    workloads: Sequence[Workload],
+    *,
+    mtbf_s: float,
+    repeats: int,
+    gap_s: float = 10.0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The recovery benchmark at several model sizes (``leto bench scaling``)."""
+    start = time.monotonic()
+    results = [
+        run_recovery(systems, wl, mtbf_s=mtbf_s, repeats=repeats, gap_s=gap_s, progress=progress)
+        for wl in workloads
+    ]
+    totals: dict[str, list[float]] = {}
+    for name in results[0]["systems"]:
+        totals[name] = [r["systems"][name]["total_s"] for r in results]
+        if name == "leto":
+            totals["leto-harness"] = [r["systems"]["leto"]["harness"]["total"] for r in results]
+    return {
+        "benchmark": "scaling",
+        "sizes": [wl.label for wl in workloads],
+        "params": [wl.params for wl in workloads],
+        "state_bytes_per_rank": [wl.state_bytes for wl in workloads],
+        "totals": totals,
+        "growth": {n: t[-1] / t[0] for n, t in totals.items()},
+        "ratio_vs_best_baseline": [r.get("ratio_vs_best_baseline") for r in results],
+        "results": results,
+        "elapsed_s": time.monotonic() - start,
+    }

@@ -77,7 +77,25 @@ class Workload:
     world: int = 4
     seed: int = 0
     lr: float = 1e-3
-    chunk_numel: int = 1 << 20  # leto's chunk size (elements)
+    chunk_numel: int = 0  # leto's chunk size (elements); 0: see chunk_for
+
+    def __post_init__(self) -> None:
+        if self.chunk_numel <= 0:
+            object.__setattr__(self, "chunk_numel", self.chunk_for())
+
+    def chunk_for(self) -> int:
+        """leto's default chunk (2**20 elements), evened out over the state.
+
+        A model just over a multiple of the chunk size would carry a nearly empty,
+        zero-padded last chunk through every step and every recovery (1.06M params
+        in 1M-element chunks: twice the state); a user sets ``chunk_size`` to avoid
+        that, and so does the benchmark: the fewest chunks of at most 2**20
+        elements, equal in size, with room for each tensor's 64-element alignment.
+        """
+        tensors = 2 * (self.layers + 1)
+        numel = self.params + 64 * tensors
+        n = -(-numel // (1 << 20))
+        return -(-numel // n // 1024) * 1024
 
     @classmethod
     def for_params(cls, target: int, **kw: Any) -> Workload:
@@ -127,8 +145,9 @@ class Workload:
         if system == "gemini":
             return W * (proc + replica + 12 * P + 48 * P)  # + 2 slots x (own + peer) in host memory
         if system == "leto":
-            # trainers (retained layout: 16 B/param + one chunk of undo) and warm shadows
-            return W * (2 * proc + 20 * P + data) + self.engine_estimate()
+            # trainers (retained layout: 16 B/param + one chunk of undo) and warm shadows;
+            # then (not at the same time) the engine with every rank in one process
+            return max(W * (2 * proc + 20 * P + data), self.engine_estimate())
         raise BenchError(f"unknown system {system!r}")
 
     def engine_estimate(self) -> int:

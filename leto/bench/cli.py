@@ -1,0 +1,257 @@
+"""``leto bench``: leto against checkpoint-based recovery, side by side on this machine.
+
+::
+
+    leto bench recovery [--params 1M] [--repeats 5] [--mtbf 60] [--json]
+    leto bench overhead [--params 1M] [--periods 3] [--json]
+    leto bench goodput  [--params 1M] [--budget 240] [--mtbf 60] [--json]
+    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--json]
+
+Systems (``--systems``, comma-separated): ``ckpt-disk`` (torch.distributed.checkpoint
+to local disk, restart), ``ckpt-disk-async`` (DCP ``async_save``), ``gemini`` (a
+checkpoint of every step in host memory, restart), ``leto`` (in place). Each
+benchmark prints a table, and writes its JSON and a PNG plot to ``--out``
+(default ``bench-results``); ``--json`` prints the JSON instead of the table.
+Bad input (an unknown system, a non-positive MTBF or budget, a model too large
+for this machine's memory) is one line ``leto bench: error: ...`` and exit
+status 2, before anything starts. See ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .workload import BenchError, Workload, available_memory, format_count, parse_count
+
+__all__ = ["configure", "run"]
+
+SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "leto")
+MEMORY_FRACTION = 0.8
+
+
+def _common(p: argparse.ArgumentParser, *, systems: bool = True, size: bool = True) -> None:
+    if size:
+        p.add_argument("--params", default="1M", help="model size in parameters (default 1M)")
+    p.add_argument("--world", type=int, default=4, help="ranks (processes) per job (default 4)")
+    p.add_argument("--batch", type=int, default=512, help="rows per rank per step (default 512)")
+    p.add_argument("--seed", type=int, default=0)
+    if systems:
+        p.add_argument(
+            "--systems",
+            default=",".join(SYSTEMS),
+            help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all)",
+        )
+    p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
+    p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("::", 1)[1] if __doc__ else None
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH")
+    p = sub.add_parser("recovery", help="one recovery of each system, broken down (medians)")
+    _common(p)
+    p.add_argument("--repeats", type=int, default=5, help="recoveries per system (default 5)")
+    p.add_argument(
+        "--mtbf",
+        type=float,
+        default=60.0,
+        help="MTBF in seconds, for the checkpoint interval (default 60)",
+    )
+    p.add_argument(
+        "--gap", type=float, default=10.0, help="seconds of training between failures (default 10)"
+    )
+    p = sub.add_parser(
+        "overhead", help="failure-free step time: plain vs leto (tiers on, tier 2 off)"
+    )
+    _common(p, systems=False)
+    p.add_argument(
+        "--periods", type=int, default=3, help="tier-2 periods of steps per config (default 3)"
+    )
+    p.add_argument(
+        "--tier2-interval", type=int, default=10, help="K: steps between tier-2 snapshots"
+    )
+    p = sub.add_parser(
+        "goodput", help="productive training time in a wall-clock budget with failures"
+    )
+    _common(p)
+    p.add_argument(
+        "--budget", type=float, default=240.0, help="seconds of training per system (default 240)"
+    )
+    p.add_argument(
+        "--mtbf", type=float, default=60.0, help="mean time between failures, seconds (default 60)"
+    )
+    p = sub.add_parser("scaling", help="the recovery benchmark across model sizes")
+    _common(p, size=False)
+    p.add_argument("--sizes", default="1M,4M,16M", help="model sizes (default 1M,4M,16M)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="recoveries per system and size (default 3)"
+    )
+    p.add_argument("--mtbf", type=float, default=60.0)
+    p.add_argument("--gap", type=float, default=10.0)
+
+
+# ------------------------------------------------------------------ validation
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise BenchError(f"{name} must be positive, got {value:g}")
+
+
+def _systems(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise BenchError("--systems names no system")
+    for n in names:
+        if n not in SYSTEMS:
+            raise BenchError(f"unknown system {n!r} (choose from {', '.join(SYSTEMS)})")
+    return names
+
+
+def _workload(args: argparse.Namespace, params: str) -> Workload:
+    if args.world < 2:
+        raise BenchError(f"--world must be at least 2 ranks, got {args.world}")
+    _positive("--batch", args.batch)
+    return Workload.for_params(
+        parse_count(params), batch=args.batch, world=args.world, seed=args.seed
+    )
+
+
+def check_memory(wl: Workload, systems: list[str], available: int | None = None) -> None:
+    """Refuse a model that does not fit this machine's memory (systems run one at a time)."""
+    avail = available_memory() if available is None else available
+    if avail <= 0:
+        return
+    usable = MEMORY_FRACTION * avail
+    need, worst = max((wl.memory_estimate(s), s) for s in systems)
+    if need > usable:
+        raise BenchError(
+            f"model size {format_count(wl.params)} params x {wl.world} ranks needs about "
+            f"{need / 2**30:.1f} GiB ({worst}), but only {usable / 2**30:.1f} GiB of this "
+            f"machine's memory is usable ({avail / 2**30:.1f} GiB available, "
+            f"{MEMORY_FRACTION:.0%} used at most); choose a smaller model size"
+        )
+
+
+def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
+    systems = _systems(args.systems) if hasattr(args, "systems") else ["leto"]
+    if hasattr(args, "mtbf"):
+        _positive("--mtbf", args.mtbf)
+    if hasattr(args, "budget"):
+        _positive("--budget", args.budget)
+    for flag in ("repeats", "periods", "tier2_interval"):
+        if hasattr(args, flag) and getattr(args, flag) < 1:
+            raise BenchError(f"--{flag.replace('_', '-')} must be at least 1")
+    sizes = args.sizes.split(",") if args.bench == "scaling" else [args.params]
+    wls = [_workload(args, s) for s in sizes if s.strip()]
+    if not wls:
+        raise BenchError("--sizes names no model size")
+    wls.sort(key=lambda w: w.params)
+    mem_systems = systems if args.bench != "overhead" else ["engine"]
+    for wl in wls:
+        if mem_systems == ["engine"]:
+            _check_engine(wl)
+        else:
+            check_memory(wl, mem_systems)
+    return wls, systems
+
+
+def _check_engine(wl: Workload) -> None:
+    avail = available_memory()
+    need = 3 * wl.engine_estimate() + wl.memory_estimate("plain") // wl.world
+    if avail and need > MEMORY_FRACTION * avail:
+        raise BenchError(
+            f"model size {format_count(wl.params)} params x {wl.world} ranks needs about "
+            f"{need / 2**30:.1f} GiB in this process, but only "
+            f"{MEMORY_FRACTION * avail / 2**30:.1f} GiB is usable; choose a smaller model size"
+        )
+
+
+# ------------------------------------------------------------------------- run
+
+
+def _write(out: Path, name: str, res: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(res, indent=1, default=float) + "\n")
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench", None) is None:
+        print(
+            "leto bench: error: choose a benchmark: recovery, overhead, goodput, scaling",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        wls, systems = _validate(args)
+    except BenchError as e:
+        print(f"leto bench: error: {e}", file=sys.stderr)
+        return 2
+    progress = not args.no_progress
+    try:
+        res, table, plot = _run(args, wls, systems, progress)
+    except BenchError as e:
+        print(f"leto bench: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("leto bench: interrupted", file=sys.stderr)
+        return 130
+    out = Path(args.out)
+    path = _write(out, args.bench, res)
+    png = plot(res, out / f"{args.bench}.png")
+    if args.json:
+        print(json.dumps(res, default=float))
+    else:
+        print(table(res))
+        print(f"wrote {path} and {png}")
+    return 0
+
+
+def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], progress: bool) -> Any:
+    from . import plots, report
+
+    if args.bench == "recovery":
+        from .recovery import run_recovery
+
+        res = run_recovery(
+            systems,
+            wls[0],
+            mtbf_s=args.mtbf,
+            repeats=args.repeats,
+            gap_s=args.gap,
+            progress=progress,
+        )
+        return res, report.recovery_table, plots.plot_recovery
+    if args.bench == "overhead":
+        from .overhead import run_overhead
+
+        res = run_overhead(
+            wls[0], periods=args.periods, tier2_interval=args.tier2_interval, progress=progress
+        )
+        return res, report.overhead_table, plots.plot_overhead
+    if args.bench == "goodput":
+        from .goodput import run_goodput
+
+        res = run_goodput(
+            systems,
+            wls[0],
+            budget_s=args.budget,
+            mtbf_s=args.mtbf,
+            seed=args.seed,
+            progress=progress,
+        )
+        return res, report.goodput_table, plots.plot_goodput
+    from .recovery import run_scaling
+
+    res = run_scaling(
+        systems, wls, mtbf_s=args.mtbf, repeats=args.repeats, gap_s=args.gap, progress=progress
+    )
+    return res, report.scaling_table, plots.plot_scaling

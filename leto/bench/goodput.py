@@ -1,0 +1,207 @@
+"""``leto bench goodput``: productive training time in a fixed wall-clock budget.
+
+Every system trains the same workload as a real job (:class:`leto.bench.agent.Job`)
+for ``budget_s`` seconds of wall clock, counted from the moment training proper
+starts (after start-up and the job's calibration, the same for all), while
+failures strike on one schedule: Poisson arrivals at the given MTBF, each on a
+random rank (seeded, so every system gets the same times and ranks). A failure
+is delivered as ``SIGUSR1`` to the rank's trainer, which dies at its next failure
+point (after a forward pass); one failure at a time: a failure that falls due while
+an earlier one is being recovered strikes once training runs again.
+
+The checkpointing baselines checkpoint at the Young/Daly interval for the MTBF and
+the save cost they measure in the job; ``gemini`` snapshots every step; ``leto``
+is the real-process harness (leto's retained layer and warm shadows; tiers 1 and
+2, which only the engine implements so far, are not in it: their per-step cost is
+what ``leto bench overhead`` measures).
+
+ETTR = productive time / budget, where productive time is the training progress
+at the end of the budget (steps the model keeps, so work lost to a restart does
+not count) times the failure-free step time of plain DDP on this workload,
+measured in a plain job before the systems run. A system's own per-step overhead
+(checkpoint stalls, snapshots, leto's transactions) therefore lowers its ETTR.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .agent import Job
+from .interval import checkpoint_interval_steps
+from .recovery import CAL_SAVES, ORDER
+from .workload import BenchError, Workload
+
+__all__ = ["failure_times", "plain_step_time", "run_goodput"]
+
+_TIMEOUT_S = 300.0
+_REF_STEPS = 20
+_CAL_STEPS = 10
+
+
+def failure_times(budget_s: float, mtbf_s: float, world: int, seed: int) -> list[dict[str, Any]]:
+    """Poisson failure times in ``[0, budget_s)`` and the rank each one strikes."""
+    if mtbf_s <= 0:
+        raise BenchError(f"MTBF must be positive, got {mtbf_s}")
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(1.0 / mtbf_s)
+        if t >= budget_s:
+            return out
+        out.append({"t": t, "rank": rng.randrange(world)})
+
+
+def plain_step_time(wl: Workload) -> float:
+    """Median failure-free step time of plain DDP on ``wl`` (a short plain job)."""
+
+    def plan(_gen: int) -> dict[str, Any]:
+        return {"calibrate": {"steps": _REF_STEPS, "saves": 0}, "stop_step": _REF_STEPS}
+
+    with Job("plain", wl, plan_for=plan) as job:
+        job.start()
+        job.pump(lambda: len(job.seen("calibrated")) == wl.world, _TIMEOUT_S, "plain steps")
+        job.set_plan("plan/0/run", plan(0))
+        job.pump(lambda: job.finished, _TIMEOUT_S, "the plain job's end")
+        return float(statistics.median(e["step_s"] for e in job.seen("calibrated")))
+
+
+def run_system(
+    system: str,
+    wl: Workload,
+    *,
+    budget_s: float,
+    mtbf_s: float,
+    schedule: list[dict[str, Any]],
+    progress: Any = None,
+) -> dict[str, Any]:
+    """One system through the budget; its ETTR and progress over time."""
+    saves = 0 if system == "leto" else CAL_SAVES
+    run_plan: dict[str, Any] = {"interval": 10**9, "fail": None, "stop_step": 10**9}
+
+    def plan(gen: int) -> dict[str, Any]:
+        if gen == 0 and "calibrated" not in state:
+            return {"calibrate": {"steps": _CAL_STEPS, "saves": saves}, **run_plan}
+        return run_plan
+
+    state: dict[str, Any] = {}
+    with Job(system, wl, plan_for=plan) as job:
+        job.start()
+        job.pump(lambda: len(job.seen("calibrated")) == wl.world, _TIMEOUT_S, "calibration")
+        cal = job.seen("calibrated")
+        step_s = statistics.median(e["step_s"] for e in cal)
+        save_s = max(e["save_s"] for e in cal)
+        write_s = max(e["write_s"] for e in cal)
+        k = None
+        if system.startswith("ckpt-disk"):
+            k = checkpoint_interval_steps(save_s, mtbf_s, step_s, write_s)
+            run_plan["interval"] = k
+        state["calibrated"] = True
+        job.set_plan("plan/0/run", run_plan)
+        t0 = time.monotonic()
+        step0 = job.progress() or _CAL_STEPS
+        samples: list[tuple[float, int]] = [(0.0, 0)]
+        injected: list[dict[str, Any]] = []
+        nxt = 0
+        last_tick = 0
+        while (now := time.monotonic()) < t0 + budget_s:
+            busy = len(job.failures) < len(injected) or not job.recovered()
+            if nxt < len(schedule) and now - t0 >= schedule[nxt]["t"] and not busy:
+                if job.signal_failure(schedule[nxt]["rank"]):
+                    injected.append({**schedule[nxt], "t_signal": now - t0})
+                    nxt += 1
+            job.run_for(min(0.05, t0 + budget_s - now))
+            p = job.progress()
+            if p is not None and p - step0 != samples[-1][1]:
+                samples.append((time.monotonic() - t0, p - step0))
+            if progress is not None and int(now - t0) // 10 > last_tick:
+                last_tick = int(now - t0) // 10
+                progress(system, now - t0)
+        end = job.progress()
+        if end is None:  # a restart is under way: its progress is what it reloads
+            job.pump(lambda: job.progress() is not None, _TIMEOUT_S, "the restart point")
+            end = job.progress()
+        assert end is not None
+        fail_t = [f["t_detect"] - t0 for f in job.failures]
+    steps = end - step0
+    return {
+        "steps": steps,
+        "step_s": step_s,
+        "checkpoint_interval_steps": k,
+        "save_s": save_s if system != "leto" else None,
+        "failures": len(fail_t),
+        "failure_times_s": fail_t,
+        "injected": injected,
+        "timeline": samples + [(budget_s, steps)],
+    }
+
+
+def run_goodput(
+    systems: Sequence[str],
+    wl: Workload,
+    *,
+    budget_s: float,
+    mtbf_s: float,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The goodput benchmark's result (the JSON of ``leto bench goodput``)."""
+    import sys
+
+    ordered = [s for s in ORDER if s in systems]
+    schedule = failure_times(budget_s, mtbf_s, wl.world, seed)
+    live = progress and sys.stderr.isatty()
+
+    def tick(system: str, t: float) -> None:
+        if live:
+            sys.stderr.write(f"\rgoodput {system:<16} {t:5.0f}/{budget_s:.0f} s")
+            sys.stderr.flush()
+
+    start = time.monotonic()
+    # plain DDP's step time before and after every system (the machine's speed drifts)
+    refs = [plain_step_time(wl)]
+    out: dict[str, Any] = {}
+    for system in ordered:
+        out[system] = run_system(
+            system,
+            wl,
+            budget_s=budget_s,
+            mtbf_s=mtbf_s,
+            schedule=schedule,
+            progress=tick,
+        )
+        refs.append(plain_step_time(wl))
+        ref = (refs[-2] + refs[-1]) / 2.0
+        s = out[system]
+        s["plain_step_s"] = ref
+        s["ettr"] = s["steps"] * ref / budget_s
+        s["step_overhead_vs_plain_pct"] = 100.0 * (s["step_s"] / ref - 1.0)
+        for i, (t, n) in enumerate(s["timeline"]):
+            s["timeline"][i] = (t, n, n * ref)
+    if live:
+        sys.stderr.write("\n")
+    ettr = {s: r["ettr"] for s, r in out.items()}
+    result: dict[str, Any] = {
+        "benchmark": "goodput",
+        "workload": {**wl.as_dict(), "params": wl.params, "label": wl.label},
+        "budget_s": budget_s,
+        "mtbf_s": mtbf_s,
+        "seed": seed,
+        "schedule": schedule,
+        "plain_step_s": statistics.fmean(refs),
+        "plain_step_s_runs": refs,
+        "ettr": ettr,
+        "systems": out,
+        "elapsed_s": time.monotonic() - start,
+    }
+    baselines = {s: v for s, v in ettr.items() if s != "leto"}
+    if baselines:
+        best = max(baselines, key=lambda s: baselines[s])
+        result["best_baseline"] = best
+        if "leto" in ettr:
+            result["gain_pp_vs_best_baseline"] = 100.0 * (ettr["leto"] - baselines[best])
+    return result

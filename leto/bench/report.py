@@ -1,0 +1,121 @@
+"""The tables ``leto bench`` prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .timeline import PHASES
+
+__all__ = ["goodput_table", "overhead_table", "recovery_table", "scaling_table"]
+
+_LABEL = {
+    "detection": "detect",
+    "process_state": "process",
+    "model_state": "model",
+    "communicator": "comm",
+    "lost_work": "lost work",
+}
+
+
+def _wl(res: dict[str, Any]) -> str:
+    w = res["workload"]
+    return (
+        f"model {w['label']} params (MLP {w['layers']}x{w['width']}), {w['world']} ranks, "
+        f"batch {w['batch']}/rank"
+    )
+
+
+def recovery_table(res: dict[str, Any]) -> str:
+    lines = [
+        f"recovery: {_wl(res)}; MTBF {res['mtbf_s']:g} s; median of {res['repeats']} recoveries",
+        f"{'system':<16}" + "".join(f"{_LABEL[p]:>10}" for p in PHASES) + f"{'total':>10}  notes",
+    ]
+    for name, s in res["systems"].items():
+        ph = s["phases"]
+        note = ""
+        if s.get("interval_steps"):
+            note = f"ckpt every {s['interval_steps']} steps ({s['interval_s']:.1f} s)"
+        elif name == "gemini":
+            note = "in-memory ckpt every step"
+        elif name == "leto":
+            note = "model: engine (fake backend); rest: real processes"
+        lines.append(
+            f"{name:<16}"
+            + "".join(f"{ph[p]:>9.3f}s" for p in PHASES)
+            + f"{ph['total']:>9.3f}s  {note}"
+        )
+        if name == "leto":
+            h = s["harness"]
+            lines.append(
+                f"{'  harness only':<16}"
+                + "".join(f"{h[p]:>9.3f}s" for p in PHASES)
+                + f"{h['total']:>9.3f}s  real processes throughout (tier 0 only)"
+            )
+    if "ratio_vs_best_baseline" in res:
+        best = res["best_baseline"]
+        r = res["ratio_vs_best_baseline"]
+        lines.append(
+            f"best baseline: {best} ({res['systems'][best]['total_s']:.2f} s); "
+            f"leto recovers {r:.1f}x faster"
+        )
+        h = res["systems"]["leto"]["harness"]["total"]
+        lines.append(
+            f"  (real-process harness alone: {res['systems'][best]['total_s'] / h:.1f}x faster)"
+        )
+    return "\n".join(lines)
+
+
+def overhead_table(res: dict[str, Any]) -> str:
+    lines = [
+        f"overhead: {_wl(res)}; {res['backend']}; {res['steps_per_config']} steps each, "
+        f"interleaved; tier 2 every {res['tier2_interval']} steps",
+        f"{'config':<16}{'step (mean)':>14}{'median':>12}{'overhead':>11}",
+    ]
+    base = res["step_s"]["plain"]
+    for name, t in res["step_s"].items():
+        pct = "" if name == "plain" else f"{100.0 * (t / base - 1.0):+10.1f}%"
+        lines.append(f"{name:<16}{t:>13.4f}s{res['step_s_median'][name]:>11.4f}s{pct:>11}")
+    ev = res["events_s"].get("leto", {})
+    if ev:
+        top = sorted(ev.items(), key=lambda kv: -kv[1])[:6]
+        lines.append(
+            "leto's step by protocol event (s/step): " + ", ".join(f"{k} {v:.4f}" for k, v in top)
+        )
+    return "\n".join(lines)
+
+
+def goodput_table(res: dict[str, Any]) -> str:
+    lines = [
+        f"goodput: {_wl(res)}; budget {res['budget_s']:g} s; MTBF {res['mtbf_s']:g} s "
+        f"({len(res['schedule'])} failures scheduled, seed {res['seed']}); "
+        f"plain DDP step {res['plain_step_s']:.3f} s",
+        f"{'system':<16}{'ETTR':>8}{'steps':>8}{'failures':>10}{'step time':>12}{'vs plain':>10}",
+    ]
+    for name, s in res["systems"].items():
+        lines.append(
+            f"{name:<16}{100 * s['ettr']:>7.1f}%{s['steps']:>8}{s['failures']:>10}"
+            f"{s['step_s']:>11.3f}s{s['step_overhead_vs_plain_pct']:>+9.0f}%"
+        )
+    if "gain_pp_vs_best_baseline" in res:
+        lines.append(
+            f"leto vs best baseline ({res['best_baseline']}): "
+            f"{res['gain_pp_vs_best_baseline']:+.1f} percentage points of productive time"
+        )
+    return "\n".join(lines)
+
+
+def scaling_table(res: dict[str, Any]) -> str:
+    lines = [
+        "scaling: recovery total (median) by model size",
+        f"{'system':<16}" + "".join(f"{s:>10}" for s in res["sizes"]) + f"{'growth':>10}",
+    ]
+    for name, tot in res["totals"].items():
+        lines.append(
+            f"{name:<16}" + "".join(f"{t:>9.2f}s" for t in tot) + f"{res['growth'][name]:>9.1f}x"
+        )
+    mib = ", ".join(
+        f"{s} -> {b / 2**20:.0f} MiB"
+        for s, b in zip(res["sizes"], res["state_bytes_per_rank"], strict=True)
+    )
+    lines.append(f"growth: total at the largest size / at the smallest; state per rank: {mib}")
+    return "\n".join(lines)
