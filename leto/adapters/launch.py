@@ -94,6 +94,20 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _reachable(host: str, port: int, timeout: float) -> bool:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, timeout)):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
 def _error(msg: str) -> int:
     print(f"leto launch: error: {msg}", file=sys.stderr)
     return 2
@@ -127,6 +141,24 @@ def run(args: argparse.Namespace) -> int:
         faults = load_plan(args.faults, world_size=args.nnodes * args.nproc_per_node)
     except FaultPlanError as e:
         return _error(f"--faults: {e}")
+    # the cheap checks first: nothing is imported or started for a launch that cannot work
+    from leto.backends.gloo.procs import port_in_use
+
+    if args.node_rank == 0 and port_in_use(host, port):
+        print(
+            f"leto launch: error: the rendezvous endpoint {host}:{port} is in use by another "
+            "process (pick a free port with --rdzv-endpoint HOST:PORT)",
+            file=sys.stderr,
+        )
+        return 1
+    if args.node_rank > 0 and not _reachable(host, port, args.rdzv_timeout):
+        print(
+            f"leto launch: error: cannot reach the rendezvous endpoint {host}:{port} within "
+            f"{args.rdzv_timeout:g} s; is node 0's `leto launch` running there with the same "
+            "--rdzv-endpoint?",
+            file=sys.stderr,
+        )
+        return 1
     run_dir = args.run_dir or os.path.join("leto-runs", time.strftime("run-%Y%m%d-%H%M%S"))
     # torch's C++ warnings (store socket timeouts while a peer is gone) are noise here:
     # leto reports failures itself

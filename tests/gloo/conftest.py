@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from leto.backends.gloo.procs import processes_with as tagged_pids
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # jobs.py
 
 
 def shm_entries() -> set[str]:
@@ -27,12 +30,7 @@ def shm_entries() -> set[str]:
         return set()
 
 
-@pytest.fixture
-def tag(tmp_path: Path) -> Iterator[str]:
-    """A string unique to this test, found in the command line of every process it starts."""
-    before = shm_entries()
-    t = str(tmp_path)
-    yield t
+def _guard(t: str, before: set[str]) -> None:
     deadline = time.monotonic() + 5.0
     left = tagged_pids(t)
     while left and time.monotonic() < deadline:
@@ -46,3 +44,21 @@ def tag(tmp_path: Path) -> Iterator[str]:
     leaked = sorted(shm_entries() - before)
     assert not left, f"processes left running after the test: {left}"
     assert not leaked, f"/dev/shm entries leaked by the test: {leaked}"
+
+
+@pytest.fixture
+def tag(tmp_path: Path) -> Iterator[str]:
+    """A string unique to this test, found in the command line of every process it starts."""
+    before = shm_entries()
+    t = str(tmp_path)
+    yield t
+    _guard(t, before)
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A directory for jobs shared by several tests (guarded once, at the end)."""
+    before = shm_entries()
+    d = tmp_path_factory.mktemp("shared-jobs")
+    yield d
+    _guard(str(d), before)

@@ -163,6 +163,7 @@ class Agent:
         self.stop = False
         self.exit_code = 1
         self.reclaimed = False
+        self.recovering = False  # between abort and resume: no re-warming (memory stays put)
         self.coord: Coordinator | None = None
         self.coord_conn: Conn | None = None
         self.links: dict[int, Conn] = {}
@@ -513,6 +514,7 @@ class Agent:
                 f"rank {p.rank} {'raised an exception' if p.error else 'died'} ({how}) {where}"
             )
             self._ensure_shadow(lr)
+            self.recovering = True  # (the abort follows) no re-warming on the freed memory
             self._to_coord(
                 {
                     "t": "failure",
@@ -896,6 +898,9 @@ class Agent:
             return
         if t == "abort":
             self.generation = max(self.generation, int(msg["gen"]))
+            self.recovering = True
+        if t == "resume":
+            self.recovering = False
         if t == "t2":
             writing: dict[int, int] = self.snap["writing"]  # type: ignore[assignment]
             step = int(msg["step"])
@@ -1103,7 +1108,7 @@ class Agent:
                 self.say(f"shadows go cold: {why}")
                 for lr in self.local_ranks:
                     self._reclaim(lr, why)
-            elif self.reclaimed and used < 0.9 * o.shadow_memory_budget:
+            elif self.reclaimed and not self.recovering and used < 0.9 * o.shadow_memory_budget:
                 self.reclaimed = False
                 self.say(f"shadows re-warm: trainers use {used >> 20} MiB")
                 for lr in self.local_ranks:

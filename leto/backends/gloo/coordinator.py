@@ -404,7 +404,7 @@ class Coordinator:
         s = self.state
         if s is None:
             return
-        if s.phase is Phase.RUNNING and msg.get("reason"):
+        if s.phase is Phase.RUNNING and msg.get("reason") and self._current(msg):
             self.stopped_at.setdefault(int(msg["rank"]), now)
 
     def _failure(self, msg: dict[str, Any], now: float) -> None:
@@ -547,6 +547,7 @@ class Coordinator:
         self._feed(ev.Detect())
         self.wait = None
         self.done.clear()
+        self.stopped_at.clear()  # collective errors seen so far are explained by this failure
         if during:
             rec.restarts += 1
             self.log.write(
@@ -631,7 +632,13 @@ class Coordinator:
         assert self.rec is not None
         if plan.fallback:
             self._feed(ev.GoFallback())
-            self.rec.plan = {"kind": "ckpt", "target": 0, "reason": plan.reason}
+            self.rec.plan = {
+                "kind": "ckpt",
+                "target": 0,
+                "reason": plan.reason,
+                "steps_lost": s.committed,
+                "repairs": [],
+            }
             return True
         effects = self._feed(ev.Reconcile())
         repairs = [

@@ -1,0 +1,58 @@
+"""Shared by the real-process tests: run a job of scripts/train.py and check it cleaned up."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from leto.backends.gloo.harness import JobResult, run_local
+
+HERE = Path(__file__).resolve().parent
+TRAIN = str(HERE / "scripts" / "train.py")
+
+
+def job(
+    run_dir: Path,
+    *,
+    nnodes: int = 1,
+    nproc: int = 2,
+    steps: int,
+    faults: list[dict[str, Any]] | None = None,
+    env: dict[str, str] | None = None,
+    extra: list[str] | None = None,
+    script: str = TRAIN,
+    timeout: float = 150.0,
+) -> JobResult:
+    e = {"TOPO": f"{nnodes}x{nproc}", "STEPS": str(steps), **(env or {})}
+    res = run_local(
+        script,
+        nnodes=nnodes,
+        nproc=nproc,
+        run_dir=run_dir,
+        faults=faults,
+        env=e,
+        extra=["--quiet", "--hang-timeout", "1.5", "--heartbeat", "0.25", *(extra or [])],
+        timeout=timeout,
+    )
+    assert not res.leftovers, f"processes left running after the job: {res.leftovers}"
+    return res
+
+
+def explain(res: JobResult) -> str:
+    """What to print when a job did not do what a test expected."""
+    logs = sorted((res.run_dir / "logs").glob("*.log")) if (res.run_dir / "logs").exists() else []
+    tails = []
+    for p in logs:
+        text = p.read_text(errors="replace").strip()
+        if text:
+            tails.append(f"--- {p.name}\n{text[-1500:]}")
+    out = "\n".join(res.text(n) for n in res.output)
+    return f"codes {res.codes}, error {res.error}\n{out}\n" + "\n".join(tails)
+
+
+def digests_equal(a: JobResult, b: JobResult) -> bool:
+    return a.digests is not None and a.digests == b.digests
+
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

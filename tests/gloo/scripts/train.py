@@ -1,0 +1,55 @@
+"""The real-process tests' training script: a tiny MLP, every RNG seeded.
+
+Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
+("1"/"0"), CKPT (a checkpoint directory), BIG_MB (allocate that much while steps
+3..6 run, to push the trainers over a shadow memory budget; the math is unchanged).
+"""
+
+import os
+import random
+import time
+
+import numpy
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import leto
+from leto.adapters.state import ResumableBatchSampler
+
+torch.manual_seed(0)
+random.seed(0)
+numpy.random.seed(0)
+settings = {
+    "backend": "gloo",
+    "topology": os.environ.get("TOPO", "1x2"),
+    "chunk_size": int(os.environ.get("CHUNK", "64")),
+    "tier2_interval": 2,
+    "tier2": os.environ.get("TIER2", "1") == "1",
+}
+if os.environ.get("CKPT"):
+    settings["checkpoint_dir"] = os.environ["CKPT"]
+cfg = leto.Config.from_dict(settings)
+X, Y = torch.randn(64, 8), torch.randn(64, 2)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 2))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+sampler = ResumableBatchSampler(64, 8, seed=0)
+big = int(os.environ.get("BIG_MB", "0")) << 20
+calls = {"n": 0, "blob": None}
+
+
+def step_fn(m, idx):
+    calls["n"] += 1
+    if big and 3 <= calls["n"] <= 6:
+        if calls["blob"] is None:
+            calls["blob"] = torch.ones(big // 4)
+        time.sleep(0.3)
+    elif calls["n"] > 6:
+        calls["blob"] = None
+    return F.mse_loss(m(X[idx]), Y[idx])
+
+
+session = leto.wrap(model, opt, sched, sampler, config=cfg)
+session.train(step_fn, int(os.environ.get("STEPS", "6")))
+print(f"done at step {session.step}")

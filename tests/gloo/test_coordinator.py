@@ -1,0 +1,201 @@
+"""The gloo coordinator without processes: messages in, commands out, the core decides."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from leto.backends.gloo.coordinator import Coordinator, CoordinatorOptions
+from leto.backends.gloo.eventlog import EventLog
+
+CHUNKS = 2
+
+
+def ready(r: int, **kw: Any) -> dict[str, Any]:
+    msg = {
+        "t": "ready",
+        "rank": r,
+        "gen": 0,
+        "n_chunks": CHUNKS,
+        "chunk_numel": 4,
+        "tier1": True,
+        "tier2": True,
+        "tier2_interval": 100,
+        "checkpoint": False,
+        "snapshot": {"step": 0, "checksums": [0, 0], "ps": "{}"},
+    }
+    msg.update(kw)
+    return msg
+
+
+class Harness:
+    def __init__(self, nodes: int = 1, per_node: int = 2, **opts: Any) -> None:
+        self.log = EventLog(None)
+        self.c = Coordinator(nodes, per_node, log=self.log, options=CoordinatorOptions(**opts))
+        self.W = nodes * per_node
+        self.now = 0.0
+        for n in range(nodes):
+            self.c.node_up(n, spare=False, now=self.now)
+        for r in range(self.W):
+            self.send(r // per_node, ready(r))
+            self.send(r // per_node, {"t": "shadow", "rank": r, "state": "warm"})
+        self.per_node = per_node
+
+    def send(self, node: int, msg: dict[str, Any]) -> list[tuple[int | None, dict[str, Any]]]:
+        self.now += 0.001
+        self.c.handle(node, msg, self.now)
+        out, self.c.outbox = self.c.outbox, []
+        return out
+
+    def node(self, r: int) -> int:
+        return r // self.per_node
+
+    def step(self, step: int, gen: int = 0) -> None:
+        for r in range(self.W):
+            out = self.send(self.node(r), {"t": "vote", "rank": r, "step": step, "gen": gen})
+        assert out == [(None, {"t": "commit", "step": step, "gen": gen})]
+        for r in range(self.W):
+            self.send(
+                self.node(r), {"t": "finished", "rank": r, "step": step, "gen": gen, "loss": 1.0}
+            )
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.log.records if e["event"] == name]
+
+
+def report(r: int, gen: int, step: int, node_par: Any = "auto") -> dict[str, Any]:
+    msg = {
+        "t": "report",
+        "rank": r,
+        "gen": gen,
+        "data": [step] * CHUNKS,
+        "undo": [-1] * CHUNKS,
+        "grad": -1,
+    }
+    if node_par == "auto":
+        msg["node_par"] = [[step, step] for _ in range(CHUNKS)]
+        msg["node_gpar"] = [-1, -1]
+    else:
+        msg["node_par"] = node_par
+        msg["node_gpar"] = None
+    return msg
+
+
+def test_votes_commit_and_a_crash_is_recovered_through_the_core() -> None:
+    h = Harness()
+    h.step(1)
+    out = h.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
+    assert (None, {"t": "abort", "gen": 0}) in out
+    assert (None, {"t": "fence", "gen": 1, "kill": []}) in out
+    out = h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    assert out == [(0, {"t": "promote", "rank": 1, "gen": 1, "warm": True})]
+    out = h.send(0, {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0})
+    assert out == [(None, {"t": "report", "gen": 1})]
+    h.send(0, report(0, 1, 1))
+    out = h.send(0, report(1, 1, 1, node_par=None))
+    cmd = out[0][1]
+    assert cmd["t"] == "reconcile" and cmd["target"] == 1 and cmd["kind"] == "inplace"
+    h.send(0, {"t": "reconciled", "rank": 0, "gen": 1, "snapshot": {"step": 1}})
+    out = h.send(0, {"t": "reconciled", "rank": 1, "gen": 1, "snapshot": {"step": 1}})
+    assert (None, {"t": "t2", "step": 1, "gen": 1}) in out
+    assert (None, {"t": "rebuild", "gen": 1}) in out
+    h.send(0, {"t": "rebuilt", "rank": 0, "gen": 1})
+    out = h.send(0, {"t": "rebuilt", "rank": 1, "gen": 1})
+    assert out == [(None, {"t": "resume", "gen": 1, "step": 1, "t2": 1})]
+    (end,) = h.events("recovery_end")
+    assert end["kind"] == "inplace" and end["resumed_at"] == 1 and end["promoted"][0]["warm"]
+    assert set(end["phases_ms"]) >= {"fence", "promote", "rejoin", "reconcile", "rebuild"}
+    h.step(2, gen=1)  # training goes on in the new generation
+
+
+def test_torn_chunk_with_commit_rolls_forward_from_the_retained_truth() -> None:
+    h = Harness()
+    h.step(1)
+    for r in range(2):
+        out = h.send(0, {"t": "vote", "rank": r, "step": 2, "gen": 0})
+    assert out[0][1]["t"] == "commit"
+    h.send(0, {"t": "failure", "kind": "crash", "rank": 0, "detected_by": "pidfd"})
+    h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    h.send(0, {"t": "promoted", "rank": 0, "gen": 1, "warm": True, "ms": 1.0})
+    # rank 0 died mid-chunk: chunk 0 torn (undo at 1), sealed gradients of step 2
+    r0 = {"t": "report", "rank": 0, "gen": 1, "data": [-1, 1], "undo": [1, -1], "grad": 2,
+          "node_par": [[1, 1], [1, 1]], "node_gpar": [2, 2]}  # fmt: skip
+    h.send(0, r0)
+    out = h.send(0, {**report(1, 1, 2, node_par=None), "grad": 2})
+    cmd = out[0][1]
+    assert cmd["kind"] == "forward" and cmd["target"] == 2
+    assert h.events("retained_truth"), "the model is corrected from the retained headers"
+
+
+def test_hang_is_fenced_and_killed_before_promotion() -> None:
+    h = Harness()
+    h.step(1)
+    out = h.send(0, {"t": "failure", "kind": "hang", "rank": 0, "detected_by": "heartbeat"})
+    assert (None, {"t": "fence", "gen": 1, "kill": [0]}) in out
+    out = h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    assert out[0][1]["t"] == "promote" and out[0][1]["rank"] == 0
+
+
+def test_failure_during_recovery_restarts_at_the_next_generation() -> None:
+    h = Harness()
+    h.step(1)
+    h.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
+    h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    h.send(0, {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0})
+    out = h.send(0, {"t": "failure", "kind": "crash", "rank": 0, "detected_by": "pidfd"})
+    assert (None, {"t": "abort", "gen": 1}) in out
+    assert (None, {"t": "fence", "gen": 2, "kill": []}) in out
+    assert h.events("recovery_restart")
+    h.send(0, {"t": "report", "rank": 1, "gen": 1, "data": [1, 1], "undo": [-1, -1], "grad": -1})
+    assert h.c.wait is not None and h.c.wait.what == "fence"  # the old generation's acks are void
+
+
+def test_a_lost_node_without_replacement_fails_with_a_clear_error() -> None:
+    h = Harness(nodes=2, per_node=1, spare_timeout=5.0)
+    h.step(1)
+    h.c.node_down(1, h.now)
+    h.c.outbox.clear()
+    h.c.tick(h.now + 6.0)
+    assert h.c.failed is not None and "--node-rank 1" in h.c.failed
+
+
+def test_beyond_both_tiers_without_checkpoint_stops_with_the_reason() -> None:
+    h = Harness()
+    h.step(1)
+    for r in range(2):
+        h.send(0, {"t": "failure", "kind": "keeper_lost", "rank": r, "detected_by": "keeper exit"})
+    h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    for r in range(2):
+        h.send(0, {"t": "promoted", "rank": r, "gen": 1, "warm": True, "ms": 1.0})
+    lost = {"t": "report", "gen": 1, "data": [-2, -2], "undo": [-1, -1], "grad": -2}
+    h.send(0, {**lost, "rank": 0, "node_par": [[1, 1], [1, 1]], "node_gpar": None})
+    h.send(0, {**lost, "rank": 1})
+    # two ranks of one node lost: not tier 1; the tier-2 snapshot (step 0) survives
+    assert h.c.failed is None
+    cmd = [m for m in h.c.outbox if m[1]["t"] == "reconcile"] or []
+    assert not cmd  # the outbox was drained by the harness; check the log instead
+    assert h.c.rec is not None and h.c.rec.plan["kind"] == "tier2"
+
+
+@pytest.mark.parametrize("tier2", [False])
+def test_no_tier2_no_checkpoint_is_unrecoverable(tier2: bool) -> None:
+    h = Harness.__new__(Harness)
+    h.log = EventLog(None)
+    h.c = Coordinator(1, 2, log=h.log)
+    h.W, h.now, h.per_node = 2, 0.0, 2
+    h.c.node_up(0, spare=False, now=0.0)
+    for r in range(2):
+        h.send(0, ready(r, tier2=tier2))
+        h.send(0, {"t": "shadow", "rank": r, "state": "warm"})
+    h.step(1)
+    for r in range(2):
+        h.send(0, {"t": "failure", "kind": "keeper_lost", "rank": r, "detected_by": "keeper exit"})
+    h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    for r in range(2):
+        h.send(0, {"t": "promoted", "rank": r, "gen": 1, "warm": True, "ms": 1.0})
+    lost = {"t": "report", "gen": 1, "data": [-2, -2], "undo": [-1, -1], "grad": -2}
+    h.send(0, {**lost, "rank": 0, "node_par": None, "node_gpar": None})
+    out = h.send(0, {**lost, "rank": 1})
+    assert h.c.failed is not None and "No checkpoint is configured" in h.c.failed
+    assert out and out[-1][1]["t"] == "fail"

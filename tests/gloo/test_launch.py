@@ -1,0 +1,92 @@
+"""Bad input to ``leto launch``: a clear error and a clean exit, nothing left behind."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from jobs import HERE, TRAIN, explain, job
+
+from leto.cli import main
+
+
+def launch(args: list[str], capsys: pytest.CaptureFixture[str]) -> SimpleNamespace:
+    """``leto launch`` in this process: these cases end before any process is started."""
+    code = main(["launch", *args])
+    captured = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stderr=captured.err, stdout=captured.out)
+
+
+def test_missing_script_bad_endpoint_bad_fault_plan(
+    tag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = launch(["--run-dir", tag, "no/such/script.py"], capsys)
+    assert r.returncode == 2 and "not found" in r.stderr
+    r = launch(["--run-dir", tag, "--rdzv-endpoint", "localhost", TRAIN], capsys)
+    assert r.returncode == 2 and "HOST:PORT" in r.stderr
+    plan = '[{"kind": "melt", "rank": 0, "step": 1, "phase": "forward"}]'
+    r = launch(["--run-dir", tag, "--faults", plan, TRAIN], capsys)
+    assert r.returncode == 2 and "kind 'melt'" in r.stderr
+    r = launch(["--run-dir", tag, "--nnodes", "2", TRAIN], capsys)
+    assert r.returncode == 2 and "--rdzv-endpoint" in r.stderr
+    r = launch(["--run-dir", tag, "--node-rank", "3", TRAIN], capsys)
+    assert r.returncode == 2 and "--node-rank 3" in r.stderr
+
+
+def test_port_in_use(tag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t = time.monotonic()
+        r = launch(["--run-dir", tag, "--rdzv-endpoint", f"127.0.0.1:{port}", TRAIN], capsys)
+    assert r.returncode == 1
+    assert f"127.0.0.1:{port} is in use" in r.stderr
+    assert time.monotonic() - t < 10
+
+
+def test_wrong_rendezvous_endpoint(tag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: nobody answers there
+        r = launch(
+            ["--run-dir", tag, "--nnodes", "2", "--node-rank", "1", "--rdzv-timeout", "1.5",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", TRAIN],
+            capsys,
+        )  # fmt: skip
+    assert r.returncode == 1
+    assert "cannot reach the rendezvous endpoint" in r.stderr
+
+
+def test_script_that_crashes_at_import(tag: str) -> None:
+    res = job(Path(tag) / "run", steps=3, script=str(HERE / "scripts" / "crash_at_import.py"))
+    assert res.codes[0] == [1], explain(res)
+    assert res.error is not None and "broken at import" in res.error
+    assert "failed before training started" in res.error
+    (fail,) = res.of("job_failed")
+    assert "RuntimeError: this script is broken at import" in fail.get("traceback", "")
+
+
+def test_model_that_differs_from_the_retained_state(tag: str) -> None:
+    # two crashes of rank 1: the second promotes a shadow started after the first
+    # (incarnation > 4), whose model is wider than what rank 1 retains
+    faults = [
+        {"kind": "crash", "rank": 1, "step": 2, "phase": "forward"},
+        {"kind": "crash", "rank": 1, "step": 3, "phase": "forward"},
+    ]
+    res = job(
+        Path(tag) / "run", steps=6, faults=faults, script=str(HERE / "scripts" / "mismatch.py")
+    )
+    assert res.codes[0] == [1], explain(res)
+    assert res.error is not None
+    assert "does not match the retained state" in res.error
+    assert "(24, 8)" in res.error and "(16, 8)" in res.error
+
+
+def test_topology_that_differs_from_the_launch(tag: str) -> None:
+    res = job(Path(tag) / "run", steps=3, env={"TOPO": "2x2"})
+    assert res.codes[0] == [1], explain(res)
+    assert res.error is not None and "topology" in res.error

@@ -1,0 +1,197 @@
+"""kill -9 and friends on real processes: every job ends bitwise equal to a failure-free run.
+
+"Bitwise" = the SHA-256 of every rank's parameters, optimizer state buffers and
+process state (optimizer scalars, LR scheduler, sampler position, every RNG),
+reported by the trainers when training is done (``training_done`` in the log).
+Each job packs several failures at different steps, to keep the start-up cost
+(one agent per node, ``import torch`` once each) low.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import digests_equal, explain, job
+
+from leto.backends.gloo.harness import JobResult
+
+STEPS_1x2 = 13
+STEPS_2x2 = 10
+
+
+@pytest.fixture(scope="session")
+def ref_1x2(session_dir: Path) -> JobResult:
+    res = job(session_dir / "ref-1x2", steps=STEPS_1x2)
+    assert res.ok and res.digests, explain(res)
+    return res
+
+
+@pytest.fixture(scope="session")
+def ref_2x2(session_dir: Path) -> JobResult:
+    res = job(session_dir / "ref-2x2", nnodes=2, nproc=2, steps=STEPS_2x2)
+    assert res.ok and res.digests, explain(res)
+    return res
+
+
+# every point of a step, one SIGKILL per step (1 node x 2 ranks, 5 chunks per rank)
+PHASES: list[dict[str, Any]] = [
+    {"phase": "forward"},
+    {"phase": "backward"},
+    {"phase": "allreduce"},
+    {"phase": "prepare"},
+    {"phase": "decide", "where": "before"},
+    {"phase": "decide", "where": "after"},
+    {"phase": "apply", "chunk": 0, "where": "undo_saved"},
+    {"phase": "apply", "chunk": 2, "where": "mid_write"},
+    {"phase": "apply", "chunk": 4, "where": "written"},
+    {"phase": "parity", "chunk": 1},
+    {"phase": "finish"},
+]
+
+
+@pytest.fixture(scope="session")
+def kill_at_every_phase(session_dir: Path) -> JobResult:
+    faults = [{"kind": "crash", "rank": i % 2, "step": i + 2, **p} for i, p in enumerate(PHASES)]
+    return job(session_dir / "every-phase", steps=STEPS_1x2, faults=faults)
+
+
+def test_sigkill_at_every_phase_recovers_bitwise(
+    kill_at_every_phase: JobResult, ref_1x2: JobResult
+) -> None:
+    res = kill_at_every_phase
+    assert res.ok, explain(res)
+    fails = res.of("failure")
+    assert len(fails) == len(PHASES)
+    assert all(f["kind"] == "crash" and f["detected_by"] == "process exit (pidfd)" for f in fails)
+    assert all(f["detail"] == "killed by SIGKILL" for f in fails)
+    recs = res.recoveries
+    assert len(recs) == len(PHASES)
+    kinds = [r["kind"] for r in recs]
+    # before any vote: nothing to undo; gradients sealed but no COMMIT: roll back (drop them)
+    assert kinds[:4] == ["inplace", "inplace", "inplace", "back"], kinds
+    # COMMIT recorded, chunks not (all) applied: roll forward (a torn chunk from its undo copy)
+    assert kinds[5:8] == ["forward"] * 3 and kinds[9] == "forward", kinds
+    assert recs[7]["chunks_rolled_forward"] >= 1
+    assert all(p["warm"] for r in recs for p in r["promoted"])
+    assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
+
+
+def test_survivors_keep_their_process(kill_at_every_phase: JobResult) -> None:
+    # only the killed rank's process is replaced: one promotion per failure
+    recs = kill_at_every_phase.recoveries
+    assert [len(r["promoted"]) for r in recs] == [1] * len(recs)
+    for r, f in zip(recs, kill_at_every_phase.of("failure"), strict=True):
+        assert r["promoted"][0]["rank"] == f["rank"]
+
+
+@pytest.fixture(scope="session")
+def two_nodes(session_dir: Path) -> JobResult:
+    faults = [
+        # keeper SIGKILLed after a chunk's new bytes: memory lost -> tier-1 repair
+        {
+            "kind": "lose_memory",
+            "rank": 2,
+            "step": 2,
+            "phase": "apply",
+            "chunk": 1,
+            "where": "written",
+        },
+        # a hang (SIGSTOP) in the all-reduce: heartbeat timeout, fenced, killed, promoted
+        {"kind": "hang", "rank": 1, "step": 4, "phase": "allreduce"},
+        # an exception, reported with its traceback
+        {"kind": "exception", "rank": 0, "step": 5, "phase": "forward"},
+        # a crash, then another during the recovery's reconcile: restart at the next generation
+        {"kind": "crash", "rank": 3, "step": 6, "phase": "backward"},
+        {"kind": "crash", "rank": 1, "step": 6, "phase": "recovery", "where": "reconcile"},
+        # a whole node's agent SIGKILLed: a replacement joins, tier-2 snapshot restored
+        {"kind": "lose_node", "rank": 2, "step": 8, "phase": "prepare"},
+    ]
+    return job(
+        session_dir / "two-nodes",
+        nnodes=2,
+        nproc=2,
+        steps=STEPS_2x2,
+        faults=faults,
+        extra=["--spare-timeout", "60"],
+    )
+
+
+def test_keeper_hang_exception_restart_and_node_loss_recover_bitwise(
+    two_nodes: JobResult, ref_2x2: JobResult
+) -> None:
+    res = two_nodes
+    assert res.ok, explain(res)
+    kinds = [f["kind"] for f in res.of("failure")]
+    assert kinds == ["keeper_lost", "hang", "exception", "crash", "crash", "node_lost"], kinds
+    recs = res.recoveries
+    assert [r["kind"] for r in recs][0] == "tier1"
+    assert recs[0]["chunks_repaired_tier1"] >= 1
+    assert recs[-1]["kind"] == "tier2" and recs[-1]["chunks_restored"] > 0
+    assert any(r["restarts"] == 1 for r in recs)
+    assert res.codes[1][0] != 0 and res.codes[1][-1] == 0  # node 1 lost, its replacement finished
+    assert digests_equal(res, ref_2x2), "not bitwise equal to the failure-free run"
+
+
+def test_hang_detected_by_heartbeat_and_stale_process_killed(two_nodes: JobResult) -> None:
+    (hang,) = [f for f in two_nodes.of("failure") if f["kind"] == "hang"]
+    assert hang["detected_by"] == "heartbeat timeout" and hang["rank"] == 1
+    fences = [f for f in two_nodes.of("fence") if f["stale_killed"]]
+    assert fences and fences[0]["stale_killed"] == [1]
+
+
+def test_exception_is_reported_with_its_traceback(two_nodes: JobResult) -> None:
+    (exc,) = [f for f in two_nodes.of("failure") if f["kind"] == "exception"]
+    assert "RuntimeError: injected exception" in exc["traceback"]
+    assert exc["in_phase"] == "forward"
+
+
+def test_checkpoint_fallback_beyond_both_tiers(tag: str, ref_1x2: JobResult) -> None:
+    # tier 2 off, both ranks of the node lose their memory: only the disk checkpoint is left
+    faults = [
+        {"kind": "lose_memory", "rank": 0, "step": 3, "phase": "finish"},
+        {"kind": "lose_memory", "rank": 1, "step": 3, "phase": "finish"},
+    ]
+    env = {"TIER2": "0", "CKPT": str(Path(tag) / "ckpt")}
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, env=env)
+    assert res.ok, explain(res)
+    assert [r["kind"] for r in res.recoveries] == ["ckpt"]
+    assert res.recoveries[0]["steps_lost"] >= 2
+    assert digests_equal(res, ref_1x2)
+
+
+def test_beyond_both_tiers_without_checkpoint_stops_cleanly(tag: str) -> None:
+    faults = [
+        {"kind": "lose_memory", "rank": 0, "step": 3, "phase": "finish"},
+        {"kind": "lose_memory", "rank": 1, "step": 3, "phase": "finish"},
+    ]
+    res = job(Path(tag) / "run", steps=6, faults=faults, env={"TIER2": "0"})
+    assert res.codes[0] == [1], explain(res)
+    assert res.error is not None and "No checkpoint is configured" in res.error
+
+
+def test_shadows_go_cold_under_memory_pressure_and_promotion_from_cold(
+    tag: str, ref_1x2: JobResult
+) -> None:
+    # each trainer allocates 600 MiB during steps 3..6: over the 1500 MiB budget the
+    # shadows are killed (cold); a crash meanwhile promotes a freshly started process;
+    # once the memory is freed the shadows are warmed again
+    faults = [{"kind": "crash", "rank": 1, "step": 5, "phase": "forward"}]
+    res = job(
+        Path(tag) / "run",
+        steps=STEPS_1x2,
+        faults=faults,
+        env={"BIG_MB": "600"},
+        extra=["--shadow-memory-budget", "1500"],
+    )
+    assert res.ok, explain(res)
+    shadows = res.of("shadow")
+    fail_t = res.of("failure")[0]["t_rel"]
+    cold = [s for s in shadows if s["state"] == "cold" and s["t_rel"] < fail_t]
+    assert len(cold) == 2 and "budget 1500 MiB" in cold[0]["reason"], shadows
+    (rec,) = res.recoveries
+    assert rec["promoted"] == [{"rank": 1, "warm": False, "ms": rec["promoted"][0]["ms"]}]
+    # the memory drops back (here: the dead trainer's): the shadows are warmed again
+    assert any(s["state"] == "warm" and s["t_rel"] > cold[0]["t_rel"] for s in shadows)
+    assert digests_equal(res, ref_1x2)
