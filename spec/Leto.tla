@@ -1,0 +1,681 @@
+-------------------------------- MODULE Leto --------------------------------
+(***************************************************************************)
+(* leto: in-place recovery of distributed training, as an abstract model. *)
+(* The contract is spec/PROTOCOL.md; spec/README.md explains the why.      *)
+(*                                                                         *)
+(* Theory of operation.                                                    *)
+(*                                                                         *)
+(* Each rank's model state (params + optimizer state) is retained outside *)
+(* the trainer process, cut into NChunks chunks, plus one gradient block   *)
+(* (this rank's reduced-gradient shard).  A chunk's value is the step      *)
+(* whose bytes it holds, or TORN / LOST / GARBAGE.                         *)
+(*                                                                         *)
+(* One training step is a transaction over all ranks:                      *)
+(*   Compute -> Reduce (collective) -> Prepare (gradients protected by     *)
+(*   tier-1 parity, vote) -> Decide (COMMIT recorded in the agents' store) *)
+(*   -> per chunk: BeginChunk (keep undo copy, chunk TORN) -> EndChunk     *)
+(*   (new bytes) -> ParityChunk (parity updated, undo dropped) -> Finish.  *)
+(* So at every instant each chunk can be produced, locally or from its    *)
+(* node's parity, at the committed version V or at V-1 together with the   *)
+(* gradients of V: recovery rolls forward to V (or drops an uncommitted   *)
+(* V+1), never loses a committed step while failures stay inside tier 1.   *)
+(*                                                                         *)
+(* Tier 1: single parity per node over its ranks' chunks and gradients     *)
+(* (rebuilds any one rank's lost memory).  Tier 2: a cross-node snapshot   *)
+(* at step t2, at most K steps behind (survives one lost node).  Tier 3:   *)
+(* the disk checkpoint Ckpt = 0.                                           *)
+(*                                                                         *)
+(* Recovery: Detect -> Fence (bump the generation: writes of older         *)
+(* generations are refused, hung trainers become stale processes) ->       *)
+(* Promote (warm or cold shadows take the dead ranks) -> Reconcile (roll   *)
+(* forward/back, repair from tier 1, else restore tier 2) or GoFallback -> *)
+(* RestoreCheckpoint -> Rebuild (new process group) -> Resume.  A failure  *)
+(* during recovery restarts it at a new generation.                        *)
+(*                                                                         *)
+(* Constant Mutant switches in one deliberately broken variant (see the    *)
+(* table at the end of PROTOCOL.md); "none" is the protocol itself.        *)
+(***************************************************************************)
+EXTENDS Naturals, FiniteSets
+
+CONSTANTS
+    Ranks,      \* trainer ranks
+    Nodes,      \* hosts
+    NodeOf,     \* rank -> node
+    NChunks,    \* chunks per rank's retained state
+    MaxStep,    \* training stops at this step
+    MaxFaults,  \* faults injected in one behaviour
+    K,          \* tier 2 lags at most K steps
+    Mutant,     \* "none" or the name of a broken variant
+    NONE, TORN, LOST, GARBAGE   \* model values
+
+Mutants == {"none", "no_undo", "early_commit", "no_fencing", "parity_first",
+            "stale_shadow"}
+
+ASSUME /\ Ranks # {} /\ Nodes # {}
+       /\ NodeOf \in [Ranks -> Nodes]
+       /\ NChunks \in Nat \ {0} /\ MaxStep \in Nat /\ MaxFaults \in Nat
+       /\ K \in Nat \ {0}
+       /\ Mutant \in Mutants
+
+VARIABLES
+    trainer,      \* rank -> ALIVE | DEAD | HUNG
+    tgen,         \* rank -> generation its trainer was admitted in
+    pc,           \* rank -> IDLE | COMPUTED | REDUCED | PREPARED | APPLYING
+    step,         \* rank -> step of the process state
+    data,         \* rank -> chunk -> step | TORN | LOST | GARBAGE
+    undo,         \* rank -> chunk -> NONE | step
+    grad,         \* rank -> NONE | LOST | step whose gradients it holds
+    shadow,       \* rank -> NONE | COLD | WARM
+    stale,        \* rank -> an old-generation process of it still exists
+    par,          \* node -> chunk -> LOST | [members -> step encoded]
+    gpar,         \* node -> LOST | [members -> NONE | step encoded]
+    gen,          \* current generation
+    phase,        \* coordinator phase
+    committed,    \* last step whose COMMIT is recorded
+    prepared,     \* ranks that voted for committed + 1
+    faults,       \* faults injected so far
+    t2,           \* step of the last complete tier-2 snapshot
+    t2lost,       \* nodes whose tier-2 blocks were lost since
+    target,       \* NONE or the step recovery resumes at
+    kind,         \* what the last reconcile did
+    loss,         \* committed steps the last reconcile gave up
+    mlost,        \* ranks whose memory was lost since the last resume
+    nlost,        \* nodes lost since the last resume
+    promoted,     \* ranks promoted in the current recovery
+    stale_writes  \* writes accepted from an old generation
+
+vars == <<trainer, tgen, pc, step, data, undo, grad, shadow, stale, par, gpar,
+          gen, phase, committed, prepared, faults, t2, t2lost, target, kind,
+          loss, mlost, nlost, promoted, stale_writes>>
+
+-----------------------------------------------------------------------------
+Steps == 0..MaxStep
+Chunks == 1..NChunks
+Ckpt == 0
+RanksOf(n) == {r \in Ranks : NodeOf[r] = n}
+Phases == {"RUNNING", "FENCING", "PROMOTING", "RECONCILING", "FALLBACK",
+           "REBUILDING", "RESUMING"}
+Kinds == {"INPLACE", "FORWARD", "BACK", "TIER1", "TIER2", "CKPT"}
+
+\* The keeper's fence: only the current generation's live trainer may act.
+Active(r) == phase = "RUNNING" /\ trainer[r] = "ALIVE" /\ tgen[r] = gen
+
+\* Parity that encodes version v for every member, for every node and chunk.
+ParityAt(v) == [n \in Nodes |-> [c \in Chunks |-> [m \in RanksOf(n) |-> v]]]
+NoGradParity == [n \in Nodes |-> [m \in RanksOf(n) |-> NONE]]
+
+\* A chunk whose checksum holds: clean, written, or torn with its undo copy.
+Intact(r, c) == data[r][c] \in Steps \/ (data[r][c] = TORN /\ undo[r][c] # NONE)
+
+Init ==
+    /\ trainer = [r \in Ranks |-> "ALIVE"]
+    /\ tgen = [r \in Ranks |-> 0]
+    /\ pc = [r \in Ranks |-> "IDLE"]
+    /\ step = [r \in Ranks |-> 0]
+    /\ data = [r \in Ranks |-> [c \in Chunks |-> 0]]
+    /\ undo = [r \in Ranks |-> [c \in Chunks |-> NONE]]
+    /\ grad = [r \in Ranks |-> NONE]
+    /\ shadow = [r \in Ranks |-> "WARM"]
+    /\ stale = [r \in Ranks |-> FALSE]
+    /\ par = ParityAt(0)
+    /\ gpar = NoGradParity
+    /\ gen = 0
+    /\ phase = "RUNNING"
+    /\ committed = 0
+    /\ prepared = {}
+    /\ faults = 0
+    /\ t2 = 0
+    /\ t2lost = {}
+    /\ target = NONE
+    /\ kind = NONE
+    /\ loss = 0
+    /\ mlost = {}
+    /\ nlost = {}
+    /\ promoted = {}
+    /\ stale_writes = 0
+
+-----------------------------------------------------------------------------
+(* Trainer: one step = compute, reduce, prepare, decide, apply, finish.    *)
+
+Compute(r) ==
+    /\ Active(r)
+    /\ pc[r] = "IDLE"
+    /\ step[r] < MaxStep
+    /\ step[r] - t2 < K
+    /\ pc' = [pc EXCEPT ![r] = "COMPUTED"]
+    /\ UNCHANGED <<trainer, tgen, step, data, undo, grad, shadow, stale, par,
+                   gpar, gen, phase, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+
+\* A collective: every rank must be in it, alive in this generation.
+Reduce(r) ==
+    /\ Active(r)
+    /\ pc[r] = "COMPUTED"
+    /\ \A q \in Ranks : /\ trainer[q] = "ALIVE" /\ tgen[q] = gen
+                        /\ step[q] = step[r]
+                        /\ pc[q] \in {"COMPUTED", "REDUCED", "PREPARED"}
+    /\ grad' = [grad EXCEPT ![r] = step[r] + 1]
+    /\ pc' = [pc EXCEPT ![r] = "REDUCED"]
+    /\ UNCHANGED <<trainer, tgen, step, data, undo, shadow, stale, par, gpar,
+                   gen, phase, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+
+\* PREPARE: the gradients are protected by tier-1 parity, then the vote.
+Prepare(r) ==
+    /\ Active(r)
+    /\ pc[r] = "REDUCED"
+    /\ gpar' = IF gpar[NodeOf[r]] = LOST THEN gpar
+               ELSE [gpar EXCEPT ![NodeOf[r]][r] = grad[r]]
+    /\ pc' = [pc EXCEPT ![r] = "PREPARED"]
+    /\ prepared' = prepared \cup {r}
+    /\ UNCHANGED <<trainer, tgen, step, data, undo, grad, shadow, stale, par,
+                   gen, phase, committed, faults, t2, t2lost, target, kind,
+                   loss, mlost, nlost, promoted, stale_writes>>
+
+\* DECIDE: COMMIT(committed+1) recorded in the agents' replicated store.
+Decide ==
+    /\ phase = "RUNNING"
+    /\ IF Mutant = "early_commit" THEN prepared # {} ELSE prepared = Ranks
+    /\ \A q \in prepared : grad[q] = committed + 1   \* every vote is for V+1
+    /\ committed' = committed + 1
+    /\ prepared' = {}
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+                   par, gpar, gen, phase, faults, t2, t2lost, target, kind,
+                   loss, mlost, nlost, promoted, stale_writes>>
+
+\* APPLY, chunk by chunk, in order; the old bytes are kept as the undo copy.
+BeginChunk(r, c) ==
+    /\ Active(r)
+    /\ pc[r] \in {"PREPARED", "APPLYING"}
+    /\ committed = step[r] + 1
+    /\ data[r][c] = step[r] /\ undo[r][c] = NONE
+    /\ \A d \in 1..(c - 1) : data[r][d] = step[r] + 1 /\ undo[r][d] = NONE
+    /\ undo' = [undo EXCEPT ![r][c] = data[r][c]]
+    /\ data' = [data EXCEPT ![r][c] = TORN]
+    /\ pc' = [pc EXCEPT ![r] = "APPLYING"]
+    /\ UNCHANGED <<trainer, tgen, step, grad, shadow, stale, par, gpar, gen,
+                   phase, committed, prepared, faults, t2, t2lost, target,
+                   kind, loss, mlost, nlost, promoted, stale_writes>>
+
+EndChunk(r, c) ==
+    /\ Active(r)
+    /\ pc[r] = "APPLYING"
+    /\ data[r][c] = TORN /\ undo[r][c] # NONE
+    /\ data' = [data EXCEPT ![r][c] = step[r] + 1]
+    /\ UNCHANGED <<trainer, tgen, pc, step, undo, grad, shadow, stale, par,
+                   gpar, gen, phase, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+
+\* The node's parity is updated to the new bytes; only then is undo dropped.
+\* (Mutant parity_first: the parity may also be written, once, while the chunk
+\* is TORN; the undo copy is then kept.)
+ParityChunk(r, c) ==
+    /\ Active(r)
+    /\ pc[r] = "APPLYING"
+    /\ undo[r][c] # NONE
+    /\ \/ data[r][c] = step[r] + 1
+       \/ /\ Mutant = "parity_first" /\ data[r][c] = TORN
+          /\ par[NodeOf[r]][c] # LOST => par[NodeOf[r]][c][r] # step[r] + 1
+    /\ par' = IF par[NodeOf[r]][c] = LOST THEN par
+              ELSE [par EXCEPT ![NodeOf[r]][c][r] = step[r] + 1]
+    /\ undo' = IF data[r][c] = TORN THEN undo
+               ELSE [undo EXCEPT ![r][c] = NONE]
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, grad, shadow, stale, gpar,
+                   gen, phase, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+
+Finish(r) ==
+    /\ Active(r)
+    /\ pc[r] = "APPLYING"
+    /\ \A c \in Chunks : data[r][c] = step[r] + 1 /\ undo[r][c] = NONE
+    /\ step' = [step EXCEPT ![r] = step[r] + 1]
+    /\ pc' = [pc EXCEPT ![r] = "IDLE"]
+    /\ UNCHANGED <<trainer, tgen, data, undo, grad, shadow, stale, par, gpar,
+                   gen, phase, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+
+\* Tier 2: a complete cross-node snapshot, taken when every rank is idle.
+Tier2Snapshot ==
+    /\ phase = "RUNNING"
+    /\ \E s \in Steps :
+          /\ s > t2
+          /\ \A r \in Ranks : /\ pc[r] = "IDLE" /\ step[r] = s
+                              /\ \A c \in Chunks : data[r][c] = s
+          /\ t2' = s
+    /\ t2lost' = {}
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+                   par, gpar, gen, phase, committed, prepared, faults, target,
+                   kind, loss, mlost, nlost, promoted, stale_writes>>
+
+-----------------------------------------------------------------------------
+(* Shadows (background).                                                   *)
+
+ShadowWarm(r) ==
+    /\ shadow[r] \in {NONE, "COLD"}
+    /\ shadow' = [shadow EXCEPT ![r] = "WARM"]
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, stale, par, gpar,
+                   gen, phase, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+
+ShadowReclaim(r) ==
+    /\ shadow[r] = "WARM"
+    /\ shadow' = [shadow EXCEPT ![r] = "COLD"]
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, stale, par, gpar,
+                   gen, phase, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+
+-----------------------------------------------------------------------------
+(* Faults: at most MaxFaults per behaviour, in every phase.                *)
+
+FaultOK == faults < MaxFaults
+
+Crash(r) ==
+    /\ FaultOK
+    /\ trainer[r] = "ALIVE"
+    /\ trainer' = [trainer EXCEPT ![r] = "DEAD"]
+    /\ faults' = faults + 1
+    /\ UNCHANGED <<tgen, pc, step, data, undo, grad, shadow, stale, par, gpar,
+                   gen, phase, committed, prepared, t2, t2lost, target, kind,
+                   loss, mlost, nlost, promoted, stale_writes>>
+
+Hang(r) ==
+    /\ FaultOK
+    /\ trainer[r] = "ALIVE"
+    /\ trainer' = [trainer EXCEPT ![r] = "HUNG"]
+    /\ faults' = faults + 1
+    /\ UNCHANGED <<tgen, pc, step, data, undo, grad, shadow, stale, par, gpar,
+                   gen, phase, committed, prepared, t2, t2lost, target, kind,
+                   loss, mlost, nlost, promoted, stale_writes>>
+
+\* A GPU reset or keeper crash: the rank's retained memory is gone, and the
+\* trainer with it.
+LoseMemory(r) ==
+    /\ FaultOK
+    /\ \E c \in Chunks : data[r][c] # LOST
+    /\ data' = [data EXCEPT ![r] = [c \in Chunks |-> LOST]]
+    /\ undo' = [undo EXCEPT ![r] = [c \in Chunks |-> NONE]]
+    /\ grad' = [grad EXCEPT ![r] = LOST]
+    /\ trainer' = [trainer EXCEPT ![r] = "DEAD"]
+    /\ mlost' = mlost \cup {r}
+    /\ faults' = faults + 1
+    /\ UNCHANGED <<tgen, pc, step, shadow, stale, par, gpar, gen, phase,
+                   committed, prepared, t2, t2lost, target, kind, loss, nlost,
+                   promoted, stale_writes>>
+
+\* A whole host is lost (replaced by a spare with empty memory).
+LoseNode(n) ==
+    /\ FaultOK
+    /\ n \notin nlost          \* not twice in one recovery
+    /\ LET on == RanksOf(n) IN
+       /\ data' = [r \in Ranks |-> IF r \in on THEN [c \in Chunks |-> LOST]
+                                   ELSE data[r]]
+       /\ undo' = [r \in Ranks |-> IF r \in on THEN [c \in Chunks |-> NONE]
+                                   ELSE undo[r]]
+       /\ grad' = [r \in Ranks |-> IF r \in on THEN LOST ELSE grad[r]]
+       /\ trainer' = [r \in Ranks |-> IF r \in on THEN "DEAD" ELSE trainer[r]]
+       /\ shadow' = [r \in Ranks |-> IF r \in on THEN NONE ELSE shadow[r]]
+       /\ stale' = [r \in Ranks |-> IF r \in on THEN FALSE ELSE stale[r]]
+       /\ mlost' = mlost \cup on
+    /\ par' = [par EXCEPT ![n] = [c \in Chunks |-> LOST]]
+    /\ gpar' = [gpar EXCEPT ![n] = LOST]
+    /\ t2lost' = t2lost \cup {n}
+    /\ nlost' = nlost \cup {n}
+    /\ faults' = faults + 1
+    /\ UNCHANGED <<tgen, pc, step, gen, phase, committed, prepared, t2,
+                   target, kind, loss, promoted, stale_writes>>
+
+-----------------------------------------------------------------------------
+(* Fencing: an old-generation process tries to write chunk c.              *)
+
+\* The keeper refuses it and the agent kills the process.  (Mutant no_fencing:
+\* the write to an intact chunk is accepted and leaves bytes of no step.)
+StaleWrite(r, c) ==
+    /\ stale[r]
+    /\ stale' = [stale EXCEPT ![r] = FALSE]
+    /\ IF Mutant = "no_fencing" /\ Intact(r, c)
+          THEN /\ data' = [data EXCEPT ![r][c] = GARBAGE]
+               /\ undo' = [undo EXCEPT ![r][c] = NONE]
+               /\ stale_writes' = stale_writes + 1
+          ELSE UNCHANGED <<data, undo, stale_writes>>
+    /\ UNCHANGED <<trainer, tgen, pc, step, grad, shadow, par, gpar, gen,
+                   phase, committed, prepared, faults, t2, t2lost, target,
+                   kind, loss, mlost, nlost, promoted>>
+
+-----------------------------------------------------------------------------
+(* Coordinator: recovery.                                                  *)
+
+\* In FENCING the coming fence covers a new failure; in PROMOTING a dead rank
+\* is one more rank to promote, but a hung one must be fenced first.
+Detect ==
+    \/ /\ phase \in {"RUNNING", "RECONCILING", "FALLBACK", "REBUILDING",
+                     "RESUMING"}
+       /\ \E r \in Ranks : trainer[r] \in {"DEAD", "HUNG"}
+    \/ /\ phase = "PROMOTING"
+       /\ \E r \in Ranks : trainer[r] = "HUNG"
+    /\ phase' = "FENCING"
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+                   par, gpar, gen, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+
+Fence ==
+    /\ phase = "FENCING"
+    /\ gen' = gen + 1
+    /\ prepared' = {}
+    /\ trainer' = [r \in Ranks |-> IF trainer[r] = "HUNG" THEN "DEAD"
+                                   ELSE trainer[r]]
+    /\ stale' = [r \in Ranks |-> stale[r] \/ trainer[r] = "HUNG"]
+    /\ phase' = "PROMOTING"
+    /\ UNCHANGED <<tgen, pc, step, data, undo, grad, shadow, par, gpar,
+                   committed, faults, t2, t2lost, target, kind, loss, mlost,
+                   nlost, promoted, stale_writes>>
+
+Promote(r) ==
+    /\ phase = "PROMOTING"
+    /\ trainer[r] = "DEAD"
+    /\ shadow[r] \in {"WARM", "COLD"}
+    /\ trainer' = [trainer EXCEPT ![r] = "ALIVE"]
+    /\ tgen' = [tgen EXCEPT ![r] = gen]
+    /\ pc' = [pc EXCEPT ![r] = "IDLE"]
+    /\ shadow' = [shadow EXCEPT ![r] = NONE]
+    /\ promoted' = promoted \cup {r}
+    /\ UNCHANGED <<step, data, undo, grad, stale, par, gpar, gen, phase,
+                   committed, prepared, faults, t2, t2lost, target, kind,
+                   loss, mlost, nlost, stale_writes>>
+
+EndPromote ==
+    /\ phase = "PROMOTING"
+    /\ \A r \in Ranks : trainer[r] = "ALIVE"
+    /\ phase' = "RECONCILING"
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+                   par, gpar, gen, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+
+(* The reconcile plan.  V is the committed step.                           *)
+V == committed
+
+\* Versions of chunk c that rank r can produce from its own memory.
+Local(r, c) ==
+    LET d == data[r][c]
+        u == undo[r][c]
+    IN  IF d \in Steps THEN {d} \cup (IF u = NONE THEN {} ELSE {u})
+        ELSE IF d = TORN /\ u # NONE THEN {u}
+        ELSE {}
+
+\* Version tier 1 rebuilds a missing chunk at (single parity per node).
+Tier1(r, c) ==
+    LET n == NodeOf[r] IN
+    IF /\ par[n][c] # LOST
+       /\ \A m \in RanksOf(n) \ {r} : par[n][c][m] \in Local(m, c)
+    THEN {par[n][c][r]} ELSE {}
+
+Avail(r, c) == IF Local(r, c) # {} THEN Local(r, c) ELSE Tier1(r, c)
+FromTier1(r, c) == Local(r, c) = {} /\ Tier1(r, c) # {}
+
+\* Gradients of step V for rank r: locally, or rebuilt from tier 1.
+LocalGrad(r) == grad[r] = V
+Tier1Grad(r) ==
+    LET n == NodeOf[r] IN
+    /\ grad[r] = LOST
+    /\ gpar[n] # LOST
+    /\ gpar[n][r] = V
+    /\ \A m \in RanksOf(n) \ {r} : grad[m] = gpar[n][m]
+
+RollsForward(r, c) ==
+    /\ V \notin Avail(r, c)
+    /\ V > 0 /\ (V - 1) \in Avail(r, c)
+    /\ LocalGrad(r) \/ Tier1Grad(r)
+Reaches(r, c) == V \in Avail(r, c) \/ RollsForward(r, c)
+AllReach == \A r \in Ranks, c \in Chunks : Reaches(r, c)
+
+UsedTier1 == \E r \in Ranks, c \in Chunks :
+                 FromTier1(r, c) \/ (RollsForward(r, c) /\ ~LocalGrad(r))
+Forward == \E r \in Ranks, c \in Chunks : RollsForward(r, c)
+\* Reduced or prepared gradients of the uncommitted step V+1 are dropped.
+Dropped == \E r \in Ranks : grad[r] = V + 1
+
+\* Single parity across nodes: the snapshot survives one lost node (and none
+\* in a one-node job, whose snapshot has no other node to live on).
+T2Intact == Cardinality(t2lost) <= (IF Cardinality(Nodes) > 1 THEN 1 ELSE 0)
+
+PlanKind ==
+    IF AllReach THEN
+        IF UsedTier1 THEN "TIER1"
+        ELSE IF Forward THEN "FORWARD"
+        ELSE IF Dropped THEN "BACK"
+        ELSE "INPLACE"
+    ELSE IF T2Intact THEN "TIER2"
+    ELSE "FALLBACK"
+
+PlanTarget == IF AllReach THEN V ELSE t2
+
+Reconcile ==
+    /\ phase = "RECONCILING"
+    /\ PlanKind # "FALLBACK"
+    /\ LET tgt == PlanTarget IN
+       /\ data' = [r \in Ranks |-> [c \in Chunks |->
+                     \* Mutant no_undo: a TORN chunk is not undone; recovery
+                     \* trusts its unchanged version header and keeps the
+                     \* torn bytes.
+                     IF Mutant = "no_undo" /\ data[r][c] = TORN
+                     THEN GARBAGE ELSE tgt]]
+       /\ par' = ParityAt(tgt)
+       /\ t2' = tgt
+       /\ committed' = tgt
+       /\ target' = tgt
+       /\ loss' = committed - tgt
+    /\ undo' = [r \in Ranks |-> [c \in Chunks |-> NONE]]
+    /\ grad' = [r \in Ranks |-> NONE]
+    /\ gpar' = NoGradParity
+    /\ t2lost' = {}
+    /\ prepared' = {}
+    /\ kind' = PlanKind
+    /\ phase' = "REBUILDING"
+    /\ UNCHANGED <<trainer, tgen, pc, step, shadow, stale, gen, faults, mlost,
+                   nlost, promoted, stale_writes>>
+
+GoFallback ==
+    /\ phase = "RECONCILING"
+    /\ PlanKind = "FALLBACK"
+    /\ phase' = "FALLBACK"
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+                   par, gpar, gen, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+
+\* Tier 3: the disk checkpoint.
+RestoreCheckpoint ==
+    /\ phase = "FALLBACK"
+    /\ data' = [r \in Ranks |-> [c \in Chunks |-> Ckpt]]
+    /\ undo' = [r \in Ranks |-> [c \in Chunks |-> NONE]]
+    /\ par' = ParityAt(Ckpt)
+    /\ grad' = [r \in Ranks |-> NONE]
+    /\ gpar' = NoGradParity
+    /\ t2' = Ckpt
+    /\ t2lost' = {}
+    /\ committed' = Ckpt
+    /\ prepared' = {}
+    /\ target' = Ckpt
+    /\ kind' = "CKPT"
+    /\ loss' = committed - Ckpt
+    /\ phase' = "REBUILDING"
+    /\ UNCHANGED <<trainer, tgen, pc, step, shadow, stale, gen, faults, mlost,
+                   nlost, promoted, stale_writes>>
+
+\* The survivors re-initialise the process group at the new generation.
+Rebuild ==
+    /\ phase = "REBUILDING"
+    /\ \A r \in Ranks : trainer[r] = "ALIVE"
+    /\ tgen' = [r \in Ranks |-> gen]
+    /\ phase' = "RESUMING"
+    /\ UNCHANGED <<trainer, pc, step, data, undo, grad, shadow, stale, par,
+                   gpar, gen, committed, prepared, faults, t2, t2lost, target,
+                   kind, loss, mlost, nlost, promoted, stale_writes>>
+
+Resume ==
+    /\ phase = "RESUMING"
+    /\ \A r \in Ranks : trainer[r] = "ALIVE"
+    \* Mutant stale_shadow: a promoted rank keeps the step its shadow was
+    \* warmed at (0).
+    /\ step' = [r \in Ranks |-> IF Mutant = "stale_shadow" /\ r \in promoted
+                                THEN 0 ELSE target]
+    /\ pc' = [r \in Ranks |-> "IDLE"]
+    /\ target' = NONE
+    /\ promoted' = {}
+    /\ mlost' = {}
+    /\ nlost' = {}
+    /\ phase' = "RUNNING"
+    /\ UNCHANGED <<trainer, tgen, data, undo, grad, shadow, stale, par, gpar,
+                   gen, committed, prepared, faults, t2, t2lost, kind, loss,
+                   stale_writes>>
+
+-----------------------------------------------------------------------------
+Next ==
+    \/ \E r \in Ranks : Compute(r) \/ Reduce(r) \/ Prepare(r) \/ Finish(r)
+    \/ Decide
+    \/ \E r \in Ranks, c \in Chunks :
+          BeginChunk(r, c) \/ EndChunk(r, c) \/ ParityChunk(r, c)
+    \/ Tier2Snapshot
+    \/ \E r \in Ranks : ShadowWarm(r) \/ ShadowReclaim(r)
+    \/ \E r \in Ranks : Crash(r) \/ Hang(r) \/ LoseMemory(r)
+    \/ \E n \in Nodes : LoseNode(n)
+    \/ \E r \in Ranks, c \in Chunks : StaleWrite(r, c)
+    \/ Detect
+    \/ Fence
+    \/ \E r \in Ranks : Promote(r)
+    \/ EndPromote
+    \/ Reconcile
+    \/ GoFallback
+    \/ RestoreCheckpoint
+    \/ Rebuild
+    \/ Resume
+
+\* Weak fairness on every action except the faults.
+Fairness ==
+    /\ \A r \in Ranks : /\ WF_vars(Compute(r)) /\ WF_vars(Reduce(r))
+                        /\ WF_vars(Prepare(r)) /\ WF_vars(Finish(r))
+                        /\ WF_vars(ShadowWarm(r)) /\ WF_vars(ShadowReclaim(r))
+                        /\ WF_vars(Promote(r))
+    /\ \A r \in Ranks, c \in Chunks : /\ WF_vars(BeginChunk(r, c))
+                                      /\ WF_vars(EndChunk(r, c))
+                                      /\ WF_vars(ParityChunk(r, c))
+                                      /\ WF_vars(StaleWrite(r, c))
+    /\ WF_vars(Decide) /\ WF_vars(Tier2Snapshot)
+    /\ WF_vars(Detect) /\ WF_vars(Fence) /\ WF_vars(EndPromote)
+    /\ WF_vars(Reconcile) /\ WF_vars(GoFallback) /\ WF_vars(RestoreCheckpoint)
+    /\ WF_vars(Rebuild) /\ WF_vars(Resume)
+
+Spec == Init /\ [][Next]_vars /\ Fairness
+
+\* Weak fairness on the recovery actions only.  Every trainer action needs
+\* phase = RUNNING, so the other fairness conditions of Spec cannot matter to
+\* Progress; Spec => RecoverySpec, so RecoverySpec => Progress (what TLC checks,
+\* with fewer fairness conditions to track) implies Spec => Progress.
+RecoveryFairness ==
+    /\ \A r \in Ranks : /\ WF_vars(ShadowWarm(r) /\ trainer[r] = "DEAD")
+                        /\ WF_vars(Promote(r))
+    /\ WF_vars(Detect) /\ WF_vars(Fence) /\ WF_vars(EndPromote)
+    /\ WF_vars(Reconcile) /\ WF_vars(GoFallback) /\ WF_vars(RestoreCheckpoint)
+    /\ WF_vars(Rebuild) /\ WF_vars(Resume)
+
+RecoverySpec == Init /\ [][Next]_vars /\ RecoveryFairness
+
+-----------------------------------------------------------------------------
+(* Invariants (plain words in spec/README.md).                             *)
+
+StepVals == Steps
+TypeOK ==
+    /\ trainer \in [Ranks -> {"ALIVE", "DEAD", "HUNG"}]
+    /\ tgen \in [Ranks -> Nat]
+    /\ pc \in [Ranks -> {"IDLE", "COMPUTED", "REDUCED", "PREPARED", "APPLYING"}]
+    /\ step \in [Ranks -> Steps]
+    /\ data \in [Ranks -> [Chunks -> Steps \cup {TORN, LOST, GARBAGE}]]
+    /\ undo \in [Ranks -> [Chunks -> Steps \cup {NONE}]]
+    /\ grad \in [Ranks -> (1..MaxStep) \cup {NONE, LOST}]
+    /\ shadow \in [Ranks -> {NONE, "COLD", "WARM"}]
+    /\ stale \in [Ranks -> BOOLEAN]
+    /\ DOMAIN par = Nodes
+    /\ \A n \in Nodes :
+          /\ DOMAIN par[n] = Chunks
+          /\ \A c \in Chunks : par[n][c] = LOST
+                                \/ par[n][c] \in [RanksOf(n) -> Steps]
+          /\ gpar[n] = LOST
+             \/ gpar[n] \in [RanksOf(n) -> (1..MaxStep) \cup {NONE}]
+    /\ DOMAIN gpar = Nodes
+    /\ gen \in Nat
+    /\ phase \in Phases
+    /\ committed \in Steps
+    /\ prepared \subseteq Ranks
+    /\ faults \in 0..MaxFaults
+    /\ t2 \in Steps
+    /\ t2lost \subseteq Nodes
+    /\ target \in Steps \cup {NONE}
+    /\ kind \in Kinds \cup {NONE}
+    /\ loss \in Steps
+    /\ mlost \subseteq Ranks
+    /\ nlost \subseteq Nodes
+    /\ promoted \subseteq Ranks
+    /\ stale_writes \in Nat
+
+\* A chunk a fault destroyed: its rank's trainer is then dead.
+LostByFault(r, c) == data[r][c] = LOST /\ trainer[r] = "DEAD"
+
+Consistency ==
+    /\ phase \in {"REBUILDING", "RESUMING"} =>
+          \A r \in Ranks, c \in Chunks : data[r][c] = target \/ LostByFault(r, c)
+    \* A failed rank (not yet detected) is recovery's business.
+    /\ phase = "RUNNING" =>
+          \A r \in Ranks : trainer[r] = "ALIVE" /\ tgen[r] = gen =>
+             /\ step[r] \in {committed, committed - 1}
+             /\ \A c \in Chunks :
+                   \/ data[r][c] = step[r]
+                   \/ pc[r] = "APPLYING" /\ data[r][c] \in {step[r] + 1, TORN}
+
+Equivalence ==
+    \A r \in Ranks, c \in Chunks :
+        /\ data[r][c] # GARBAGE
+        /\ data[r][c] = TORN => undo[r][c] # NONE
+
+Tier1Covered ==
+    \A n \in Nodes : n \notin nlost /\ Cardinality(mlost \cap RanksOf(n)) <= 1
+\* At most one node lost more than its tier-1 parity rebuilds (and, in a
+\* one-node job, that node was not lost).
+Tier2Covered ==
+    /\ Cardinality({n \in Nodes : n \in nlost
+                                  \/ Cardinality(mlost \cap RanksOf(n)) >= 2}) <= 1
+    /\ nlost = {} \/ Cardinality(Nodes) > 1
+
+\* Checked on the states after Reconcile / RestoreCheckpoint, up to Resume
+\* (mlost and nlost only grow until Resume clears them).
+Durability ==
+    phase \in {"REBUILDING", "RESUMING"} =>
+        /\ kind \in {"INPLACE", "FORWARD", "BACK", "TIER1"} => loss = 0
+        /\ kind = "TIER2" => loss <= K /\ ~Tier1Covered
+        /\ kind = "CKPT" => ~Tier2Covered
+
+ParityOK ==
+    /\ \A n \in Nodes, c \in Chunks :
+          par[n][c] # LOST =>
+             \A r \in RanksOf(n) :
+                data[r][c] # LOST => par[n][c][r] \in Local(r, c)
+    /\ \A n \in Nodes :
+          gpar[n] # LOST =>
+             \A r \in RanksOf(n) :
+                \/ grad[r] = LOST
+                \* reduced gradients of the next step, not yet voted for
+                \/ grad[r] = committed + 1 /\ r \notin prepared
+                \/ gpar[n][r] = grad[r]
+
+\* No write of an old generation is accepted, and no trainer is admitted in
+\* a generation the coordinator has not opened.
+SingleWriter ==
+    /\ stale_writes = 0
+    /\ \A r \in Ranks : tgen[r] <= gen
+
+Integrity ==
+    phase \in {"REBUILDING", "RESUMING"} =>
+        \A r \in Ranks, c \in Chunks :
+            /\ data[r][c] \notin {TORN, GARBAGE}
+            /\ data[r][c] = LOST => trainer[r] = "DEAD"
+
+Progress == (phase # "RUNNING") ~> (phase = "RUNNING")
+
+=============================================================================
