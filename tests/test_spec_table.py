@@ -1,0 +1,84 @@
+"""spec/README.md's action table keeps spec/Leto.tla's Next and leto.core.events in sync."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from leto.core import events as ev
+from leto.core.chunk import CHUNK
+from leto.core.recovery import RECOVERY
+from leto.core.shadow import SHADOW
+from leto.core.trainer import TRAINER
+from leto.core.txn import COMMIT, TXN
+
+SPEC = Path(__file__).resolve().parent.parent / "spec"
+HEADER = "| TLA+ action | core event class | machine |"
+TABLES = {"txn": TXN, "commit": COMMIT, "chunk": CHUNK, "shadow": SHADOW, "recovery": RECOVERY}
+
+
+def action_table(text: str) -> dict[str, tuple[str, str]]:
+    lines = text.splitlines()
+    start = lines.index(HEADER)  # ValueError if the table is gone
+    rows: dict[str, tuple[str, str]] = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        action, cls, machine = cells[:3]
+        assert action not in rows, f"{action} listed twice"
+        rows[action] = (cls, machine)
+    return rows
+
+
+def next_actions(tla: str) -> set[str]:
+    body = re.search(r"^Next ==\n(.*?)(?=^\S)", tla, re.S | re.M)
+    assert body is not None, "no Next definition in Leto.tla"
+    defined = set(re.findall(r"^([A-Z]\w*)(?:\([^)]*\))? ==", tla, re.M))
+    used = set(re.findall(r"\b([A-Z]\w*)\b", body.group(1)))
+    return used & defined - {"Ranks", "Chunks", "Nodes"}
+
+
+@pytest.fixture(scope="module")
+def table() -> dict[str, tuple[str, str]]:
+    return action_table((SPEC / "README.md").read_text())
+
+
+def test_table_lists_exactly_the_actions_of_next(table: dict[str, tuple[str, str]]) -> None:
+    assert set(table) == next_actions((SPEC / "Leto.tla").read_text())
+
+
+def test_table_lists_exactly_the_core_events(table: dict[str, tuple[str, str]]) -> None:
+    classes = {cls.removeprefix("events.") for cls, _ in table.values()}
+    assert classes == {c.__name__ for c in ev.ALL}
+    for action, (cls, _) in table.items():
+        assert cls == f"events.{action}", f"{action} maps to {cls}"
+        assert issubclass(getattr(ev, cls.removeprefix("events.")), ev.Event)
+
+
+def test_machine_column_names_a_machine_that_takes_the_event(
+    table: dict[str, tuple[str, str]],
+) -> None:
+    for action, (cls, machine) in table.items():
+        event_type = getattr(ev, cls.removeprefix("events."))
+        if machine == "fault":
+            assert issubclass(event_type, ev.Fault)
+        elif machine == "keeper":
+            assert event_type is ev.StaleWrite
+        elif machine == "trainer":
+            assert event_type in TRAINER.events()
+        else:
+            assert machine in TABLES, f"unknown machine {machine!r} for {action}"
+            assert event_type in TABLES[machine].events(), f"{machine} does not take {action}"
+
+
+def test_the_checks_reject_a_drifted_table() -> None:
+    text = (SPEC / "README.md").read_text().replace("events.Decide", "events.Decided")
+    drifted = action_table(text)
+    assert {c.removeprefix("events.") for c, _ in drifted.values()} != {c.__name__ for c in ev.ALL}
+    assert next_actions("Next ==\n    \\/ Foo\n    \\/ Bar(r)\n\nFoo == TRUE\nBar(r) == TRUE\n") == {
+        "Foo",
+        "Bar",
+    }
