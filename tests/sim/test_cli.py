@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_131072_gpus_json_in_under_5_seconds() -> None:
-    start = time.perf_counter()
+def test_131072_gpus_json() -> None:
     proc = run_cli("--gpus", "131072", "--days", "30", "--json")
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert set(out["ettr"]) == set(STRATEGIES)
@@ -35,9 +32,7 @@ def test_131072_gpus_json_in_under_5_seconds() -> None:
     # Under the default assumptions leto clears 95%; checkpoint/restart does not.
     assert out["ettr"]["leto"] > 0.95
     assert out["ettr"]["ckpt-async"] < 0.9
-    # The whole command, interpreter start-up included, measured here at ~1 s.
-    print(f"leto simulate --gpus 131072 --days 30 --json: {elapsed:.2f} s")
-    assert elapsed < 5.0
+    # Its speed is measured by benchmarks/simulate_speed.py, not asserted in a test.
 
 
 @pytest.mark.parametrize(

