@@ -1,20 +1,18 @@
-"""The benchmark's agent: starts a job's worker processes, watches them, recovers.
+"""The baselines' agent: starts a job's worker processes, watches them, restarts them.
 
-One :class:`Job` runs one system on one workload, the way its users run it:
-
-* checkpoint/restart systems (``ckpt-disk``, ``ckpt-disk-async``, ``gemini``)
-  recover like torchrun's elastic agent: when a worker dies, every other worker
-  is stopped (SIGTERM, then SIGKILL), and a new process per rank is started
-  (``python`` + ``import torch`` + ``init_process_group`` on gloo over
-  127.0.0.1), which reloads the newest checkpoint;
-* ``leto`` recovers in place: the survivors keep their processes, the rank's warm
-  shadow is promoted, a new shadow is warmed once training runs again.
+One :class:`Job` runs one checkpoint/restart system (``ckpt-disk``,
+``ckpt-disk-async``, ``gemini``, or ``plain`` DDP) on one workload, the way its
+users run it: like torchrun's elastic agent, when a worker dies every other worker
+is stopped (SIGTERM, then SIGKILL) and a new process per rank is started
+(``python`` + ``import torch`` + ``init_process_group`` on gloo over 127.0.0.1),
+which reloads the newest checkpoint. (leto's jobs run under ``leto launch``:
+:mod:`leto.bench.gloojob`.)
 
 The agent hosts the job's ``TCPStore`` (a port from the OS) and each rank's host
 memory (a memfd created here and passed to the rank's processes, so it outlives
 them and nothing can leak in ``/dev/shm``); it sees a worker's death at once
 through a pidfd. Every worker reports JSON lines on its own pipe; the agent adds
-rank, generation, role and pid, and keeps them all in :attr:`Job.events` for the
+rank, generation and pid, and keeps them all in :attr:`Job.events` for the
 measurements (:mod:`leto.bench.timeline`).
 
 The agent knows nothing about what is measured: the benchmarks drive it with
@@ -40,10 +38,9 @@ from typing import Any
 
 from .workload import BenchError, Workload
 
-__all__ = ["Job", "Proc", "RESTART_SYSTEMS", "SYSTEMS"]
+__all__ = ["Job", "Proc", "RESTART_SYSTEMS"]
 
 RESTART_SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini")
-SYSTEMS = (*RESTART_SYSTEMS, "leto")
 _REPO = str(Path(__file__).resolve().parents[2])
 
 
@@ -51,7 +48,6 @@ _REPO = str(Path(__file__).resolve().parents[2])
 class Proc:
     rank: int
     gen: int
-    role: str  # "trainer" | "shadow" (a promoted shadow becomes a trainer)
     popen: subprocess.Popen[bytes]
     pidfd: int
     events_fd: int
@@ -72,7 +68,7 @@ class Proc:
 
 def _peer_lost(error: str) -> bool:
     """A collective failed because a peer died (expected after a failure), not a bug."""
-    return "gloo" in error or "Connection" in error or "aborted" in error
+    return "gloo" in error or "Connection" in error
 
 
 class Job:
@@ -84,17 +80,15 @@ class Job:
         workload: Workload,
         *,
         plan_for: Callable[[int], dict[str, Any]],
-        auto_rewarm: bool = True,
         max_failures: int = 1000,
         workdir: str | None = None,
     ) -> None:
-        if system not in SYSTEMS and system != "plain":
+        if system not in RESTART_SYSTEMS and system != "plain":
             raise BenchError(f"unknown system {system!r}")
         import torch.distributed as dist
 
         self.system, self.wl = system, workload
         self.plan_for = plan_for
-        self.auto_rewarm = auto_rewarm
         self.dir = Path(tempfile.mkdtemp(prefix=f"leto-bench-{system}-", dir=workdir))
         self.ckpt_dir = self.dir / "ckpt"
         self.ckpt_dir.mkdir()
@@ -104,13 +98,11 @@ class Job:
         self.sel = selectors.DefaultSelector()
         self.procs: list[Proc] = []
         self.trainers: dict[int, Proc] = {}
-        self.shadows: dict[int, Proc] = {}
         self.gen = 0
         self.events: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
         self.finished = False
         self.recover_target: int | None = None  # every trainer completes it: recovered
-        self._pending_rewarm: set[int] = set()
         self.mem_fds: dict[int, int] = {}
         self.max_failures = max_failures
         self._make_memory()
@@ -120,37 +112,27 @@ class Job:
     def _make_memory(self) -> None:
         from leto.backends.gloo import segments
 
-        from .hostmem import arena_bytes, gemini_bytes
+        from .hostmem import gemini_bytes
 
-        if self.system == "gemini":
-            size = gemini_bytes(3 * self.wl.params)
-        elif self.system == "leto":
-            size = arena_bytes(self.wl.params, self.wl.chunk_numel)
-        else:
+        if self.system != "gemini":
             return
+        size = gemini_bytes(3 * self.wl.params)
         for r in range(self.wl.world):
             self.mem_fds[r] = segments.create(f"leto-bench-{self.system}-r{r}", size)
 
     def set_plan(self, key: str, plan: dict[str, Any]) -> None:
         self.store.set(key, json.dumps(plan))
 
-    def start(self, timeout: float = 300.0) -> None:
-        """Start every rank; leto's trainers wait (before step 1) until the shadows are
-        warm, so start-up contention on this machine does not fall into any measurement."""
-        for r in range(self.wl.world):
-            self.trainers[r] = self._spawn(r, "trainer", resume=False)
-        if self.system == "leto":
-            for r in range(self.wl.world):
-                self.shadows[r] = self._spawn(r, "shadow", resume=False)
-            self.pump(self.shadows_warm, timeout, "the shadows to warm up")
+    def start(self) -> None:
         self.set_plan("plan/0", self.plan_for(0))
+        for r in range(self.wl.world):
+            self.trainers[r] = self._spawn(r, resume=False)
 
-    def _spawn(self, rank: int, role: str, *, resume: bool) -> Proc:
+    def _spawn(self, rank: int, *, resume: bool) -> Proc:
         rfd, wfd = os.pipe()
         os.set_blocking(rfd, False)
         spec: dict[str, Any] = {
             "system": self.system,
-            "role": role,
             "rank": rank,
             "world": self.wl.world,
             "gen": self.gen,
@@ -165,21 +147,21 @@ class Job:
         if rank in self.mem_fds:
             spec["mem_fd"] = self.mem_fds[rank]
             fds.append(self.mem_fds[rank])
-        log = self.dir / f"{role}-r{rank}-g{self.gen}-{len(self.procs)}.log"
+        log = self.dir / f"r{rank}-g{self.gen}-{len(self.procs)}.log"
         env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.setdefault("OMP_NUM_THREADS", "1")
         with open(log, "wb") as lf:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "leto.bench.worker", json.dumps(spec)],
                 pass_fds=fds,
-                stdin=subprocess.PIPE if role == "shadow" else subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
                 stdout=lf,
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=str(self.dir),
             )
         os.close(wfd)
-        proc = Proc(rank, self.gen, role, popen, os.pidfd_open(popen.pid), rfd, log)
+        proc = Proc(rank, self.gen, popen, os.pidfd_open(popen.pid), rfd, log)
         self.procs.append(proc)
         self.sel.register(proc.pidfd, selectors.EVENT_READ, ("exit", proc))
         self.sel.register(rfd, selectors.EVENT_READ, ("events", proc))
@@ -208,9 +190,9 @@ class Job:
     def _select(self, timeout: float) -> None:
         for key, _ in self.sel.select(timeout):
             kind, proc = key.data
-            if kind == "events":
+            if kind == "events" and proc.events_fd >= 0:
                 self._read(proc)
-            else:
+            elif kind == "exit" and not proc.exited:
                 self._exited(proc)
 
     def _read(self, proc: Proc) -> None:
@@ -227,7 +209,7 @@ class Job:
         *lines, proc.buf = proc.buf.split(b"\n")
         for line in lines:
             ev = json.loads(line)
-            ev.update(rank=proc.rank, role=proc.role, pid=proc.pid, gen=proc.gen)
+            ev.update(rank=proc.rank, pid=proc.pid, gen=proc.gen)
             proc.seen.add(ev["ev"])
             self.events.append(ev)
             if "step" in ev and ev["ev"] in ("step", "loaded", "reconciled", "attached"):
@@ -237,16 +219,7 @@ class Job:
             elif ev["ev"] == "fail":
                 proc.fail_step = ev["step"]
             if ev["ev"] == "error" and not _peer_lost(ev["error"]):
-                raise BenchError(
-                    f"{self.system}: rank {proc.rank} ({proc.role}) failed: {ev['error']}"
-                )
-            self._on_event(proc, ev)
-
-    def _on_event(self, proc: Proc, ev: dict[str, Any]) -> None:
-        if self.auto_rewarm and self._pending_rewarm and ev["ev"] == "step" and self.recovered():
-            for r in sorted(self._pending_rewarm):
-                self.shadows[r] = self._spawn(r, "shadow", resume=False)
-            self._pending_rewarm.clear()
+                raise BenchError(f"{self.system}: rank {proc.rank} failed: {ev['error']}")
 
     def _drain(self, proc: Proc) -> None:
         """Read what a dead process wrote (its write end is closed: EOF comes)."""
@@ -264,10 +237,6 @@ class Job:
         self._drain(proc)
         if proc.expected_exit:
             return
-        if proc.role == "shadow":
-            raise BenchError(
-                f"{self.system}: the shadow of rank {proc.rank} exited ({proc.code}){self._log_hint(proc)}"
-            )
         if self.trainers.get(proc.rank) is not proc:
             return  # a process of an older generation
         if proc.code == 0 and "done" in proc.seen:
@@ -277,13 +246,33 @@ class Job:
         self._failure(proc, t)
 
     def _failure(self, proc: Proc, t_detect: float) -> None:
-        """A trainer died: recover the job as ``self.system`` does."""
+        """A trainer died: stop the others, start a new generation (torchrun).
+
+        The first exit seen may be a survivor's (its collective failed when the
+        peer died); the failure is the process that reported one, if any did.
+        """
+        old = [p for p in self.trainers.values() if p is not proc]
+        for p in old:
+            if not p.exited:
+                p.expected_exit = True
+                p.popen.send_signal(signal.SIGTERM)
+        for p in old:
+            try:
+                p.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+            p.expected_exit = True
+            self._drain(p)
+        dead = next((p for p in [proc, *old] if p.fail_step is not None), proc)
+        done = [p.done_step or 0 for p in [proc, *old]]
         failure: dict[str, Any] = {
-            "rank": proc.rank,
-            "pid": proc.pid,
-            "gen": proc.gen,
+            "rank": dead.rank,
+            "pid": dead.pid,
+            "gen": dead.gen,
             "t_detect": t_detect,
-            "code": proc.code,
+            "code": dead.popen.returncode,
+            "step": dead.fail_step if dead.fail_step is not None else max(done) + 1,
         }
         self.failures.append(failure)
         if len(self.failures) > self.max_failures:
@@ -291,48 +280,12 @@ class Job:
                 f"{self.system}: {len(self.failures)} failures, more than planned: "
                 f"the job keeps failing{self._log_hint(proc)}"
             )
-        done = [p.done_step or 0 for p in self.trainers.values()]
-        failure["step"] = proc.fail_step if proc.fail_step is not None else max(done) + 1
         self.recover_target = max(failure["step"], self.recover_target or 0)
-        if self.system == "leto":
-            shadow = self.shadows.pop(proc.rank, None)
-            if shadow is None:
-                raise BenchError(f"leto: no shadow for rank {proc.rank}")
-            self.store.set(f"abort/{self.gen}", "1")
-            for p in self.trainers.values():
-                if p is not proc and not p.exited and "main" in p.seen:
-                    p.popen.send_signal(signal.SIGUSR2)
-            self.gen += 1
-            self.set_plan(f"plan/{self.gen}", self.plan_for(self.gen))
-            assert shadow.popen.stdin is not None
-            shadow.popen.stdin.write(json.dumps({"gen": self.gen}).encode() + b"\n")
-            shadow.popen.stdin.flush()
-            failure.update(
-                new_gen=self.gen, shadow_pid=shadow.pid, shadow_warm="warm" in shadow.seen
-            )
-            shadow.role = "trainer"
-            shadow.gen = self.gen
-            self.trainers[proc.rank] = shadow
-            for p in self.trainers.values():
-                p.gen = self.gen
-            self._pending_rewarm.add(proc.rank)
-            return
-        # torchrun: stop every worker, start a new generation of them
-        others = [p for p in self.trainers.values() if p is not proc and not p.exited]
-        for p in others:
-            p.expected_exit = True
-            p.popen.send_signal(signal.SIGTERM)
-        for p in others:
-            try:
-                p.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
         self.gen += 1
         self.set_plan(f"plan/{self.gen}", self.plan_for(self.gen))
         failure.update(new_gen=self.gen, t_respawn=time.monotonic())
         for r in range(self.wl.world):
-            self.trainers[r] = self._spawn(r, "trainer", resume=True)
+            self.trainers[r] = self._spawn(r, resume=True)
 
     # ---------------------------------------------------------------- queries
 
@@ -350,19 +303,8 @@ class Job:
             return None
         return min(s for s in steps if s is not None)
 
-    def seen(
-        self, ev: str, *, gen: int | None = None, role: str | None = None
-    ) -> list[dict[str, Any]]:
-        return [
-            e
-            for e in self.events
-            if e["ev"] == ev
-            and (gen is None or e["gen"] == gen)
-            and (role is None or e["role"] == role)
-        ]
-
-    def shadows_warm(self) -> bool:
-        return not self._pending_rewarm and all("warm" in p.seen for p in self.shadows.values())
+    def seen(self, ev: str, *, gen: int | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["ev"] == ev and (gen is None or e["gen"] == gen)]
 
     def signal_failure(self, rank: int) -> bool:
         """Ask rank ``rank``'s trainer to fail at its next failure point (False: not now)."""
@@ -380,7 +322,7 @@ class Job:
             except OSError:
                 continue
             if tail:
-                return f" (rank {p.rank} {p.role} log: {' | '.join(tail)[-400:]})"
+                return f" (rank {p.rank} log: {' | '.join(tail)[-400:]})"
         return ""
 
     # ---------------------------------------------------------------- teardown
@@ -402,11 +344,6 @@ class Job:
                 except (KeyError, ValueError):
                     pass
                 os.close(p.pidfd)
-            if p.popen.stdin is not None:
-                try:
-                    p.popen.stdin.close()
-                except OSError:
-                    pass
             if p.events_fd >= 0:
                 try:
                     self.sel.unregister(p.events_fd)

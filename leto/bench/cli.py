@@ -3,13 +3,14 @@
 ::
 
     leto bench recovery [--params 1M] [--repeats 5] [--mtbf 60] [--json]
-    leto bench overhead [--params 1M] [--periods 3] [--json]
+    leto bench overhead [--params 1M] [--rounds 3] [--json]
     leto bench goodput  [--params 1M] [--budget 240] [--mtbf 60] [--json]
     leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--json]
 
 Systems (``--systems``, comma-separated): ``ckpt-disk`` (torch.distributed.checkpoint
 to local disk, restart), ``ckpt-disk-async`` (DCP ``async_save``), ``gemini`` (a
-checkpoint of every step in host memory, restart), ``leto`` (in place). Each
+checkpoint of every step in host memory, restart), ``leto`` (in place, through
+``leto launch`` on the gloo backend). Each
 benchmark prints a table, and writes its JSON and a PNG plot to ``--out``
 (default ``bench-results``); ``--json`` prints the JSON instead of the table.
 Bad input (an unknown system, a non-positive MTBF or budget, a model too large
@@ -70,8 +71,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "overhead", help="failure-free step time: plain vs leto (tiers on, tier 2 off)"
     )
     _common(p, systems=False)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of interleaved jobs (default 3)")
     p.add_argument(
-        "--periods", type=int, default=3, help="tier-2 periods of steps per config (default 3)"
+        "--periods", type=int, default=2, help="tier-2 periods measured per job (default 2)"
     )
     p.add_argument(
         "--tier2-interval", type=int, default=10, help="K: steps between tier-2 snapshots"
@@ -145,7 +147,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
         _positive("--mtbf", args.mtbf)
     if hasattr(args, "budget"):
         _positive("--budget", args.budget)
-    for flag in ("repeats", "periods", "tier2_interval"):
+    for flag in ("repeats", "rounds", "periods", "tier2_interval"):
         if hasattr(args, flag) and getattr(args, flag) < 1:
             raise BenchError(f"--{flag.replace('_', '-')} must be at least 1")
     sizes = args.sizes.split(",") if args.bench == "scaling" else [args.params]
@@ -153,24 +155,10 @@ def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
     if not wls:
         raise BenchError("--sizes names no model size")
     wls.sort(key=lambda w: w.params)
-    mem_systems = systems if args.bench != "overhead" else ["engine"]
+    mem_systems = systems if args.bench != "overhead" else ["plain", "leto"]
     for wl in wls:
-        if mem_systems == ["engine"]:
-            _check_engine(wl)
-        else:
-            check_memory(wl, mem_systems)
+        check_memory(wl, mem_systems)
     return wls, systems
-
-
-def _check_engine(wl: Workload) -> None:
-    avail = available_memory()
-    need = 3 * wl.engine_estimate() + wl.memory_estimate("plain") // wl.world
-    if avail and need > MEMORY_FRACTION * avail:
-        raise BenchError(
-            f"model size {format_count(wl.params)} params x {wl.world} ranks needs about "
-            f"{need / 2**30:.1f} GiB in this process, but only "
-            f"{MEMORY_FRACTION * avail / 2**30:.1f} GiB is usable; choose a smaller model size"
-        )
 
 
 # ------------------------------------------------------------------------- run
@@ -234,7 +222,11 @@ def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], prog
         from .overhead import run_overhead
 
         res = run_overhead(
-            wls[0], periods=args.periods, tier2_interval=args.tier2_interval, progress=progress
+            wls[0],
+            rounds=args.rounds,
+            periods=args.periods,
+            tier2_interval=args.tier2_interval,
+            progress=progress,
         )
         return res, report.overhead_table, plots.plot_overhead
     if args.bench == "goodput":

@@ -1,25 +1,26 @@
 """``leto bench goodput``: productive training time in a fixed wall-clock budget.
 
-Every system trains the same workload as a real job (:class:`leto.bench.agent.Job`)
-for ``budget_s`` seconds of wall clock, counted from the moment training proper
-starts (after start-up and the job's calibration, the same for all), while
-failures strike on one schedule: Poisson arrivals at the given MTBF, each on a
-random rank (seeded, so every system gets the same times and ranks). A failure
-is delivered as ``SIGUSR1`` to the rank's trainer, which dies at its next failure
-point (after a forward pass); one failure at a time: a failure that falls due while
-an earlier one is being recovered strikes once training runs again.
+Every system trains the same workload as a real job for ``budget_s`` seconds of
+wall clock, counted from the moment training proper starts (after start-up and
+the first steps, the same for all), while failures strike on one schedule:
+Poisson arrivals at the given MTBF, each on a random rank (seeded, so every system
+gets the same times and ranks). A failure kills the rank's trainer at its next
+failure point (after a forward pass), one at a time: a failure that falls due
+while an earlier one is being recovered strikes once training runs again. The
+baselines get it as ``SIGUSR1`` from their agent (:mod:`leto.bench.agent`); leto's
+trainers, under ``leto launch``, read the schedule themselves
+(:mod:`leto.bench.letojob`).
 
 The checkpointing baselines checkpoint at the Young/Daly interval for the MTBF and
 the save cost they measure in the job; ``gemini`` snapshots every step; ``leto``
-is the real-process harness (leto's retained layer and warm shadows; tiers 1 and
-2, which only the engine implements so far, are not in it: their per-step cost is
-what ``leto bench overhead`` measures).
+runs with every tier on.
 
 ETTR = productive time / budget, where productive time is the training progress
-at the end of the budget (steps the model keeps, so work lost to a restart does
-not count) times the failure-free step time of plain DDP on this workload,
-measured in a plain job before the systems run. A system's own per-step overhead
-(checkpoint stalls, snapshots, leto's transactions) therefore lowers its ETTR.
+at the end of the budget (steps the model keeps: work lost to a restart does not
+count) times the failure-free step time of plain DDP on this workload, measured
+in short plain jobs before and after each system (their mean). A system's own
+per-step cost (checkpoint stalls, snapshots, leto's transactions and parity)
+therefore lowers its ETTR.
 """
 
 from __future__ import annotations
@@ -57,17 +58,10 @@ def failure_times(budget_s: float, mtbf_s: float, world: int, seed: int) -> list
 
 
 def plain_step_time(wl: Workload) -> float:
-    """Median failure-free step time of plain DDP on ``wl`` (a short plain job)."""
+    """Failure-free step time of plain DDP on ``wl`` (a short plain job)."""
+    from .overhead import _plain
 
-    def plan(_gen: int) -> dict[str, Any]:
-        return {"calibrate": {"steps": _REF_STEPS, "saves": 0}, "stop_step": _REF_STEPS}
-
-    with Job("plain", wl, plan_for=plan) as job:
-        job.start()
-        job.pump(lambda: len(job.seen("calibrated")) == wl.world, _TIMEOUT_S, "plain steps")
-        job.set_plan("plan/0/run", plan(0))
-        job.pump(lambda: job.finished, _TIMEOUT_S, "the plain job's end")
-        return float(statistics.median(e["step_s"] for e in job.seen("calibrated")))
+    return _plain(wl, 3, _REF_STEPS)
 
 
 def run_system(
@@ -79,8 +73,8 @@ def run_system(
     schedule: list[dict[str, Any]],
     progress: Any = None,
 ) -> dict[str, Any]:
-    """One system through the budget; its ETTR and progress over time."""
-    saves = 0 if system == "leto" else CAL_SAVES
+    """One baseline through the budget; its progress over time."""
+    saves = CAL_SAVES
     run_plan: dict[str, Any] = {"interval": 10**9, "fail": None, "stop_step": 10**9}
 
     def plan(gen: int) -> dict[str, Any]:
@@ -132,11 +126,55 @@ def run_system(
         "steps": steps,
         "step_s": step_s,
         "checkpoint_interval_steps": k,
-        "save_s": save_s if system != "leto" else None,
+        "save_s": save_s,
         "failures": len(fail_t),
         "failure_times_s": fail_t,
         "injected": injected,
         "timeline": samples + [(budget_s, steps)],
+    }
+
+
+def run_leto(
+    wl: Workload, *, budget_s: float, schedule: list[dict[str, Any]], progress: Any = None
+) -> dict[str, Any]:
+    """leto through the budget (``leto launch``); its progress over time."""
+    from .gloojob import GlooJob, step_time
+
+    failures = [{"rank": f["rank"], "t": f["t"]} for f in schedule]
+    with GlooJob(wl, steps=10**9, failures=failures, t0_after_step=_CAL_STEPS) as job:
+        job.start()
+        job.wait(lambda: job.t0() is not None, _TIMEOUT_S, "training to start")
+        t0 = job.t0()
+        assert t0 is not None
+        last_tick = 0
+        while (now := time.time()) < t0 + budget_s:
+            job.poll()
+            if job.ended():
+                raise BenchError(f"leto: the job ended during the budget{job.tail()}")
+            if progress is not None and int(now - t0) // 10 > last_tick:
+                last_tick = int(now - t0) // 10
+                progress("leto", now - t0)
+            time.sleep(min(0.1, t0 + budget_s - now))
+        job.stop()
+        steps_at = [
+            (e["t"] - t0, e["step"] - _CAL_STEPS)
+            for e in job.events
+            if e["event"] == "step" and e["step"] >= _CAL_STEPS and e["t"] <= t0 + budget_s
+        ]
+        fail_t = [e["t"] - t0 for e in job.seen("failure") if t0 <= e["t"] <= t0 + budget_s]
+        stamps = [st for st in job.stamps() if st["t"] <= t0 + budget_s]
+        step_s = step_time(job.events, 2, _CAL_STEPS)
+    steps = steps_at[-1][1] if steps_at else 0
+    timeline = [(0.0, 0)] + [(t, n) for t, n in steps_at if t >= 0] + [(budget_s, steps)]
+    return {
+        "steps": steps,
+        "step_s": step_s,
+        "checkpoint_interval_steps": None,
+        "save_s": None,
+        "failures": len(fail_t),
+        "failure_times_s": fail_t,
+        "injected": stamps,
+        "timeline": timeline,
     }
 
 
@@ -166,14 +204,12 @@ def run_goodput(
     refs = [plain_step_time(wl)]
     out: dict[str, Any] = {}
     for system in ordered:
-        out[system] = run_system(
-            system,
-            wl,
-            budget_s=budget_s,
-            mtbf_s=mtbf_s,
-            schedule=schedule,
-            progress=tick,
-        )
+        if system == "leto":
+            out[system] = run_leto(wl, budget_s=budget_s, schedule=schedule, progress=tick)
+        else:
+            out[system] = run_system(
+                system, wl, budget_s=budget_s, mtbf_s=mtbf_s, schedule=schedule, progress=tick
+            )
         refs.append(plain_step_time(wl))
         ref = (refs[-2] + refs[-1]) / 2.0
         s = out[system]

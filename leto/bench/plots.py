@@ -32,8 +32,6 @@ def plot_recovery(res: dict[str, Any], path: str | Path) -> Path:
     plt = _plt()
     names = list(res["systems"])
     rows = [(n, res["systems"][n]["phases"]) for n in names]
-    if "leto" in res["systems"]:
-        rows.append(("leto\n(harness)", res["systems"]["leto"]["harness"]))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     bottom = [0.0] * len(rows)
     for p in PHASES:

@@ -1,27 +1,18 @@
 """``leto bench recovery``: one recovery of each system, broken down, repeated.
 
-Each system runs as a real job (:class:`leto.bench.agent.Job`: one process per
-rank, gloo over 127.0.0.1) on the same workload. The job first calibrates (a few
-steps, then three saves of its own kind, timed in place); the agent derives the
-checkpoint interval (:mod:`leto.bench.interval`) and the failure schedule, and
-the job trains on: the scheduled rank dies at the scheduled step, the system
-recovers, and training goes on to the next failure. Every recovery is broken
-down by :mod:`leto.bench.timeline`; the figures are medians over the repeats.
-
-leto's figure is measured in two parts until leto's gloo backend can run a job:
-
-* in real processes (the harness: :mod:`leto.bench.worker`, ``system="leto"``):
-  detection, promotion of a warm shadow that attaches to the rank's retained
-  state (leto's retained layer in a memfd), the new gloo group, the step in flight;
-* in leto's engine on the fake backend (:mod:`leto.bench.inprocess`), the
-  state-side work of the same failure with every tier on: the integrity scan,
-  the reconcile (roll back or forward, parity repair) and re-encoding tier-1
-  parity and the tier-2 snapshot. Every rank's share runs one after another in
-  one process, so this is an upper bound of the parallel work.
-
-The headline ``leto`` breakdown takes ``model_state`` from the engine and the
-other phases from the harness; ``leto.harness`` keeps the harness's own figures
-(its ``model_state`` is the per-process checksum check and roll back).
+Each system runs as a real job on the same workload, four processes on gloo over
+127.0.0.1: the checkpoint/restart baselines under the benchmark's torchrun-style
+agent (:class:`leto.bench.agent.Job`), leto under ``leto launch``
+(:class:`leto.bench.gloojob.GlooJob`, two nodes of two ranks). A baseline job
+first calibrates (a few steps, then three saves of its own kind, timed in place);
+the checkpoint interval follows (:mod:`leto.bench.interval`), and so does the
+failure schedule, which every later system gets unchanged: the scheduled rank
+dies at the scheduled step (after its forward pass), the system recovers, and
+training goes on to the next failure. Every recovery is broken down into the
+phases of :mod:`leto.bench.timeline` (leto's from its coordinator's record,
+:func:`leto.bench.gloojob.leto_breakdown`); the figures are medians over the
+repeats, and ``ratio_vs_best_baseline`` is the best baseline's median total over
+leto's.
 """
 
 from __future__ import annotations
@@ -33,10 +24,10 @@ from typing import Any
 
 from .agent import RESTART_SYSTEMS, Job
 from .interval import checkpoint_interval_steps, failure_schedule
-from .timeline import PHASES, leto_breakdown, restart_breakdown
-from .workload import BenchError, Workload
+from .timeline import PHASES, restart_breakdown
+from .workload import Workload
 
-__all__ = ["CAL_STEPS", "ORDER", "measure_system", "run_recovery", "summarize"]
+__all__ = ["CAL_STEPS", "ORDER", "measure_leto", "measure_system", "run_recovery", "summarize"]
 
 ORDER = ("ckpt-disk", "ckpt-disk-async", "gemini", "leto")
 CAL_STEPS = 5
@@ -95,7 +86,7 @@ def measure_system(
     gap_s: float,
     progress: Any = None,
 ) -> dict[str, Any]:
-    """Run ``system`` through ``repeats`` failures; its breakdowns and calibration.
+    """Run baseline ``system`` through ``repeats`` failures; its breakdowns and calibration.
 
     ``schedule`` None: derive it from this job's own checkpoint interval (the first
     system measured sets the schedule every other system then gets).
@@ -130,8 +121,7 @@ def measure_system(
             if progress is not None:
                 progress.advance(f"{system} recovery {j + 1}")
         job.pump(lambda: job.finished, _TIMEOUT_S, "the end of the run")
-        pick = leto_breakdown if system == "leto" else restart_breakdown
-        runs = [pick(job.events, f, wl.world) for f in job.failures]
+        runs = [restart_breakdown(job.events, f, wl.world) for f in job.failures]
     return {
         "calibration": cal,
         "interval_steps": k if system.startswith("ckpt-disk") else None,
@@ -141,23 +131,43 @@ def measure_system(
     }
 
 
-def _engine_model_state(wl: Workload, repeats: int, progress: Any = None) -> dict[str, Any]:
-    """The engine's state-side work for the same failure (see the module docstring)."""
-    from .inprocess import build_engine, engine_recovery
+def measure_leto(
+    wl: Workload,
+    *,
+    repeats: int,
+    schedule: list[dict[str, int]] | None,
+    gap_s: float,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """leto through ``leto launch``: the same failures, recovered in place."""
+    from .gloojob import GlooJob, leto_breakdown, step_time
 
-    eng = build_engine(wl)
-    for _ in range(2):
-        eng.run_step()
-    runs = []
-    for j in range(repeats):
-        runs.append(engine_recovery(eng, "forward", rank=(j + 1) % wl.world))
-        eng.run_step()
-        if progress is not None:
-            progress.advance(f"leto engine {j + 1}")
+    if schedule is None:  # no baseline ran: leto's own step time spaces the failures
+        with GlooJob(wl, steps=CAL_STEPS + 5) as cal_job:
+            cal_job.start()
+            cal_job.wait(lambda: bool(cal_job.seen("job_end")), _TIMEOUT_S, "calibration")
+            step_s = step_time(cal_job.events, 2)
+        schedule = failure_schedule(
+            repeats, 1, step_s=step_s, world=wl.world, after_step=CAL_STEPS, gap_s=gap_s
+        )
+    last = schedule[-1]["step"]
+    with GlooJob(wl, steps=last, failures=schedule) as job:
+        job.start()
+        for j in range(len(schedule)):
+            job.wait(lambda j=j: len(job.seen("recovery_end")) > j, _TIMEOUT_S, f"recovery {j + 1}")
+            if progress is not None:
+                progress.advance(f"leto recovery {j + 1}")
+        job.wait(lambda: bool(job.seen("job_end")), _TIMEOUT_S, "the end of the run")
+        stamps = job.stamps()
+        runs = [leto_breakdown(job.events, st) for st in stamps]
+        step_s = step_time(job.events, 2, schedule[0]["step"] - 1)
     return {
-        "model_state_s": _median([r["model_state_s"] for r in runs]),
+        "calibration": {"step_s": step_s, "save_s": 0.0, "write_s": 0.0},
+        "interval_steps": None,
+        "interval_s": None,
         "runs": runs,
-        "topology": f"{eng.backend.topology.nodes}x{eng.backend.topology.node_sizes[0]}",
+        "schedule": schedule,
+        "backend": f"leto launch, gloo, {job.nodes} nodes x {wl.world // job.nodes} ranks",
     }
 
 
@@ -174,29 +184,27 @@ def run_recovery(
     from leto.sim.sweep import Progress
 
     ordered = [s for s in ORDER if s in systems]
-    steps = len(ordered) * (repeats + 1) + (repeats if "leto" in ordered else 0)
+    steps = len(ordered) * (repeats + 1)
     bar = Progress(steps, f"recovery {wl.label}") if progress else None
     start = time.monotonic()
     schedule: list[dict[str, int]] | None = None
     out: dict[str, Any] = {}
     for system in ordered:
-        res = measure_system(
-            system, wl, mtbf_s=mtbf_s, repeats=repeats, schedule=schedule, gap_s=gap_s, progress=bar
-        )
-        schedule = res["schedule"]
         if system == "leto":
-            engine = _engine_model_state(wl, repeats, bar)
-            harness = res["runs"]
-            composite = []
-            for h, e in zip(harness, engine["runs"], strict=False):
-                c = {p: h[p] for p in PHASES}
-                c["model_state"] = e["model_state_s"]
-                c["total"] = sum(c[p] for p in PHASES)
-                composite.append(c)
-            res["harness"] = summarize(harness)
-            res["engine"] = engine
-            res["runs"] = composite
-            res["measured"] = LETO_MEASURED
+            res = measure_leto(wl, repeats=repeats, schedule=schedule, gap_s=gap_s, progress=bar)
+            if bar is not None:
+                bar.advance("leto done")
+        else:
+            res = measure_system(
+                system,
+                wl,
+                mtbf_s=mtbf_s,
+                repeats=repeats,
+                schedule=schedule,
+                gap_s=gap_s,
+                progress=bar,
+            )
+        schedule = res["schedule"]
         res["phases"] = summarize(res["runs"])
         res["total_s"] = res["phases"]["total"]
         out[system] = res
@@ -219,22 +227,6 @@ def run_recovery(
     return result
 
 
-LETO_MEASURED = {
-    "detection": "real processes: the agent's pidfd sees the trainer die",
-    "process_state": "real processes: a warm shadow (torch imported, model on the meta device) "
-    "attaches to the dead rank's retained layout in its memfd and loads its process state",
-    "model_state": "leto's engine on the fake backend, every tier on (2x2 simulated ranks, "
-    "one process, serial): integrity scan, reconcile, tier-1 parity and tier-2 snapshot "
-    "re-encoded; the harness's own per-process check is in 'harness'",
-    "communicator": "real processes: survivors and the promoted shadow form a new gloo "
-    "process group (same processes, new generation)",
-    "lost_work": "real processes: the step in flight, recomputed",
-    "not_measured": "leto's own gloo backend (keeper processes, fencing, the coordinator's "
-    "COMMIT records, tier-1/2 redundancy kept across processes) is not built yet; the harness "
-    "stands in for it and the engine supplies the state-side work",
-}
-
-
 def sim_phases(systems: dict[str, Any]) -> dict[str, float]:
     """Phase costs in the form ``leto simulate --bench`` reads (``docs/simulate.md``)."""
     out: dict[str, float] = {}
@@ -252,15 +244,6 @@ def sim_phases(systems: dict[str, Any]) -> dict[str, float]:
         out["promote_s"] = ph["process_state"] + ph["model_state"]
         out["rebuild_comm_s"] = ph["communicator"]
     return out
-
-
-def check_systems(names: Sequence[str]) -> list[str]:
-    bad = [n for n in names if n not in ORDER]
-    if bad:
-        raise BenchError(f"unknown system {bad[0]!r} (choose from {', '.join(ORDER)})")
-    if not names:
-        raise BenchError("no system to run")
-    return list(names)
 
 
 def run_scaling(
@@ -281,8 +264,6 @@ def run_scaling(
     totals: dict[str, list[float]] = {}
     for name in results[0]["systems"]:
         totals[name] = [r["systems"][name]["total_s"] for r in results]
-        if name == "leto":
-            totals["leto-harness"] = [r["systems"]["leto"]["harness"]["total"] for r in results]
     return {
         "benchmark": "scaling",
         "sizes": [wl.label for wl in workloads],

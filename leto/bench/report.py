@@ -38,19 +38,12 @@ def recovery_table(res: dict[str, Any]) -> str:
         elif name == "gemini":
             note = "in-memory ckpt every step"
         elif name == "leto":
-            note = "model: engine (fake backend); rest: real processes"
+            note = "in place (leto launch, gloo)"
         lines.append(
             f"{name:<16}"
             + "".join(f"{ph[p]:>9.3f}s" for p in PHASES)
             + f"{ph['total']:>9.3f}s  {note}"
         )
-        if name == "leto":
-            h = s["harness"]
-            lines.append(
-                f"{'  harness only':<16}"
-                + "".join(f"{h[p]:>9.3f}s" for p in PHASES)
-                + f"{h['total']:>9.3f}s  real processes throughout (tier 0 only)"
-            )
     if "ratio_vs_best_baseline" in res:
         best = res["best_baseline"]
         r = res["ratio_vs_best_baseline"]
@@ -58,29 +51,21 @@ def recovery_table(res: dict[str, Any]) -> str:
             f"best baseline: {best} ({res['systems'][best]['total_s']:.2f} s); "
             f"leto recovers {r:.1f}x faster"
         )
-        h = res["systems"]["leto"]["harness"]["total"]
-        lines.append(
-            f"  (real-process harness alone: {res['systems'][best]['total_s'] / h:.1f}x faster)"
-        )
     return "\n".join(lines)
 
 
 def overhead_table(res: dict[str, Any]) -> str:
     lines = [
-        f"overhead: {_wl(res)}; {res['backend']}; {res['steps_per_config']} steps each, "
-        f"interleaved; tier 2 every {res['tier2_interval']} steps",
-        f"{'config':<16}{'step (mean)':>14}{'median':>12}{'overhead':>11}",
+        f"overhead: {_wl(res)}; {res['backend']}; {res['rounds']} rounds of short jobs, "
+        f"interleaved; {res['steps_per_job']} steps measured per job after "
+        f"{res['warmup_steps']}; tier 2 every {res['tier2_interval']} steps",
+        f"{'config':<16}{'step (mean)':>14}{'overhead':>11}   by round",
     ]
     base = res["step_s"]["plain"]
     for name, t in res["step_s"].items():
         pct = "" if name == "plain" else f"{100.0 * (t / base - 1.0):+10.1f}%"
-        lines.append(f"{name:<16}{t:>13.4f}s{res['step_s_median'][name]:>11.4f}s{pct:>11}")
-    ev = res["events_s"].get("leto", {})
-    if ev:
-        top = sorted(ev.items(), key=lambda kv: -kv[1])[:6]
-        lines.append(
-            "leto's step by protocol event (s/step): " + ", ".join(f"{k} {v:.4f}" for k, v in top)
-        )
+        rounds = res["overhead_pct_by_round"].get(name, [])
+        lines.append(f"{name:<16}{t:>13.4f}s{pct:>11}   " + " ".join(f"{x:+.0f}%" for x in rounds))
     return "\n".join(lines)
 
 

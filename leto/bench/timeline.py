@@ -1,30 +1,27 @@
-"""One recovery's breakdown, read from a job's events.
+"""One checkpoint/restart recovery's breakdown, read from a job's events.
 
 Every phase is the gap between two instants of the critical path (the last rank
 to get there), so the phases of a recovery add up to its total exactly:
 
-=================  ========================================================  ======================================
-phase              checkpoint/restart (torchrun-style)                       leto (in place)
-=================  ========================================================  ======================================
-detection          the agent sees the dead process exit (pidfd)              same
-process_state      stop the survivors, start new processes: python, import   promote the warm shadow: attach its
-                   torch, build model and optimizer                          rank's retained state (views), load
-                                                                             its process state
-model_state        load the checkpoint (disk, or host memory)                check and reconcile retained state
-communicator       ``init_process_group`` on gloo (+ DDP's broadcast)        a new gloo group, same processes
-lost_work          recompute the steps since the checkpoint, and the step    recompute the step in flight
-                   in flight
-=================  ========================================================  ======================================
+=================  ========================================================================
+detection          the agent sees the dead process exit (pidfd)
+process_state      stop the survivors, start new processes: python, import torch, build
+                   model and optimizer
+communicator       ``init_process_group`` on gloo, DDP's broadcast
+model_state        load the checkpoint (from disk, or from host memory)
+lost_work          recompute the steps since the checkpoint, and the step in flight
+=================  ========================================================================
 
 ``total`` runs from the failure (the dying process's last stamp) until every rank
-has completed the step that was in flight.
+has completed the step that was in flight. leto's recoveries are broken down into
+the same phases by :func:`leto.bench.gloojob.leto_breakdown`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PHASES", "leto_breakdown", "restart_breakdown"]
+__all__ = ["PHASES", "restart_breakdown"]
 
 PHASES = ("detection", "process_state", "model_state", "communicator", "lost_work")
 
@@ -53,7 +50,7 @@ def restart_breakdown(
     """A checkpoint/restart recovery: the generation started after ``failure``."""
     fe = _fail_event(events, failure)
     f, gen = fe["step"], failure["new_gen"]
-    new = [e for e in events if e["gen"] == gen and e["role"] == "trainer"]
+    new = [e for e in events if e["gen"] == gen]
     t_model = _last(new, "model", world)
     t_pg = _last(new, "pg", world)
     t_loaded = _last(new, "loaded", world)
@@ -74,35 +71,5 @@ def restart_breakdown(
         "stop_workers": failure["t_respawn"] - failure["t_detect"],
         "python_start": _last(new, "main", world) - failure["t_respawn"],
         "import_torch": _last(new, "torch", world) - _last(new, "main", world),
-    }
-    return out
-
-
-def leto_breakdown(
-    events: list[dict[str, Any]], failure: dict[str, Any], world: int
-) -> dict[str, Any]:
-    """An in-place recovery: survivors and the promoted shadow, after ``failure``."""
-    fe = _fail_event(events, failure)
-    f, t0 = fe["step"], fe["t"]
-    after = [e for e in events if e["t"] >= t0 and e["gen"] == failure["new_gen"]]
-    r = failure["rank"]
-    promoted = [e for e in after if e["rank"] == r and e["pid"] == failure["shadow_pid"]]
-    t_attached = _last(promoted, "attached", 1)
-    t_reconciled = max(t_attached, _last(after, "reconciled", world))
-    t_pg = _last(after, "pg", world)
-    t_done = _last(after, "step", world, step=f)
-    out: dict[str, Any] = {
-        "detection": failure["t_detect"] - t0,
-        "process_state": t_attached - failure["t_detect"],
-        "model_state": t_reconciled - t_attached,
-        "communicator": t_pg - t_reconciled,
-        "lost_work": t_done - t_pg,
-        "total": t_done - t0,
-    }
-    out["detail"] = {
-        "failed_step": f,
-        "resumed_from": f - 1,
-        "steps_recomputed": 1,
-        "shadow_was_warm": failure.get("shadow_warm", False),
     }
     return out

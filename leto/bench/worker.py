@@ -18,14 +18,8 @@ Systems (``spec["system"]``):
     the same, with a checkpoint of every step in host memory that outlives the
     process (the agent's memfd): this rank's copy, and a copy sent over gloo to
     the next rank's host memory; a restarted process reloads from it.
-``leto``
-    leto's retained layer in real processes: parameters, gradients and AdamW
-    state are views into the rank's memfd (:func:`leto.retained.retain`, chunked
-    AdamW, one transaction per step); gradients are all-reduced flat. On a peer's
-    death the survivors keep their process and state, re-check it and join the
-    next generation's process group; a warm shadow (``role="shadow"``: torch
-    imported, model skeleton on the meta device) attaches to the dead rank's
-    retained state and takes its place.
+
+(leto runs through ``leto launch`` instead: :mod:`leto.bench.letojob`.)
 
 Failures strike at one point of a step, the same for every system: after the
 forward pass, before the backward (so no gradient of the step has been
@@ -45,21 +39,11 @@ from typing import Any
 __all__ = ["main"]
 
 _fail_requested = False
-_abort_requested = False
 
 
 def _on_usr1(_sig: int, _frame: Any) -> None:
     global _fail_requested
     _fail_requested = True
-
-
-def _on_usr2(_sig: int, _frame: Any) -> None:
-    global _abort_requested
-    _abort_requested = True
-
-
-class _Aborted(RuntimeError):
-    """The agent aborted this generation's collectives (a peer is gone)."""
 
 
 class Events:
@@ -79,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
     signal.signal(signal.SIGUSR1, _on_usr1)
-    signal.signal(signal.SIGUSR2, _on_usr2)
     from leto.backends.gloo.procs import die_with_parent
 
     die_with_parent(spec.get("parent"))
@@ -90,12 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     out.emit("torch")
     try:
-        if spec["role"] == "shadow":
-            _Shadow(spec, out).run()
-        elif spec["system"] == "leto":
-            _LetoTrainer(spec, out).run()
-        else:
-            _DDPTrainer(spec, out).run()
+        _DDPTrainer(spec, out).run()
     except BaseException as e:  # report, then die the way a crashed trainer does
         if not isinstance(e, SystemExit):
             out.emit("error", error=f"{type(e).__name__}: {e}"[:1500])
@@ -382,155 +360,6 @@ class _DDPTrainer(_Trainer):
                     "exp_avg_sq": vb.clone(),
                 }
         self.step = common
-
-
-# ------------------------------------------------------------- leto (retained layer)
-
-
-class _LetoTrainer(_Trainer):
-    """A trainer whose state lives in retained memory (see the module docstring).
-
-    Its process group is a ``ProcessGroupGloo`` of its own per generation, not the
-    default group: a generation whose collective is stuck on a dead peer is
-    abandoned (kept referenced, since destroying it waits for its timeout) and the
-    next one is formed beside it, in the same process.
-    """
-
-    graveyard: list[Any]
-
-    def init_pg(self) -> None:
-        from datetime import timedelta
-
-        if not hasattr(self, "graveyard"):
-            self.graveyard = []
-        self.pg = self.dist.ProcessGroupGloo(
-            self.dist.PrefixStore(f"pg/{self.gen}", self.store),
-            self.rank,
-            self.world,
-            timedelta(seconds=60),
-        )
-
-    def bind(self, model: Any, opt: Any, attach: bool) -> None:
-        from leto.retained import retain
-
-        from .hostmem import Arena
-
-        self.arena = Arena(self.spec["mem_fd"])
-        self.model = model
-        self.ropt = retain(
-            model,
-            opt,
-            chunk_numel=self.wl.chunk_numel,
-            alloc=self.arena,
-            attach=attach,
-            verify=True,
-        )
-
-    def run(self) -> None:
-        model = self.wl.build_model()
-        self.bind(model, self.wl.build_optimizer(model), attach=False)
-        self.arena.write_state(0, self.ropt.process_state())
-        self.out.emit("model")
-        self.init_pg()
-        self.out.emit("pg")
-        self.out.emit("loaded", step=0)
-        self.plan = self.get_plan(f"plan/{self.gen}")
-        cal = self.plan.get("calibrate")
-        if cal:
-            self.train_until(cal["steps"])
-            steps = sorted(self.step_times[1:]) or self.step_times
-            self.out.emit("calibrated", step_s=steps[len(steps) // 2], save_s=0.0, write_s=0.0)
-            self.plan = self.get_plan(f"plan/{self.gen}/run")
-        self.loop()
-
-    def loop(self) -> None:
-        while True:
-            try:
-                self.train_until(self.plan["stop_step"])
-                self.finish()
-            except RuntimeError as e:  # a peer died inside a collective
-                self.out.emit("abort", step=self.step + 1, error=str(e)[:300])
-                self.graveyard.append(self.pg)
-                self.reconcile()
-                self.gen += 1
-                self.plan = self.get_plan(f"plan/{self.gen}")
-                self.init_pg()
-                self.out.emit("pg")
-
-    def reconcile(self) -> None:
-        """Check every chunk's checksum; undo a step that was begun but not finished."""
-        lay = self.ropt.layout
-        bad = lay.verify()
-        if bad:
-            raise RuntimeError(f"rank {self.rank}: chunks {bad} fail their checksums")
-        if lay.prepared_step > self.ropt.version or any(
-            lay.chunk_status(c).value != "clean" for c in range(lay.n_chunks)
-        ):
-            self.ropt.roll_back()
-        self.step = self.ropt.version
-        self.out.emit("reconciled", step=self.step)
-
-    def wait(self, work: Any) -> None:
-        """Wait for a collective, but give up when the agent aborts this generation
-        (a survivor may wait on another survivor, which no socket error reaches)."""
-        global _abort_requested
-        from datetime import timedelta
-
-        poll = timedelta(milliseconds=50)
-        while True:
-            try:
-                work.wait(timeout=poll)
-                return
-            except RuntimeError as e:
-                if "Operation timed out" not in str(e):
-                    raise
-            if _abort_requested:
-                _abort_requested = False
-                if self.store.check([f"abort/{self.gen}"]):
-                    raise _Aborted(f"generation {self.gen} aborted by the agent")
-
-    def train_until(self, stop: int) -> None:
-        W = self.world
-        while self.step < stop:
-            s = self.step + 1
-            t = time.monotonic()
-            self.ropt.zero_grad(set_to_none=True)
-            loss = self.loss(self.model, s)
-            if self.should_fail(s):
-                self.die(s)
-            loss.backward()
-            g = self.ropt.layout.grad_buffer
-            self.wait(self.pg.allreduce([g]))
-            g.div_(W)
-            self.ropt.step()
-            self.arena.write_state(s, self.ropt.process_state())
-            self.step = s
-            self.step_times.append(self.out.emit("step", step=s) - t)
-
-
-class _Shadow(_LetoTrainer):
-    """A warm standby for one rank: it has paid for torch and the model skeleton."""
-
-    def run(self) -> None:
-        model = self.wl.build_model(device="meta")
-        opt = self.wl.build_optimizer(model)
-        self.out.emit("warm")
-        line = sys.stdin.readline()
-        if not line:
-            os._exit(0)  # the job ended
-        self.gen = json.loads(line)["gen"]
-        self.out.emit("promote")
-        self.bind(model, opt, attach=True)
-        found = self.arena.read_state()
-        if found is None:
-            raise RuntimeError(f"rank {self.rank}: no process state in retained memory")
-        self.ropt.load_process_state(found[1])
-        self.out.emit("attached", step=self.ropt.version)
-        self.reconcile()
-        self.plan = self.get_plan(f"plan/{self.gen}")
-        self.init_pg()
-        self.out.emit("pg")
-        self.loop()
 
 
 if __name__ == "__main__":

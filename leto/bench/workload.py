@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BenchError",
+    "StepBatches",
     "Workload",
     "available_memory",
     "parse_count",
@@ -145,15 +147,11 @@ class Workload:
         if system == "gemini":
             return W * (proc + replica + 12 * P + 48 * P)  # + 2 slots x (own + peer) in host memory
         if system == "leto":
-            # trainers (retained layout: 16 B/param + one chunk of undo) and warm shadows;
-            # then (not at the same time) the engine with every rank in one process
-            return max(W * (2 * proc + 20 * P + data), self.engine_estimate())
+            # leto launch: per rank a trainer and a warm shadow (forks of a zygote that
+            # imported torch), retained state in its keeper (16 B/param + undo), its
+            # node's tier-1 parity and tier-2 snapshot, the trainer's gradient copies
+            return W * (2 * proc + 48 * P + data)
         raise BenchError(f"unknown system {system!r}")
-
-    def engine_estimate(self) -> int:
-        """The engine on the fake backend (every rank in one process): retained state,
-        replicas, shadows, tier-1 parity and tier-2 snapshots of all ranks."""
-        return 350 * 2**20 + self.world * 64 * self.params
 
     # ------------------------------------------------------------- torch parts
 
@@ -181,13 +179,36 @@ class Workload:
         teacher = torch.randn(self.width, self.classes, generator=g)
         return x, (x @ teacher).argmax(dim=1)
 
-    def batch_indices(self, step: int, rank: int) -> torch.Tensor:
-        """Rows of rank ``rank``'s share of global batch ``step`` (steps count from 1)."""
+    def global_batch(self, step: int) -> torch.Tensor:
+        """Rows of global batch ``step`` (steps count from 1)."""
         import torch
 
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        idx = torch.randint(0, SAMPLES, (self.world * self.batch,), generator=g)
-        return idx[rank :: self.world]
+        return torch.randint(0, SAMPLES, (self.world * self.batch,), generator=g)
+
+    def batch_indices(self, step: int, rank: int) -> torch.Tensor:
+        """Rows of rank ``rank``'s share of global batch ``step``."""
+        return self.global_batch(step)[rank :: self.world]
+
+
+class StepBatches:
+    """:meth:`Workload.global_batch` as the resumable sampler ``leto.wrap`` takes
+    (``step`` is the step whose batch was drawn last)."""
+
+    def __init__(self, wl: Workload) -> None:
+        self.wl = wl
+        self.step = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            self.step += 1
+            yield self.wl.global_batch(self.step).tolist()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
 
 
 def available_memory() -> int:

@@ -1,0 +1,125 @@
+"""The benchmark's training script under ``leto launch`` (leto's gloo backend).
+
+``leto launch ... leto/bench/letojob.py SPEC_JSON`` trains the benchmark's workload
+(:class:`leto.bench.workload.Workload`, the same model, data and ranks the
+baselines train) through ``leto.wrap`` with ``backend = "gloo"``.
+
+Failures strike at the same point as in the baselines' workers
+(:mod:`leto.bench.worker`): after a rank's forward pass, before its backward. The
+step function does it: when its rank is due, it stamps the time (``time.time()``,
+the clock of leto's event log) in ``RUN_DIR/bench-failures.jsonl`` and SIGKILLs its
+own process. A failure is claimed with an exclusive marker file first, so it fires
+once, not again in the shadow that takes the rank's place. Due means either
+
+* ``{"rank": r, "step": s}``: rank ``r`` computing step ``s`` (``leto bench recovery``), or
+* ``{"rank": r, "t": t}``: the first forward of rank ``r`` at least ``t`` seconds
+  after the budget's start, and after the previous failure fired (one at a time;
+  ``leto bench goodput``). Rank 0 starts the budget when it begins step
+  ``spec["t0_after_step"] + 1`` (``RUN_DIR/bench-t0``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _claim(path: Path) -> bool:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    return True
+
+
+class _Faults:
+    def __init__(self, spec: dict[str, Any], rank: int) -> None:
+        self.run = Path(spec["run_dir"])
+        self.rank = rank
+        self.plan: list[dict[str, Any]] = spec.get("failures", [])
+        self.t0_after = spec.get("t0_after_step")
+        self.t0: float | None = None
+
+    def _t0(self, step: int) -> float | None:
+        if self.t0 is None:
+            path = self.run / "bench-t0"
+            if self.rank == 0 and self.t0_after is not None and step == self.t0_after + 1:
+                if _claim(self.run / "bench-t0.claim"):
+                    tmp = self.run / "bench-t0.tmp"
+                    tmp.write_text(repr(time.time()))
+                    tmp.replace(path)
+            if path.exists():
+                self.t0 = float(path.read_text())
+        return self.t0
+
+    def check(self, step: int) -> None:
+        now = time.time()
+        for i, f in enumerate(self.plan):
+            if f["rank"] != self.rank:
+                continue
+            if "step" in f:
+                due = f["step"] == step
+            else:
+                t0 = self._t0(step)
+                due = (
+                    t0 is not None
+                    and now >= t0 + f["t"]
+                    and (i == 0 or (self.run / f"bench-fail-{i - 1}").exists())
+                )
+            if due and _claim(self.run / f"bench-fail-{i}"):
+                line = json.dumps({"i": i, "t": time.time(), "rank": self.rank, "step": step})
+                fd = os.open(
+                    self.run / "bench-failures.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600
+                )
+                os.write(fd, (line + "\n").encode())
+                os.close(fd)
+                os.kill(os.getpid(), signal.SIGKILL)
+        if self.rank == 0:
+            self._t0(step)
+
+
+def main() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import leto
+    from leto.bench.workload import StepBatches, Workload  # a script: absolute imports
+
+    spec = json.loads(sys.argv[1])
+    wl = Workload.from_dict(spec["workload"])
+    rank = int(os.environ["RANK"])
+    cfg = leto.Config(
+        backend="gloo",
+        nodes=spec["nodes"],
+        ranks_per_node=wl.world // spec["nodes"],
+        chunk_size=wl.chunk_numel,
+        tier1=spec.get("tier1", True),
+        tier2=spec.get("tier2", True),
+        tier2_interval=spec.get("tier2_interval", 10),
+    )
+    torch.set_num_threads(1)
+    model = wl.build_model()
+    optimizer = wl.build_optimizer(model)
+    sampler = StepBatches(wl)
+    x, y = wl.dataset()
+    faults = _Faults(spec, rank)
+
+    def step_fn(m: torch.nn.Module, idx: list[int]) -> torch.Tensor:
+        i = torch.as_tensor(idx)
+        loss = F.cross_entropy(m(x[i]), y[i])
+        faults.check(sampler.step)
+        return loss
+
+    session = leto.wrap(model, optimizer, None, sampler, config=cfg)
+    session.train(step_fn, spec["steps"])
+
+
+if __name__ == "__main__":
+    main()
