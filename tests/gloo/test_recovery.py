@@ -195,3 +195,36 @@ def test_shadows_go_cold_under_memory_pressure_and_promotion_from_cold(
     # the memory drops back (here: the dead trainer's): the shadows are warmed again
     assert any(s["state"] == "warm" and s["t_rel"] > cold[0]["t_rel"] for s in shadows)
     assert digests_equal(res, ref_1x2)
+
+
+# --- leto report on the runs above ---------------------------------------------------
+
+
+def test_report_prints_the_timeline_and_saves_a_png(
+    two_nodes: JobResult, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from leto.cli import main
+
+    assert main(["report", str(two_nodes.run_dir)]) == 0
+    text = capsys.readouterr().out
+    for kind in ("keeper died", "hangs", "raised an exception", "was lost"):
+        assert kind in text, text
+    assert "RECOVERED" in text and "tier1" in text and "tier2" in text
+    assert "RESTART" in text and "recovery seconds:" in text
+    png = two_nodes.run_dir / "timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["report", str(two_nodes.run_dir), "--json", "--no-plot"]) == 0
+    import json
+
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["status"] == "ok" and summary["failures"] == 6
+    assert len(summary["recovery_seconds"]) == summary["recoveries"] >= 4
+
+
+def test_report_of_a_directory_without_a_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from leto.cli import main
+
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no event log" in capsys.readouterr().err

@@ -129,9 +129,9 @@ def test_fencing_refuses_old_generation_and_other_pids(tag: str) -> None:
         with pytest.raises(FencedError, match="fenced"):
             c.check_writer()  # the fence word a stale trainer checks before writing
         with pytest.raises(FencedError):
-            KeeperClient(h.socket_name, generation=0)
+            KeeperClient(h.socket_name, generation=0, patience=0.1)
         with pytest.raises(FencedError, match="not the trainer admitted"):
-            KeeperClient(h.socket_name, generation=1)  # not admitted yet
+            KeeperClient(h.socket_name, generation=1, patience=0.1)  # not admitted yet
         shadow = KeeperClient(h.socket_name, generation=1, role="shadow")
         with pytest.raises(FencedError, match="shadow"):
             shadow.alloc("x", 64)

@@ -31,7 +31,9 @@ class KeeperClient:
     ahead of promotion and may not map retained memory.
     """
 
-    def __init__(self, socket_name: str, *, generation: int, role: str = "writer") -> None:
+    def __init__(
+        self, socket_name: str, *, generation: int, role: str = "writer", patience: float = 5.0
+    ) -> None:
         self.socket_name = socket_name
         self.generation = generation
         self.role = role
@@ -40,7 +42,7 @@ class KeeperClient:
         except OSError as e:
             raise KeeperError(f"cannot reach the keeper: {e}") from None
         self._fence: mmap.mmap | None = None
-        self._hello()
+        self._hello(patience)
 
     def _call(self, msg: dict[str, object]) -> tuple[dict[str, object], list[int]]:
         try:

@@ -437,7 +437,20 @@ class GlooSession:
             return
         self._destroy_pg()
         t = time.perf_counter()
-        prefix = dist.PrefixStore(f"leto/{self.spec['job']}/pg/{gen}", self.store)
+        base = f"leto/{self.spec['job']}/pg/{gen}"
+        # An abortable barrier first: gloo's own rendezvous blocks (up to the collective
+        # timeout) on a peer that never comes; here every rank polls, and a recovery that
+        # restarts meanwhile (a peer died or hangs) interrupts the wait at once.
+        self.store.set(f"{base}/here/{self.rank}", "1")
+        keys = [f"{base}/here/{q}" for q in range(self.W)]
+        deadline = time.monotonic() + float(self.spec["collective_timeout"])
+        while not self.store.check(keys):
+            if self.ch.aborted_since(gen):
+                raise Aborted(f"generation {gen} was aborted while its communicator formed")
+            if time.monotonic() > deadline:
+                raise _CollectiveFailed(f"not every rank joined generation {gen} in time")
+            time.sleep(0.005)
+        prefix = dist.PrefixStore(base, self.store)
         dist.init_process_group(
             "gloo",
             store=prefix,
@@ -764,8 +777,8 @@ class GlooSession:
             if t == "complete":
                 self.completed = True
                 continue
-            if gen < self.gen:
-                continue
+            if gen < self.gen or self.ch.aborted_since(gen):
+                continue  # a command of a generation that has been aborted since
             self.ch.mark(t)
             self._point("recovery", where=t)
             try:
@@ -781,7 +794,14 @@ class GlooSession:
                     self._resume(msg)
                     return
             except FencedError as e:
-                # not admitted to the new generation: this process is stale, it must go
+                # fenced: either a newer generation overtook this command (its abort is on
+                # the way: wait for the next command), or this process is stale: it must go
+                deadline = time.monotonic() + 3.0
+                while time.monotonic() < deadline and not self.ch.aborted_since(gen):
+                    time.sleep(0.01)
+                if self.ch.aborted_since(gen):
+                    self._stopped(f"generation {gen} was overtaken")
+                    continue
                 sys.stderr.write(f"leto: rank {self.rank}: fenced off ({e}); exiting\n")
                 os._exit(4)
             except Exception as e:  # noqa: BLE001

@@ -1,0 +1,20 @@
+"""``leto demo`` on gloo: examples/gpt.py, 4 ranks as 2 nodes x 2, faults at every phase."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from leto.adapters import gloo_demo
+
+
+def test_gloo_demo_recovers_every_fault_bitwise(tag: str) -> None:
+    plan = gloo_demo.fault_plan(steps=36, n_chunks=gloo_demo.n_chunks_of(4096), nodes=2, per_node=2)
+    result = gloo_demo.demo(steps=36, workdir=str(Path(tag) / "demo"))
+    assert result["error"] is None
+    assert result["failures_planned"] == len(plan) >= 16
+    assert result["failures_injected"] == result["failures_planned"]
+    assert result["bitwise_equal"] and result["params_equal"] and result["optimizer_state_equal"]
+    assert len(result["recovery_seconds"]) == result["recoveries"]
+    assert result["recovery_restarts"] >= 1
+    assert {"forward", "tier1", "tier2"} <= set(result["recoveries_by_kind"])
+    assert result["topology"] == "2x2" and result["backend"] == "gloo"
