@@ -90,3 +90,48 @@ def test_topology_that_differs_from_the_launch(tag: str) -> None:
     res = job(Path(tag) / "run", steps=3, env={"TOPO": "2x2"})
     assert res.codes[0] == [1], explain(res)
     assert res.error is not None and "topology" in res.error
+
+
+def test_script_without_leto_wrap(tag: str) -> None:
+    res = job(Path(tag) / "run", steps=1, script=str(HERE / "scripts" / "plain.py"))
+    assert res.codes[0] == [1], explain(res)
+    assert res.error is not None and "without calling leto.wrap" in res.error
+
+
+def test_sigkill_of_the_launcher_leaves_nothing_behind(tag: str) -> None:
+    """The agent is SIGKILLed mid-training: its keepers, zygote, trainers and shadows
+    die with it (parent-death signals) and their memfd memory is freed; no /dev/shm entry
+    (the ``tag`` fixture checks both)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from leto.backends.gloo.procs import processes_with
+
+    run = Path(tag) / "run"
+    env = {**os.environ, "TOPO": "1x2", "STEPS": "100000"}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "leto.cli", "launch", "--nproc-per-node", "2", "--quiet",
+         "--no-echo", "--run-dir", str(run), TRAIN],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    started = False
+    while time.monotonic() < deadline and not started:
+        time.sleep(0.2)
+        log = run / "events.jsonl"
+        if log.exists():
+            started = any(
+                json.loads(x)["event"] == "step" for x in log.read_text().splitlines() if x
+            )
+    assert started, "training did not start"
+    procs = processes_with(tag)
+    assert len(procs) >= 6  # the agent, 2 keepers, the zygote, 2 trainers (+ shadows)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    deadline = time.monotonic() + 5
+    while processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(tag) == []

@@ -154,7 +154,9 @@ class Agent:
         self.node_segments: dict[str, tuple[int, int]] = {}
         self.ps: dict[int, dict[int, str]] = {}
         self.pending: dict[int, str] = {}
-        self.snap = {"active": None, "step": None, "writing": {}}
+        self.snap_active: int | None = None  # the node's current tier-2 snapshot slot
+        self.snap_step: int | None = None  # and its step
+        self.snap_writing: dict[int, int] = {}  # step -> slot being written for it
         self.generation = 0
         self.started = False
         self.spare = False
@@ -234,7 +236,7 @@ class Agent:
     def _rendezvous(self) -> None:
         from datetime import timedelta
 
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         o = self.o
         timeout = timedelta(seconds=o.rdzv_timeout)
@@ -506,6 +508,11 @@ class Agent:
                 return
             kind = "exception" if p.error else "crash"
             detected = "exception reported by the trainer" if p.error else "process exit (pidfd)"
+            if code == 0 and p.status == "starting":
+                how = (
+                    "the script ended (exit code 0) without calling leto.wrap with "
+                    "backend='gloo': `leto launch` runs scripts wrapped by leto"
+                )
             latency = None if p.dead_at is None else round((p.dead_at - p.hb) * 1e3, 1)
             where = {"idle": "between steps", "startup": "during startup"}.get(
                 p.phase, f"in {p.phase} of step {p.step + 1}"
@@ -726,7 +733,7 @@ class Agent:
         if t == "ps":
             hist = self.ps.setdefault(int(msg["rank"]), {})
             hist[int(msg["step"])] = str(msg["json"])
-            for old in [s for s in hist if s < int(msg["step"]) - 3 and s != self.snap.get("step")]:
+            for old in [s for s in hist if s < int(msg["step"]) - 3 and s != self.snap_step]:
                 del hist[old]
             return
         if t == "pending":
@@ -760,8 +767,8 @@ class Agent:
             return
         if t == "snapshot_slot":
             step = int(msg["step"])
-            writing: dict[int, int] = self.snap["writing"]  # type: ignore[assignment]
-            active = self.snap["active"]
+            writing = self.snap_writing
+            active = self.snap_active
             slot = writing.get(step)
             if slot is None:
                 slot = 0 if active is None else 1 - int(active)
@@ -774,7 +781,7 @@ class Agent:
                     "ok": True,
                     "write": slot,
                     "active": active,
-                    "active_step": self.snap["step"],
+                    "active_step": self.snap_step,
                 },
             )
             return
@@ -902,11 +909,10 @@ class Agent:
         if t == "resume":
             self.recovering = False
         if t == "t2":
-            writing: dict[int, int] = self.snap["writing"]  # type: ignore[assignment]
             step = int(msg["step"])
-            if step in writing:
-                self.snap["active"] = writing.pop(step)
-                self.snap["step"] = step
+            if step in self.snap_writing:
+                self.snap_active = self.snap_writing.pop(step)
+                self.snap_step = step
         if t == "fence":
             self._fence(int(msg["gen"]), [int(r) for r in msg.get("kill", [])])
             return
@@ -1074,9 +1080,10 @@ class Agent:
                     "--rdzv-endpoint and --nnodes"
                 )
         # hangs: a silent heartbeat, or no progress inside the training computation
-        for p in self.trainer.values():
-            if p is None or p.conn is None or p.hang_reported or p.status != "running":
+        for tp in self.trainer.values():
+            if tp is None or tp.conn is None or tp.hang_reported or tp.status != "running":
                 continue
+            p = tp
             silent = now - p.hb
             stuck = now - p.progress_t if p.phase in COMPUTE_PHASES else 0.0
             if silent > o.hang_timeout or stuck > o.hang_timeout:

@@ -71,7 +71,8 @@ def child_main(spec: dict[str, Any]) -> int:
     import torch
 
     torch.set_num_threads(int(spec.get("threads", 1)))
-    hello = {k: spec[k] for k in ("role", "rank", "local_rank", "node", "incarnation") if k in spec}
+    keys: tuple[str, ...] = ("role", "rank", "local_rank", "node", "incarnation")
+    hello: dict[str, Any] = {k: spec[k] for k in keys if k in spec}
     CHANNEL = AgentChannel(spec["agent_socket"], hello, heartbeat=float(spec.get("heartbeat", 0.5)))
     _install_wrap_dispatch()
     script = spec["script"]

@@ -584,6 +584,7 @@ class Coordinator:
             self.wait = None
             self._phase("promote", now)
         s = self.state
+        assert s is not None
         dead = [r for r, t in enumerate(s.trainer) if t is TrainerState.DEAD]
         if not dead:
             self._feed(ev.EndPromote())

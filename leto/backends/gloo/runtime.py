@@ -297,7 +297,7 @@ class GlooSession:
     # ================================================================ start
 
     def start(self) -> None:
-        self.store = dist.TCPStore(
+        self.store = dist.TCPStore(  # type: ignore[attr-defined]
             self.spec["store_host"],
             int(self.spec["store_port"]),
             None,
@@ -450,7 +450,7 @@ class GlooSession:
             if time.monotonic() > deadline:
                 raise _CollectiveFailed(f"not every rank joined generation {gen} in time")
             time.sleep(0.005)
-        prefix = dist.PrefixStore(base, self.store)
+        prefix = dist.PrefixStore(base, self.store)  # type: ignore[attr-defined]
         dist.init_process_group(
             "gloo",
             store=prefix,
@@ -567,6 +567,7 @@ class GlooSession:
         _restore_rng(self.rng)
         for prm in self.model.parameters():
             prm.grad = None
+        assert self.step_fn is not None
         loss = self.step_fn(self.model, batch)
         self._point("forward")
         self.ch.mark("backward")
@@ -660,7 +661,7 @@ class GlooSession:
         ropt.end()
         step_scheduler(self.scheduler)
         self.rng = rng_after
-        self.sampler_state = pending["sampler"]
+        self.sampler_state = self.cursor.state_after(V)
         self._send_ps(V)
         lval = float(loss.detach())
         self.losses[V] = lval
@@ -1138,7 +1139,7 @@ class GlooSession:
         tensors = {name: buf.detach() for name, buf in _named_buffers(self.layout)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.save(tensors, checkpoint_id=path, no_dist=True)
+            dcp.save(tensors, checkpoint_id=path, no_dist=True)  # type: ignore[attr-defined]
         lay = self.layout
         meta = {
             "step": 0,
@@ -1165,7 +1166,7 @@ class GlooSession:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.no_grad():
-                dcp.load(tensors, checkpoint_id=path, no_dist=True)
+                dcp.load(tensors, checkpoint_id=path, no_dist=True)  # type: ignore[attr-defined]
         with open(mfile) as f:
             meta = json.load(f)
         self._seal_checked(0, meta["checksums"], "disk checkpoint")

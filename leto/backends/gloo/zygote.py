@@ -82,7 +82,8 @@ def _serve(sock: socket.socket, parent: int) -> None:
     me = os.getpid()
     while True:
         try:
-            ready, _, _ = select.select([conn.sock, wake_r], [], [], 1.0)
+            watch: list[Any] = [conn.sock, wake_r]
+            ready, _, _ = select.select(watch, [], [], 1.0)
         except InterruptedError:
             ready = []
         if wake_r in ready:

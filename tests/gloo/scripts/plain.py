@@ -1,0 +1,3 @@
+"""A script that never calls leto.wrap (a plain torchrun script)."""
+
+print("hello from a plain script")
