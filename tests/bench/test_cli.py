@@ -1,0 +1,65 @@
+"""``leto bench``: bad input fails in one line, before anything starts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from leto.bench.cli import check_memory
+from leto.bench.workload import BenchError, Workload
+from leto.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["recovery", "--systems", "ckpt-disk,torchft"], "unknown system 'torchft'"),
+        (["goodput", "--systems", ""], "names no system"),
+        (["goodput", "--mtbf", "0"], "--mtbf must be positive, got 0"),
+        (["recovery", "--mtbf", "-5"], "--mtbf must be positive, got -5"),
+        (["goodput", "--budget", "-1"], "--budget must be positive"),
+        (["recovery", "--params", "3G"], "choose a smaller model size"),
+        (["overhead", "--params", "3G"], "choose a smaller model size"),
+        (["scaling", "--sizes", "1M,2G"], "choose a smaller model size"),
+        (["recovery", "--params", "lots"], "not a parameter count"),
+        (["recovery", "--repeats", "0"], "--repeats must be at least 1"),
+        (["recovery", "--world", "1"], "--world must be at least 2"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    t = time.monotonic()
+    code = main(["bench", *argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("leto bench: error: ") and message in err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+    assert time.monotonic() - t < 5
+
+
+def test_no_benchmark_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench"]) == 2
+    assert "choose a benchmark" in capsys.readouterr().err
+
+
+def test_memory_check_uses_what_is_available() -> None:
+    wl = Workload.for_params(4_000_000)
+    need = wl.memory_estimate("gemini")
+    check_memory(wl, ["gemini"], available=int(need / 0.8) + 1)
+    with pytest.raises(BenchError, match=r"needs about .* GiB \(gemini\)"):
+        check_memory(wl, ["ckpt-disk", "gemini"], available=int(need / 0.8) - 1)
+
+
+def test_help_lists_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name in ("recovery", "overhead", "goodput", "scaling"):
+        assert name in out

@@ -1,0 +1,79 @@
+"""Tiny real runs: the benchmarks start real jobs, measure, and leave nothing behind.
+
+Not timed tests: they check structure (every system, every phase, the ratio, the
+JSON that ``leto simulate --bench`` reads), not how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from leto.bench.timeline import PHASES
+from leto.bench.workload import Workload
+
+TINY = Workload.for_params(20_000, world=2, batch=8)
+
+
+def _bench_processes() -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"leto-bench-" in cmd or b"leto.bench.worker" in cmd:
+            out.append(int(d))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind() -> object:
+    shm = set(os.listdir("/dev/shm"))
+    yield
+    assert _bench_processes() == []
+    assert set(os.listdir("/dev/shm")) <= shm
+
+
+def test_tiny_recovery_run(tmp_path: Path) -> None:
+    from leto.bench.recovery import run_recovery
+    from leto.sim.params import load_bench
+
+    res = run_recovery(
+        ["leto", "ckpt-disk"], TINY, mtbf_s=30.0, repeats=1, gap_s=0.5, progress=False
+    )
+    assert list(res["systems"]) == ["ckpt-disk", "leto"]  # the baseline sets the schedule
+    for name, s in res["systems"].items():
+        assert len(s["runs"]) == 1, name
+        run = s["runs"][0]
+        assert all(run[p] >= 0 for p in PHASES), (name, run)
+        assert sum(run[p] for p in PHASES) == pytest.approx(run["total"], abs=1e-6)
+        assert s["total_s"] == pytest.approx(run["total"])
+    disk = res["systems"]["ckpt-disk"]
+    assert disk["interval_steps"] >= 1 and disk["calibration"]["save_s"] > 0
+    assert disk["runs"][0]["detail"]["steps_recomputed"] >= 1
+    f = res["schedule"][0]
+    assert res["systems"]["leto"]["runs"][0]["detail"]["failed_step"] == f["step"]
+    assert res["best_baseline"] == "ckpt-disk"
+    assert res["ratio_vs_best_baseline"] == pytest.approx(
+        disk["total_s"] / res["systems"]["leto"]["total_s"]
+    )
+    path = tmp_path / "recovery.json"
+    path.write_text(json.dumps(res))
+    costs = load_bench(path)  # the format `leto simulate --bench` reads
+    assert set(costs) >= {"detect_s", "restart_s", "promote_s", "rebuild_comm_s"}
+
+
+def test_tiny_leto_goodput_run() -> None:
+    from leto.bench.goodput import run_leto
+
+    res = run_leto(TINY, budget_s=6.0, schedule=[{"t": 1.0, "rank": 1}])
+    assert res["failures"] == 1 and len(res["injected"]) == 1
+    assert res["steps"] > 0 and res["step_s"] > 0
+    t = [row[0] for row in res["timeline"]]
+    assert t == sorted(t) and t[-1] == 6.0
