@@ -133,8 +133,10 @@ class GlooJob:
                     return
                 raise BenchError(f"leto: the job ended before {what}{self.tail()}")
             if time.monotonic() > deadline:
+                last = ", ".join(e["event"] for e in self.events[-4:])
                 raise BenchError(
-                    f"leto: timed out after {timeout:.0f} s waiting for {what}{self.tail()}"
+                    f"leto: timed out after {timeout:.0f} s waiting for {what} "
+                    f"(last events: {last or 'none'}){self.tail()}"
                 )
             time.sleep(0.05)
 

@@ -40,6 +40,7 @@ def _nothing_left_behind() -> object:
     assert set(os.listdir("/dev/shm")) <= shm
 
 
+@pytest.mark.slow
 def test_tiny_recovery_run(tmp_path: Path) -> None:
     from leto.bench.recovery import run_recovery
     from leto.sim.params import load_bench
@@ -69,6 +70,7 @@ def test_tiny_recovery_run(tmp_path: Path) -> None:
     assert set(costs) >= {"detect_s", "restart_s", "promote_s", "rebuild_comm_s"}
 
 
+@pytest.mark.slow
 def test_tiny_leto_goodput_run() -> None:
     from leto.bench.goodput import run_leto
 
