@@ -69,8 +69,11 @@ def test_sigkill_at_every_phase_recovers_bitwise(
     recs = res.recoveries
     assert len(recs) == len(PHASES)
     kinds = [r["kind"] for r in recs]
-    # before any vote: nothing to undo; gradients sealed but no COMMIT: roll back (drop them)
-    assert kinds[:4] == ["inplace", "inplace", "inplace", "back"], kinds
+    # before any vote: nothing to undo; gradients sealed but no COMMIT: roll back (drop them).
+    # In the all-reduce it depends on whether the survivor's reduce completed (then it
+    # sealed its gradients: they are dropped) before the peer's death broke it.
+    assert kinds[:2] == ["inplace", "inplace"] and kinds[2] in ("inplace", "back"), kinds
+    assert kinds[3] == "back", kinds
     # COMMIT recorded, chunks not (all) applied: roll forward (a torn chunk from its undo copy)
     assert kinds[5:8] == ["forward"] * 3 and kinds[9] == "forward", kinds
     assert recs[7]["chunks_rolled_forward"] >= 1

@@ -919,6 +919,9 @@ class Agent:
         if t == "promote":
             self._promote(int(msg["rank"]) - self.node * self.nproc, int(msg["gen"]))
             return
+        if t == "need_shadow":
+            self._ensure_shadow(int(msg["rank"]) - self.node * self.nproc, force=True)
+            return
         if t == "complete":
             self.complete = True
         if t in TO_TRAINERS:
@@ -983,7 +986,9 @@ class Agent:
         )
         self._ensure_shadow(lr)  # the replacement warms in the background
 
-    def _ensure_shadow(self, lr: int) -> None:
+    def _ensure_shadow(self, lr: int, *, force: bool = False) -> None:
+        """A shadow for ``lr`` if it has none (not while shadows are reclaimed, unless the
+        coordinator needs one to promote: ``force``)."""
         starting = any(sp["lr"] == lr and sp["role"] == "shadow" for sp in self.spawns.values())
         if (
             self.o.shadows
@@ -991,6 +996,7 @@ class Agent:
             and not starting
             and not self.complete
             and not self.stop
+            and (force or not self.reclaimed)
         ):
             self._spawn(lr, "shadow")
 

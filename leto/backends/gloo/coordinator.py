@@ -113,7 +113,8 @@ class Coordinator:
         self.t2_meta: dict[int, Any] = {}  # rank -> {checksums, ps} of the confirmed snapshot
         self.nodes_up: set[int] = set()
         self.nodes_lost_at: dict[int, float] = {}
-        self.shadow_pending: list[tuple[int, str]] = []  # shadow reports before the model exists
+        self.shadow_pending: list[tuple[int, str]] = []
+        self.asked_shadow: set[tuple[int, int]] = set()  # shadow reports before the model exists
         self.rec: _Recovery | None = None
         self.wait: _Wait | None = None
         self.reports: dict[int, dict[str, Any]] = {}
@@ -185,6 +186,7 @@ class Coordinator:
         """The link to ``node``'s agent closed: the node is lost (unless the job is over)."""
         self.nodes_up.discard(node)
         if self.complete or self.failed is not None:
+            self.finished_nodes.add(node)  # gone after the job completed: done too
             return
         if self.model is None:
             self.fail(f"node {node} was lost before training started ({why})")
@@ -592,9 +594,13 @@ class Coordinator:
             return True
         sent = set()
         for r in dead:
-            if s.shadow[r] is ShadowState.SPAWNING:
-                continue  # its replacement shadow is warming (or its node is being replaced)
             if self._node_of(r) not in self.nodes_up:
+                continue  # its node is being replaced
+            if s.shadow[r] is ShadowState.SPAWNING:
+                # its replacement shadow must be warm first: make sure one is coming
+                if (r, s.gen) not in self.asked_shadow:
+                    self.asked_shadow.add((r, s.gen))
+                    self._send(self._node_of(r), {"t": "need_shadow", "rank": r})
                 continue
             warm = s.shadow[r] is ShadowState.WARM
             self._feed(ev.Promote(r))
@@ -746,8 +752,15 @@ class Coordinator:
                 "chunks_restored",
             )
         }
-        self.log.write("reconciled", generation=self.generation, **rec.plan, **total)
+        slowest = {
+            k: max((float(x.get(k, 0.0)) for x in sums.values()), default=0.0)
+            for k in ("repair_ms", "redundancy_ms")
+        }
+        pg = [float(r.get("pg_ms", 0.0)) for r in self.reports.values()]
+        slowest["communicator_ms"] = max(pg, default=0.0)
+        self.log.write("reconciled", generation=self.generation, **rec.plan, **total, **slowest)
         rec.plan.update(total)
+        rec.plan["slowest_rank_ms"] = slowest
 
     def _resume(self, now: float) -> None:
         s = self.state

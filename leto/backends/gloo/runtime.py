@@ -458,17 +458,14 @@ class GlooSession:
             world_size=self.W,
             timeout=timedelta(seconds=float(self.spec["collective_timeout"])),
         )
-        # every rank creates every group, in the same order
-        for n in range(self.nnodes):
-            g = dist.new_group(list(range(n * self.nproc, (n + 1) * self.nproc)))
-            if n == self.node:
-                self.node_group = g
+        # each rank creates only the groups it belongs to (members rendezvous among
+        # themselves): its node's group (tier 1) and its local rank's group across nodes
+        node_ranks = list(range(self.node * self.nproc, (self.node + 1) * self.nproc))
+        self.node_group = dist.new_group(node_ranks, use_local_synchronization=True)
         self.cross_group = None
         if self.nnodes >= 2:
-            for lr in range(self.nproc):
-                g = dist.new_group([n * self.nproc + lr for n in range(self.nnodes)])
-                if lr == self.lr:
-                    self.cross_group = g
+            cross = [n * self.nproc + self.lr for n in range(self.nnodes)]
+            self.cross_group = dist.new_group(cross, use_local_synchronization=True)
         self.pg_gen = gen
         self._log("process_group", generation=gen, ms=round((time.perf_counter() - t) * 1e3, 3))
 
@@ -821,7 +818,9 @@ class GlooSession:
         self.gen = gen
         assert self.keeper is not None
         self.keeper.readmit(gen)
+        t0 = time.perf_counter()
         self._init_pg(gen)
+        pg_ms = round((time.perf_counter() - t0) * 1e3, 3)
         lost = self._ensure_layout()
         if not self.parity and self.cfg.tier1:
             self._node_memory()
@@ -856,6 +855,7 @@ class GlooSession:
             "undo": undo,
             "grad": grad,
             "lost": lost,
+            "pg_ms": pg_ms,
         }
         if self.lr == 0:
             if self.cfg.tier1 and self.parity and all(b.valid for b in self.parity):
@@ -871,7 +871,8 @@ class GlooSession:
         self.ch.mark("reconcile")
         gen, kind, target = int(msg["gen"]), str(msg["kind"]), int(msg["target"])
         self._init_pg(gen)
-        summary = {
+        t0 = time.perf_counter()
+        summary: dict[str, Any] = {
             "chunks_repaired_tier1": 0,
             "grads_repaired_tier1": 0,
             "chunks_rolled_forward": 0,
@@ -905,7 +906,10 @@ class GlooSession:
         self.stats["chunks_repaired_from_parity"] += summary["chunks_repaired_tier1"]
         self.stats["grad_blocks_repaired_from_parity"] += summary["grads_repaired_tier1"]
         self.stats["chunks_rolled_forward"] += summary["chunks_rolled_forward"]
+        t1 = time.perf_counter()
         meta = self._after_recovery_state(target)
+        summary["repair_ms"] = round((t1 - t0) * 1e3, 3)
+        summary["redundancy_ms"] = round((time.perf_counter() - t1) * 1e3, 3)
         self.status_lost(False)
         self.ch.send(
             {"t": "reconciled", "rank": self.rank, "gen": gen, "summary": summary, "snapshot": meta}
@@ -1199,11 +1203,17 @@ class GlooSession:
             )
             allsums = [torch.zeros_like(sums) for _ in range(self.nproc)]
             dist.all_gather(allsums, sums, group=self.node_group)
-            for c in range(lay.n_chunks):
-                par = encode(coll, lay.chunk_data(c), 0)
-                if self.lr == 0:
+            # one reduce for every chunk: chunk c's parity is bytes [c*cb, (c+1)*cb)
+            parts = [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)]
+            par = encode(coll, parts, 0)
+            if self.lr == 0:
+                assert par is not None
+                cb = par.numel() // lay.n_chunks
+                for c in range(lay.n_chunks):
                     self.parity[c].write_full(
-                        par, [target] * self.nproc, [int(s[c]) for s in allsums]
+                        par[c * cb : (c + 1) * cb],
+                        [target] * self.nproc,
+                        [int(s[c]) for s in allsums],
                     )
             if self.lr == 0:
                 assert self.gparity is not None
