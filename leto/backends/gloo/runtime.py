@@ -156,8 +156,15 @@ def wrap_gloo(
     step_fn: StepFn | None = None,
     checkpointer: Any = None,
     backend: Any = None,
+    check: bool = False,
 ) -> GlooSession:
-    """``leto.wrap`` on the gloo backend (only inside a process started by ``leto launch``)."""
+    """``leto.wrap`` on the gloo backend (only inside a process started by ``leto launch``).
+
+    ``check`` (the fake engine's model-vs-state check after each recovery) has no
+    separate switch here: every recovery verifies every chunk's checksum and version
+    before training resumes.
+    """
+    del check
     from leto.adapters.config import ConfigError
 
     ch = bootstrap.CHANNEL
