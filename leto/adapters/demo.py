@@ -491,7 +491,11 @@ def attrs_evolve(cfg: Any, **changes: Any) -> Any:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="fake", help="backend (only 'fake' is built so far)")
+    parser.add_argument(
+        "--backend",
+        default="fake",
+        help="fake (simulated ranks in one process) or gloo (real processes, leto launch)",
+    )
     parser.add_argument(
         "--config",
         default=None,
@@ -518,6 +522,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from leto.adapters.config import ConfigError
     from leto.adapters.engine import UnrecoverableError
+
+    if args.backend == "gloo" and args.config is None:
+        from leto.adapters import gloo_demo
+
+        return gloo_demo.run_cli(args)
 
     tmp = None
     ckpt = args.checkpoint_dir
