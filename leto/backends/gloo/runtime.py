@@ -457,6 +457,7 @@ class GlooSession:
             if time.monotonic() > deadline:
                 raise _CollectiveFailed(f"not every rank joined generation {gen} in time")
             time.sleep(0.005)
+        t_barrier = time.perf_counter()
         prefix = dist.PrefixStore(base, self.store)  # type: ignore[attr-defined]
         dist.init_process_group(
             "gloo",
@@ -465,16 +466,25 @@ class GlooSession:
             world_size=self.W,
             timeout=timedelta(seconds=float(self.spec["collective_timeout"])),
         )
-        # each rank creates only the groups it belongs to (members rendezvous among
-        # themselves): its node's group (tier 1) and its local rank's group across nodes
-        node_ranks = list(range(self.node * self.nproc, (self.node + 1) * self.nproc))
-        self.node_group = dist.new_group(node_ranks, use_local_synchronization=True)
+        # every rank creates every group, in the same order (gloo: tier-1 groups of each
+        # node, then tier-2 groups of each local rank across nodes)
+        for n in range(self.nnodes):
+            g = dist.new_group(list(range(n * self.nproc, (n + 1) * self.nproc)))
+            if n == self.node:
+                self.node_group = g
         self.cross_group = None
         if self.nnodes >= 2:
-            cross = [n * self.nproc + self.lr for n in range(self.nnodes)]
-            self.cross_group = dist.new_group(cross, use_local_synchronization=True)
+            for lr in range(self.nproc):
+                g = dist.new_group([n * self.nproc + lr for n in range(self.nnodes)])
+                if lr == self.lr:
+                    self.cross_group = g
         self.pg_gen = gen
-        self._log("process_group", generation=gen, ms=round((time.perf_counter() - t) * 1e3, 3))
+        self._log(
+            "process_group",
+            generation=gen,
+            ms=round((time.perf_counter() - t) * 1e3, 3),
+            barrier_ms=round((t_barrier - t) * 1e3, 3),
+        )
 
     def _destroy_pg(self) -> None:
         if dist.is_initialized():
@@ -578,22 +588,25 @@ class GlooSession:
         loss.backward()
         self._point("backward")
         rng_after = _capture_rng()
-        flat = torch.zeros(lay.numel, dtype=lay.dtype)
-        present = torch.zeros(len(lay.params), dtype=torch.int64)
+        # one buffer: the gradients, then a presence flag per parameter (small integers,
+        # exact in floating point), so one collective is in flight, never two (a gloo
+        # group torn down with a second operation pending waits for its timeout)
+        n = lay.numel
+        buf = torch.zeros(n + len(lay.params), dtype=lay.dtype)
+        flat = buf[:n]
         for i, prm in enumerate(lay.params):
             g = prm.grad
             if g is not None:
                 s = lay.slots[i]
                 flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
-                present[i] = 1
+                buf[n + i] = 1
             prm.grad = None
         # 2. reduce
         self.ch.mark("allreduce")
-        work = _coll(dist.all_reduce, flat, op=dist.ReduceOp.SUM, async_op=True)
-        pwork = _coll(dist.all_reduce, present, op=dist.ReduceOp.SUM, async_op=True)
+        work = _coll(dist.all_reduce, buf, op=dist.ReduceOp.SUM, async_op=True)
         self._point("allreduce")
         _coll(work.wait)
-        _coll(pwork.wait)
+        present = buf[n:]
         flat.div_(W)
         self._point("reduced")
         self.keeper.check_writer()
