@@ -32,7 +32,7 @@ def job(
         run_dir=run_dir,
         faults=faults,
         env=e,
-        extra=["--quiet", "--hang-timeout", "1.5", "--heartbeat", "0.25", *(extra or [])],
+        extra=["--quiet", "--hang-timeout", "3", "--heartbeat", "0.25", *(extra or [])],
         timeout=timeout,
     )
     assert not res.leftovers, f"processes left running after the job: {res.leftovers}"

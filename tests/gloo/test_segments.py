@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import torch
 from leto.backends.gloo import segments
 from leto.backends.gloo.keeper import Keeper, spawn_keeper
 from leto.backends.gloo.keeper_client import FencedError, KeeperClient, KeeperError
+from leto.backends.gloo.procs import memfd_holders
 from leto.backends.gloo.procs import processes_with as tagged_pids
 from leto.backends.gloo.wire import MAX_FRAME, Conn, WireError
 from leto.retained.layout import LayoutError, RetainedLayout
@@ -149,63 +151,58 @@ def test_fencing_refuses_old_generation_and_other_pids(tag: str) -> None:
         h.stop()
 
 
-def _shmem_kb() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("Shmem:"):
-                return int(line.split()[1])
-    raise AssertionError("no Shmem in /proc/meminfo")
+def _gone(fragment: str, timeout: float = 5.0) -> bool:
+    """No process holds a descriptor or mapping of the memfd any more: it is freed."""
+    deadline = time.monotonic() + timeout
+    while memfd_holders(fragment) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not memfd_holders(fragment)
 
 
 def test_sigkill_of_the_keeper_frees_its_memory(tag: str) -> None:
-    h = spawn_keeper(0, "job3", tag=tag)
+    job = "job3-" + hashlib.sha1(tag.encode()).hexdigest()[:10]
+    h = spawn_keeper(0, job, tag=tag)
     h.admit(0, os.getpid())
     c = KeeperClient(h.socket_name, generation=0)
-    n = 64 << 20
-    base = _shmem_kb()
-    t = c.alloc("big", n)
-    t.fill_(1)  # touch every page
-    assert _shmem_kb() - base > (n >> 10) * 0.8
+    t = c.alloc("big", 8 << 20)
+    t.fill_(1)
+    assert set(memfd_holders(f"leto-{job}-r0-big")) == {h.pid, os.getpid()}
     del t
     c.close()
+    assert memfd_holders(f"leto-{job}-r0-big") == [h.pid]  # the keeper alone holds it
     os.kill(h.pid, signal.SIGKILL)
     h.proc.wait()
     h.close()
-    deadline = time.monotonic() + 5
-    while _shmem_kb() - base > (n >> 10) * 0.5 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _shmem_kb() - base < (n >> 10) * 0.5, "the keeper's memory outlived it"
+    assert _gone(f"leto-{job}"), "the keeper's memory outlived it"
 
 
 def test_sigkill_of_the_owner_takes_the_keeper_and_its_memory(tag: str) -> None:
     """The agent (here a stand-in process) is SIGKILLed: its keeper dies, memory is freed."""
+    job = "job4-" + hashlib.sha1(tag.encode()).hexdigest()[:10]
     script = textwrap.dedent(
         f"""
         import os, sys, time
         from leto.backends.gloo.keeper import spawn_keeper
         from leto.backends.gloo.keeper_client import KeeperClient
-        h = spawn_keeper(0, "job4", tag={tag!r})
+        h = spawn_keeper(0, {job!r}, tag={tag!r})
         h.admit(0, os.getpid())
         c = KeeperClient(h.socket_name, generation=0)
-        c.alloc("big", 32 << 20).fill_(1)
+        c.alloc("big", 8 << 20).fill_(1)
         print(h.pid, flush=True)
         time.sleep(60)
         """
     )
-    base = _shmem_kb()
     owner = subprocess.Popen([sys.executable, "-c", script, tag], stdout=subprocess.PIPE, text=True)
     assert owner.stdout is not None
     keeper_pid = int(owner.stdout.readline())
-    assert _shmem_kb() - base > (32 << 10) * 0.8
+    assert memfd_holders(f"leto-{job}-r0-big") == [keeper_pid]
     owner.send_signal(signal.SIGKILL)
     owner.wait()
     deadline = time.monotonic() + 5
     while keeper_pid in tagged_pids(tag) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert keeper_pid not in tagged_pids(tag)
-    while _shmem_kb() - base > (32 << 10) * 0.5 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _shmem_kb() - base < (32 << 10) * 0.5
+    assert _gone(f"leto-{job}"), "the memory outlived its owner"
 
 
 def test_attach_to_an_empty_keeper_is_a_clear_error(tag: str) -> None:

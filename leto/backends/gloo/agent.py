@@ -481,6 +481,8 @@ class Agent:
     def _on_pidfd(self, p: Proc) -> None:
         self.sel.unregister(p.pidfd)
         p.dead_at = time.monotonic()
+        if self.trainer.get(p.local_rank) is p and not p.expected_exit:
+            self.recovering = True  # its memory is going away: that is no reason to re-warm
         if p.exited is not None:
             self._finalize_exit(p)
         # else: the zygote's status report follows within milliseconds (tick has a fallback)
@@ -1121,7 +1123,12 @@ class Agent:
                 self.say(f"shadows go cold: {why}")
                 for lr in self.local_ranks:
                     self._reclaim(lr, why)
-            elif self.reclaimed and not self.recovering and used < 0.9 * o.shadow_memory_budget:
+            elif (
+                self.reclaimed
+                and not self.recovering
+                and all(p is not None and p.dead_at is None for p in self.trainer.values())
+                and used < 0.9 * o.shadow_memory_budget
+            ):
                 self.reclaimed = False
                 self.say(f"shadows re-warm: trainers use {used >> 20} MiB")
                 for lr in self.local_ranks:

@@ -78,9 +78,11 @@ class KeeperClient:
         if len(fds) != 1:
             raise KeeperError("keeper sent no fence word")
         try:
-            self._fence = mmap.mmap(fds[0], 8, mmap.MAP_SHARED, mmap.PROT_READ)
+            old, self._fence = self._fence, mmap.mmap(fds[0], 8, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fds[0])
+        if old is not None:
+            old.close()
 
     def readmit(self, generation: int, role: str = "writer") -> None:
         """Join ``generation`` (after the agent fenced the keeper and admitted us)."""
@@ -120,3 +122,6 @@ class KeeperClient:
 
     def close(self) -> None:
         self.conn.close()
+        if self._fence is not None:
+            self._fence.close()
+            self._fence = None

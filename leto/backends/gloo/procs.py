@@ -98,3 +98,32 @@ def processes_with(tag: str) -> list[int]:
         if needle in cmd:
             out.append(int(d))
     return out
+
+
+def memfd_holders(fragment: str) -> list[int]:
+    """Pids holding a descriptor or a mapping of a memfd whose name contains ``fragment``.
+
+    A memfd's memory is freed exactly when this list is empty.
+    """
+    out = []
+    needle = "/memfd:" + fragment
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        held = False
+        try:
+            for fd in os.listdir(f"/proc/{d}/fd"):
+                try:
+                    if needle in os.readlink(f"/proc/{d}/fd/{fd}"):
+                        held = True
+                        break
+                except OSError:
+                    continue
+            if not held:
+                with open(f"/proc/{d}/maps", encoding="utf-8", errors="replace") as f:
+                    held = any(needle in line for line in f)
+        except OSError:
+            continue
+        if held:
+            out.append(int(d))
+    return out
