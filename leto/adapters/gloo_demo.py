@@ -138,15 +138,6 @@ def _config(
     return path
 
 
-def _label(f: dict[str, Any]) -> str:
-    at = f["phase"]
-    if f.get("chunk") is not None:
-        at += f"[chunk {f['chunk']}]"
-    if f.get("where"):
-        at += f"/{f['where']}"
-    return f"{f['kind']}: {at}"
-
-
 def demo(
     *,
     steps: int = 40,
@@ -229,7 +220,9 @@ def demo(
     recs = res.recoveries
     by_kind = s["recoveries_by_kind"]
     failure_events = res.of("failure")
-    covered = sorted({_label(f) for f in plan})
+    from leto.backends.gloo.faults import point
+
+    covered = sorted({f"{f['kind']}: {point(f)}" for f in plan})
     result = {
         "backend": "gloo",
         "bitwise_equal": bitwise,

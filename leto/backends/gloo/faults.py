@@ -127,10 +127,15 @@ def load_plan(text: str | None, *, world_size: int | None = None) -> list[dict[s
     return validate(plan, world_size=world_size)
 
 
-def label(f: dict[str, Any]) -> str:
-    at = f["phase"]
+def point(f: dict[str, Any]) -> str:
+    """Where in a step a fault strikes: ``phase[chunk c]/where``."""
+    at = str(f["phase"])
     if f.get("chunk") is not None:
         at += f"[chunk {f['chunk']}]"
     if f.get("where"):
         at += f"/{f['where']}"
-    return f"{f['kind']} rank {f['rank']} at step {f['step']} {at}"
+    return at
+
+
+def label(f: dict[str, Any]) -> str:
+    return f"{f['kind']} rank {f['rank']} at step {f['step']} {point(f)}"
