@@ -1,11 +1,16 @@
 """The ``leto`` command. Each subcommand lives in its own module, which exposes
 ``configure(parser)`` and ``run(args) -> int``; modules are imported only when
-present, so a subcommand appears as soon as its module lands."""
+present, so a subcommand appears as soon as its module lands.
+
+Only the module of the subcommand being run is imported (``leto --help`` imports
+none of them), so commands that need no torch (``leto --help``, ``leto spec``,
+``leto simulate``, ``leto report``) start without importing it."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -20,25 +25,44 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _present(module_name: str) -> bool:
+    """Whether a subcommand's module exists (found without importing it)."""
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError:  # a parent package is absent
+        return False
+
+
+def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the subcommands in ``commands`` (all when None) get their
+    options, which imports their modules. The others are listed with their help."""
     parser = argparse.ArgumentParser(prog="leto", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name, help_ in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and module_name.startswith(exc.name):
-                continue  # not built yet
-            raise
+        if not _present(module_name):
+            continue  # not built yet
         p = sub.add_parser(name, help=help_, description=help_)
-        module.configure(p)
-        p.set_defaults(_run=module.run)
+        if commands is None or name in commands:
+            module = importlib.import_module(module_name)
+            module.configure(p)
+            p.set_defaults(_run=module.run)
     return parser
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word; the top level has no options
+    that take a value)."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = _command(args_list)
+    parser = build_parser([] if command is None else [command])
+    args = parser.parse_args(args_list)
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
