@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -47,6 +47,9 @@ from leto.backends.base import Backend
 from .checkpoint import Checkpointer, DCPCheckpointer
 from .config import Config, ConfigError
 from .engine import Engine, EngineOptions, Replica, StepFn
+
+if TYPE_CHECKING:
+    from leto.backends.gloo.runtime import GlooSession
 
 __all__ = ["Session", "wrap"]
 
@@ -114,11 +117,18 @@ def _checkpointer(config: Config) -> Checkpointer | None:
 
 
 def make_backend(config: Config) -> Backend:
-    """The backend ``config`` names (only ``fake`` is built so far)."""
+    """The in-process backend ``config`` names: ``fake`` (``gloo`` runs one process per
+    rank and has no backend object: :func:`wrap` hands it to the gloo runtime)."""
     if config.backend == "fake":
         from leto.backends.fake import FakeBackend
 
         return FakeBackend(config.topology)
+    if config.backend == "gloo":
+        raise ConfigError(
+            "backend",
+            "'gloo' has no in-process backend object: call leto.wrap in a script started "
+            "by `leto launch`",
+        )
     raise NotImplementedError(
         f"backend: the {config.backend!r} backend is not built yet; use backend='fake' "
         "(simulated ranks in one process)"
@@ -136,7 +146,7 @@ def wrap(
     checkpointer: Checkpointer | None = None,
     step_fn: StepFn | None = None,
     check: bool = False,
-) -> Session:
+) -> Session | GlooSession:
     """Wrap a model, its optimizer, an LR scheduler and a data sampler for in-place recovery.
 
     ``config``: a :class:`Config`, a dict, a TOML path, or None (the environment).
@@ -145,8 +155,26 @@ def wrap(
     nothing retained is modified if it does not. ``check``: after every recovery,
     compare the real state with the protocol core's and recompute the parity (slow;
     for tests and the demo).
+
+    With ``backend="gloo"`` the script must run under ``leto launch`` (one process per
+    rank); the result is then a :class:`leto.backends.gloo.runtime.GlooSession`, and
+    run outside ``leto launch`` it raises a :class:`ConfigError` that says so.
     """
     cfg = Config.load(config)
+    if cfg.backend == "gloo":
+        from leto.backends.gloo.runtime import wrap_gloo
+
+        return wrap_gloo(
+            model,
+            optimizer,
+            scheduler,
+            sampler,
+            config=cfg,
+            backend=backend,
+            checkpointer=checkpointer,
+            step_fn=step_fn,
+            check=check,
+        )
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError("scheduler: it is bound to another optimizer than the one wrapped")
     attach = backend is not None

@@ -109,8 +109,13 @@ def test_unsupported_optimizer_backend_and_scheduler_are_refused() -> None:
     j = job()
     with pytest.raises(TypeError, match="optimizer: RMSprop has no chunked version"):
         leto.wrap(j["model"], torch.optim.RMSprop(j["model"].parameters()), config=CFG)
-    with pytest.raises(NotImplementedError, match="backend: the 'gloo' backend is not built yet"):
+    # gloo outside `leto launch` (no agent connection): says how to start it
+    with pytest.raises(ConfigError) as gloo:
         leto.wrap(j["model"], j["optimizer"], config={"backend": "gloo"})
+    assert str(gloo.value) == (
+        "leto config: backend: 'gloo' runs one process per rank: start this script with `leto launch "
+        "--nproc-per-node N [--nnodes M ...] script.py` (or use backend='fake')"
+    )
     other = torch.optim.SGD(j["model"].parameters(), lr=1.0)
     with pytest.raises(ValueError, match="scheduler: it is bound to another optimizer"):
         leto.wrap(j["model"], other, j["scheduler"], config=CFG)

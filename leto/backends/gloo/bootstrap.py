@@ -3,8 +3,9 @@
 The zygote calls :func:`child_main` in the child. It sets the torchrun-style
 environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ...), connects to the node agent, and runs the script as
-``__main__`` (``runpy``). ``leto.wrap`` with ``backend="gloo"`` then finds the
-connection here (:data:`CHANNEL`) and turns into a :class:`~.runtime.GlooSession`;
+``__main__`` (``runpy``). ``leto.wrap`` with ``backend="gloo"`` (which calls
+:func:`~.runtime.wrap_gloo`) then finds the connection here (:data:`CHANNEL`) and
+returns a :class:`~.runtime.GlooSession`;
 in a shadow it returns only once the shadow is promoted. An exception anywhere is
 reported to the agent with its traceback before the process exits.
 """
@@ -25,39 +26,6 @@ CHANNEL: AgentChannel | None = None
 SPEC: dict[str, Any] = {}
 
 
-def _install_wrap_dispatch() -> None:
-    """Route ``leto.wrap(..., config with backend="gloo")`` to the gloo session.
-
-    Stopgap until ``leto.adapters.api.wrap`` dispatches on the backend itself (see
-    docs/gloo.md): the original function still serves every other backend.
-    """
-    try:
-        from leto.adapters import api
-    except ImportError:  # pragma: no cover - adapters not installed
-        return
-    if getattr(api.wrap, "_leto_gloo", False):
-        return
-    original = api.wrap
-
-    def wrap(
-        model: Any, optimizer: Any, scheduler: Any = None, sampler: Any = None, **kw: Any
-    ) -> Any:
-        from leto.adapters.config import Config
-
-        cfg = Config.load(kw.get("config"))
-        if cfg.backend == "gloo":
-            from .runtime import wrap_gloo
-
-            return wrap_gloo(model, optimizer, scheduler, sampler, **{**kw, "config": cfg})
-        return original(model, optimizer, scheduler, sampler, **kw)
-
-    wrap._leto_gloo = True  # type: ignore[attr-defined]
-    api.wrap = wrap
-    import leto
-
-    leto.__dict__.pop("wrap", None)  # leto.wrap is resolved lazily from leto.adapters.api
-
-
 def child_main(spec: dict[str, Any]) -> int:
     global CHANNEL, SPEC
     SPEC = spec
@@ -74,7 +42,6 @@ def child_main(spec: dict[str, Any]) -> int:
     keys: tuple[str, ...] = ("role", "rank", "local_rank", "node", "incarnation")
     hello: dict[str, Any] = {k: spec[k] for k in keys if k in spec}
     CHANNEL = AgentChannel(spec["agent_socket"], hello, heartbeat=float(spec.get("heartbeat", 0.5)))
-    _install_wrap_dispatch()
     script = spec["script"]
     sys.argv = [script, *spec.get("args", [])]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
