@@ -637,6 +637,10 @@ class RetainedLayout:
     def stored_checksum(self, i: int) -> int:
         return int(self._hdr[self._row(i) + 1].item())
 
+    def grad_checksums(self) -> list[int]:
+        """The per-chunk gradient checksums recorded by the last :meth:`seal_grads`."""
+        return [int(x) for x in self._table[:, 3].tolist()]
+
     def compute_checksum(self, i: int, version: int) -> torch.Tensor:
         """Checksum of chunk i's current data bytes, salted with ``version``."""
         return checksum(self.chunk_data(i), index=i, version=version, domain=DOMAIN_DATA)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,26 +19,30 @@ from leto.bench.workload import Workload
 TINY = Workload.for_params(20_000, world=2, batch=8)
 
 
-def _bench_processes() -> list[int]:
+def _marked_processes(mark: bytes) -> list[int]:
+    """Processes whose environment carries ``mark`` (inherited from this test)."""
     out = []
     for d in os.listdir("/proc"):
-        if not d.isdigit():
+        if not d.isdigit() or int(d) == os.getpid():
             continue
         try:
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+            env = Path(f"/proc/{d}/environ").read_bytes()
         except OSError:
             continue
-        if b"leto-bench-" in cmd or b"leto.bench.worker" in cmd:
+        if mark in env.split(b"\0"):
             out.append(int(d))
     return out
 
 
 @pytest.fixture(autouse=True)
-def _nothing_left_behind() -> object:
+def _nothing_left_behind(monkeypatch: pytest.MonkeyPatch) -> object:
+    # every process a test starts inherits this variable, so a leftover is found
+    # by it, and benchmarks other people run on the machine are not counted
+    token = uuid.uuid4().hex
+    monkeypatch.setenv("LETO_BENCH_TEST_MARK", token)
     shm = set(os.listdir("/dev/shm"))
-    before = set(_bench_processes())  # another benchmark already running is not ours
     yield
-    assert set(_bench_processes()) - before == set()
+    assert _marked_processes(f"LETO_BENCH_TEST_MARK={token}".encode()) == []
     assert set(os.listdir("/dev/shm")) <= shm
 
 

@@ -8,7 +8,7 @@ import torch
 from leto.retained.checksum import (
     DOMAIN_DATA,
     DOMAIN_GRAD,
-    PRIME,
+    MODULUS,
     _mix,
     checksum,
     int32_words,
@@ -21,11 +21,10 @@ def reference(
 ) -> int:
     """The definition, with Python integers (no overflow anywhere)."""
     words = [w for p in parts for w in int32_words(p).tolist()]
-    a = (sum(words) + index + 1) % PRIME
-    b = (
-        sum((j + 1) * w for j, w in enumerate(words)) + _mix(domain, index, version) % PRIME
-    ) % PRIME
-    return a * (1 << 31) + b
+    a = (sum(words) + index + 1) % MODULUS
+    b = (sum((j + 1) * w for j, w in enumerate(words)) + _mix(domain, index, version)) % MODULUS
+    value = a * MODULUS + b  # as unsigned 64 bits; the checksum is its int64 reading
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 @pytest.mark.parametrize("sizes", [[8], [4096 * 3], [7, 7], [1, 5, 3], [12288, 12288]])

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from leto.core.chunk import NONE
-from leto.retained.parity import add_delta_, as_bytes
+from leto.retained.parity import as_bytes
 
 from . import segments
 
@@ -97,31 +97,49 @@ class ParityBlock:
         version: int,
         checksum: int = 0,
     ) -> None:
-        """``parity += new - old`` for one member; its recorded version becomes ``version``."""
+        """``parity += new - old`` for one member; its recorded version becomes ``version``.
+
+        Computed part by part into the inactive buffer (``inactive = active + new``,
+        then ``-= old``): two passes, no temporary allocation.
+        """
+        olds = [old] if isinstance(old, torch.Tensor) else list(old)
+        news = [new] if isinstance(new, torch.Tensor) else list(new)
+        if len(olds) != len(news):
+            raise ValueError("parity update: old and new have different parts")
         with self.lock():
             a = self.active
             b = 1 - a
-            self.buf[b].copy_(self.buf[a])
-            add_delta_(self.buf[b], old, new)
-            oa, ob = self._off(a), self._off(b)
-            m2 = 2 * self.members
-            self.hn[ob : ob + m2] = self.hn[oa : oa + m2]
-            self.hn[ob + member] = version
-            self.hn[ob + self.members + member] = checksum
-            self.hn[1] = b  # the flip: one aligned store
+            src, dst = self.buf[a], self.buf[b]
+            pos = 0
+            for o, n in zip(olds, news, strict=True):
+                ob, nb = as_bytes(o), as_bytes(n)
+                k = nb.numel()
+                if ob.numel() != k or pos + k > self.nbytes:
+                    raise ValueError("parity, old and new differ in size")
+                torch.add(src[pos : pos + k], nb, out=dst[pos : pos + k])
+                dst[pos : pos + k].sub_(ob)
+                pos += k
+            if pos != self.nbytes:
+                raise ValueError("parity, old and new differ in size")
+            self._flip(a, b, member, version, checksum)
 
     def add_delta(self, member: int, delta: torch.Tensor, version: int) -> None:
         """``parity += delta`` (bytes) for one member's gradients."""
         with self.lock():
             a = self.active
             b = 1 - a
-            self.buf[b].copy_(self.buf[a])
-            self.buf[b].add_(as_bytes(delta))
-            oa, ob = self._off(a), self._off(b)
-            m2 = 2 * self.members
-            self.hn[ob : ob + m2] = self.hn[oa : oa + m2]
-            self.hn[ob + member] = version
-            self.hn[1] = b
+            torch.add(self.buf[a], as_bytes(delta), out=self.buf[b])
+            self._flip(a, b, member, version, None)
+
+    def _flip(self, a: int, b: int, member: int, version: int, checksum: int | None) -> None:
+        """Copy the versions to buffer ``b``, record ``member``'s, make ``b`` active."""
+        oa, ob = self._off(a), self._off(b)
+        m2 = 2 * self.members
+        self.hn[ob : ob + m2] = self.hn[oa : oa + m2]
+        self.hn[ob + member] = version
+        if checksum is not None:
+            self.hn[ob + self.members + member] = checksum
+        self.hn[1] = b  # the flip: one aligned store
 
     def write_full(
         self, parity: torch.Tensor | None, versions: Sequence[int], checksums: Sequence[int]
