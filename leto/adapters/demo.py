@@ -1,5 +1,10 @@
 """``leto demo``: train a small GPT, fail it at every phase of a step, recover in place.
 
+By default ``leto demo`` runs on the gloo backend: real processes, 4 ranks as 2
+nodes x 2 under ``leto launch``, SIGKILLed at every phase
+(:mod:`leto.adapters.gloo_demo`). ``--backend fake`` runs the in-process demo
+below, which covers more failure kinds (memory corruption, losses beyond both tiers).
+
 A character-level GPT (two blocks, ~30k parameters) trains on the public-domain
 verse shipped in ``leto/data/sonnets.txt`` with AdamW, a warm-up LR schedule,
 dropout and a shuffled sampler, on simulated ranks of the fake backend (default 2
@@ -493,21 +498,26 @@ def attrs_evolve(cfg: Any, **changes: Any) -> Any:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
-        default="fake",
-        help="fake (simulated ranks in one process) or gloo (real processes, leto launch)",
+        default=None,
+        help="gloo (the default: real processes under leto launch, 2 nodes x 2 ranks on "
+        "127.0.0.1) or fake (simulated ranks in one process)",
     )
     parser.add_argument(
         "--config",
         default=None,
         help="a leto TOML config (instead of the demo's defaults; flags override it)",
     )
-    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    parser.add_argument("--nodes", type=int, help="simulated nodes (default 2)")
+    parser.add_argument(
+        "--steps", type=int, help="training steps (default: 40 on gloo, 200 on fake)"
+    )
+    parser.add_argument("--nodes", type=int, help="nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=int, help="ranks per node (default 2)")
     parser.add_argument("--chunk-size", type=int, help="elements per chunk (default 4096)")
     parser.add_argument("--tier2-interval", type=int, help="steps between tier-2 snapshots (10)")
     parser.add_argument(
-        "--checkpoint-dir", default=None, help="checkpoint directory (default: a temporary one)"
+        "--checkpoint-dir",
+        default=None,
+        help="checkpoint directory (default: a temporary one on fake, none on gloo)",
     )
     parser.add_argument(
         "--no-checkpoint",
@@ -520,13 +530,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from leto.adapters.config import ConfigError
+    from leto.adapters.config import Config, ConfigError
     from leto.adapters.engine import UnrecoverableError
 
-    if args.backend == "gloo" and args.config is None:
+    loaded = None
+    if args.config is not None:
+        try:
+            loaded = Config.load(args.config)
+        except ConfigError as e:
+            print(f"leto demo: {e}", file=sys.stderr)
+            return 2
+        if args.backend is not None and args.backend != loaded.backend:
+            print(
+                "leto demo: give the backend in the config file or as --backend, not both",
+                file=sys.stderr,
+            )
+            return 2
+    backend = loaded.backend if loaded is not None else (args.backend or "gloo")
+    if backend == "gloo":
         from leto.adapters import gloo_demo
 
-        return gloo_demo.run_cli(args)
+        return gloo_demo.run_cli(args, config=loaded)
 
     tmp = None
     ckpt = args.checkpoint_dir
@@ -534,17 +558,9 @@ def run(args: argparse.Namespace) -> int:
         tmp = tempfile.mkdtemp(prefix="leto-demo-ckpt-")
         ckpt = tmp
     try:
-        config: Any = args.config
-        if config is None:
-            config = {"backend": args.backend, **DEFAULTS}
-        elif args.backend != "fake":
-            print(
-                "leto demo: give the backend in the config file or as --backend, not both",
-                file=sys.stderr,
-            )
-            return 2
+        config: Any = loaded if loaded is not None else {"backend": backend, **DEFAULTS}
         result = demo(
-            steps=args.steps,
+            steps=200 if args.steps is None else args.steps,
             nodes=args.nodes,
             ranks_per_node=args.ranks_per_node,
             chunk_size=args.chunk_size,

@@ -1,11 +1,17 @@
-"""``leto demo``: in-process, with fewer steps than the default to keep it fast."""
+"""``leto demo``: the fake (in-process) demo with fewer steps than its default to keep it
+fast, and the CLI of the gloo demo (the default backend) with its runs stubbed."""
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from leto.adapters import gloo_demo
 from leto.cli import main
 
 
@@ -58,20 +64,78 @@ def test_demo_json_is_bitwise_equal_with_a_failure_at_every_phase(
 def test_demo_without_checkpoint_stops_on_a_loss_beyond_both_tiers(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["demo", "--no-checkpoint", "--steps", "40", "--chunk-size", "16384"]) == 1
+    argv = ["--backend", "fake", "--no-checkpoint", "--steps", "40", "--chunk-size", "16384"]
+    assert main(["demo", *argv]) == 1
     text = capsys.readouterr().out
     assert "RECOVERED" in text  # the earlier failures were recovered in place
     assert "STOPPED: leto: cannot recover in place" in text
     assert "node(s) [0, 1]" in text and "No checkpoint is configured" in text
 
 
-def test_demo_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["demo", "--backend", "mpi"]) == 2
     assert "backend: unknown backend 'mpi'" in capsys.readouterr().err
-    assert main(["demo", "--chunk-size", "-5"]) == 2
-    assert "chunk_size: must be positive" in capsys.readouterr().err
-    # (--backend gloo runs the real-process demo: tests/gloo/test_demo.py covers it.)
+    for backend in ("fake", "gloo"):  # refused before anything starts
+        assert main(["demo", "--backend", backend, "--chunk-size", "-5"]) == 2
+        assert "chunk_size: must be positive, got -5" in capsys.readouterr().err
+    # (the gloo demo itself runs in tests/gloo/test_demo.py.)
     assert main(["demo", "--backend", "nccl"]) == 2
     assert "nccl" in capsys.readouterr().err
-    assert main(["demo", "--steps", "10"]) == 2
+    assert main(["demo", "--backend", "fake", "--steps", "10"]) == 2
     assert "steps: 10 is too few" in capsys.readouterr().err
+    assert main(["demo", "--steps", "10"]) == 2  # gloo
+    assert "the fault plan needs at least 34 steps, got 10" in capsys.readouterr().err
+    cfg = tmp_path / "gloo.toml"
+    cfg.write_text('[leto]\nbackend = "gloo"\ntopology = "2x2"\n')
+    assert main(["demo", "--backend", "fake", "--config", str(cfg)]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def _fake_gloo_demo(calls: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+    calls.append(kw)
+    failed = kw["steps"] < 0
+    return {
+        "bitwise_equal": not failed,
+        "every_failure_recovered": True,
+        "recovery_seconds": [0.25, 0.5],
+        "faults": [{"kind": "crash"}, {"kind": "hang"}],
+    }
+
+
+def test_demo_runs_on_gloo_by_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(gloo_demo, "demo", functools.partial(_fake_gloo_demo, calls))
+    assert main(["demo", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recovery_seconds"] == [0.25, 0.5]
+    assert calls.pop() == {
+        "steps": gloo_demo.STEPS,
+        "nodes": 2,
+        "ranks_per_node": 2,
+        "chunk_size": 4096,
+        "tier2_interval": 10,
+        "checkpoint_dir": None,
+        "seed": 0,
+        "faults": True,
+        "out": None,
+    }
+    # a gloo config file, overridden by flags; not bitwise equal: exit status 1
+    cfg = tmp_path / "gloo.toml"
+    cfg.write_text('[leto]\nbackend = "gloo"\ntopology = "3x2"\nchunk_size = 512\n')
+    assert main(["demo", "--config", str(cfg), "--chunk-size", "1024", "--steps", "-1"]) == 1
+    kw = calls.pop()
+    assert (kw["nodes"], kw["ranks_per_node"], kw["chunk_size"], kw["steps"]) == (3, 2, 1024, -1)
+    assert kw["out"] is sys.stdout
+
+
+def test_failure_seconds_is_one_entry_per_failure() -> None:
+    events = [
+        {"event": "failure", "t": 10.0},
+        {"event": "recovery_end", "t": 10.5},
+        {"event": "failure", "t": 20.0},
+        {"event": "failure", "t": 20.25},  # during the recovery: it restarts
+        {"event": "recovery_end", "t": 21.0},
+        {"event": "failure", "t": 30.0},  # never recovered
+    ]
+    assert gloo_demo.failure_seconds(events) == [0.5, 1.0, 0.75, None]

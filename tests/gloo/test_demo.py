@@ -14,7 +14,11 @@ def test_gloo_demo_recovers_every_fault_bitwise(tag: str) -> None:
     assert result["failures_planned"] == len(plan) >= 16
     assert result["failures_injected"] == result["failures_planned"]
     assert result["bitwise_equal"] and result["params_equal"] and result["optimizer_state_equal"]
-    assert len(result["recovery_seconds"]) == result["recoveries"]
+    assert result["every_failure_recovered"] is True
+    # one entry per failure; the two failures of the restarted recovery share its end
+    secs = result["recovery_seconds"]
+    assert len(secs) == result["failures_injected"] > result["recoveries"]
+    assert all(isinstance(x, float) and 0 < x < 60 for x in secs)
     assert result["recovery_restarts"] >= 1
     assert {"forward", "tier1", "tier2"} <= set(result["recoveries_by_kind"])
     assert result["topology"] == "2x2" and result["backend"] == "gloo"
