@@ -248,8 +248,17 @@ def _block_of(member: int, stripe: int) -> int:
     return stripe if stripe < member else stripe - 1
 
 
-def _blocks(data: Data, size: int) -> torch.Tensor:
-    """The member's bytes, zero-padded, as a ``(size-1) x blk`` uint8 matrix (a copy)."""
+def _blocks(data: Data, size: int, *, copy: bool = True) -> torch.Tensor:
+    """The member's bytes, zero-padded, as a ``(size-1) x blk`` uint8 matrix.
+
+    A copy, unless ``copy=False`` and ``data`` is one tensor needing no padding:
+    then a view of it (for callers that only read it).
+    """
+    parts = _parts(data)
+    if not copy and len(parts) == 1:
+        blk = rotated_share_nbytes(parts[0].numel(), size)
+        if (size - 1) * blk == parts[0].numel():
+            return parts[0].view(size - 1, blk)
     flat = _packed(data)
     blk = rotated_share_nbytes(flat.numel(), size)
     out = torch.zeros((size - 1) * blk, dtype=torch.uint8, device=flat.device)
@@ -259,7 +268,7 @@ def _blocks(data: Data, size: int) -> torch.Tensor:
 
 def encode_rotated(coll: Collective, data: Data) -> torch.Tensor:
     """Tier-2 encode; every member calls it and gets back its own parity share."""
-    blocks = _blocks(data, coll.size)
+    blocks = _blocks(data, coll.size, copy=False)  # read only: each block is cloned
     share = torch.empty(0)
     for s in range(coll.size):
         if s == coll.rank:

@@ -124,10 +124,6 @@ def _named_buffers(lay: RetainedLayout) -> list[tuple[str, torch.Tensor]]:
     return [("param", lay.param_buffer)] + [("state." + s, lay.state_buffer(s)) for s in lay.states]
 
 
-def _packed(lay: RetainedLayout) -> torch.Tensor:
-    return torch.cat([as_bytes(b) for b in lay.data_buffers()])
-
-
 def _to_meta(model: nn.Module) -> None:
     """Release the parameters' memory: the shadow keeps a meta-device skeleton."""
     for p in model.parameters():
@@ -258,6 +254,8 @@ class GlooSession:
         self.cross_group: Any = None
         self.parity: list[ParityBlock] = []
         self.gparity: ParityBlock | None = None
+        self._red: torch.Tensor | None = None  # the all-reduce buffer, reused
+        self._gdelta: torch.Tensor | None = None  # the gradient parity's delta, reused
         self.completed = False
         self.t0 = time.perf_counter()
         self.timeline: list[dict[str, Any]] = []
@@ -381,7 +379,11 @@ class GlooSession:
             chunk_numel=int(self.cfg.chunk_size),
             alloc=self.keeper.alloc,
             attach=attach,
-            verify=bool(self.cfg.verify_chunks),
+            # verify_chunks is done once per step, for every chunk, at PREPARE
+            # (before the vote, so a corrupt chunk stops the step before its
+            # commit); checking each chunk again at its undo copy would read the
+            # whole state a second time for nothing
+            verify=False,
         )
 
     def _create_layout(self) -> None:
@@ -592,14 +594,19 @@ class GlooSession:
         # exact in floating point), so one collective is in flight, never two (a gloo
         # group torn down with a second operation pending waits for its timeout)
         n = lay.numel
-        buf = torch.zeros(n + len(lay.params), dtype=lay.dtype)
+        if self._red is None or self._red.numel() != n + len(lay.params):
+            self._red = torch.zeros(n + len(lay.params), dtype=lay.dtype)
+        buf = self._red  # reused every step: no fresh pages to fault in
         flat = buf[:n]
+        buf[n:].zero_()
         for i, prm in enumerate(lay.params):
             g = prm.grad
+            s = lay.slots[i]
             if g is not None:
-                s = lay.slots[i]
                 flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
                 buf[n + i] = 1
+            else:
+                flat[s.offset : s.offset + s.numel].zero_()
             prm.grad = None
         # 2. reduce
         self.ch.mark("allreduce")
@@ -613,14 +620,19 @@ class GlooSession:
         m = self.lr
         gdelta = None
         if self.gparity is not None:
+            # this member's change of the gradient parity: new bytes - old bytes
+            # (old: zeros if the parity never held this member's gradients)
             comp = self.gparity.versions()[m]
-            gb = as_bytes(lay.grad_buffer)
-            old = gb.clone() if comp != NONE else torch.zeros_like(gb)
+            if self._gdelta is None or self._gdelta.numel() != flat.numel() * flat.element_size():
+                self._gdelta = torch.empty(flat.numel() * flat.element_size(), dtype=torch.uint8)
+            gdelta = self._gdelta
+            if comp != NONE:
+                torch.sub(as_bytes(flat), as_bytes(lay.grad_buffer), out=gdelta)
+            else:
+                gdelta.copy_(as_bytes(flat))
         lay.clear_prepared()
         with torch.no_grad():
             lay.grad_buffer.copy_(flat)
-        if self.gparity is not None:
-            gdelta = as_bytes(lay.grad_buffer).clone().sub_(old)
         present_mask = [bool(c > 0) for c in present.tolist()]
         # 3. prepare
         self.ch.mark("prepare")
@@ -633,13 +645,12 @@ class GlooSession:
         if self.gparity is not None and gdelta is not None:
             self.gparity.add_delta(m, gdelta, V)
         n = lay.n_chunks
-        sums = checksum_chunks([lay.grad_buffer], n, [V] * n, domain=DOMAIN_GRAD)
         pending = {
             "step": V,
             "rng": rng_after,
             "sampler": self.cursor.state_after(V),
             "present": present_mask,
-            "grad_checksums": [int(x) for x in sums.tolist()],
+            "grad_checksums": lay.grad_checksums(),
         }
         self.ch.send({"t": "pending", "rank": r, "json": json.dumps(pending)})
         self.ch.send({"t": "vote", "rank": r, "step": V, "gen": self.gen})
@@ -1058,7 +1069,7 @@ class GlooSession:
         return len(behind), back
 
     def _snapshot_layout(self) -> tuple[int, int]:
-        nb = _packed(self.layout).numel()
+        nb = sum(as_bytes(b).numel() for b in self.layout.data_buffers())
         share = rotated_share_nbytes(nb, self.nnodes) if self.nnodes >= 2 else 0
         return nb, share
 
@@ -1079,8 +1090,12 @@ class GlooSession:
         reply, _ = self.ch.request({"t": "snapshot_slot", "step": step})
         seg = self._snap_seg(int(reply["write"]))
         nb, share = self._snapshot_layout()
-        own = _packed(self.layout)
-        seg[self.lr * nb : (self.lr + 1) * nb].copy_(own)
+        own = seg[self.lr * nb : (self.lr + 1) * nb]
+        off = 0
+        for b in self.layout.data_buffers():  # straight into the slot: no packed copy
+            bb = as_bytes(b)
+            own[off : off + bb.numel()].copy_(bb)
+            off += bb.numel()
         if self.nnodes >= 2:
             sh = encode_rotated(TorchDistCollective(self.cross_group), own)
             base = self.nproc * nb
