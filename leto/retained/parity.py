@@ -266,9 +266,22 @@ def _blocks(data: Data, size: int, *, copy: bool = True) -> torch.Tensor:
     return out.view(size - 1, blk)
 
 
-def encode_rotated(coll: Collective, data: Data) -> torch.Tensor:
-    """Tier-2 encode; every member calls it and gets back its own parity share."""
+def encode_rotated(coll: Collective, data: Data, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Tier-2 encode; every member calls it and gets back its own parity share.
+
+    ``out`` (uint8, the share's size) receives the share in place of a new tensor.
+    With two members a share is the other member's bytes, so they are exchanged
+    by two broadcasts straight into ``out``: no sums, no copies.
+    """
     blocks = _blocks(data, coll.size, copy=False)  # read only: each block is cloned
+    blk = blocks.shape[1]
+    if out is not None and as_bytes(out).numel() != blk:
+        raise ValueError(f"share buffer has {as_bytes(out).numel()} bytes, expected {blk}")
+    if coll.size == 2:
+        share = as_bytes(out) if out is not None else torch.empty_like(blocks[0])
+        for s in range(2):
+            coll.broadcast(blocks[0] if s == coll.rank else share, s)
+        return share
     share = torch.empty(0)
     for s in range(coll.size):
         if s == coll.rank:
@@ -278,6 +291,9 @@ def encode_rotated(coll: Collective, data: Data) -> torch.Tensor:
         coll.reduce_sum(buf, s)
         if s == coll.rank:
             share = buf
+    if out is not None:
+        as_bytes(out).copy_(share)
+        return as_bytes(out)
     return share
 
 

@@ -104,6 +104,29 @@ def test_rotated_encode_update_decode_exact(size: int, seed: int) -> None:
     assert out[0][1].numel() == rotated_share_nbytes(nbytes, size)
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_rotated_encode_into_a_given_buffer(size: int) -> None:
+    truth = [member_data(r, 11, (24, 8)) for r in range(size)]
+    nbytes = sum(t.numel() * t.element_size() for t in truth[0])
+    blk = rotated_share_nbytes(nbytes, size)
+
+    def program(c: Any) -> Any:
+        fresh = encode_rotated(c, truth[c.rank])
+        out = torch.full((blk,), 0x5A, dtype=torch.uint8)
+        got = encode_rotated(c, truth[c.rank], out=out)
+        with pytest.raises(ValueError, match="share buffer"):
+            encode_rotated(c, truth[c.rank], out=torch.empty(blk + 1, dtype=torch.uint8))
+        return fresh, out, got.data_ptr() == out.data_ptr()
+
+    res = run_spmd(size, program)
+    for r in range(size):
+        fresh, out, same_buffer = res[r]
+        assert torch.equal(fresh, out) and same_buffer
+    if size == 2:  # a two-member share is the other member's bytes, verbatim
+        peer = torch.cat([t.reshape(-1).view(torch.uint8) for t in truth[1]])
+        assert torch.equal(res[0][1], peer)
+
+
 def test_wraparound_is_explicit_and_exact() -> None:
     # every member all 0xFF: the sum wraps many times over
     members = [torch.full((64,), 0xFF, dtype=torch.uint8) for _ in range(5)]

@@ -1097,9 +1097,12 @@ class GlooSession:
             own[off : off + bb.numel()].copy_(bb)
             off += bb.numel()
         if self.nnodes >= 2:
-            sh = encode_rotated(TorchDistCollective(self.cross_group), own)
             base = self.nproc * nb
-            seg[base + self.lr * share : base + (self.lr + 1) * share].copy_(sh)
+            encode_rotated(
+                TorchDistCollective(self.cross_group),
+                own,
+                out=seg[base + self.lr * share : base + (self.lr + 1) * share],
+            )
         lay = self.layout
         return {
             "step": step,
