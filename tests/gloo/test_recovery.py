@@ -77,6 +77,11 @@ def test_sigkill_at_every_phase_recovers_bitwise(
     # COMMIT recorded, chunks not (all) applied: roll forward (a torn chunk from its undo copy)
     assert kinds[5:8] == ["forward"] * 3 and kinds[9] == "forward", kinds
     assert recs[7]["chunks_rolled_forward"] >= 1
+    # a crash before any byte changed leaves the node's parity current: not re-encoded;
+    # a roll forward changed bytes: re-encoded (the first tests the skip, the second
+    # that it is not taken blindly; bitwise equality below covers both)
+    assert recs[0]["parity_reencoded"] == 0, recs[0]
+    assert recs[7]["parity_reencoded"] >= 1, recs[7]
     assert all(p["warm"] for r in recs for p in r["promoted"])
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
 

@@ -750,6 +750,7 @@ class Coordinator:
                 "chunks_rolled_forward",
                 "chunks_rolled_back",
                 "chunks_restored",
+                "parity_reencoded",
             )
         }
         slowest = {

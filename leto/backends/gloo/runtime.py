@@ -256,6 +256,7 @@ class GlooSession:
         self.gparity: ParityBlock | None = None
         self._red: torch.Tensor | None = None  # the all-reduce buffer, reused
         self._gdelta: torch.Tensor | None = None  # the gradient parity's delta, reused
+        self._reencoded = False  # did the last recovery re-encode the node's tier-1 parity
         self.completed = False
         self.t0 = time.perf_counter()
         self.timeline: list[dict[str, Any]] = []
@@ -268,6 +269,7 @@ class GlooSession:
             "chunks_rolled_forward": 0,
             "snapshot_restores": 0,
             "checkpoint_restores": 0,
+            "parity_reencodes_skipped": 0,
         }
         self.keeper_pid: int = spec.get("keeper_pid", 0)
         self._step_in_progress = 0
@@ -941,6 +943,7 @@ class GlooSession:
         meta = self._after_recovery_state(target)
         summary["repair_ms"] = round((t1 - t0) * 1e3, 3)
         summary["redundancy_ms"] = round((time.perf_counter() - t1) * 1e3, 3)
+        summary["parity_reencoded"] = int(self._reencoded)
         self.status_lost(False)
         self.ch.send(
             {"t": "reconciled", "rank": self.rank, "gen": gen, "summary": summary, "snapshot": meta}
@@ -1219,6 +1222,7 @@ class GlooSession:
         """Verify, then rebuild the redundancy at ``target``: parity, gradient parity, snapshot."""
         lay = self.layout
         lay.clear_prepared()
+        self._reencoded = False
         wrong = [
             c
             for c in range(lay.n_chunks)
@@ -1241,18 +1245,28 @@ class GlooSession:
             )
             allsums = [torch.zeros_like(sums) for _ in range(self.nproc)]
             dist.all_gather(allsums, sums, group=self.node_group)
-            # one reduce for every chunk: chunk c's parity is bytes [c*cb, (c+1)*cb)
-            parts = [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)]
-            par = encode(coll, parts, 0)
-            if self.lr == 0:
-                assert par is not None
-                cb = par.numel() // lay.n_chunks
-                for c in range(lay.n_chunks):
-                    self.parity[c].write_full(
-                        par[c * cb : (c + 1) * cb],
-                        [target] * self.nproc,
-                        [int(s[c]) for s in allsums],
-                    )
+            want = [[int(s[c]) for s in allsums] for c in range(lay.n_chunks)]
+            # The node's parity already encodes every member at ``target`` (a recovery
+            # that changed no byte: a crash before PREPARE, a hang): it is, byte for
+            # byte, what re-encoding would write. Every rank of the node reads the same
+            # shared blocks and the same gathered checksums, so all decide alike.
+            current = all(
+                b.valid and b.versions() == [target] * self.nproc and b.checksums() == want[c]
+                for c, b in enumerate(self.parity)
+            )
+            self.stats["parity_reencodes_skipped"] += int(current)
+            self._reencoded = not current
+            if not current:
+                # one reduce for every chunk: chunk c's parity is bytes [c*cb, (c+1)*cb)
+                parts = [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)]
+                par = encode(coll, parts, 0)
+                if self.lr == 0:
+                    assert par is not None
+                    cb = par.numel() // lay.n_chunks
+                    for c in range(lay.n_chunks):
+                        self.parity[c].write_full(
+                            par[c * cb : (c + 1) * cb], [target] * self.nproc, want[c]
+                        )
             if self.lr == 0:
                 assert self.gparity is not None
                 self.gparity.write_full(None, [NONE] * self.nproc, [0] * self.nproc)
