@@ -1132,8 +1132,9 @@ class Agent:
                 self.reclaimed = False
                 self.say(f"shadows re-warm: trainers use {used >> 20} MiB")
                 for lr in self.local_ranks:
-                    if self.shadow.get(lr) is None and not self.complete:
-                        self._spawn(lr, "shadow")
+                    # not a second shadow where one is already starting (e.g. the one
+                    # the coordinator asked for, to promote)
+                    self._ensure_shadow(lr)
         if self.complete:
             self._check_node_finished()
 
