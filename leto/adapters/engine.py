@@ -1044,17 +1044,11 @@ class Engine:
         for p in self.procs:
             lay = p.layout
             lay.clear_prepared()
-            wrong = [
-                c
-                for c in range(lay.n_chunks)
-                if lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
-            ]
-            bad = lay.verify()
-            if wrong or bad or p.ropt is None or p.ropt.version != target:
-                raise IntegrityError(
-                    f"rank {p.rank} would resume on wrong state: chunks {wrong} not clean at "
-                    f"step {target}, chunks {bad} fail their checksums"
-                )
+            why = lay.unresumable(target)
+            if why is None and (p.ropt is None or p.ropt.version != target):
+                why = f"the optimizer is not at step {target}"
+            if why is not None:
+                raise IntegrityError(f"rank {p.rank} would resume on wrong state: {why}")
         for n in range(self.backend.nodes):
             self.backend.node_store(n).pending.clear()
         for p in self.procs:

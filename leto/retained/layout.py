@@ -686,6 +686,22 @@ class RetainedLayout:
             if bad[i] and self.chunk_status(i) is not ChunkStatus.TORN
         ]
 
+    def unresumable(self, target: int) -> str | None:
+        """Why this state cannot resume at step ``target``, or None if it can.
+
+        Every chunk must be CLEAN at version ``target`` and pass its checksum (what a
+        recovery checks before training goes on).
+        """
+        wrong = [
+            c
+            for c in range(self.n_chunks)
+            if self.chunk_status(c) is not ChunkStatus.CLEAN or self.chunk_version(c) != target
+        ]
+        bad = self.verify()
+        if not wrong and not bad:
+            return None
+        return f"chunks {wrong} not clean at step {target}, chunks {bad} fail their checksums"
+
     # --------------------------------------------------------------- gradients
 
     def zero_grad(self, set_to_none: bool = True) -> None:

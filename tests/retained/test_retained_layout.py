@@ -137,6 +137,20 @@ def test_versions_checksums_and_undo_lifecycle() -> None:
         lay.save_undo(0, verify=True)
 
 
+def test_unresumable_names_chunks_off_target_and_corrupt_ones() -> None:
+    lay = RetainedLayout.create(mlp(), chunk_numel=16, states=["s"], undo_slots=2)
+    assert lay.unresumable(0) is None
+    n = lay.n_chunks
+    assert lay.unresumable(1) == (
+        f"chunks {list(range(n))} not clean at step 1, chunks [] fail their checksums"
+    )
+    lay.save_undo(2)  # torn: not resumable even at its old version
+    assert lay.unresumable(0) == "chunks [2] not clean at step 0, chunks [] fail their checksums"
+    lay.restore_undo(2)
+    lay.param_buffer[0] += 1  # chunk 0 corrupted
+    assert lay.unresumable(0) == "chunks [] not clean at step 0, chunks [0] fail their checksums"
+
+
 def test_attach_binds_a_skeleton_without_copying_and_keeps_the_header() -> None:
     store = InMemorySegments()
     model = mlp()

@@ -1223,17 +1223,11 @@ class GlooSession:
         lay = self.layout
         lay.clear_prepared()
         self._reencoded = False
-        wrong = [
-            c
-            for c in range(lay.n_chunks)
-            if lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
-        ]
-        bad = lay.verify()
-        if wrong or bad or self.ropt is None or self.ropt.version != target:
-            raise IntegrityError(
-                f"rank {self.rank} would resume on wrong state: chunks {wrong} not clean at step "
-                f"{target}, chunks {bad} fail their checksums"
-            )
+        why = lay.unresumable(target)
+        if why is None and (self.ropt is None or self.ropt.version != target):
+            why = f"the optimizer is not at step {target}"
+        if why is not None:
+            raise IntegrityError(f"rank {self.rank} would resume on wrong state: {why}")
         self.ch.send({"t": "pending", "rank": self.rank, "json": ""})
         self._send_ps(target)
         if self.cfg.tier1:
