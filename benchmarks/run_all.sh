@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The run behind docs/benchmarks.md: every `leto bench` benchmark with its defaults,
 # one after another (they must not share the machine), tables to OUT/*.txt, JSON and
-# PNG to OUT/. Takes about 1.5 hours on the 2-core development machine.
+# PNG to OUT/. Takes about an hour on the 2-core development machine.
 #
 #   benchmarks/run_all.sh [OUT]        # default OUT: bench-results
 set -euo pipefail
