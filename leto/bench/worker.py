@@ -136,6 +136,12 @@ class _Trainer:
         return F.cross_entropy(model(self.x[idx]), self.y[idx])
 
     def finish(self) -> None:
+        # Gemini's copy to the next rank overlaps the next step; after the last step
+        # there is none: finish the exchange before exiting, or a peer still posting
+        # its half finds this process gone and dies ("Connection closed by peer"),
+        # which the agent would count as an unscheduled failure
+        if getattr(self, "peer_ops", None):
+            self._gemini_wait()
         self.out.emit("done", step=self.step)
         os._exit(0)
 
