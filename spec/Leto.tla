@@ -459,7 +459,9 @@ Reconcile ==
                      IF Mutant = "no_undo" /\ data[r][c] = TORN
                      THEN GARBAGE ELSE tgt]]
        /\ par' = ParityAt(tgt)
-       /\ t2' = tgt
+       \* The snapshot is retaken only if some of its blocks were lost: an intact
+       \* one (at t2 <= tgt, at most K steps back) still covers a node loss.
+       /\ t2' = IF t2lost = {} THEN t2 ELSE tgt
        /\ committed' = tgt
        /\ target' = tgt
        /\ loss' = committed - tgt

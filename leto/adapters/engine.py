@@ -240,6 +240,7 @@ class Engine:
             "integrity_failures": 0,
             "stale_writes_refused": 0,
             "recovery_restarts": 0,
+            "snapshots_taken": 0,
         }
         self._open: list[Any] = []  # faults fired since the last resume
         self._rec: _Recovery | None = None
@@ -812,7 +813,8 @@ class Engine:
             if rec:
                 rec.forward_chunks += rolled
                 rec.dropped = rec.dropped or dropped or kind is Kind.BACK
-        self._after_recovery_state(target)
+        # the tier-2 snapshot is retaken only if it lost blocks (the model's rule)
+        self._after_recovery_state(target, snapshot=bool(before.t2lost))
         self._note_recovered(after, kind.value, target, after.loss, reason)
 
     def _note_recovered(
@@ -1038,9 +1040,9 @@ class Engine:
             self._load_ps(p, meta["process_states"][str(p.rank)])
         self._after_recovery_state(step)
 
-    def _after_recovery_state(self, target: int) -> None:
+    def _after_recovery_state(self, target: int, *, snapshot: bool = True) -> None:
         """Verify every chunk, then rebuild the redundancy at ``target``: process states,
-        tier-1 parity, empty gradient parity, the tier-2 snapshot."""
+        tier-1 parity, empty gradient parity, and (``snapshot``) the tier-2 snapshot."""
         for p in self.procs:
             lay = p.layout
             lay.clear_prepared()
@@ -1054,7 +1056,8 @@ class Engine:
         for p in self.procs:
             self._store(p.rank).process_states[p.rank] = {target: self._ps_json(p, target)}
         self._encode_parity(target)
-        self._take_snapshot(target)
+        if snapshot:
+            self._take_snapshot(target)
 
     def _encode_parity(self, step: int) -> None:
         C = self.procs[0].layout.n_chunks
@@ -1078,6 +1081,7 @@ class Engine:
             store.gparity_versions = [NONE] * len(members)
 
     def _take_snapshot(self, step: int) -> None:
+        self.stats["snapshots_taken"] += 1
         N = self.backend.nodes
         rank_bytes = [_packed(p.layout) for p in self.procs]
         nb = rank_bytes[0].numel()
@@ -1295,6 +1299,10 @@ class Engine:
         s = self.state
         if s.phase is not Phase.RUNNING or any(t is not TrainerState.ALIVE for t in s.trainer):
             self.recover()
+            s = self.state
+        if self.options.tier2 and s.step[0] - s.t2 >= self.options.tier2_interval:
+            # a recovery kept a snapshot that is now K steps back: take the next one first
+            self.feed(ev.Tier2Snapshot())
             s = self.state
         V = s.step[0] + 1
         self._current_step = V

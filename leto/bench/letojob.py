@@ -111,9 +111,8 @@ def main() -> None:
     x, y = wl.dataset()
     faults = _Faults(spec, rank)
 
-    def step_fn(m: torch.nn.Module, idx: list[int]) -> torch.Tensor:
-        i = torch.as_tensor(idx)
-        loss = F.cross_entropy(m(x[i]), y[i])
+    def step_fn(m: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(m(x[idx]), y[idx])
         faults.check(sampler.step)
         return loss
 

@@ -199,10 +199,10 @@ class StepBatches:
         self.wl = wl
         self.step = 0
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[torch.Tensor]:
         while True:
             self.step += 1
-            yield self.wl.global_batch(self.step).tolist()
+            yield self.wl.global_batch(self.step)  # a tensor: leto shards it as DDP's workers do
 
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step}

@@ -849,7 +849,9 @@ def _recovered(m: ClusterModel, s: ClusterState, e: Any, target: int, kind: Kind
         grad=(NONE,) * cfg.ranks,
         par=reencoded_parity(cfg.groups, cfg.chunks, target),
         gpar=empty_grad_parity(cfg.groups),
-        t2=target,
+        # an intact snapshot (no block lost) is kept: it is at most K steps back and
+        # still covers a node loss; one that lost blocks is retaken at the target
+        t2=s.t2 if isinstance(e, ev.Reconcile) and not s.t2lost else target,
         t2lost=frozenset(),
         committed=target,
         prepared=frozenset(),

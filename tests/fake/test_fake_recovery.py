@@ -192,16 +192,46 @@ def test_tier1_off_uses_tier2_for_a_lost_memory() -> None:
     assert eng.backend.node_store(0).parity is None
 
 
-def test_tier2_off_still_recovers_a_node_loss_from_the_recovery_snapshot() -> None:
+def test_tier2_off_still_recovers_a_node_loss_from_the_step_0_snapshot() -> None:
     # with tier 2 off there are no periodic snapshots: only the one the core assumes at
-    # step 0 and after each recovery (here: after the crash at step 3)
+    # step 0; the crash at step 3 loses no snapshot block, so it is not retaken
     plan = [
         ("fail_at", dict(rank=0, step=3, phase="finish")),
         ("lose_node", dict(node=1, step=6, phase="finish")),
     ]
     eng = run(plan, tier2=False)
     assert [r["kind"] for r in eng.recoveries] == ["inplace", "tier2"]
-    assert eng.recoveries[1]["resumed_at"] == 3
+    assert eng.recoveries[0]["resumed_at"] == 3
+    assert eng.recoveries[1]["resumed_at"] == 0
+
+
+def test_an_intact_snapshot_is_kept_and_a_damaged_one_retaken() -> None:
+    # tier 2 every 3 steps (snapshots at 0, 3, 6). The crash in step 5 loses no
+    # snapshot block: the snapshot of step 3 stays (it is not retaken at 5), so the
+    # next one is due at 6. The node loss in step 7 restores that one (step 6), and
+    # retakes it, since node 1's blocks of it are gone.
+    plan = [
+        ("fail_at", dict(rank=0, step=5, phase="finish")),
+        ("lose_node", dict(node=1, step=7, phase="finish")),
+    ]
+    eng = run(plan)
+    assert [(r["kind"], r["resumed_at"]) for r in eng.recoveries] == [
+        ("inplace", 5),
+        ("tier2", 6),
+    ]
+    assert eng.stats["snapshots_taken"] == 4  # 0, 3, 6, and 6 again after the node loss
+    assert eng.state.t2 == 6
+    assert all(eng.backend.node_store(n).snapshot.step == 6 for n in range(2))
+
+
+def test_a_snapshot_due_when_the_failure_struck_is_taken_before_the_next_step() -> None:
+    # the crash strikes in step 6, before its snapshot (due: 6 - 3 >= K): recovery keeps
+    # the snapshot of step 3, so the engine takes step 6's before computing step 7
+    # (the core refuses a Compute with tier 2 K steps behind)
+    eng = run([("fail_at", dict(rank=1, step=6, phase="finish"))])
+    assert [r["resumed_at"] for r in eng.recoveries] == [6]
+    assert eng.stats["snapshots_taken"] == 3  # 0, 3, 6
+    assert eng.state.t2 == 6
 
 
 def test_several_faults_in_one_run_across_a_three_node_topology() -> None:

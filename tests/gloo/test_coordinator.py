@@ -96,15 +96,18 @@ def test_votes_commit_and_a_crash_is_recovered_through_the_core() -> None:
     out = h.send(0, report(1, 1, 1, node_par=None))
     cmd = out[0][1]
     assert cmd["t"] == "reconcile" and cmd["target"] == 1 and cmd["kind"] == "inplace"
-    h.send(0, {"t": "reconciled", "rank": 0, "gen": 1, "snapshot": {"step": 1}})
-    out = h.send(0, {"t": "reconciled", "rank": 1, "gen": 1, "snapshot": {"step": 1}})
-    assert (None, {"t": "t2", "step": 1, "gen": 1}) in out
+    # no snapshot block was lost: the step-0 snapshot is kept, not retaken at step 1
+    assert cmd["retake_t2"] is False
+    h.send(0, {"t": "reconciled", "rank": 0, "gen": 1, "snapshot": None})
+    out = h.send(0, {"t": "reconciled", "rank": 1, "gen": 1, "snapshot": None})
+    assert not [m for _, m in out if m["t"] == "t2"]
     assert (None, {"t": "rebuild", "gen": 1}) in out
     h.send(0, {"t": "rebuilt", "rank": 0, "gen": 1})
     out = h.send(0, {"t": "rebuilt", "rank": 1, "gen": 1})
-    assert out == [(None, {"t": "resume", "gen": 1, "step": 1, "t2": 1})]
+    assert out == [(None, {"t": "resume", "gen": 1, "step": 1, "t2": 0})]
     (end,) = h.events("recovery_end")
     assert end["kind"] == "inplace" and end["resumed_at"] == 1 and end["promoted"][0]["warm"]
+    assert end["tier2_retaken"] is False
     assert set(end["phases_ms"]) >= {"fence", "promote", "rejoin", "reconcile", "rebuild"}
     h.step(2, gen=1)  # training goes on in the new generation
 

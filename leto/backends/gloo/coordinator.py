@@ -645,6 +645,7 @@ class Coordinator:
                 "reason": plan.reason,
                 "steps_lost": s.committed,
                 "repairs": [],
+                "tier2_retaken": bool(self.info.get("tier2")),
             }
             return True
         effects = self._feed(ev.Reconcile())
@@ -661,13 +662,16 @@ class Coordinator:
             "reason": plan.reason,
             "steps_lost": after.loss,
             "repairs": repairs,
+            # the tier-2 snapshot is retaken only if it lost blocks (the model's rule)
+            "tier2_retaken": bool(s.t2lost) and bool(self.info.get("tier2")),
         }
-        self._send(None, self._reconcile_cmd(after.kind, after.target, repairs))
+        cmd = self._reconcile_cmd(after.kind, after.target, repairs, retake_t2=bool(s.t2lost))
+        self._send(None, cmd)
         self._wait("reconcile", set(range(self.W)), now)
         return False
 
     def _reconcile_cmd(
-        self, kind: Kind, target: int, repairs: list[dict[str, Any]]
+        self, kind: Kind, target: int, repairs: list[dict[str, Any]], *, retake_t2: bool = True
     ) -> dict[str, Any]:
         msg: dict[str, Any] = {
             "t": "reconcile",
@@ -675,6 +679,7 @@ class Coordinator:
             "kind": kind.value,
             "target": target,
             "repairs": repairs,
+            "retake_t2": retake_t2,
         }
         if kind is Kind.TIER2:
             msg["snapshot"] = {
@@ -737,7 +742,12 @@ class Coordinator:
         # every rank took the snapshot of the target step: it becomes the tier-2 snapshot
         s = self.state
         assert s is not None
-        if self.info.get("tier2") and len(rec.snapshot) == self.W:
+        snaps = rec.snapshot
+        if (
+            self.info.get("tier2")
+            and len(snaps) == self.W
+            and all(m is not None for m in snaps.values())
+        ):
             self.t2_step = s.target
             self.t2_meta = dict(rec.snapshot)
             self._send(None, {"t": "t2", "step": s.target, "gen": s.gen})

@@ -246,6 +246,7 @@ class GlooSession:
         self.rng: dict[str, Any] | None = None
         self.sampler_state: dict[str, Any] | None = None
         self.t2 = 0
+        self._t2_pending: int | None = None  # a snapshot sent, its "t2" not yet seen
         self.K = config.tier2_interval if config.tier2 else 10**12
         self.faults = list(spec.get("faults", []))
         self.store: Any = None
@@ -572,6 +573,8 @@ class GlooSession:
     def _step(self) -> float:
         assert self.ropt is not None and self.keeper is not None
         ropt, lay = self.ropt, self.layout
+        # a recovery may have kept a snapshot that is now K steps back: take it first
+        self._tier2(ropt.version)
         V = ropt.version + 1
         self._step_in_progress = V
         r, W = self.rank, self.W
@@ -698,14 +701,25 @@ class GlooSession:
         self.stats["steps_run"] += 1
         self.ch.send({"t": "finished", "rank": r, "step": V, "gen": self.gen, "loss": lval})
         self.ch.mark("idle", V)
-        if self.cfg.tier2 and V - self.t2 >= self.K:
-            meta = _coll(self._snapshot, V)
-            self.ch.send(
-                {"t": "snapshot_done", "rank": r, "step": V, "gen": self.gen, "meta": meta}
-            )
-            self.ch.wait_for("t2", V, self.gen)
-            self.t2 = V
+        self._tier2(V)
         return lval
+
+    def _tier2(self, V: int) -> None:
+        """The tier-2 snapshot of step ``V`` if the last one is K steps back."""
+        if not self.cfg.tier2 or V - self.t2 < self.K:
+            return
+        if self._t2_pending is not None:  # the previous snapshot is complete (long since)
+            self.ch.wait_for("t2", self._t2_pending, self.gen)
+        meta = _coll(self._snapshot, V)
+        self.ch.send(
+            {"t": "snapshot_done", "rank": self.rank, "step": V, "gen": self.gen, "meta": meta}
+        )
+        # No wait for the coordinator's "t2" here (it was a barrier of every rank each
+        # K steps): step V+1 cannot commit before it anyway, since the coordinator
+        # receives this rank's snapshot_done before its vote for V+1 (one FIFO path)
+        # and feeds the model's Tier2Snapshot before that step's Compute events.
+        self._t2_pending = V
+        self.t2 = V
 
     def train(self, step_fn: StepFn, steps: int) -> dict[str, int]:
         """Run steps until every rank has completed ``steps``; the counters."""
@@ -940,7 +954,7 @@ class GlooSession:
         self.stats["grad_blocks_repaired_from_parity"] += summary["grads_repaired_tier1"]
         self.stats["chunks_rolled_forward"] += summary["chunks_rolled_forward"]
         t1 = time.perf_counter()
-        meta = self._after_recovery_state(target)
+        meta = self._after_recovery_state(target, snapshot=bool(msg.get("retake_t2", True)))
         summary["repair_ms"] = round((t1 - t0) * 1e3, 3)
         summary["redundancy_ms"] = round((time.perf_counter() - t1) * 1e3, 3)
         summary["parity_reencoded"] = int(self._reencoded)
@@ -956,6 +970,7 @@ class GlooSession:
         if self.ropt.version != step:
             self._fatal(f"resume at step {step}, but this rank's state is at {self.ropt.version}")
         self.t2 = int(msg.get("t2", step))
+        self._t2_pending = None
         assert self.sampler_state is not None
         self.cursor.restore(self.sampler_state)
         self.stats["recoveries"] += 1
@@ -1061,7 +1076,7 @@ class GlooSession:
                 lay.seal_grads(target, pend["present"])
             self._load_ps(hist[target - 1])
             if behind:
-                ropt.roll_forward()
+                ropt.roll_forward(on_applied=lambda c: self._parity_follows(c, target))
             else:
                 ropt.begin(target)
                 ropt.end()
@@ -1070,6 +1085,20 @@ class GlooSession:
             self.sampler_state = pend["sampler"]
         lay.clear_prepared()
         return len(behind), back
+
+    def _parity_follows(self, c: int, step: int) -> None:
+        """A rolled-forward chunk's change into the node's parity, as a step's APPLY does.
+
+        Only where the parity holds this member's chunk one step back (a death between
+        seal and parity update leaves it there; after the update it is already at
+        ``step``); otherwise the recovery re-encodes the node's parity as a whole.
+        """
+        if not self.parity:
+            return
+        block = self.parity[c]
+        if block.valid and block.versions()[self.lr] == step - 1:
+            lay = self.layout
+            block.update(self.lr, lay.undo_data(c), lay.chunk_data(c), step, lay.stored_checksum(c))
 
     def _snapshot_layout(self) -> tuple[int, int]:
         nb = sum(as_bytes(b).numel() for b in self.layout.data_buffers())
@@ -1218,8 +1247,9 @@ class GlooSession:
         lay.clear_prepared()
         self._load_ps(meta["ps"])
 
-    def _after_recovery_state(self, target: int) -> dict[str, Any] | None:
-        """Verify, then rebuild the redundancy at ``target``: parity, gradient parity, snapshot."""
+    def _after_recovery_state(self, target: int, *, snapshot: bool = True) -> dict[str, Any] | None:
+        """Verify, then rebuild the redundancy at ``target``: parity, gradient parity, and
+        (``snapshot``: the coordinator says the tier-2 snapshot lost blocks) the snapshot."""
         lay = self.layout
         lay.clear_prepared()
         self._reencoded = False
@@ -1265,7 +1295,7 @@ class GlooSession:
                 assert self.gparity is not None
                 self.gparity.write_full(None, [NONE] * self.nproc, [0] * self.nproc)
             dist.barrier(group=self.node_group)
-        meta = self._snapshot(target) if self.cfg.tier2 else None
+        meta = self._snapshot(target) if self.cfg.tier2 and snapshot else None
         dist.barrier()
         return meta
 
