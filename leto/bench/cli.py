@@ -3,7 +3,7 @@
 ::
 
     leto bench recovery [--params 1M] [--repeats 5] [--mtbf 60] [--json]
-    leto bench overhead [--params 1M] [--batch 16384] [--rounds 3] [--json]
+    leto bench overhead [--params 1M] [--batch 16384] [--rounds 5] [--json]
     leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 60] [--json]
     leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--json]
 
@@ -83,7 +83,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "overhead", help="failure-free step time: plain vs leto (tiers on, tier 2 off)"
     )
     _common(p, systems=False, batch=TRAINING_BATCH)
-    p.add_argument("--rounds", type=int, default=3, help="rounds of interleaved jobs (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of interleaved jobs (default 5)")
     p.add_argument(
         "--periods", type=int, default=2, help="tier-2 periods measured per job (default 2)"
     )

@@ -57,7 +57,7 @@ def _leto(wl: Workload, warmup: int, steps: int, *, tier2: bool, tier2_interval:
 def run_overhead(
     wl: Workload,
     *,
-    rounds: int = 3,
+    rounds: int = 5,
     periods: int = 2,
     tier2_interval: int = 10,
     warmup: int = 5,
@@ -101,5 +101,8 @@ def run_overhead(
         "overhead_pct": 100.0 * (mean["leto"] / mean["plain"] - 1.0),
         "overhead_pct_tier2_off": 100.0 * (mean["leto-no-tier2"] / mean["plain"] - 1.0),
         "overhead_pct_by_round": per_round,
+        # the machine's speed drifts by several percent between jobs: the median of the
+        # rounds' own ratios is the estimate least moved by one slow or fast job
+        "overhead_pct_median_round": {c: statistics.median(v) for c, v in per_round.items()},
         "elapsed_s": time.monotonic() - start,
     }
