@@ -167,6 +167,8 @@ def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
     if not wls:
         raise BenchError("--sizes names no model size")
     wls.sort(key=lambda w: w.params)
+    if args.bench == "scaling" and len({w.params for w in wls}) < 2:
+        raise BenchError("--sizes must name at least two different model sizes to show growth")
     mem_systems = systems if args.bench != "overhead" else ["plain", "leto"]
     for wl in wls:
         check_memory(wl, mem_systems)

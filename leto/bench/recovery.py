@@ -25,7 +25,7 @@ from typing import Any
 from .agent import RESTART_SYSTEMS, Job
 from .interval import checkpoint_interval_steps, failure_schedule
 from .timeline import PHASES, restart_breakdown
-from .workload import Workload
+from .workload import BenchError, Workload
 
 __all__ = ["CAL_STEPS", "ORDER", "measure_leto", "measure_system", "run_recovery", "summarize"]
 
@@ -264,14 +264,62 @@ def run_scaling(
     totals: dict[str, list[float]] = {}
     for name in results[0]["systems"]:
         totals[name] = [r["systems"][name]["total_s"] for r in results]
-    return {
-        "benchmark": "scaling",
-        "sizes": [wl.label for wl in workloads],
-        "params": [wl.params for wl in workloads],
-        "state_bytes_per_rank": [wl.state_bytes for wl in workloads],
-        "totals": totals,
-        "growth": {n: t[-1] / t[0] for n, t in totals.items()},
-        "ratio_vs_best_baseline": [r.get("ratio_vs_best_baseline") for r in results],
-        "results": results,
-        "elapsed_s": time.monotonic() - start,
+    return summarize_scaling(
+        {
+            "benchmark": "scaling",
+            "sizes": [wl.label for wl in workloads],
+            "params": [wl.params for wl in workloads],
+            "state_bytes_per_rank": [wl.state_bytes for wl in workloads],
+            "totals": totals,
+            "growth": {n: t[-1] / t[0] for n, t in totals.items()},
+            "ratio_vs_best_baseline": [r.get("ratio_vs_best_baseline") for r in results],
+            "results": results,
+            "elapsed_s": time.monotonic() - start,
+        }
+    )
+
+
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ``ys`` over ``xs``."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    if den == 0:
+        raise BenchError("scaling needs at least two different model sizes")
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den
+
+
+def summarize_scaling(res: dict[str, Any]) -> dict[str, Any]:
+    """Add how each system's recovery grows with the state to a scaling result.
+
+    A recovery's total (failure -> the step in flight completed) is split, per size,
+    into *resume* (detect + process + model + comm: the time until training runs
+    again) and *lost work* (recomputing what the failure lost, at least the step in
+    flight, whose cost grows with the model for every system). For each series:
+    the seconds added from the smallest size to the largest (``added_s``) and the
+    least-squares slope in seconds per GiB of state per rank (``slope_s_per_gib``).
+    ``leto_slope_vs_disk``: leto's total slope over ``ckpt-disk``'s (below 1: leto's
+    recovery grows slower).
+    """
+    gib = [b / 2**30 for b in res["state_bytes_per_rank"]]
+    names = list(res["totals"])
+    series: dict[str, dict[str, list[float]]] = {"total": res["totals"]}
+    series["resume"] = {
+        n: [
+            r["systems"][n]["phases"]["total"] - r["systems"][n]["phases"]["lost_work"]
+            for r in res["results"]
+        ]
+        for n in names
     }
+    series["lost_work"] = {
+        n: [r["systems"][n]["phases"]["lost_work"] for r in res["results"]] for n in names
+    }
+    res["resume"] = series["resume"]
+    res["lost_work"] = series["lost_work"]
+    res["added_s"] = {k: {n: v[-1] - v[0] for n, v in s.items()} for k, s in series.items()}
+    res["slope_s_per_gib"] = {
+        k: {n: _slope(gib, v) for n, v in s.items()} for k, s in series.items()
+    }
+    slopes = res["slope_s_per_gib"]["total"]
+    if "leto" in slopes and "ckpt-disk" in slopes and slopes["ckpt-disk"] > 0:
+        res["leto_slope_vs_disk"] = slopes["leto"] / slopes["ckpt-disk"]
+    return res

@@ -90,17 +90,35 @@ def goodput_table(res: dict[str, Any]) -> str:
 
 
 def scaling_table(res: dict[str, Any]) -> str:
-    lines = [
-        "scaling: recovery total (median) by model size",
-        f"{'system':<16}" + "".join(f"{s:>10}" for s in res["sizes"]) + f"{'growth':>10}",
-    ]
-    for name, tot in res["totals"].items():
-        lines.append(
-            f"{name:<16}" + "".join(f"{t:>9.2f}s" for t in tot) + f"{res['growth'][name]:>9.1f}x"
-        )
+    sizes = res["sizes"]
+    head = f"{'system':<16}" + "".join(f"{s:>10}" for s in sizes) + f"{'added':>10}{'s/GiB':>9}"
+    lines = ["scaling: recovery (median) by model size"]
+    for key, title in (
+        ("total", "total: failure -> the step in flight completed"),
+        ("resume", "resume: failure -> training runs again (detect+process+model+comm)"),
+        ("lost_work", "lost work: recomputing what the failure lost"),
+    ):
+        lines += ["", title, head]
+        for name, vals in (res["totals"] if key == "total" else res[key]).items():
+            lines.append(
+                f"{name:<16}"
+                + "".join(f"{t:>9.2f}s" for t in vals)
+                + f"{res['added_s'][key][name]:>+9.2f}s{res['slope_s_per_gib'][key][name]:>9.1f}"
+            )
     mib = ", ".join(
         f"{s} -> {b / 2**20:.0f} MiB"
-        for s, b in zip(res["sizes"], res["state_bytes_per_rank"], strict=True)
+        for s, b in zip(sizes, res["state_bytes_per_rank"], strict=True)
     )
-    lines.append(f"growth: total at the largest size / at the smallest; state per rank: {mib}")
+    lines.append("")
+    lines.append(
+        "added: at the largest size minus at the smallest; s/GiB: least-squares slope over "
+        f"the state per rank ({mib})"
+    )
+    if "leto_slope_vs_disk" in res:
+        lines.append(
+            f"leto's total grows {1 / res['leto_slope_vs_disk']:.1f}x slower than ckpt-disk's "
+            "(slope ratio)"
+            if res["leto_slope_vs_disk"] > 0
+            else "leto's total does not grow with the state here"
+        )
     return "\n".join(lines)

@@ -26,6 +26,8 @@ from leto.cli import main
         (["recovery", "--params", "lots"], "not a parameter count"),
         (["recovery", "--repeats", "0"], "--repeats must be at least 1"),
         (["recovery", "--world", "1"], "--world must be at least 2"),
+        (["scaling", "--sizes", "1M"], "at least two different model sizes"),
+        (["scaling", "--sizes", "1M,1.0M"], "at least two different model sizes"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
