@@ -54,7 +54,12 @@ PHASES: list[dict[str, Any]] = [
 @pytest.fixture(scope="session")
 def kill_at_every_phase(session_dir: Path) -> JobResult:
     faults = [{"kind": "crash", "rank": i % 2, "step": i + 2, **p} for i, p in enumerate(PHASES)]
-    return job(session_dir / "every-phase", steps=STEPS_1x2, faults=faults)
+    return job(
+        session_dir / "every-phase",
+        steps=STEPS_1x2,
+        faults=faults,
+        env={"LETO_CHECK_KEPT_PARITY": "1"},  # a kept parity is checked byte for byte
+    )
 
 
 def test_sigkill_at_every_phase_recovers_bitwise(
@@ -81,6 +86,8 @@ def test_sigkill_at_every_phase_recovers_bitwise(
     # updates it chunk by chunk as APPLY does: neither re-encodes the node's parity
     assert recs[0]["parity_reencoded"] == 0, recs[0]
     assert recs[7]["parity_reencoded"] == 0, recs[7]
+    # ... and a kept parity is, byte for byte, a fresh encoding (else the job fails)
+    assert recs[0]["parity_checked"] >= 1 and recs[7]["parity_checked"] >= 1, recs
     assert all(p["warm"] for r in recs for p in r["promoted"])
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
 

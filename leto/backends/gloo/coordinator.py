@@ -761,6 +761,7 @@ class Coordinator:
                 "chunks_rolled_back",
                 "chunks_restored",
                 "parity_reencoded",
+                "parity_checked",
             )
         }
         slowest = {

@@ -93,6 +93,10 @@ class _CollectiveFailed(Exception):
     """A collective did not complete (a peer died or the group was torn down)."""
 
 
+# test aid: verify a kept (not re-encoded) tier-1 parity byte for byte after a recovery
+_CHECK_KEPT_PARITY = os.environ.get("LETO_CHECK_KEPT_PARITY") == "1"
+
+
 def _coll(fn: Any, *args: Any, **kw: Any) -> Any:
     """Run a collective; its failure becomes :class:`_CollectiveFailed`."""
     try:
@@ -258,6 +262,7 @@ class GlooSession:
         self._red: torch.Tensor | None = None  # the all-reduce buffer, reused
         self._gdelta: torch.Tensor | None = None  # the gradient parity's delta, reused
         self._reencoded = False  # did the last recovery re-encode the node's tier-1 parity
+        self._parity_checked = False  # did it check a kept parity (LETO_CHECK_KEPT_PARITY)
         self.completed = False
         self.t0 = time.perf_counter()
         self.timeline: list[dict[str, Any]] = []
@@ -958,6 +963,7 @@ class GlooSession:
         summary["repair_ms"] = round((t1 - t0) * 1e3, 3)
         summary["redundancy_ms"] = round((time.perf_counter() - t1) * 1e3, 3)
         summary["parity_reencoded"] = int(self._reencoded)
+        summary["parity_checked"] = int(self._parity_checked)
         self.status_lost(False)
         self.ch.send(
             {"t": "reconciled", "rank": self.rank, "gen": gen, "summary": summary, "snapshot": meta}
@@ -1085,6 +1091,26 @@ class GlooSession:
             self.sampler_state = pend["sampler"]
         lay.clear_prepared()
         return len(behind), back
+
+    def _check_kept_parity(self, coll: TorchDistCollective, target: int) -> None:
+        """Test aid (``LETO_CHECK_KEPT_PARITY=1``): the node's kept parity, byte for
+        byte, against a fresh encoding of every member's chunks at ``target``."""
+        lay = self.layout
+        par = encode(coll, [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)], 0)
+        self._parity_checked = True
+        if self.lr == 0:
+            assert par is not None
+            cb = par.numel() // lay.n_chunks
+            bad = [
+                c
+                for c in range(lay.n_chunks)
+                if not torch.equal(par[c * cb : (c + 1) * cb], self.parity[c].parity())
+            ]
+            if bad:
+                raise IntegrityError(
+                    f"node {self.node}: the kept parity of chunks {bad} is not the encoding "
+                    f"of its members at step {target}"
+                )
 
     def _parity_follows(self, c: int, step: int) -> None:
         """A rolled-forward chunk's change into the node's parity, as a step's APPLY does.
@@ -1253,6 +1279,7 @@ class GlooSession:
         lay = self.layout
         lay.clear_prepared()
         self._reencoded = False
+        self._parity_checked = False
         why = lay.unresumable(target)
         if why is None and (self.ropt is None or self.ropt.version != target):
             why = f"the optimizer is not at step {target}"
@@ -1280,6 +1307,8 @@ class GlooSession:
             )
             self.stats["parity_reencodes_skipped"] += int(current)
             self._reencoded = not current
+            if current and _CHECK_KEPT_PARITY:
+                self._check_kept_parity(coll, target)
             if not current:
                 # one reduce for every chunk: chunk c's parity is bytes [c*cb, (c+1)*cb)
                 parts = [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)]
