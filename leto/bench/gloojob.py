@@ -58,6 +58,7 @@ class GlooJob:
         tier1: bool = True,
         tier2: bool = True,
         tier2_interval: int = 10,
+        cpu_probe: tuple[int, int] | None = None,
     ) -> None:
         if wl.world % nodes:
             nodes = 1
@@ -73,6 +74,7 @@ class GlooJob:
             "tier1": tier1,
             "tier2": tier2,
             "tier2_interval": tier2_interval,
+            "cpu_probe": list(cpu_probe) if cpu_probe else None,
         }
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stopping = False
@@ -149,6 +151,14 @@ class GlooJob:
         if not path.exists():
             return []
         return sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda s: s["i"])
+
+    def cpu(self, first: int, last: int) -> dict[str, Any]:
+        """CPU per step between the ``cpu_probe`` steps (:func:`leto.bench.cpu.leto_cpu_report`)."""
+        from .cpu import leto_cpu_report
+
+        path = self.run_dir / "bench-cpu.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return leto_cpu_report((json.loads(x) for x in lines), first, last)
 
     def t0(self) -> float | None:
         path = self.run_dir / "bench-t0"

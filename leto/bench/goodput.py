@@ -61,7 +61,7 @@ def plain_step_time(wl: Workload) -> float:
     """Failure-free step time of plain DDP on ``wl`` (a short plain job)."""
     from .overhead import _plain
 
-    return _plain(wl, 3, _REF_STEPS)
+    return _plain(wl, 3, _REF_STEPS)[0]
 
 
 def run_system(

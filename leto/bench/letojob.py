@@ -16,6 +16,13 @@ once, not again in the shadow that takes the rank's place. Due means either
   after the budget's start, and after the previous failure fired (one at a time;
   ``leto bench goodput``). Rank 0 starts the budget when it begins step
   ``spec["t0_after_step"] + 1`` (``RUN_DIR/bench-t0``).
+
+With ``spec["cpu_probe"] = [a, b]`` every rank appends its CPU time at the forward
+of steps ``a`` and ``b`` to ``RUN_DIR/bench-cpu.jsonl``: the process total and its
+CPU by protocol phase (``GlooSession.phase_cpu_s``); rank 0 adds the CPU time of
+every process of the job (agents, coordinator, keepers, zygote, shadows: their
+command lines carry the run directory). :func:`leto.bench.gloojob.cpu_report`
+reads it.
 """
 
 from __future__ import annotations
@@ -85,6 +92,35 @@ class _Faults:
             self._t0(step)
 
 
+class _CpuProbe:
+    def __init__(self, spec: dict[str, Any], rank: int) -> None:
+        self.run = Path(spec["run_dir"])
+        self.rank = rank
+        self.steps = set(spec.get("cpu_probe") or ())
+        self.session: Any = None
+
+    def at(self, step: int) -> None:
+        if step not in self.steps or self.session is None:
+            return
+        self.steps.discard(step)  # once (a recomputed step is not probed again)
+        rec: dict[str, Any] = {
+            "rank": self.rank,
+            "step": step,
+            "pid": os.getpid(),
+            "cpu": time.process_time(),
+            "phases": self.session.phase_cpu_s(),
+        }
+        if self.rank == 0:
+            from leto.bench.cpu import cpu_seconds_of
+
+            rec["job"] = cpu_seconds_of(str(self.run))
+        fd = os.open(self.run / "bench-cpu.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (json.dumps(rec) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
 def main() -> None:
     import torch
     import torch.nn.functional as F
@@ -110,13 +146,16 @@ def main() -> None:
     sampler = StepBatches(wl)
     x, y = wl.dataset()
     faults = _Faults(spec, rank)
+    probe = _CpuProbe(spec, rank)
 
     def step_fn(m: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(m(x[idx]), y[idx])
         faults.check(sampler.step)
+        probe.at(sampler.step)
         return loss
 
     session = leto.wrap(model, optimizer, None, sampler, config=cfg)
+    probe.session = session
     session.train(step_fn, spec["steps"])
 
 

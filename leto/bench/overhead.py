@@ -14,6 +14,12 @@ is the mean wall time per step over whole tier-2 periods after warm-up steps
 (from the workers' step stamps, and from leto's coordinator's committed steps);
 ``overhead_pct`` is ``100 * (mean leto / mean plain - 1)`` over the rounds, and
 each round's own ratio is kept to show the spread.
+
+Where the time goes: every job also measures its CPU per step over the same
+steps (:mod:`leto.bench.cpu`): the trainers' (leto's by protocol phase) and, for
+leto, that of its agents, coordinator, keepers and shadows. With more ranks than
+cores the step time follows the job's CPU, so ``cpu_ms_per_step[...]["extra_pct"]``
+says how much of the overhead is work leto adds, and which phase adds it.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ CONFIGS = ("plain", "leto", "leto-no-tier2")
 _TIMEOUT_S = 300.0
 
 
-def _plain(wl: Workload, warmup: int, steps: int) -> float:
+def _plain(wl: Workload, warmup: int, steps: int) -> tuple[float, dict[str, Any]]:
+    """Plain DDP's step time over steps ``warmup..warmup+steps``, and its CPU per step."""
     from .agent import Job
+    from .cpu import plain_cpu_report
 
     stop = warmup + steps
 
@@ -42,16 +50,25 @@ def _plain(wl: Workload, warmup: int, steps: int) -> float:
         job.start()
         job.pump(lambda: job.finished, _TIMEOUT_S, "the plain job's end")
         t = {e["step"]: e["t"] for e in job.events if e["ev"] == "step" and e["rank"] == 0}
-    return (t[stop] - t[warmup]) / steps
+        cpu = plain_cpu_report(job.events, warmup, stop)
+    return (t[stop] - t[warmup]) / steps, cpu
 
 
-def _leto(wl: Workload, warmup: int, steps: int, *, tier2: bool, tier2_interval: int) -> float:
+def _leto(
+    wl: Workload, warmup: int, steps: int, *, tier2: bool, tier2_interval: int
+) -> tuple[float, dict[str, Any]]:
+    """leto's step time over steps ``warmup..warmup+steps``, and its CPU per step."""
     from .gloojob import GlooJob, step_time
 
-    with GlooJob(wl, steps=warmup + steps, tier2=tier2, tier2_interval=tier2_interval) as job:
+    # the CPU probes sit at a forward pass: from step warmup+1's to step stop+1's is
+    # the same number of whole steps, so the job runs one step more than measured
+    probe = (warmup + 1, warmup + steps + 1)
+    with GlooJob(
+        wl, steps=warmup + steps + 1, tier2=tier2, tier2_interval=tier2_interval, cpu_probe=probe
+    ) as job:
         job.start()
         job.wait(lambda: bool(job.seen("job_end")), _TIMEOUT_S, "the leto job's end")
-        return step_time(job.events, warmup, warmup + steps)
+        return step_time(job.events, warmup, warmup + steps), job.cpu(*probe)
 
 
 def run_overhead(
@@ -71,16 +88,17 @@ def run_overhead(
     steps = periods * tier2_interval
     bar = Progress(rounds * len(CONFIGS), f"overhead {wl.label}") if progress else None
     times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    cpus: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
     start = time.monotonic()
     for r in range(rounds):
         order = CONFIGS[r % 3 :] + CONFIGS[: r % 3]
         for c in order:
             if c == "plain":
-                times[c].append(_plain(wl, warmup, steps))
+                t, cpu = _plain(wl, warmup, steps)
             else:
-                times[c].append(
-                    _leto(wl, warmup, steps, tier2=c == "leto", tier2_interval=tier2_interval)
-                )
+                t, cpu = _leto(wl, warmup, steps, tier2=c == "leto", tier2_interval=tier2_interval)
+            times[c].append(t)
+            cpus[c].append(cpu)
             if bar is not None:
                 bar.advance(f"round {r + 1} {c}")
     mean = {c: statistics.fmean(v) for c, v in times.items()}
@@ -104,5 +122,38 @@ def run_overhead(
         # the machine's speed drifts by several percent between jobs: the median of the
         # rounds' own ratios is the estimate least moved by one slow or fast job
         "overhead_pct_median_round": {c: statistics.median(v) for c, v in per_round.items()},
+        "cpu_ms_per_step": cpu_summary(cpus, wl.world),
+        "cpu_ms_per_step_runs": cpus,
         "elapsed_s": time.monotonic() - start,
     }
+
+
+def cpu_summary(cpus: dict[str, list[dict[str, Any]]], world: int) -> dict[str, Any]:
+    """Where each configuration's CPU goes, per step (means over the rounds).
+
+    ``trainer_ms``: one trainer's CPU per step (mean over ranks); for leto also its
+    ``phases_ms`` and ``others_ms`` (the job's other processes, all together).
+    ``job_ms``: every process of the job, ``world * trainer_ms + others_ms``;
+    ``extra_pct``: how much more CPU per step than plain DDP's workers, the share of
+    the step time it costs on a machine whose cores the job keeps busy.
+    """
+    out: dict[str, Any] = {}
+    for c, runs in cpus.items():
+        if not runs:
+            continue
+        s: dict[str, Any] = {"trainer_ms": statistics.fmean(r["trainer_ms"] for r in runs)}
+        if "phases_ms" in runs[0]:
+            names = sorted({k for r in runs for k in r["phases_ms"]})
+            s["phases_ms"] = {
+                k: statistics.fmean(r["phases_ms"].get(k, 0.0) for r in runs) for k in names
+            }
+        others = [r["others_ms"] for r in runs if r.get("others_ms") is not None]
+        s["others_ms"] = statistics.fmean(others) if others else 0.0
+        s["job_ms"] = world * s["trainer_ms"] + s["others_ms"]
+        out[c] = s
+    base = out.get("plain")
+    if base:
+        for c, s in out.items():
+            if c != "plain":
+                s["extra_pct"] = 100.0 * (s["job_ms"] / base["job_ms"] - 1.0)
+    return out

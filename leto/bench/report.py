@@ -66,6 +66,23 @@ def overhead_table(res: dict[str, Any]) -> str:
         pct = "" if name == "plain" else f"{100.0 * (t / base - 1.0):+10.1f}%"
         rounds = res["overhead_pct_by_round"].get(name, [])
         lines.append(f"{name:<16}{t:>13.4f}s{pct:>11}   " + " ".join(f"{x:+.0f}%" for x in rounds))
+    cpu = res.get("cpu_ms_per_step")
+    if cpu:
+        lines.append(
+            f"CPU per step (ms)  {'trainer':>9}{'others':>9}{'job':>9}{'extra':>9}"
+            "   (trainer: one rank's; others: leto's agents, coordinator, keepers, shadows)"
+        )
+        for name, c in cpu.items():
+            extra = f"{c['extra_pct']:+8.1f}%" if "extra_pct" in c else ""
+            lines.append(
+                f"{name:<18}{c['trainer_ms']:>9.1f}{c['others_ms']:>9.1f}{c['job_ms']:>9.1f}{extra:>9}"
+            )
+            if c.get("phases_ms"):
+                ph = c["phases_ms"]
+                lines.append(
+                    "    by phase: "
+                    + ", ".join(f"{k} {ph[k]:.1f}" for k in sorted(ph, key=lambda k: -ph[k]))
+                )
     return "\n".join(lines)
 
 

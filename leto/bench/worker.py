@@ -195,7 +195,8 @@ class _DDPTrainer(_Trainer):
             loss.backward()
             self.opt.step()
             self.step = s
-            self.step_times.append(self.out.emit("step", step=s) - t)
+            # this process's CPU seconds so far: the overhead benchmark's CPU per step
+            self.step_times.append(self.out.emit("step", step=s, cpu=time.process_time()) - t)
             self.after_step(s)
 
     # --- checkpoints ---------------------------------------------------------------

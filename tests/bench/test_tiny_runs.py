@@ -85,3 +85,24 @@ def test_tiny_leto_goodput_run() -> None:
     assert res["steps"] > 0 and res["step_s"] > 0
     t = [row[0] for row in res["timeline"]]
     assert t == sorted(t) and t[-1] == 6.0
+
+
+@pytest.mark.slow
+def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
+    from leto.bench.overhead import CONFIGS, run_overhead
+
+    res = run_overhead(TINY, rounds=1, periods=2, tier2_interval=5, warmup=2, progress=False)
+    assert set(res["step_s"]) == set(CONFIGS) and all(t > 0 for t in res["step_s"].values())
+    cpu = res["cpu_ms_per_step"]
+    assert set(cpu) == set(CONFIGS)
+    assert cpu["plain"]["trainer_ms"] > 0 and "extra_pct" not in cpu["plain"]
+    for c in ("leto", "leto-no-tier2"):
+        ph = cpu[c]["phases_ms"]
+        # every step of the window passed through these phases, each with some CPU
+        assert all(ph[p] > 0 for p in ("forward", "backward", "allreduce", "apply")), ph
+        assert cpu[c]["others_ms"] > 0  # the agents and the coordinator work every step
+        assert cpu[c]["job_ms"] == pytest.approx(
+            TINY.world * cpu[c]["trainer_ms"] + cpu[c]["others_ms"]
+        )
+    assert cpu["leto"]["phases_ms"].get("snapshot", 0.0) > 0  # tier 2 every 5 steps
+    assert cpu["leto-no-tier2"]["phases_ms"].get("snapshot", 0.0) == 0.0

@@ -43,6 +43,9 @@ class AgentChannel:
         self.phase = "startup"
         self.step = 0
         self.progress = 0
+        # CPU seconds of this process (all its threads) spent in each phase
+        self.phase_cpu: dict[str, float] = {}
+        self._cpu_at = time.process_time()
         self.commits: set[tuple[int, int]] = set()
         self.t2: set[int] = set()
         self.abort_gen = -1
@@ -131,6 +134,9 @@ class AgentChannel:
     def mark(self, phase: str, step: int | None = None) -> None:
         """Record progress; a new phase is told to the agent at once (so a death is placed)."""
         changed = phase != self.phase or (step is not None and step != self.step)
+        now = time.process_time()
+        self.phase_cpu[self.phase] = self.phase_cpu.get(self.phase, 0.0) + now - self._cpu_at
+        self._cpu_at = now
         self.phase = phase
         if step is not None:
             self.step = step

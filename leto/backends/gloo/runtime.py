@@ -302,6 +302,16 @@ class GlooSession:
     def members(self) -> int:
         return self.nproc
 
+    def phase_cpu_s(self) -> dict[str, float]:
+        """CPU seconds this process has spent in each phase of the protocol so far.
+
+        Phases as the agent sees them (``forward``, ``backward``, ``allreduce``,
+        ``prepare``, ``decide``, ``apply``, ``snapshot``, ``idle``, recovery phases);
+        the phase under way when this is read is counted up to its last change.
+        All threads of the process count (the heartbeat and agent reader too).
+        """
+        return dict(self.ch.phase_cpu)
+
     def _log(self, event: str, **kw: Any) -> None:
         self.timeline.append(
             {"t_ms": round((time.perf_counter() - self.t0) * 1e3, 3), "event": event, **kw}

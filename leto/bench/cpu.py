@@ -1,0 +1,104 @@
+"""CPU time of a benchmark job's processes: where a system's step time goes.
+
+Wall time per step is what the overhead benchmark reports; on this machine (more
+ranks than cores) it follows the CPU every process of the job spends per step.
+These helpers read that CPU time (``/proc/PID/stat``: user + system, all threads)
+and turn probes taken at two steps into milliseconds per step.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+from .workload import BenchError
+
+__all__ = ["cpu_seconds", "cpu_seconds_of", "leto_cpu_report", "plain_cpu_report"]
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (None if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rsplit(b")", 1)[1].split()  # after "(comm)", which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def cpu_seconds_of(tag: str) -> dict[str, float]:
+    """CPU seconds of every process whose command line contains ``tag`` (and this one)."""
+    from leto.backends.gloo.procs import processes_with
+
+    out: dict[str, float] = {}
+    for pid in [os.getpid(), *processes_with(tag)]:
+        s = cpu_seconds(pid)
+        if s is not None:
+            out[str(pid)] = s
+    return out
+
+
+def plain_cpu_report(events: Iterable[dict[str, Any]], first: int, last: int) -> dict[str, Any]:
+    """DDP workers' CPU per step (ms, mean over ranks) between two step stamps.
+
+    ``events`` are the workers' records (``ev == "step"`` with ``cpu``: the
+    process's CPU seconds at the end of the step).
+    """
+    at: dict[int, dict[int, float]] = {}
+    for e in events:
+        if e.get("ev") == "step" and e["step"] in (first, last) and "cpu" in e:
+            at.setdefault(e["rank"], {})[e["step"]] = e["cpu"]
+    per_rank = [1e3 * (v[last] - v[first]) / (last - first) for v in at.values() if len(v) == 2]
+    if not per_rank:
+        raise BenchError(f"plain: no CPU stamps at steps {first} and {last}")
+    return {"trainer_ms": statistics.fmean(per_rank), "trainer_ms_by_rank": per_rank}
+
+
+def leto_cpu_report(records: Iterable[dict[str, Any]], first: int, last: int) -> dict[str, Any]:
+    """leto's CPU per step (ms) between the probes at ``first`` and ``last``.
+
+    ``records`` are ``RUN_DIR/bench-cpu.jsonl`` lines (:mod:`leto.bench.letojob`):
+    every rank's trainer CPU, in all and by phase (mean over ranks), and the CPU
+    of the job's other processes (agents, coordinator, keepers, zygote, shadows:
+    the total over them, from rank 0's view of every process of the job).
+    """
+    by: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in records:
+        if r["step"] in (first, last):
+            by[(r["rank"], r["step"])] = r
+    ranks = sorted({rank for rank, _ in by})
+    n = last - first
+    trainer, phases, pids = [], [], set()
+    for rank in ranks:
+        a, b = by.get((rank, first)), by.get((rank, last))
+        if a is None or b is None or a["pid"] != b["pid"]:
+            continue  # the rank was replaced between the probes: its CPU is not one process's
+        trainer.append(1e3 * (b["cpu"] - a["cpu"]) / n)
+        phases.append({k: 1e3 * (v - a["phases"].get(k, 0.0)) / n for k, v in b["phases"].items()})
+        pids.add(str(a["pid"]))
+    if not trainer:
+        raise BenchError(f"leto: no trainer CPU probes at steps {first} and {last}")
+    r0a, r0b = by.get((0, first)), by.get((0, last))
+    others = None
+    if r0a is not None and r0b is not None and "job" in r0a and "job" in r0b:
+        others = (
+            1e3
+            * sum(
+                max(0.0, b - r0a["job"][pid])
+                for pid, b in r0b["job"].items()
+                if pid in r0a["job"] and pid not in pids
+            )
+            / n
+        )
+    names = sorted({k for p in phases for k in p})
+    return {
+        "trainer_ms": statistics.fmean(trainer),
+        "trainer_ms_by_rank": trainer,
+        "phases_ms": {k: statistics.fmean(p.get(k, 0.0) for p in phases) for k in names},
+        "others_ms": others,
+    }
