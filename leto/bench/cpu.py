@@ -15,7 +15,13 @@ from typing import Any
 
 from .workload import BenchError
 
-__all__ = ["cpu_seconds", "cpu_seconds_of", "leto_cpu_report", "plain_cpu_report"]
+__all__ = [
+    "cpu_seconds",
+    "cpu_seconds_of",
+    "leto_cpu_report",
+    "mean_by_key",
+    "plain_cpu_report",
+]
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -63,7 +69,8 @@ def leto_cpu_report(records: Iterable[dict[str, Any]], first: int, last: int) ->
     """leto's CPU per step (ms) between the probes at ``first`` and ``last``.
 
     ``records`` are ``RUN_DIR/bench-cpu.jsonl`` lines (:mod:`leto.bench.letojob`):
-    every rank's trainer CPU, in all and by phase (mean over ranks), and the CPU
+    every rank's trainer CPU, in all and by phase, its wall time by phase (means
+    over ranks), and the CPU
     of the job's other processes (agents, coordinator, keepers, zygote, shadows:
     the total over them, from rank 0's view of every process of the job).
     """
@@ -73,13 +80,15 @@ def leto_cpu_report(records: Iterable[dict[str, Any]], first: int, last: int) ->
             by[(r["rank"], r["step"])] = r
     ranks = sorted({rank for rank, _ in by})
     n = last - first
-    trainer, phases, pids = [], [], set()
+    trainer, phases, walls, pids = [], [], [], set()
     for rank in ranks:
         a, b = by.get((rank, first)), by.get((rank, last))
         if a is None or b is None or a["pid"] != b["pid"]:
             continue  # the rank was replaced between the probes: its CPU is not one process's
         trainer.append(1e3 * (b["cpu"] - a["cpu"]) / n)
         phases.append({k: 1e3 * (v - a["phases"].get(k, 0.0)) / n for k, v in b["phases"].items()})
+        wa, wb = a.get("phases_wall", {}), b.get("phases_wall", {})
+        walls.append({k: 1e3 * (v - wa.get(k, 0.0)) / n for k, v in wb.items()})
         pids.add(str(a["pid"]))
     if not trainer:
         raise BenchError(f"leto: no trainer CPU probes at steps {first} and {last}")
@@ -95,10 +104,16 @@ def leto_cpu_report(records: Iterable[dict[str, Any]], first: int, last: int) ->
             )
             / n
         )
-    names = sorted({k for p in phases for k in p})
     return {
         "trainer_ms": statistics.fmean(trainer),
         "trainer_ms_by_rank": trainer,
-        "phases_ms": {k: statistics.fmean(p.get(k, 0.0) for p in phases) for k in names},
+        "phases_ms": mean_by_key(phases),
+        "phases_wall_ms": mean_by_key(walls),
         "others_ms": others,
     }
+
+
+def mean_by_key(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Key by key means over ``rows`` (a key missing from a row counts 0)."""
+    names = sorted({k for r in rows for k in r})
+    return {k: statistics.fmean(r.get(k, 0.0) for r in rows) for k in names}

@@ -19,7 +19,7 @@ once, not again in the shadow that takes the rank's place. Due means either
 
 With ``spec["cpu_probe"] = [a, b]`` every rank appends its CPU time at the forward
 of steps ``a`` and ``b`` to ``RUN_DIR/bench-cpu.jsonl``: the process total and its
-CPU by protocol phase (``GlooSession.phase_cpu_s``); rank 0 adds the CPU time of
+CPU and wall time by protocol phase (``GlooSession.phase_cpu_s``, ``phase_wall_s``); rank 0 adds the CPU time of
 every process of the job (agents, coordinator, keepers, zygote, shadows: their
 command lines carry the run directory). :func:`leto.bench.gloojob.cpu_report`
 reads it.
@@ -109,6 +109,7 @@ class _CpuProbe:
             "pid": os.getpid(),
             "cpu": time.process_time(),
             "phases": self.session.phase_cpu_s(),
+            "phases_wall": self.session.phase_wall_s(),
         }
         if self.rank == 0:
             from leto.bench.cpu import cpu_seconds_of

@@ -132,21 +132,22 @@ def cpu_summary(cpus: dict[str, list[dict[str, Any]]], world: int) -> dict[str, 
     """Where each configuration's CPU goes, per step (means over the rounds).
 
     ``trainer_ms``: one trainer's CPU per step (mean over ranks); for leto also its
-    ``phases_ms`` and ``others_ms`` (the job's other processes, all together).
+    CPU and wall time by phase (``phases_ms``, ``phases_wall_ms``) and ``others_ms``
+    (the job's other processes, all together).
     ``job_ms``: every process of the job, ``world * trainer_ms + others_ms``;
     ``extra_pct``: how much more CPU per step than plain DDP's workers, the share of
     the step time it costs on a machine whose cores the job keeps busy.
     """
+    from .cpu import mean_by_key
+
     out: dict[str, Any] = {}
     for c, runs in cpus.items():
         if not runs:
             continue
         s: dict[str, Any] = {"trainer_ms": statistics.fmean(r["trainer_ms"] for r in runs)}
-        if "phases_ms" in runs[0]:
-            names = sorted({k for r in runs for k in r["phases_ms"]})
-            s["phases_ms"] = {
-                k: statistics.fmean(r["phases_ms"].get(k, 0.0) for r in runs) for k in names
-            }
+        for key in ("phases_ms", "phases_wall_ms"):
+            if key in runs[0]:
+                s[key] = mean_by_key([r[key] for r in runs])
         others = [r["others_ms"] for r in runs if r.get("others_ms") is not None]
         s["others_ms"] = statistics.fmean(others) if others else 0.0
         s["job_ms"] = world * s["trainer_ms"] + s["others_ms"]

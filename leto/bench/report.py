@@ -78,10 +78,14 @@ def overhead_table(res: dict[str, Any]) -> str:
                 f"{name:<18}{c['trainer_ms']:>9.1f}{c['others_ms']:>9.1f}{c['job_ms']:>9.1f}{extra:>9}"
             )
             if c.get("phases_ms"):
-                ph = c["phases_ms"]
+                ph, wall = c["phases_ms"], c.get("phases_wall_ms", {})
                 lines.append(
-                    "    by phase: "
-                    + ", ".join(f"{k} {ph[k]:.1f}" for k in sorted(ph, key=lambda k: -ph[k]))
+                    "    by phase, CPU/wall: "
+                    + ", ".join(
+                        f"{k} {ph[k]:.1f}/{wall.get(k, 0.0):.0f}"
+                        for k in sorted(ph, key=lambda k: -ph[k])
+                        if ph[k] >= 0.05 or wall.get(k, 0.0) >= 0.5
+                    )
                 )
     return "\n".join(lines)
 

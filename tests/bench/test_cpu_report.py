@@ -12,7 +12,9 @@ from leto.bench.workload import BenchError
 
 
 def _probe(rank: int, step: int, pid: int, cpu: float, phases: dict[str, float], job=None):
-    r = {"rank": rank, "step": step, "pid": pid, "cpu": cpu, "phases": phases}
+    # wall time: twice the CPU in every phase, plus 1 s waiting in "decide"
+    wall = {k: 2 * v for k, v in phases.items()} | {"decide": 1.0 * step}
+    r = {"rank": rank, "step": step, "pid": pid, "cpu": cpu, "phases": phases, "phases_wall": wall}
     if job is not None:
         r["job"] = job
     return r
@@ -35,6 +37,9 @@ def test_leto_report_splits_trainers_phases_and_other_processes() -> None:
     assert rep["phases_ms"]["forward"] == pytest.approx(410.0)
     assert rep["phases_ms"]["apply"] == pytest.approx(20.0)
     assert rep["phases_ms"]["snapshot"] == pytest.approx(5.0)
+    assert rep["phases_wall_ms"]["forward"] == pytest.approx(820.0)
+    assert rep["phases_wall_ms"]["decide"] == pytest.approx(1000.0)
+    assert "decide" not in rep["phases_ms"]
     # others: the agent only (trainers excluded; pid 99 started after the first probe)
     assert rep["others_ms"] == pytest.approx(50.0)
 
@@ -67,14 +72,25 @@ def test_cpu_summary_extra_is_the_job_cpu_ratio() -> None:
     cpus = {
         "plain": [{"trainer_ms": 1000.0}, {"trainer_ms": 1100.0}],
         "leto": [
-            {"trainer_ms": 1060.0, "phases_ms": {"apply": 20.0}, "others_ms": 30.0},
-            {"trainer_ms": 1140.0, "phases_ms": {"apply": 10.0}, "others_ms": 50.0},
+            {
+                "trainer_ms": 1060.0,
+                "phases_ms": {"apply": 20.0},
+                "phases_wall_ms": {"apply": 30.0, "decide": 8.0},
+                "others_ms": 30.0,
+            },
+            {
+                "trainer_ms": 1140.0,
+                "phases_ms": {"apply": 10.0},
+                "phases_wall_ms": {"apply": 20.0},
+                "others_ms": 50.0,
+            },
         ],
     }
     s = cpu_summary(cpus, world=4)
     assert s["plain"]["job_ms"] == pytest.approx(4 * 1050.0)
     assert s["leto"]["job_ms"] == pytest.approx(4 * 1100.0 + 40.0)
     assert s["leto"]["phases_ms"] == {"apply": pytest.approx(15.0)}
+    assert s["leto"]["phases_wall_ms"] == {"apply": pytest.approx(25.0), "decide": 4.0}
     assert s["leto"]["extra_pct"] == pytest.approx(100.0 * (4440.0 / 4200.0 - 1.0))
     assert "extra_pct" not in s["plain"]
 

@@ -100,6 +100,8 @@ def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
         ph = cpu[c]["phases_ms"]
         # every step of the window passed through these phases, each with some CPU
         assert all(ph[p] > 0 for p in ("forward", "backward", "allreduce", "apply")), ph
+        wall = cpu[c]["phases_wall_ms"]
+        assert wall["decide"] > 0 and wall["apply"] > 0, wall  # the COMMIT wait: wall, not CPU
         assert cpu[c]["others_ms"] > 0  # the agents and the coordinator work every step
         assert cpu[c]["job_ms"] == pytest.approx(
             TINY.world * cpu[c]["trainer_ms"] + cpu[c]["others_ms"]

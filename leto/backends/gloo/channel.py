@@ -43,9 +43,11 @@ class AgentChannel:
         self.phase = "startup"
         self.step = 0
         self.progress = 0
-        # CPU seconds of this process (all its threads) spent in each phase
+        # CPU seconds of this process (all its threads) and wall seconds in each phase
         self.phase_cpu: dict[str, float] = {}
+        self.phase_wall: dict[str, float] = {}
         self._cpu_at = time.process_time()
+        self._wall_at = time.perf_counter()
         self.commits: set[tuple[int, int]] = set()
         self.t2: set[int] = set()
         self.abort_gen = -1
@@ -134,9 +136,10 @@ class AgentChannel:
     def mark(self, phase: str, step: int | None = None) -> None:
         """Record progress; a new phase is told to the agent at once (so a death is placed)."""
         changed = phase != self.phase or (step is not None and step != self.step)
-        now = time.process_time()
+        now, wall = time.process_time(), time.perf_counter()
         self.phase_cpu[self.phase] = self.phase_cpu.get(self.phase, 0.0) + now - self._cpu_at
-        self._cpu_at = now
+        self.phase_wall[self.phase] = self.phase_wall.get(self.phase, 0.0) + wall - self._wall_at
+        self._cpu_at, self._wall_at = now, wall
         self.phase = phase
         if step is not None:
             self.step = step

@@ -312,6 +312,10 @@ class GlooSession:
         """
         return dict(self.ch.phase_cpu)
 
+    def phase_wall_s(self) -> dict[str, float]:
+        """Wall seconds this process has spent in each phase so far (as :meth:`phase_cpu_s`)."""
+        return dict(self.ch.phase_wall)
+
     def _log(self, event: str, **kw: Any) -> None:
         self.timeline.append(
             {"t_ms": round((time.perf_counter() - self.t0) * 1e3, 3), "event": event, **kw}
