@@ -108,3 +108,7 @@ def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
         )
     assert cpu["leto"]["phases_ms"].get("snapshot", 0.0) > 0  # tier 2 every 5 steps
     assert cpu["leto-no-tier2"]["phases_ms"].get("snapshot", 0.0) == 0.0
+    from leto.bench.report import overhead_table
+
+    table = overhead_table(res)
+    assert table.count("by phase, CPU/wall: ") == 2 and "CPU per step (ms)" in table
