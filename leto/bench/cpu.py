@@ -70,9 +70,9 @@ def leto_cpu_report(records: Iterable[dict[str, Any]], first: int, last: int) ->
 
     ``records`` are ``RUN_DIR/bench-cpu.jsonl`` lines (:mod:`leto.bench.letojob`):
     every rank's trainer CPU, in all and by phase, its wall time by phase (means
-    over ranks), and the CPU
-    of the job's other processes (agents, coordinator, keepers, zygote, shadows:
-    the total over them, from rank 0's view of every process of the job).
+    over ranks), and the CPU of the job's other processes (agents, coordinator,
+    keepers, zygote, shadows: the total over them, from rank 0's view of every
+    process of the job).
     """
     by: dict[tuple[int, int], dict[str, Any]] = {}
     for r in records:
@@ -95,15 +95,9 @@ def leto_cpu_report(records: Iterable[dict[str, Any]], first: int, last: int) ->
     r0a, r0b = by.get((0, first)), by.get((0, last))
     others = None
     if r0a is not None and r0b is not None and "job" in r0a and "job" in r0b:
-        others = (
-            1e3
-            * sum(
-                max(0.0, b - r0a["job"][pid])
-                for pid, b in r0b["job"].items()
-                if pid in r0a["job"] and pid not in pids
-            )
-            / n
-        )
+        before, after = r0a["job"], r0b["job"]
+        spent = [after[p] - before[p] for p in after if p in before and p not in pids]
+        others = 1e3 * sum(max(0.0, s) for s in spent) / n
     return {
         "trainer_ms": statistics.fmean(trainer),
         "trainer_ms_by_rank": trainer,

@@ -19,10 +19,10 @@ once, not again in the shadow that takes the rank's place. Due means either
 
 With ``spec["cpu_probe"] = [a, b]`` every rank appends its CPU time at the forward
 of steps ``a`` and ``b`` to ``RUN_DIR/bench-cpu.jsonl``: the process total and its
-CPU and wall time by protocol phase (``GlooSession.phase_cpu_s``, ``phase_wall_s``); rank 0 adds the CPU time of
-every process of the job (agents, coordinator, keepers, zygote, shadows: their
-command lines carry the run directory). :func:`leto.bench.gloojob.cpu_report`
-reads it.
+CPU and wall time by protocol phase (``GlooSession.phase_cpu_s`` and
+``phase_wall_s``); rank 0 adds the CPU time of every process of the job (agents,
+coordinator, keepers, zygote, shadows: their command lines carry the run
+directory). :func:`leto.bench.cpu.leto_cpu_report` reads it.
 """
 
 from __future__ import annotations

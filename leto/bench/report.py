@@ -78,18 +78,14 @@ def overhead_table(res: dict[str, Any]) -> str:
                 f"{name:<18}{c['trainer_ms']:>9.1f}{c['others_ms']:>9.1f}{c['job_ms']:>9.1f}{extra:>9}"
             )
             if c.get("phases_ms"):
-                ph, wall = c["phases_ms"], c.get("phases_wall_ms")
-                order = sorted(ph, key=lambda k: -ph[k])
-                if wall:
-                    cells = [
-                        f"{k} {ph[k]:.1f}/{wall.get(k, 0.0):.0f}"
-                        for k in order
-                        if ph[k] >= 0.05 or wall.get(k, 0.0) >= 0.5
-                    ]
-                    lines.append("    by phase, CPU/wall: " + ", ".join(cells))
-                else:
-                    cells = [f"{k} {ph[k]:.1f}" for k in order if ph[k] >= 0.05]
-                    lines.append("    by phase, CPU: " + ", ".join(cells))
+                ph, wall = c["phases_ms"], c.get("phases_wall_ms") or {}
+                cells = [
+                    f"{k} {ph[k]:.1f}" + (f"/{wall.get(k, 0.0):.0f}" if wall else "")
+                    for k in sorted(ph, key=lambda k: -ph[k])
+                    if ph[k] >= 0.05 or wall.get(k, 0.0) >= 0.5
+                ]
+                label = "CPU/wall" if wall else "CPU"
+                lines.append(f"    by phase, {label}: " + ", ".join(cells))
     return "\n".join(lines)
 
 
