@@ -42,6 +42,7 @@ from typing import Any
 
 from . import procs as P
 from . import segments
+from .board import StatusBoard
 from .coordinator import Coordinator, CoordinatorOptions
 from .eventlog import EventLog
 from .keeper import KeeperHandle, spawn_keeper
@@ -114,6 +115,7 @@ class Proc:
     spawned: float
     log_path: str
     conn: Conn | None = None
+    board: StatusBoard | None = None  # its phase, step and progress (shared memory)
     status: str = "starting"  # starting | warm | running | promoting
     hb: float = 0.0
     phase: str = "startup"
@@ -149,6 +151,7 @@ class Agent:
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[int, dict[str, Any]] = {}
         self.unclaimed: dict[int, list[Any]] = {}
+        self.unclaimed_boards: dict[int, StatusBoard | None] = {}
         self.local_inbox: list[dict[str, Any]] = []
         self.incarnation = 0
         self.node_segments: dict[str, tuple[int, int]] = {}
@@ -491,6 +494,13 @@ class Agent:
         if p.pid not in self.by_pid:
             return
         del self.by_pid[p.pid]
+        _look(p, time.monotonic())  # where it was when it died
+        if p.board is not None:
+            p.board.close()
+            p.board = None
+        stale = self.unclaimed_boards.pop(p.pid, None)
+        if stale is not None:
+            stale.close()
         try:
             os.close(p.pidfd)
         except OSError:
@@ -635,6 +645,7 @@ class Agent:
         conn: Conn = slot[0]
         alive = conn.feed()
         for msg, fds in conn.messages():
+            board = _board_of(fds) if slot[1] is None and msg.get("t") == "hello" else None
             for fd in fds:
                 os.close(fd)
             if slot[1] is None:
@@ -645,9 +656,10 @@ class Agent:
                 p = self.by_pid.get(pid)
                 if p is None:  # the zygote's "spawned" has not been read yet
                     self.unclaimed[pid] = slot
+                    self.unclaimed_boards[pid] = board
                     slot[1] = "pending"
                     continue
-                p.conn = conn
+                p.conn, p.board = conn, board
                 slot[1] = p
                 continue
             if slot[1] == "pending":
@@ -664,6 +676,7 @@ class Agent:
         if slot is None:
             return
         p.conn = slot[0]
+        p.board = self.unclaimed_boards.pop(p.pid, None)
         slot[1] = p
         held = slot[2:]
         del slot[2:]
@@ -683,12 +696,13 @@ class Agent:
         now = time.monotonic()
         if t == "hb":
             p.hb = now
-            prog = int(msg.get("progress", 0))
-            if prog != p.progress:
-                p.progress = prog
-                p.progress_t = now
-            p.phase = str(msg.get("phase", p.phase))
-            p.step = int(msg.get("step", p.step))
+            _note(
+                p,
+                str(msg.get("phase", p.phase)),
+                int(msg.get("step", p.step)),
+                int(msg.get("progress", 0)),
+                now,
+            )
             return
         if t == "warm":
             p.status = "warm"
@@ -733,14 +747,17 @@ class Agent:
             p.exit_reported = int(msg.get("code", 1))
             return
         if t == "ps":
-            hist = self.ps.setdefault(int(msg["rank"]), {})
-            hist[int(msg["step"])] = str(msg["json"])
-            for old in [s for s in hist if s < int(msg["step"]) - 3 and s != self.snap_step]:
-                del hist[old]
+            self._keep_ps(int(msg["rank"]), int(msg["step"]), str(msg["json"]))
             return
         if t == "pending":
             self.pending[int(msg["rank"])] = str(msg["json"])
             return
+        # a step's vote carries its pending process state, its "finished" the state
+        # after it: kept here (for a recovery), not sent on to the coordinator
+        if t == "vote" and "pending" in msg:
+            self.pending[int(msg["rank"])] = str(msg.pop("pending"))
+        if t == "finished" and "ps" in msg:
+            self._keep_ps(int(msg["rank"]), int(msg["step"]), str(msg.pop("ps")))
         if t == "get_state":
             r = int(msg["rank"])
             self._send_proc(
@@ -792,6 +809,13 @@ class Agent:
         if t in TO_COORDINATOR:
             self._to_coord(msg)
             return
+
+    def _keep_ps(self, rank: int, step: int, ps: str) -> None:
+        """Keep a rank's process state after ``step`` (the last few, and the snapshot's)."""
+        hist = self.ps.setdefault(rank, {})
+        hist[step] = ps
+        for old in [s for s in hist if s < step - 3 and s != self.snap_step]:
+            del hist[old]
 
     # ================================================================== coordinator
 
@@ -1092,6 +1116,7 @@ class Agent:
             if tp is None or tp.conn is None or tp.hang_reported or tp.status != "running":
                 continue
             p = tp
+            _look(p, now)
             silent = now - p.hb
             stuck = now - p.progress_t if p.phase in COMPUTE_PHASES else 0.0
             if silent > o.hang_timeout or stuck > o.hang_timeout:
@@ -1229,3 +1254,34 @@ class Agent:
         if self.listener is not None:
             self.listener.close()
         self.store = None
+
+
+def _board_of(fds: list[int]) -> StatusBoard | None:
+    """The status board a process sent with its hello (the descriptors stay open)."""
+    if len(fds) != 1:
+        return None
+    try:
+        return StatusBoard(fds[0])
+    except (ValueError, OSError):
+        return None
+
+
+def _note(p: Proc, phase: str, step: int, progress: int, now: float) -> None:
+    """What a process said (a heartbeat) or wrote (its board) about where it is.
+
+    The counter only grows: a heartbeat sent before a phase change that the board
+    already shows, or a board behind a phase sent as a message, is older news."""
+    if progress < p.progress:
+        return
+    if progress != p.progress:
+        p.progress = progress
+        p.progress_t = now
+    p.phase = phase
+    p.step = step
+
+
+def _look(p: Proc, now: float) -> None:
+    """Read the process's status board, if it has one and has written it."""
+    seen = p.board.read() if p.board is not None else None
+    if seen is not None:
+        _note(p, *seen, now)

@@ -8,7 +8,8 @@ and commands (``promote``, ``report``, ``reconcile``, ``rebuild``, ``resume``,
 thread sends ``{"t": "hb", phase, step, progress}`` every interval, so a process
 that stops (SIGSTOP, a deadlock in native code) goes silent and the agent's
 heartbeat timeout catches it; one stuck in Python with the heartbeat alive is
-caught by the progress counter not moving.
+caught by the progress counter not moving. Between heartbeats, each phase change
+is written to a :class:`~.board.StatusBoard` shared with the agent, not sent.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from .board import StatusBoard
 from .wire import Conn, WireError, connect_unix
 
 __all__ = ["AgentChannel", "Aborted", "AgentGone"]
@@ -56,7 +58,12 @@ class AgentChannel:
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self.gone = False
-        self.conn.send({"t": "hello", **hello, "pid": os.getpid()})
+        # the phase, step and progress, for the agent to read when it looks (no message)
+        self.board, fd = StatusBoard.create()
+        try:
+            self.conn.send({"t": "hello", **hello, "pid": os.getpid()}, [fd])
+        finally:
+            os.close(fd)
         self._reader = threading.Thread(target=self._read, name="leto-agent-reader", daemon=True)
         self._reader.start()
         self._hb = threading.Thread(
@@ -134,7 +141,8 @@ class AgentChannel:
         return self.abort_gen >= gen
 
     def mark(self, phase: str, step: int | None = None) -> None:
-        """Record progress; a new phase is told to the agent at once (so a death is placed)."""
+        """Record progress on the status board (the agent reads it to place a death or a
+        hang); a phase the board has no code for is sent to the agent at once instead."""
         changed = phase != self.phase or (step is not None and step != self.step)
         now, wall = time.process_time(), time.perf_counter()
         self.phase_cpu[self.phase] = self.phase_cpu.get(self.phase, 0.0) + now - self._cpu_at
@@ -144,7 +152,7 @@ class AgentChannel:
         if step is not None:
             self.step = step
         self.progress += 1
-        if changed:
+        if not self.board.write(phase, self.step, self.progress) and changed:
             try:
                 self.conn.send(
                     {"t": "hb", "phase": phase, "step": self.step, "progress": self.progress}

@@ -676,17 +676,21 @@ class GlooSession:
             "present": present_mask,
             "grad_checksums": lay.grad_checksums(),
         }
-        self.ch.send({"t": "pending", "rank": r, "json": json.dumps(pending)})
-        self.ch.send({"t": "vote", "rank": r, "step": V, "gen": self.gen})
+        # the agent keeps the pending state (a recovery may need it) before it passes
+        # the vote on: one message, one wakeup of the agent
+        self.ch.send(
+            {"t": "vote", "rank": r, "step": V, "gen": self.gen, "pending": json.dumps(pending)}
+        )
         # 4. decide
         self.ch.mark("decide")
         self._point("decide", where="before")
         self.ch.wait_for("commit", (self.gen, V), self.gen)
         self._point("decide", where="after")
-        # 5. apply, chunk by chunk
+        # 5. apply, chunk by chunk, each member of the node's parity group starting at
+        # another chunk: the parity updates under each block's lock seldom collide
         self.ch.mark("apply")
         ropt.begin(V)
-        for c in range(n):
+        for c in [(m + i) % n for i in range(n)]:
             self.keeper.check_writer()
             ropt.save_undo(c)
             self._point("apply", c, "undo_saved")
@@ -714,11 +718,19 @@ class GlooSession:
         step_scheduler(self.scheduler)
         self.rng = rng_after
         self.sampler_state = self.cursor.state_after(V)
-        self._send_ps(V)
         lval = float(loss.detach())
         self.losses[V] = lval
         self.stats["steps_run"] += 1
-        self.ch.send({"t": "finished", "rank": r, "step": V, "gen": self.gen, "loss": lval})
+        self.ch.send(  # with the process state after the step, which the agent keeps
+            {
+                "t": "finished",
+                "rank": r,
+                "step": V,
+                "gen": self.gen,
+                "loss": lval,
+                "ps": self._ps_json(V),
+            }
+        )
         self.ch.mark("idle", V)
         self._tier2(V)
         return lval
