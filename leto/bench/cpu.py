@@ -72,7 +72,8 @@ def leto_cpu_report(records: Iterable[dict[str, Any]], first: int, last: int) ->
     every rank's trainer CPU, in all and by phase, its wall time by phase (means
     over ranks), and the CPU of the job's other processes (agents, coordinator,
     keepers, zygote, shadows: the total over them, from rank 0's view of every
-    process of the job).
+    process of the job, and how many there were: ``/proc`` counts CPU in clock
+    ticks, so a short window can show 0 ms for processes that did run).
     """
     by: dict[tuple[int, int], dict[str, Any]] = {}
     for r in records:
@@ -93,7 +94,7 @@ def leto_cpu_report(records: Iterable[dict[str, Any]], first: int, last: int) ->
     if not trainer:
         raise BenchError(f"leto: no trainer CPU probes at steps {first} and {last}")
     r0a, r0b = by.get((0, first)), by.get((0, last))
-    others = None
+    others, spent = None, []
     if r0a is not None and r0b is not None and "job" in r0a and "job" in r0b:
         before, after = r0a["job"], r0b["job"]
         spent = [after[p] - before[p] for p in after if p in before and p not in pids]
@@ -104,6 +105,7 @@ def leto_cpu_report(records: Iterable[dict[str, Any]], first: int, last: int) ->
         "phases_ms": mean_by_key(phases),
         "phases_wall_ms": mean_by_key(walls),
         "others_ms": others,
+        "others_procs": len(spent),  # how many other processes were measured
     }
 
 

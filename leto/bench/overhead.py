@@ -30,7 +30,7 @@ from typing import Any
 
 from .workload import BenchError, Workload
 
-__all__ = ["CONFIGS", "run_overhead"]
+__all__ = ["CONFIGS", "ci95", "run_overhead"]
 
 CONFIGS = ("plain", "leto", "leto-no-tier2")
 _TIMEOUT_S = 300.0
@@ -122,10 +122,32 @@ def run_overhead(
         # the machine's speed drifts by several percent between jobs: the median of the
         # rounds' own ratios is the estimate least moved by one slow or fast job
         "overhead_pct_median_round": {c: statistics.median(v) for c, v in per_round.items()},
+        # how far the rounds let the estimate be trusted: a 95% interval for the mean
+        # of the rounds' ratios (None with one round)
+        "overhead_pct_ci95": {c: ci95(v) for c, v in per_round.items()},
         "cpu_ms_per_step": cpu_summary(cpus, wl.world),
         "cpu_ms_per_step_runs": cpus,
         "elapsed_s": time.monotonic() - start,
     }
+
+
+# Student's t, 0.975 quantile, for 1..30 degrees of freedom (beyond: 30's, conservative)
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def ci95(values: list[float]) -> list[float] | None:
+    """A 95% confidence interval ``[lo, hi]`` for the mean of ``values`` (Student's t);
+    None for fewer than two values."""
+    n = len(values)
+    if n < 2:
+        return None
+    m = statistics.fmean(values)
+    half = _T975[min(n - 1, len(_T975)) - 1] * statistics.stdev(values) / n**0.5
+    return [m - half, m + half]
 
 
 def cpu_summary(cpus: dict[str, list[dict[str, Any]]], world: int) -> dict[str, Any]:

@@ -59,13 +59,18 @@ def overhead_table(res: dict[str, Any]) -> str:
         f"overhead: {_wl(res)}; {res['backend']}; {res['rounds']} rounds of short jobs, "
         f"interleaved; {res['steps_per_job']} steps measured per job after "
         f"{res['warmup_steps']}; tier 2 every {res['tier2_interval']} steps",
-        f"{'config':<16}{'step (mean)':>14}{'overhead':>11}   by round",
+        f"{'config':<16}{'step (mean)':>14}{'overhead':>11}{'95% CI (rounds)':>18}   by round",
     ]
     base = res["step_s"]["plain"]
     for name, t in res["step_s"].items():
         pct = "" if name == "plain" else f"{100.0 * (t / base - 1.0):+10.1f}%"
+        ci = (res.get("overhead_pct_ci95") or {}).get(name)
+        ci_txt = f"{ci[0]:+.1f}% .. {ci[1]:+.1f}%" if ci else ""
         rounds = res["overhead_pct_by_round"].get(name, [])
-        lines.append(f"{name:<16}{t:>13.4f}s{pct:>11}   " + " ".join(f"{x:+.0f}%" for x in rounds))
+        lines.append(
+            f"{name:<16}{t:>13.4f}s{pct:>11}{ci_txt:>18}   "
+            + " ".join(f"{x:+.0f}%" for x in rounds)
+        )
     cpu = res.get("cpu_ms_per_step")
     if cpu:
         lines.append(

@@ -41,7 +41,7 @@ def test_leto_report_splits_trainers_phases_and_other_processes() -> None:
     assert rep["phases_wall_ms"]["decide"] == pytest.approx(1000.0)
     assert "decide" not in rep["phases_ms"]
     # others: the agent only (trainers excluded; pid 99 started after the first probe)
-    assert rep["others_ms"] == pytest.approx(50.0)
+    assert rep["others_ms"] == pytest.approx(50.0) and rep["others_procs"] == 1
 
 
 def test_leto_report_skips_a_replaced_rank_and_refuses_no_probes() -> None:
@@ -100,3 +100,15 @@ def test_cpu_seconds_reads_this_process() -> None:
     assert mine is not None and mine > 0
     assert cpu_seconds(2**22 + 12345) is None  # above any pid_max: no such process
     assert str(os.getpid()) in cpu_seconds_of("no-process-has-this-tag-" + "x" * 8)
+
+
+def test_overhead_interval_from_the_rounds() -> None:
+    from leto.bench.overhead import ci95
+
+    assert ci95([4.0]) is None  # one round: no interval
+    lo, hi = ci95([1.0, 3.0])  # mean 2, sd sqrt(2), t(1) = 12.706
+    assert (lo, hi) == pytest.approx((2 - 12.706, 2 + 12.706))
+    lo, hi = ci95([2.0, 4.0, 6.0, 8.0, 10.0])  # mean 6, sd sqrt(10), t(4) = 2.776
+    assert (lo, hi) == pytest.approx((6 - 2.776 * 10**0.5 / 5**0.5, 6 + 2.776 * 10**0.5 / 5**0.5))
+    same = ci95([5.0] * 40)  # no spread: the interval is the mean (t beyond 30 df: 30's)
+    assert same == pytest.approx([5.0, 5.0])
