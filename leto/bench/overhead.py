@@ -24,6 +24,7 @@ says how much of the overhead is work leto adds, and which phase adds it.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any
@@ -125,7 +126,7 @@ def run_overhead(
         # how far the rounds let the estimate be trusted: a 95% interval for the mean
         # of the rounds' ratios (None with one round)
         "overhead_pct_ci95": {c: ci95(v) for c, v in per_round.items()},
-        "cpu_ms_per_step": cpu_summary(cpus, wl.world),
+        "cpu_ms_per_step": cpu_summary(cpus, wl.world, step_s=mean, cores=_cores()),
         "cpu_ms_per_step_runs": cpus,
         "elapsed_s": time.monotonic() - start,
     }
@@ -150,7 +151,17 @@ def ci95(values: list[float]) -> list[float] | None:
     return [m - half, m + half]
 
 
-def cpu_summary(cpus: dict[str, list[dict[str, Any]]], world: int) -> dict[str, Any]:
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def cpu_summary(
+    cpus: dict[str, list[dict[str, Any]]],
+    world: int,
+    *,
+    step_s: dict[str, float] | None = None,
+    cores: int | None = None,
+) -> dict[str, Any]:
     """Where each configuration's CPU goes, per step (means over the rounds).
 
     ``trainer_ms``: one trainer's CPU per step (mean over ranks); for leto also its
@@ -159,6 +170,9 @@ def cpu_summary(cpus: dict[str, list[dict[str, Any]]], world: int) -> dict[str, 
     ``job_ms``: every process of the job, ``world * trainer_ms + others_ms``;
     ``extra_pct``: how much more CPU per step than plain DDP's workers, the share of
     the step time it costs on a machine whose cores the job keeps busy.
+    ``unused_core_ms`` (given the mean step times and the cores): core time per step that
+    no process of the job used, ``cores * step - job_ms``: waiting (for the
+    slowest rank, a message) where the job had work but not for every core.
     """
     from .cpu import mean_by_key
 
@@ -173,6 +187,8 @@ def cpu_summary(cpus: dict[str, list[dict[str, Any]]], world: int) -> dict[str, 
         others = [r["others_ms"] for r in runs if r.get("others_ms") is not None]
         s["others_ms"] = statistics.fmean(others) if others else 0.0
         s["job_ms"] = world * s["trainer_ms"] + s["others_ms"]
+        if step_s is not None and cores is not None and c in step_s:
+            s["unused_core_ms"] = cores * 1e3 * step_s[c] - s["job_ms"]
         out[c] = s
     base = out.get("plain")
     if base:

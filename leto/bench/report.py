@@ -74,13 +74,16 @@ def overhead_table(res: dict[str, Any]) -> str:
     cpu = res.get("cpu_ms_per_step")
     if cpu:
         lines.append(
-            f"CPU per step (ms)  {'trainer':>9}{'others':>9}{'job':>9}{'extra':>9}"
-            "   (trainer: one rank's; others: leto's agents, coordinator, keepers, shadows)"
+            f"CPU per step (ms)  {'trainer':>9}{'others':>9}{'job':>9}{'extra':>9}{'unused':>9}"
+            "   (trainer: one rank's; others: leto's agents, coordinator, keepers, shadows;"
+            " unused: core time no process of the job used)"
         )
         for name, c in cpu.items():
             extra = f"{c['extra_pct']:+8.1f}%" if "extra_pct" in c else ""
+            unused = f"{c['unused_core_ms']:9.1f}" if "unused_core_ms" in c else ""
             lines.append(
-                f"{name:<18}{c['trainer_ms']:>9.1f}{c['others_ms']:>9.1f}{c['job_ms']:>9.1f}{extra:>9}"
+                f"{name:<18}{c['trainer_ms']:>9.1f}{c['others_ms']:>9.1f}{c['job_ms']:>9.1f}"
+                f"{extra:>9}{unused}"
             )
             if c.get("phases_ms"):
                 ph, wall = c["phases_ms"], c.get("phases_wall_ms") or {}

@@ -93,6 +93,10 @@ def test_cpu_summary_extra_is_the_job_cpu_ratio() -> None:
     assert s["leto"]["phases_wall_ms"] == {"apply": pytest.approx(25.0), "decide": 4.0}
     assert s["leto"]["extra_pct"] == pytest.approx(100.0 * (4440.0 / 4200.0 - 1.0))
     assert "extra_pct" not in s["plain"]
+    assert "unused_core_ms" not in s["leto"]  # no step times given
+    s = cpu_summary(cpus, world=4, step_s={"plain": 2.2, "leto": 2.3}, cores=2)
+    assert s["plain"]["unused_core_ms"] == pytest.approx(4400.0 - 4200.0)
+    assert s["leto"]["unused_core_ms"] == pytest.approx(4600.0 - 4440.0)
 
 
 def test_cpu_seconds_reads_this_process() -> None:

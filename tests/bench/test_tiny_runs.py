@@ -116,3 +116,4 @@ def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
     table = overhead_table(res)
     assert table.count("by phase, CPU/wall: ") == 2 and "CPU per step (ms)" in table
     assert res["overhead_pct_ci95"] == {"leto": None, "leto-no-tier2": None}  # one round
+    assert all("unused_core_ms" in cpu[c] for c in CONFIGS) and " unused" in table
