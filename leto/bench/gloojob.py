@@ -94,11 +94,16 @@ class GlooJob:
                 "--run-dir", str(self.run_dir), "--quiet", "--no-echo",
                 SCRIPT, json.dumps(self.spec),
             ]  # fmt: skip
+            # Each agent leads its own process group (for the SIGKILL of a stop) but stays in
+            # this session: a session of its own would put each simulated node in its own
+            # scheduler autogroup (kernel.sched_autogroup_enabled), and the kernel's group
+            # fairness over the machine's few cores lets one node's ranks fall up to a second
+            # behind the other's in every step (measured: the ranks reached the all-reduce
+            # 0.9-1.2 s apart, against 0.11 s in one session). Plain DDP's workers share the
+            # benchmark's session; so do the nodes of a real machine's `leto launch`.
             with open(self.run_dir / f"agent{n}.out", "wb") as out:
                 self.procs.append(
-                    subprocess.Popen(
-                        cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                    )
+                    subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, process_group=0)
                 )
             if n == 0:
                 time.sleep(0.2)  # node 0 serves the rendezvous

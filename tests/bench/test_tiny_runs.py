@@ -117,3 +117,18 @@ def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
     assert table.count("by phase, CPU/wall: ") == 2 and "CPU per step (ms)" in table
     assert res["overhead_pct_ci95"] == {"leto": None, "leto-no-tier2": None}  # one round
     assert all("unused_core_ms" in cpu[c] for c in CONFIGS) and " unused" in table
+
+
+def test_leto_job_nodes_share_the_benchmarks_session() -> None:
+    # one session for every simulated node, as for plain DDP's workers (a session per
+    # node is a scheduler autogroup per node: the nodes' ranks drift a second apart);
+    # a process group per agent, so that a stop can SIGKILL what it left
+    from leto.bench.gloojob import GlooJob
+
+    with GlooJob(TINY, steps=3, tier2=False, tier2_interval=5) as job:
+        job.start()
+        assert len(job.procs) == job.nodes == 2
+        for p in job.procs:
+            assert os.getsid(p.pid) == os.getsid(0)
+            assert os.getpgid(p.pid) == p.pid != os.getpgid(0)
+        job.wait(lambda: bool(job.seen("job_end")), 120, "the job's end")

@@ -124,7 +124,9 @@ def run_local(
             stderr=subprocess.STDOUT,
             text=True,
             env=full_env,
-            start_new_session=True,
+            # a process group of its own, in this session: a session per node would be a
+            # scheduler autogroup per node, which skews the nodes' ranks (leto.bench.gloojob)
+            process_group=0,
         )
 
     def collect(n: int) -> None:
