@@ -1043,7 +1043,8 @@ class Agent:
             for msg, _fds in self.coord_conn.messages():
                 self._from_coord(msg)
         while not self.stop:
-            for key, _ in self.sel.select(timeout=0.05):
+            period = self._tick_period()
+            for key, _ in self.sel.select(timeout=period):
                 kind, obj = key.data
                 if kind == "zygote":
                     self._on_zygote()
@@ -1069,7 +1070,7 @@ class Agent:
                 if self.stop:
                     break
             now = time.monotonic()
-            if now - last_tick >= 0.05:
+            if now - last_tick >= period:
                 last_tick = now
                 self._tick(now)
             if self.coord is not None:
@@ -1086,6 +1087,15 @@ class Agent:
                     and self.coord.finished_nodes >= set(range(1, self.o.nnodes)) - set()
                 ):
                     self.stop = True
+
+    def _tick_period(self) -> float:
+        """Seconds between timer checks: 50 ms while an exit is being settled or a
+        recovery runs; in steady training a twentieth of the hang timeout, at most 0.25
+        s (each tick wakes the agent on cores the trainers share; the coordinator's
+        other timers are seconds long)."""
+        if self.recovering or any(p.dead_at is not None for p in self.by_pid.values()):
+            return 0.05
+        return max(0.05, min(0.25, self.o.hang_timeout / 20))
 
     def _node_done(self) -> bool:
         return self.complete and all(p is None for p in self.trainer.values())
