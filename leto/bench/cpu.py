@@ -53,16 +53,23 @@ def plain_cpu_report(events: Iterable[dict[str, Any]], first: int, last: int) ->
     """DDP workers' CPU per step (ms, mean over ranks) between two step stamps.
 
     ``events`` are the workers' records (``ev == "step"`` with ``cpu``: the
-    process's CPU seconds at the end of the step).
+    process's CPU seconds at the end of the step, and ``fwd``: those spent in
+    forward passes so far, reported as ``forward_ms`` when every rank has them).
     """
-    at: dict[int, dict[int, float]] = {}
+    at: dict[int, dict[int, tuple[float, float | None]]] = {}
     for e in events:
         if e.get("ev") == "step" and e["step"] in (first, last) and "cpu" in e:
-            at.setdefault(e["rank"], {})[e["step"]] = e["cpu"]
-    per_rank = [1e3 * (v[last] - v[first]) / (last - first) for v in at.values() if len(v) == 2]
-    if not per_rank:
+            at.setdefault(e["rank"], {})[e["step"]] = (e["cpu"], e.get("fwd"))
+    n = last - first
+    both = [v for v in at.values() if len(v) == 2]
+    if not both:
         raise BenchError(f"plain: no CPU stamps at steps {first} and {last}")
-    return {"trainer_ms": statistics.fmean(per_rank), "trainer_ms_by_rank": per_rank}
+    per_rank = [1e3 * (v[last][0] - v[first][0]) / n for v in both]
+    out: dict[str, Any] = {"trainer_ms": statistics.fmean(per_rank), "trainer_ms_by_rank": per_rank}
+    fwd = [(v[first][1], v[last][1]) for v in both]
+    if all(a is not None and b is not None for a, b in fwd):
+        out["forward_ms"] = statistics.fmean(1e3 * (b - a) / n for a, b in fwd)  # type: ignore[operator]
+    return out
 
 
 def leto_cpu_report(records: Iterable[dict[str, Any]], first: int, last: int) -> dict[str, Any]:

@@ -15,6 +15,17 @@ is the mean wall time per step over whole tier-2 periods after warm-up steps
 ``overhead_pct`` is ``100 * (mean leto / mean plain - 1)`` over the rounds, and
 each round's own ratio is kept to show the spread.
 
+The machine's speed drifts by several percent from one job to the next (the same
+forward pass costs ±10% CPU), which the rounds' ratios inherit. Every job therefore
+also measures the CPU its trainers spend in forward passes, work that is the same
+in every configuration (the model, the batch, one thread), as a gauge of the
+machine's speed during that job: ``overhead_pct_adjusted`` compares step times per
+unit of it, ``100 * ((leto step / leto forward CPU) / (plain step / plain forward
+CPU) - 1)`` for each round, then the mean of the rounds. It removes the drift that
+scales all work alike and nothing that leto costs besides a slower forward pass
+(which the two configurations' ``forward`` CPU would show); ``overhead_pct`` stays
+the measured figure.
+
 Where the time goes: every job also measures its CPU per step over the same
 steps (:mod:`leto.bench.cpu`): the trainers' (leto's by protocol phase) and, for
 leto, that of its agents, coordinator, keepers and shadows. With more ranks than
@@ -31,7 +42,7 @@ from typing import Any
 
 from .workload import BenchError, Workload
 
-__all__ = ["CONFIGS", "ci95", "run_overhead"]
+__all__ = ["CONFIGS", "adjusted_by_round", "ci95", "forward_ms", "run_overhead"]
 
 CONFIGS = ("plain", "leto", "leto-no-tier2")
 _TIMEOUT_S = 300.0
@@ -107,6 +118,7 @@ def run_overhead(
         c: [100.0 * (a / b - 1.0) for a, b in zip(times[c], times["plain"], strict=True)]
         for c in CONFIGS[1:]
     }
+    adjusted = adjusted_by_round(times, cpus)
     return {
         "benchmark": "overhead",
         "workload": {**wl.as_dict(), "params": wl.params, "label": wl.label},
@@ -126,6 +138,10 @@ def run_overhead(
         # how far the rounds let the estimate be trusted: a 95% interval for the mean
         # of the rounds' ratios (None with one round)
         "overhead_pct_ci95": {c: ci95(v) for c, v in per_round.items()},
+        # step time per forward-pass CPU second: the drift between jobs taken out
+        "overhead_pct_adjusted": {c: statistics.fmean(v) for c, v in adjusted.items()},
+        "overhead_pct_adjusted_by_round": adjusted,
+        "overhead_pct_adjusted_ci95": {c: ci95(v) for c, v in adjusted.items()},
         "cpu_ms_per_step": cpu_summary(cpus, wl.world, step_s=mean, cores=_cores()),
         "cpu_ms_per_step_runs": cpus,
         "elapsed_s": time.monotonic() - start,
@@ -149,6 +165,32 @@ def ci95(values: list[float]) -> list[float] | None:
     m = statistics.fmean(values)
     half = _T975[min(n - 1, len(_T975)) - 1] * statistics.stdev(values) / n**0.5
     return [m - half, m + half]
+
+
+def forward_ms(cpu: dict[str, Any]) -> float | None:
+    """A job's trainer CPU per step in forward passes (ms), if it was measured."""
+    if "forward_ms" in cpu:
+        return float(cpu["forward_ms"])
+    fwd = cpu.get("phases_ms", {}).get("forward")
+    return None if fwd is None else float(fwd)
+
+
+def adjusted_by_round(
+    times: dict[str, list[float]], cpus: dict[str, list[dict[str, Any]]]
+) -> dict[str, list[float]]:
+    """Each round's overhead per unit of forward-pass CPU (see the module docstring);
+    a configuration is left out if some job of it or of plain has no forward CPU."""
+    out: dict[str, list[float]] = {}
+    base = [forward_ms(c) for c in cpus["plain"]]
+    for c in CONFIGS[1:]:
+        fwd = [forward_ms(x) for x in cpus[c]]
+        if any(f is None or f <= 0 for f in base + fwd):
+            continue
+        out[c] = [
+            100.0 * ((t / f) / (tp / fp) - 1.0)  # type: ignore[operator]
+            for t, f, tp, fp in zip(times[c], fwd, times["plain"], base, strict=True)
+        ]
+    return out
 
 
 def _cores() -> int:
@@ -184,6 +226,8 @@ def cpu_summary(
         for key in ("phases_ms", "phases_wall_ms"):
             if key in runs[0]:
                 s[key] = mean_by_key([r[key] for r in runs])
+        if all("forward_ms" in r for r in runs):
+            s["forward_ms"] = statistics.fmean(r["forward_ms"] for r in runs)
         others = [r["others_ms"] for r in runs if r.get("others_ms") is not None]
         s["others_ms"] = statistics.fmean(others) if others else 0.0
         s["job_ms"] = world * s["trainer_ms"] + s["others_ms"]

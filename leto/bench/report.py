@@ -71,6 +71,20 @@ def overhead_table(res: dict[str, Any]) -> str:
             f"{name:<16}{t:>13.4f}s{pct:>11}{ci_txt:>18}   "
             + " ".join(f"{x:+.0f}%" for x in rounds)
         )
+    adj = res.get("overhead_pct_adjusted") or {}
+    for name, pct in adj.items():
+        ci = (res.get("overhead_pct_adjusted_ci95") or {}).get(name)
+        ci_txt = f"{ci[0]:+.1f}% .. {ci[1]:+.1f}%" if ci else ""
+        rounds = res.get("overhead_pct_adjusted_by_round", {}).get(name, [])
+        lines.append(
+            f"{name + ' adj.':<16}{'':>14}{pct:+10.1f}%{ci_txt:>18}   "
+            + " ".join(f"{x:+.1f}%" for x in rounds)
+        )
+    if adj:
+        lines.append(
+            "    (adj.: step time per CPU second of forward passes, the same work in every"
+            " configuration: the machine's drift between jobs taken out)"
+        )
     cpu = res.get("cpu_ms_per_step")
     if cpu:
         lines.append(
@@ -85,6 +99,8 @@ def overhead_table(res: dict[str, Any]) -> str:
                 f"{name:<18}{c['trainer_ms']:>9.1f}{c['others_ms']:>9.1f}{c['job_ms']:>9.1f}"
                 f"{extra:>9}{unused}"
             )
+            if c.get("forward_ms") is not None:
+                lines.append(f"    forward passes: {c['forward_ms']:.1f}")
             if c.get("phases_ms"):
                 ph, wall = c["phases_ms"], c.get("phases_wall_ms") or {}
                 cells = [

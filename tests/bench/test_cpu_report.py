@@ -116,3 +116,36 @@ def test_overhead_interval_from_the_rounds() -> None:
     assert (lo, hi) == pytest.approx((6 - 2.776 * 10**0.5 / 5**0.5, 6 + 2.776 * 10**0.5 / 5**0.5))
     same = ci95([5.0] * 40)  # no spread: the interval is the mean (t beyond 30 df: 30's)
     assert same == pytest.approx([5.0, 5.0])
+
+
+def test_plain_report_gives_forward_cpu_only_when_every_rank_stamped_it() -> None:
+    ev = [
+        {"ev": "step", "rank": r, "step": s, "cpu": c, "fwd": f}
+        for r in (0, 1)
+        for s, c, f in ((2, 10.0, 3.0), (4, 12.0, 3.8 + 0.2 * r))
+    ]
+    rep = plain_cpu_report(ev, 2, 4)
+    assert rep["trainer_ms"] == pytest.approx(1000.0)
+    assert rep["forward_ms"] == pytest.approx((400.0 + 500.0) / 2)
+    del ev[-1]["fwd"]
+    assert "forward_ms" not in plain_cpu_report(ev, 2, 4)
+
+
+def test_adjusted_overhead_takes_the_machines_speed_out() -> None:
+    from leto.bench.overhead import adjusted_by_round
+
+    # round 2's machine is 10% slower for everything: the raw ratio moves, the
+    # adjusted one (step per forward CPU) does not
+    times = {"plain": [2.0, 2.2], "leto": [2.06, 2.266], "leto-no-tier2": [2.0, 2.2]}
+    cpus = {
+        "plain": [{"forward_ms": 500.0}, {"forward_ms": 550.0}],
+        "leto": [{"phases_ms": {"forward": 500.0}}, {"phases_ms": {"forward": 550.0}}],
+        "leto-no-tier2": [{"phases_ms": {"forward": 500.0}}, {"phases_ms": {"forward": 500.0}}],
+    }
+    adj = adjusted_by_round(times, cpus)
+    assert adj["leto"] == pytest.approx([3.0, 3.0])
+    # a job whose forward passes cost less for the same step time is slower per unit
+    assert adj["leto-no-tier2"] == pytest.approx([0.0, 10.0])
+    # a job without the gauge leaves its configuration out rather than guess
+    cpus["leto"][1] = {"phases_ms": {}}
+    assert set(adjusted_by_round(times, cpus)) == {"leto-no-tier2"}

@@ -117,6 +117,12 @@ def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
     assert table.count("by phase, CPU/wall: ") == 2 and "CPU per step (ms)" in table
     assert res["overhead_pct_ci95"] == {"leto": None, "leto-no-tier2": None}  # one round
     assert all("unused_core_ms" in cpu[c] for c in CONFIGS) and " unused" in table
+    # the forward passes' CPU of every job, the gauge of the drift-adjusted figure
+    assert cpu["plain"]["forward_ms"] > 0
+    adj = res["overhead_pct_adjusted_by_round"]
+    assert set(adj) == {"leto", "leto-no-tier2"} and all(len(v) == 1 for v in adj.values())
+    assert res["overhead_pct_adjusted_ci95"] == {"leto": None, "leto-no-tier2": None}
+    assert table.count(" adj.") == 2 and "forward passes: " in table
 
 
 def test_leto_job_nodes_share_the_benchmarks_session() -> None:
