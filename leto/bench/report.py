@@ -54,6 +54,10 @@ def recovery_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _ci_txt(ci: list[float] | None) -> str:
+    return f"{ci[0]:+.1f}% .. {ci[1]:+.1f}%" if ci else ""
+
+
 def overhead_table(res: dict[str, Any]) -> str:
     lines = [
         f"overhead: {_wl(res)}; {res['backend']}; {res['rounds']} rounds of short jobs, "
@@ -64,8 +68,7 @@ def overhead_table(res: dict[str, Any]) -> str:
     base = res["step_s"]["plain"]
     for name, t in res["step_s"].items():
         pct = "" if name == "plain" else f"{100.0 * (t / base - 1.0):+10.1f}%"
-        ci = (res.get("overhead_pct_ci95") or {}).get(name)
-        ci_txt = f"{ci[0]:+.1f}% .. {ci[1]:+.1f}%" if ci else ""
+        ci_txt = _ci_txt((res.get("overhead_pct_ci95") or {}).get(name))
         rounds = res["overhead_pct_by_round"].get(name, [])
         lines.append(
             f"{name:<16}{t:>13.4f}s{pct:>11}{ci_txt:>18}   "
@@ -73,11 +76,10 @@ def overhead_table(res: dict[str, Any]) -> str:
         )
     adj = res.get("overhead_pct_adjusted") or {}
     for name, pct in adj.items():
-        ci = (res.get("overhead_pct_adjusted_ci95") or {}).get(name)
-        ci_txt = f"{ci[0]:+.1f}% .. {ci[1]:+.1f}%" if ci else ""
+        ci_txt = _ci_txt((res.get("overhead_pct_adjusted_ci95") or {}).get(name))
         rounds = res.get("overhead_pct_adjusted_by_round", {}).get(name, [])
         lines.append(
-            f"{name + ' adj.':<16}{'':>14}{pct:+10.1f}%{ci_txt:>18}   "
+            f"{name + ' adj.':<30}{pct:+10.1f}%{ci_txt:>18}   "
             + " ".join(f"{x:+.1f}%" for x in rounds)
         )
     if adj:
