@@ -66,9 +66,13 @@ def plain_cpu_report(events: Iterable[dict[str, Any]], first: int, last: int) ->
         raise BenchError(f"plain: no CPU stamps at steps {first} and {last}")
     per_rank = [1e3 * (v[last][0] - v[first][0]) / n for v in both]
     out: dict[str, Any] = {"trainer_ms": statistics.fmean(per_rank), "trainer_ms_by_rank": per_rank}
-    fwd = [(v[first][1], v[last][1]) for v in both]
-    if all(a is not None and b is not None for a, b in fwd):
-        out["forward_ms"] = statistics.fmean(1e3 * (b - a) / n for a, b in fwd)  # type: ignore[operator]
+    fwd = [
+        1e3 * (b - a) / n
+        for a, b in ((v[first][1], v[last][1]) for v in both)
+        if a is not None and b is not None
+    ]
+    if len(fwd) == len(both):
+        out["forward_ms"] = statistics.fmean(fwd)
     return out
 
 

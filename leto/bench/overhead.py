@@ -180,14 +180,19 @@ def adjusted_by_round(
 ) -> dict[str, list[float]]:
     """Each round's overhead per unit of forward-pass CPU (see the module docstring);
     a configuration is left out if some job of it or of plain has no forward CPU."""
+
+    def gauges(config: str) -> list[float] | None:
+        fwd = [forward_ms(x) or 0.0 for x in cpus[config]]
+        return fwd if all(f > 0 for f in fwd) else None
+
     out: dict[str, list[float]] = {}
-    base = [forward_ms(c) for c in cpus["plain"]]
+    base = gauges("plain")
     for c in CONFIGS[1:]:
-        fwd = [forward_ms(x) for x in cpus[c]]
-        if any(f is None or f <= 0 for f in base + fwd):
+        fwd = gauges(c)
+        if base is None or fwd is None:
             continue
         out[c] = [
-            100.0 * ((t / f) / (tp / fp) - 1.0)  # type: ignore[operator]
+            100.0 * ((t / f) / (tp / fp) - 1.0)
             for t, f, tp, fp in zip(times[c], fwd, times["plain"], base, strict=True)
         ]
     return out

@@ -200,8 +200,8 @@ class _DDPTrainer(_Trainer):
             self.step = s
             # this process's CPU seconds so far, and in forward passes: the overhead
             # benchmark's CPU per step and its gauge of the machine's speed
-            cpu = time.process_time()
-            self.step_times.append(self.out.emit("step", step=s, cpu=cpu, fwd=self.fwd_cpu) - t)
+            stamp = self.out.emit("step", step=s, cpu=time.process_time(), fwd=self.fwd_cpu)
+            self.step_times.append(stamp - t)
             self.after_step(s)
 
     # --- checkpoints ---------------------------------------------------------------
