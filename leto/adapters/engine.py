@@ -57,7 +57,6 @@ from leto.core.recovery import Kind, Phase
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
 from leto.core.txn import TxnState
-from leto.retained.checksum import DOMAIN_GRAD, checksum_chunks
 from leto.retained.layout import (
     ChecksumError,
     ChunkStatus,
@@ -503,15 +502,13 @@ class Engine:
         if self.options.tier1 and store.gparity is not None and p.gdelta is not None:
             store.gparity.add_(p.gdelta)
             store.gparity_versions[self._member(r)] = step
-        n = lay.n_chunks
-        sums = checksum_chunks([lay.grad_buffer], n, [step] * n, domain=DOMAIN_GRAD)
         store.pending[r] = json.dumps(
             {
                 "step": step,
                 "rng": p.rng,
                 "sampler": self.cursor.state_after(step),
                 "present": p.present,
-                "grad_checksums": [int(x) for x in sums.tolist()],
+                "grad_checksums": lay.grad_checksums(),
             }
         )
         p.gdelta = None
@@ -896,9 +893,7 @@ class Engine:
         self.backend.spmd(members, program)
         lay = self.procs[r].layout
         lay.seal_grads(step, pend["present"])
-        n = lay.n_chunks
-        sums = checksum_chunks([lay.grad_buffer], n, [step] * n, domain=DOMAIN_GRAD)
-        if [int(x) for x in sums.tolist()] != pend["grad_checksums"]:
+        if lay.grad_checksums() != pend["grad_checksums"]:
             raise IntegrityError(f"rank {r}: gradients rebuilt from parity fail their checksums")
 
     def _settle(self, r: int, target: int) -> tuple[int, bool]:

@@ -67,7 +67,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checksum import DOMAIN_DATA, DOMAIN_GRAD, checksum, checksum_chunks
+from .checksum import (
+    ALGORITHMS,
+    DOMAIN_DATA,
+    DOMAIN_GRAD,
+    checksum,
+    checksum_chunks,
+    default_algorithm,
+)
 
 __all__ = [
     "Allocator",
@@ -94,7 +101,7 @@ segment of that name (a keeper maps it; the fake backend looks it up).
 
 DEFAULT_CHUNK_NUMEL = 1 << 20
 MAGIC = 0x4C45544F52544E44  # "LETORTND"
-FORMAT = 1
+FORMAT = 2  # 2: the meta records the checksum algorithm
 _SUPER_WORDS = 8
 _H_FIXED = 8  # header: magic, format, n_chunks, undo_slots, n_params, prepared, 2 spare
 _H_PREPARED = 5
@@ -236,6 +243,7 @@ class RetainedLayout:
         self.undo_slots: int = meta["undo_slots"]
         self.align_bytes: int = meta["align_bytes"]
         self.states: tuple[str, ...] = tuple(meta["states"])
+        self.checksum_algorithm: str = meta["checksum"]
         self.slots: tuple[ParamSlot, ...] = tuple(
             ParamSlot(n, tuple(s), o, c) for n, s, o, c in meta["params"]
         )
@@ -375,14 +383,21 @@ class RetainedLayout:
         alloc: Allocator | None = None,
         prefix: str = "leto",
         align_bytes: int = 256,
+        checksum_algorithm: str | None = None,
     ) -> RetainedLayout:
         """Pack ``model``'s parameters into fresh retained buffers and bind views.
 
         ``states``: optimizer state buffers to allocate (see
         ``leto.retained.optim.required_states``); ``undo_slots``: chunks that may
         hold an undo copy at once (None: one per chunk, what the whole-step
-        fallback needs). Every chunk starts at version 0.
+        fallback needs); ``checksum_algorithm``: one of
+        ``leto.retained.checksum.ALGORITHMS`` (None: xxh3 in host memory, Fletcher
+        on a GPU). Every chunk starts at version 0.
         """
+        if checksum_algorithm is not None and checksum_algorithm not in ALGORITHMS:
+            raise LayoutError(
+                f"unknown checksum algorithm {checksum_algorithm!r} (known: {', '.join(ALGORITHMS)})"
+            )
         named = _named(model)
         meta = cls._plan(named, chunk_numel, states, undo_slots, align_bytes)
         for name, p in named:
@@ -392,6 +407,7 @@ class RetainedLayout:
                 )
         alloc = alloc or default_allocator
         segs = cls._alloc_all(alloc, prefix, cls._sizes(meta))
+        meta["checksum"] = checksum_algorithm or default_algorithm(segs["param"].device)
         meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
         sup = alloc(f"{prefix}.super", 8 * _SUPER_WORDS)
         mseg = alloc(f"{prefix}.meta", len(meta_bytes))
@@ -443,6 +459,11 @@ class RetainedLayout:
                 f"retained layout description under {prefix!r} is corrupted (CRC mismatch)"
             )
         meta: dict[str, Any] = json.loads(raw)
+        if meta.get("checksum") not in ALGORITHMS:
+            raise LayoutError(
+                f"retained layout under {prefix!r} records an unknown checksum algorithm "
+                f"{meta.get('checksum')!r} (known: {', '.join(ALGORITHMS)})"
+            )
         return meta
 
     @classmethod
@@ -643,7 +664,33 @@ class RetainedLayout:
 
     def compute_checksum(self, i: int, version: int) -> torch.Tensor:
         """Checksum of chunk i's current data bytes, salted with ``version``."""
-        return checksum(self.chunk_data(i), index=i, version=version, domain=DOMAIN_DATA)
+        return checksum(
+            self.chunk_data(i),
+            index=i,
+            version=version,
+            domain=DOMAIN_DATA,
+            algorithm=self.checksum_algorithm,
+        )
+
+    def data_checksums(self, versions: Sequence[int]) -> torch.Tensor:
+        """Checksums of every chunk's current data bytes, chunk i salted with ``versions[i]``."""
+        return checksum_chunks(
+            self.data_buffers(),
+            self.n_chunks,
+            versions,
+            domain=DOMAIN_DATA,
+            algorithm=self.checksum_algorithm,
+        )
+
+    def grad_checksums_at(self, step: int) -> torch.Tensor:
+        """Checksums of every chunk of the current gradient bytes, as those of ``step``."""
+        return checksum_chunks(
+            [self.grad_buffer],
+            self.n_chunks,
+            [step] * self.n_chunks,
+            domain=DOMAIN_GRAD,
+            algorithm=self.checksum_algorithm,
+        )
 
     def seal_chunk(self, i: int, version: int) -> None:
         """Record chunk i's bytes as version ``version`` (checksum, then version).
@@ -659,10 +706,7 @@ class RetainedLayout:
 
     def seal_all(self, version: int) -> None:
         """Record every chunk's bytes as ``version`` (one batched checksum pass)."""
-        cs = checksum_chunks(
-            self.data_buffers(), self.n_chunks, [version] * self.n_chunks, domain=DOMAIN_DATA
-        )
-        self._table[:, 1] = cs
+        self._table[:, 1] = self.data_checksums([version] * self.n_chunks)
         self._table[:, 0] = version
         self._ver = [version] * self.n_chunks
 
@@ -676,10 +720,7 @@ class RetainedLayout:
         TORN chunks are skipped: their bytes are untrusted by definition; check
         their undo copy with :meth:`verify_undo`.
         """
-        cs = checksum_chunks(
-            self.data_buffers(), self.n_chunks, list(self._ver), domain=DOMAIN_DATA
-        )
-        bad = (cs != self._table[:, 1]).tolist()
+        bad = (self.data_checksums(self._ver) != self._table[:, 1]).tolist()
         return [
             i
             for i in range(self.n_chunks)
@@ -758,10 +799,7 @@ class RetainedLayout:
         self._hdr[self._mask_base : self._mask_base + len(present)] = torch.tensor(
             [int(bool(x)) for x in present], dtype=torch.int64
         ).to(self._hdr.device)
-        cs = checksum_chunks(
-            [self.grad_buffer], self.n_chunks, [step] * self.n_chunks, domain=DOMAIN_GRAD
-        )
-        self._table[:, 3] = cs
+        self._table[:, 3] = self.grad_checksums_at(step)
         self._table[:, 2] = step
         self._gver = [step] * self.n_chunks
         self._hw(_H_PREPARED, step)
@@ -786,10 +824,7 @@ class RetainedLayout:
 
     def verify_grads(self, step: int) -> list[int]:
         """Chunks whose gradients are not sealed for ``step`` or fail their checksum."""
-        cs = checksum_chunks(
-            [self.grad_buffer], self.n_chunks, [step] * self.n_chunks, domain=DOMAIN_GRAD
-        )
-        bad = (cs != self._table[:, 3]).tolist()
+        bad = (self.grad_checksums_at(step) != self._table[:, 3]).tolist()
         return [i for i in range(self.n_chunks) if bad[i] or self._gver[i] != step]
 
     # -------------------------------------------------------------------- undo
@@ -837,7 +872,13 @@ class RetainedLayout:
 
     def verify_undo(self, i: int) -> bool:
         k = self._slot_checked(i)
-        cs = checksum(list(self._undo[k]), index=i, version=self._slot_ver[k], domain=DOMAIN_DATA)
+        cs = checksum(
+            list(self._undo[k]),
+            index=i,
+            version=self._slot_ver[k],
+            domain=DOMAIN_DATA,
+            algorithm=self.checksum_algorithm,
+        )
         return bool(cs.item() == self._hdr[self._slot_base + _SLOT_WORDS * k + 2].item())
 
     def restore_undo(self, i: int) -> None:

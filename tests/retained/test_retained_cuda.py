@@ -27,7 +27,7 @@ pytestmark = [
 def test_checksums_agree_with_cpu() -> None:
     g = torch.Generator().manual_seed(0)
     bufs = [torch.randn(6 * 4096, generator=g) for _ in range(3)]
-    cpu = checksum_chunks(bufs, 6, list(range(6))).tolist()
+    cpu = checksum_chunks(bufs, 6, list(range(6)), algorithm="fletcher").tolist()
     gpu = checksum_chunks([b.cuda() for b in bufs], 6, list(range(6))).tolist()
     assert cpu == gpu
     assert checksum([b[:4096].cuda() for b in bufs], index=0, version=0).item() == cpu[0]
@@ -57,6 +57,7 @@ def test_chunked_adam_on_cuda(hp: dict[str, Any]) -> None:
             torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
         else:
             assert torch.equal(p, q)
+    assert opt.layout.checksum_algorithm == "fletcher"  # a layout in GPU memory
     assert opt.layout.verify() == []
 
 

@@ -183,6 +183,31 @@ def test_attach_binds_a_skeleton_without_copying_and_keeps_the_header() -> None:
     assert lay2.verify_grads(2) == list(range(lay2.n_chunks))
 
 
+def test_the_layout_records_its_checksum_algorithm_and_attach_checks_it() -> None:
+    import zlib
+
+    store = InMemorySegments()
+    lay = RetainedLayout.create(mlp(), chunk_numel=16, states=["exp_avg"], alloc=store)
+    assert lay.checksum_algorithm == "xxh3"  # host memory
+    want = lay.data_checksums([0] * lay.n_chunks).tolist()
+    assert want == [lay.stored_checksum(c) for c in range(lay.n_chunks)]
+    assert RetainedLayout.attach(mlp(device="meta"), alloc=store).checksum_algorithm == "xxh3"
+    other = RetainedLayout.create(mlp(), chunk_numel=16, checksum_algorithm="fletcher")
+    assert other.checksum_algorithm == "fletcher" and other.verify() == []
+    assert other.stored_checksum(0) != lay.stored_checksum(0)  # same bytes, the other hash
+    with pytest.raises(LayoutError, match="unknown checksum algorithm 'md5'"):
+        RetainedLayout.create(mlp(), chunk_numel=16, checksum_algorithm="md5")
+    # a description naming an algorithm this version does not know: refused, untouched
+    meta = store.segments["leto.meta"]
+    raw = bytes(meta.numpy().tobytes()).replace(b'"xxh3"', b'"crc9"')
+    meta.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    store.segments["leto.super"].view(torch.int64)[3] = zlib.crc32(raw)
+    before = store.segments["leto.param"].clone()
+    with pytest.raises(LayoutError, match="unknown checksum algorithm 'crc9'"):
+        RetainedLayout.attach(mlp(device="meta"), alloc=store)
+    assert torch.equal(store.segments["leto.param"], before)
+
+
 def test_attach_shape_mismatch_names_the_parameter_and_modifies_nothing() -> None:
     store = InMemorySegments()
     RetainedLayout.create(mlp(), chunk_numel=16, alloc=store)

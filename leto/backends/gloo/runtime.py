@@ -50,7 +50,6 @@ import torch.distributed as dist
 from torch import nn
 
 from leto.core.chunk import LOST, NONE, TORN
-from leto.retained.checksum import DOMAIN_GRAD, checksum_chunks
 from leto.retained.layout import (
     ChecksumError,
     ChunkStatus,
@@ -1064,9 +1063,7 @@ class GlooSession:
             if pend is None or pend["step"] != step:
                 raise IntegrityError(f"rank {r}: no prepare record of step {step} to rebuild from")
             lay.seal_grads(step, pend["present"])
-            n = lay.n_chunks
-            sums = checksum_chunks([lay.grad_buffer], n, [step] * n, domain=DOMAIN_GRAD)
-            if [int(x) for x in sums.tolist()] != pend["grad_checksums"]:
+            if lay.grad_checksums() != pend["grad_checksums"]:
                 raise IntegrityError(
                     f"rank {r}: gradients rebuilt from parity fail their checksums"
                 )
