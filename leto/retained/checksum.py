@@ -64,6 +64,7 @@ import xxhash
 __all__ = [
     "ALGORITHMS",
     "MODULUS",
+    "algorithm_error",
     "DOMAIN_DATA",
     "DOMAIN_GRAD",
     "checksum",
@@ -94,13 +95,19 @@ def default_algorithm(device: torch.device | str) -> str:
     return "xxh3" if torch.device(device).type == "cpu" else "fletcher"
 
 
+def algorithm_error(name: object) -> str | None:
+    """Why ``name`` is not a checksum algorithm (None: it is one)."""
+    if name in ALGORITHMS:
+        return None
+    return f"unknown checksum algorithm {name!r} (known: {', '.join(ALGORITHMS)})"
+
+
 def _algorithm(algorithm: str | None, parts: Sequence[torch.Tensor]) -> str:
     if algorithm is None:
         return default_algorithm(parts[0].device)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(
-            f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})"
-        )
+    why = algorithm_error(algorithm)
+    if why:
+        raise ValueError(why)
     return algorithm
 
 

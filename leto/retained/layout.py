@@ -68,9 +68,9 @@ import torch
 from torch import nn
 
 from .checksum import (
-    ALGORITHMS,
     DOMAIN_DATA,
     DOMAIN_GRAD,
+    algorithm_error,
     checksum,
     checksum_chunks,
     default_algorithm,
@@ -394,10 +394,9 @@ class RetainedLayout:
         ``leto.retained.checksum.ALGORITHMS`` (None: xxh3 in host memory, Fletcher
         on a GPU). Every chunk starts at version 0.
         """
-        if checksum_algorithm is not None and checksum_algorithm not in ALGORITHMS:
-            raise LayoutError(
-                f"unknown checksum algorithm {checksum_algorithm!r} (known: {', '.join(ALGORITHMS)})"
-            )
+        why = None if checksum_algorithm is None else algorithm_error(checksum_algorithm)
+        if why:
+            raise LayoutError(why)
         named = _named(model)
         meta = cls._plan(named, chunk_numel, states, undo_slots, align_bytes)
         for name, p in named:
@@ -459,11 +458,9 @@ class RetainedLayout:
                 f"retained layout description under {prefix!r} is corrupted (CRC mismatch)"
             )
         meta: dict[str, Any] = json.loads(raw)
-        if meta.get("checksum") not in ALGORITHMS:
-            raise LayoutError(
-                f"retained layout under {prefix!r} records an unknown checksum algorithm "
-                f"{meta.get('checksum')!r} (known: {', '.join(ALGORITHMS)})"
-            )
+        why = algorithm_error(meta.get("checksum"))
+        if why:
+            raise LayoutError(f"retained layout under {prefix!r}: {why}")
         return meta
 
     @classmethod

@@ -197,6 +197,8 @@ def test_the_layout_records_its_checksum_algorithm_and_attach_checks_it() -> Non
     assert other.stored_checksum(0) != lay.stored_checksum(0)  # same bytes, the other hash
     with pytest.raises(LayoutError, match="unknown checksum algorithm 'md5'"):
         RetainedLayout.create(mlp(), chunk_numel=16, checksum_algorithm="md5")
+    with pytest.raises(LayoutError, match="unknown checksum algorithm ''"):
+        RetainedLayout.create(mlp(), chunk_numel=16, checksum_algorithm="")
     # a description naming an algorithm this version does not know: refused, untouched
     meta = store.segments["leto.meta"]
     raw = bytes(meta.numpy().tobytes()).replace(b'"xxh3"', b'"crc9"')
