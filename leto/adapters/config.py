@@ -9,19 +9,23 @@ every error names the setting that is wrong::
 
 Settings (TOML key / ``LETO_<KEY>`` variable):
 
-=================  =======  ==========================================================
-backend            "fake"   ``fake`` (simulated ranks in one process), ``gloo`` (CPU
-                            processes), ``nccl`` (CUDA; refused without CUDA)
-topology           "1x1"    ``"NODESxRANKS"``; or ``nodes`` and ``ranks_per_node``
-world_size         none     if given (or ``WORLD_SIZE`` in the environment), it must
-                            equal nodes x ranks_per_node
-chunk_size         1048576  elements per chunk of the retained state (> 0)
-tier1              true     per-step parity inside each node
-tier2              true     cross-node snapshots every ``tier2_interval`` steps
-tier2_interval     10       K: steps between tier-2 snapshots (> 0)
-checkpoint_dir     none     directory for the torch.distributed.checkpoint fallback
-verify_chunks      true     check each chunk's checksum before its step overwrites it
-=================  =======  ==========================================================
+=================  ========  ==========================================================
+backend            "fake"    ``fake`` (simulated ranks in one process), ``gloo`` (CPU
+                             processes), ``nccl`` (CUDA; refused without CUDA)
+topology           "1x1"     ``"NODESxRANKS"``; or ``nodes`` and ``ranks_per_node``
+world_size         none      if given (or ``WORLD_SIZE`` in the environment), it must
+                             equal nodes x ranks_per_node
+chunk_size         1048576   elements per chunk of the retained state (> 0)
+tier1              true      per-step protection inside each node (tier 1)
+tier1_code         "parity"  what tier 1 keeps: ``parity`` (single parity over the
+                             node's ranks, any training) or ``replica`` (nothing: the
+                             node's other ranks hold the same state, as in data-parallel
+                             training; a lost rank is copied from one of them; gloo only)
+tier2              true      cross-node snapshots every ``tier2_interval`` steps
+tier2_interval     10        K: steps between tier-2 snapshots (> 0)
+checkpoint_dir     none      directory for the torch.distributed.checkpoint fallback
+verify_chunks      true      check each chunk's checksum before its step overwrites it
+=================  ========  ==========================================================
 
 ``LETO_CONFIG=path.toml`` makes :meth:`Config.from_env` read that file first; the
 other variables override it.
@@ -39,9 +43,10 @@ import attrs
 
 from leto.core.erasure import Topology
 
-__all__ = ["BACKENDS", "Config", "ConfigError"]
+__all__ = ["BACKENDS", "TIER1_CODES", "Config", "ConfigError"]
 
 BACKENDS = ("fake", "gloo", "nccl")
+TIER1_CODES = ("parity", "replica")
 _ENV_PREFIX = "LETO_"
 
 
@@ -88,6 +93,13 @@ def _v_bool(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         raise ConfigError(attr.name, f"must be true or false, got {value!r}")
 
 
+def _v_tier1_code(_inst: Any, _attr: Any, value: Any) -> None:
+    if value not in TIER1_CODES:
+        raise ConfigError(
+            "tier1_code", f"unknown code {value!r} (choose one of {', '.join(TIER1_CODES)})"
+        )
+
+
 def _v_world(_inst: Any, _attr: Any, value: Any) -> None:
     if value is not None:
         _int("world_size", value, 1)
@@ -113,6 +125,7 @@ class Config:
     world_size: int | None = attrs.field(default=None, validator=_v_world)
     chunk_size: int = attrs.field(default=1 << 20, validator=_v_positive)
     tier1: bool = attrs.field(default=True, validator=_v_bool)
+    tier1_code: str = attrs.field(default="parity", validator=_v_tier1_code)
     tier2: bool = attrs.field(default=True, validator=_v_bool)
     tier2_interval: int = attrs.field(default=10, validator=_v_positive)
     checkpoint_dir: str | None = attrs.field(default=None, validator=_v_dir)
@@ -126,6 +139,15 @@ class Config:
                 f"{self.nodes} nodes x {self.ranks_per_node} ranks per node = {n} ranks, "
                 f"but the world size is {self.world_size}",
             )
+        if self.tier1_code == "replica":
+            if not self.tier1:
+                raise ConfigError("tier1_code", "'replica' is a tier-1 code, but tier1 is off")
+            if self.backend != "gloo":
+                raise ConfigError(
+                    "tier1_code",
+                    f"'replica' is built for the gloo backend only, not {self.backend!r} "
+                    "(use 'parity')",
+                )
 
     # --- derived ------------------------------------------------------------------
 
@@ -281,7 +303,7 @@ def _parse_env(key: str, raw: str, source: str) -> Any:
     text = raw.strip()
     if key == "checkpoint_dir":
         return None if text.lower() in ("", "none") else text
-    if key == "backend":
+    if key in ("backend", "tier1_code"):
         return text
     if a.validator is _v_bool:
         low = text.lower()

@@ -22,6 +22,9 @@ def test_defaults_and_lazy_export() -> None:
     c = Config()
     assert (c.backend, c.nodes, c.ranks_per_node, c.chunk_size) == ("fake", 1, 1, 1 << 20)
     assert c.tier1 and c.tier2 and c.tier2_interval == 10 and c.checkpoint_dir is None
+    assert c.tier1_code == "parity"
+    r = Config.from_env({"LETO_BACKEND": "gloo", "LETO_TIER1_CODE": "replica"})
+    assert (r.backend, r.tier1_code) == ("gloo", "replica")
     assert c.topology.node_sizes == (1,)
 
 
@@ -48,6 +51,21 @@ def test_from_dict_with_topology_string() -> None:
         ({"topology": "0x2"}, "topology", "must be positive"),
         ({"topology": "2x2", "nodes": 3}, "topology", "contradicts"),
         ({"tier1": "yes"}, "tier1", "must be true or false"),
+        (
+            {"backend": "gloo", "tier1_code": "xor"},
+            "tier1_code",
+            "unknown code 'xor' (choose one of parity, replica)",
+        ),
+        (
+            {"tier1_code": "replica"},
+            "tier1_code",
+            "'replica' is built for the gloo backend only, not 'fake'",
+        ),
+        (
+            {"backend": "gloo", "tier1": False, "tier1_code": "replica"},
+            "tier1_code",
+            "'replica' is a tier-1 code, but tier1 is off",
+        ),
         ({"colour": "blue"}, "colour", "unknown setting"),
         ({"checkpoint_dir": ""}, "checkpoint_dir", "must be a directory path"),
     ],

@@ -164,6 +164,86 @@ def test_exception_is_reported_with_its_traceback(two_nodes: JobResult) -> None:
     assert exc["in_phase"] == "forward"
 
 
+# tier 1 as replicas: the keeper SIGKILLed at every point of a step, each rank in turn
+REPLICA_LOSSES: list[dict[str, Any]] = [
+    {"phase": "apply", "chunk": 2, "where": "mid_write"},
+    {"phase": "apply", "chunk": 4, "where": "written"},
+    {"phase": "parity", "chunk": 1},
+    {"phase": "prepare"},
+    {"phase": "decide", "where": "after"},
+    {"phase": "apply", "chunk": 0, "where": "undo_saved"},
+    {"phase": "finish"},
+]
+
+
+@pytest.fixture(scope="session")
+def replica_losses(session_dir: Path) -> JobResult:
+    faults = [
+        {"kind": "lose_memory", "rank": i % 2, "step": i + 2, **p}
+        for i, p in enumerate(REPLICA_LOSSES)
+    ]
+    faults += [
+        # the other rank hangs before its first chunk of the step (fenced, killed, its
+        # memory kept): it rolls forward first, then the lost rank's chunks are copied
+        {"kind": "hang", "rank": 1, "step": 9, "phase": "apply", "chunk": 1, "where": "undo_saved"},
+        {
+            "kind": "lose_memory",
+            "rank": 0,
+            "step": 9,
+            "phase": "apply",
+            "chunk": 2,
+            "where": "written",
+        },
+        {
+            "kind": "crash",
+            "rank": 1,
+            "step": 11,
+            "phase": "apply",
+            "chunk": 3,
+            "where": "mid_write",
+        },
+    ]
+    return job(
+        session_dir / "replica-losses",
+        steps=STEPS_1x2,
+        faults=faults,
+        env={"TIER1_CODE": "replica"},
+    )
+
+
+def test_replica_tier1_rebuilds_every_lost_memory_bitwise(
+    replica_losses: JobResult, ref_1x2: JobResult
+) -> None:
+    res = replica_losses
+    assert res.ok, explain(res)
+    kinds = [f["kind"] for f in res.of("failure")]
+    n = len(REPLICA_LOSSES)
+    assert kinds == ["keeper_lost"] * n + ["keeper_lost", "hang", "crash"], kinds
+    recs = res.recoveries
+    assert len(recs) == n + 2
+    # every lost memory: the rank's chunks copied from the other rank of its node
+    for r in recs[: n + 1]:
+        assert r["kind"] == "tier1", recs
+        assert r["tier1_from_replicas"] >= r["chunks_repaired_tier1"] >= 1, recs
+    # the hung rank was one step behind in every chunk: it rolled them all forward
+    assert recs[n]["chunks_rolled_forward"] >= 4, recs[n]
+    # the crash loses no memory: nothing to copy, the torn chunk rolled forward locally
+    assert recs[-1]["tier1_from_replicas"] == 0 and recs[-1]["chunks_rolled_forward"] >= 1
+    assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
+
+
+def test_replica_tier1_refuses_ranks_that_are_not_replicas(tag: str) -> None:
+    res = job(Path(tag) / "run", steps=4, env={"TIER1_CODE": "replica", "DIVERGE": "1"})
+    assert not res.ok and res.error is not None, explain(res)
+    assert "differ at step 0" in res.error and "tier1_code 'replica'" in res.error, res.error
+
+
+def test_parity_tier1_copies_nothing_from_replicas(two_nodes: JobResult) -> None:
+    assert [r["tier1_from_replicas"] for r in two_nodes.recoveries] == [0] * len(
+        two_nodes.recoveries
+    )
+
+
 def test_checkpoint_fallback_beyond_both_tiers(tag: str, ref_1x2: JobResult) -> None:
     # tier 2 off, both ranks of the node lose their memory: only the disk checkpoint is left
     faults = [

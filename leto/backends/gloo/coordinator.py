@@ -760,6 +760,7 @@ class Coordinator:
                 "chunks_rolled_forward",
                 "chunks_rolled_back",
                 "chunks_restored",
+                "tier1_from_replicas",
                 "parity_reencoded",
                 "parity_checked",
             )

@@ -123,6 +123,17 @@ class ParityBlock:
                 raise ValueError("parity, old and new differ in size")
             self._flip(a, b, member, version, checksum)
 
+    def record(self, member: int, version: int, checksum: int | None = None) -> None:
+        """Only the record: ``member``'s version (and checksum) becomes current.
+
+        Tier 1 as replicas (``tier1_code = "replica"``) keeps no parity bytes (a block
+        of ``nbytes == 0``), only what each member's chunk was at its last update:
+        the versions the recovery plans from and the checksums it verifies against.
+        """
+        with self.lock():
+            a = self.active
+            self._flip(a, 1 - a, member, version, checksum)
+
     def add_delta(self, member: int, delta: torch.Tensor, version: int) -> None:
         """``parity += delta`` (bytes) for one member's gradients."""
         with self.lock():

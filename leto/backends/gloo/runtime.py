@@ -258,6 +258,9 @@ class GlooSession:
         self.cross_group: Any = None
         self.parity: list[ParityBlock] = []
         self.gparity: ParityBlock | None = None
+        # tier 1 as replicas (tier1_code = "replica"): the node's other ranks hold the
+        # same state; the blocks keep only each member's versions and checksums
+        self.replica = bool(config.tier1) and getattr(config, "tier1_code", "parity") == "replica"
         self._red: torch.Tensor | None = None  # the all-reduce buffer, reused
         self._gdelta: torch.Tensor | None = None  # the gradient parity's delta, reused
         self._reencoded = False  # did the last recovery re-encode the node's tier-1 parity
@@ -445,7 +448,7 @@ class GlooSession:
         lay = self.layout
         if not self.cfg.tier1:
             return
-        item = lay.dtype.itemsize
+        item = 0 if self.replica else lay.dtype.itemsize  # replicas: the records only
         cbytes = (1 + len(lay.states)) * lay.chunk_numel * item
         self.parity = [self._block(f"parity.{c}", cbytes) for c in range(lay.n_chunks)]
         self.gparity = self._block("gparity", lay.numel * item)
@@ -642,7 +645,7 @@ class GlooSession:
         self.keeper.check_writer()
         m = self.lr
         gdelta = None
-        if self.gparity is not None:
+        if self.gparity is not None and not self.replica:
             # this member's change of the gradient parity: new bytes - old bytes
             # (old: zeros if the parity never held this member's gradients)
             comp = self.gparity.versions()[m]
@@ -665,8 +668,11 @@ class GlooSession:
                 raise IntegrityError(f"chunks {bad} fail their checksums at PREPARE of step {V}")
         lay.seal_grads(V, present_mask)
         self._point("prepare")
-        if self.gparity is not None and gdelta is not None:
-            self.gparity.add_delta(m, gdelta, V)
+        if self.gparity is not None:
+            if gdelta is not None:
+                self.gparity.add_delta(m, gdelta, V)
+            else:  # replicas: the record that this member's gradients are of step V
+                self.gparity.record(m, V)
         n = lay.n_chunks
         pending = {
             "step": V,
@@ -705,10 +711,7 @@ class GlooSession:
             ropt.apply_chunk(c, seal=False)
             lay.seal_chunk(c, V)
             self._point("apply", c, "written")
-            if self.parity:
-                self.parity[c].update(
-                    m, lay.undo_data(c), lay.chunk_data(c), V, lay.stored_checksum(c)
-                )
+            self._tier1_chunk(c, V)
             self._point("parity", c)
             ropt.finish_chunk(c)
         # 6. finish
@@ -955,6 +958,7 @@ class GlooSession:
             "chunks_rolled_forward": 0,
             "chunks_rolled_back": 0,
             "chunks_restored": 0,
+            "tier1_from_replicas": 0,
         }
         if kind == "tier2":
             self._restore_snapshot(target, msg["snapshot"])
@@ -964,6 +968,36 @@ class GlooSession:
             self._restore_checkpoint()
             summary["chunks_restored"] = self.layout.n_chunks
             self.stats["checkpoint_restores"] += 1
+        elif self.replica:
+            # 1. gradients a member needs to roll its own chunks forward; 2. the members
+            # that lost no chunk settle at the target; 3. every lost chunk is copied from
+            # one of them (or, if none, from a member that can produce the version the
+            # record names); 4. the members that lost chunks settle
+            repairs = [rep for rep in msg["repairs"] if rep["rank"] // self.nproc == self.node]
+            chunks = [
+                (int(x["rank"]), int(x["chunk"]), int(x["step"]))
+                for x in repairs
+                if x["what"] == "tier1"
+            ]
+            lost = {r for r, _, _ in chunks}
+            for rep in repairs:
+                if rep["what"] == "grad-tier1":
+                    r = int(rep["rank"])
+                    needed = sum(rr == r for rr, _, _ in chunks) < self.layout.n_chunks
+                    if self._replica_grads(r, int(rep["step"]), target, needed) and r == self.rank:
+                        summary["grads_repaired_tier1"] += 1
+                        summary["tier1_from_replicas"] += 1
+            fwd = back = 0
+            if self.rank not in lost:
+                fwd, back = self._settle(target)
+            if chunks:
+                self._replica_chunks(chunks, target, lost)
+                summary["chunks_repaired_tier1"] = sum(r == self.rank for r, _, _ in chunks)
+                summary["tier1_from_replicas"] += summary["chunks_repaired_tier1"]
+            if self.rank in lost:
+                fwd, back = self._settle(target)
+            summary["chunks_rolled_forward"] = fwd
+            summary["chunks_rolled_back"] = back
         else:
             for rep in msg["repairs"]:
                 what = rep["what"]
@@ -1059,14 +1093,117 @@ class GlooSession:
         coll = TorchDistCollective(self.node_group)
         decode(coll, data, mi, 0, self.gparity.parity() if self.lr == 0 else None)
         if r == self.rank:
-            _, pend = self._node_state()
-            if pend is None or pend["step"] != step:
-                raise IntegrityError(f"rank {r}: no prepare record of step {step} to rebuild from")
-            lay.seal_grads(step, pend["present"])
-            if lay.grad_checksums() != pend["grad_checksums"]:
+            self._seal_rebuilt_grads(step, "rebuilt from parity")
+
+    def _seal_rebuilt_grads(self, step: int, how: str) -> None:
+        """This rank's gradients of ``step``, rebuilt: sealed with the present mask of
+        its prepare record and checked against that record's checksums."""
+        _, pend = self._node_state()
+        if pend is None or pend["step"] != step:
+            raise IntegrityError(
+                f"rank {self.rank}: no prepare record of step {step} to rebuild from"
+            )
+        self.layout.seal_grads(step, pend["present"])
+        if self.layout.grad_checksums() != pend["grad_checksums"]:
+            raise IntegrityError(f"rank {self.rank}: gradients {how} fail their checksums")
+
+    # --- tier 1 as replicas: a member's lost state copied from another member ------
+
+    def _replica_grads(self, r: int, step: int, target: int, needed: bool) -> bool:
+        """Rank ``r``'s gradients of ``step`` from a member of the node that holds them
+        (every member of a data-parallel node reduces the same gradients). False where
+        no member does and none are needed (``step`` beyond the target: dropped; or
+        every chunk of ``r`` is copied at the target: nothing of it rolls forward)."""
+        lay = self.layout
+        have = r != self.rank and lay.prepared_step == step and not lay.verify_grads(step)
+        holders = self._node_gather([step if have else NONE])
+        src = next((i for i, h in enumerate(holders) if h[0] == step), None)
+        if src is None:
+            if step > target or not needed:
+                return False
+            raise IntegrityError(
+                f"rank {r}: no member of node {self.node} holds the gradients of step {step}"
+            )
+        base = self.node * self.nproc
+        if self.lr == src:
+            dist.send(lay.grad_buffer, dst=r)
+        elif self.rank == r:
+            dist.recv(lay.grad_buffer, src=base + src)
+            self._seal_rebuilt_grads(step, f"copied from rank {base + src}")
+        return True
+
+    def _replica_chunks(
+        self, chunks: list[tuple[int, int, int]], target: int, lost: set[int]
+    ) -> None:
+        """Each ``(rank, chunk, version)`` of the plan from another member of the node.
+
+        The version is the one the tier-1 record holds for that member, which the
+        parity would decode. The copy is of ``target`` from a member that lost no
+        chunk (it has settled there: nothing of the copy rolls forward); else of
+        that version from a member that can produce it (its bytes or its undo copy)
+        and then rolls forward as a parity-decoded chunk would; else of ``target``
+        from any member holding it. Checked against the checksum the record holds
+        for the member at that version (the same bytes on every replica), or else
+        against the source's own seal.
+        """
+        lay = self.layout
+        missing = {(r, c) for r, c, _ in chunks}
+        mine = []
+        for c in range(lay.n_chunks):
+            st = lay.chunk_status(c)
+            dv = lay.chunk_version(c) if st is not ChunkStatus.TORN else NONE
+            uv = lay.undo_version(c) if st is not ChunkStatus.CLEAN else NONE
+            if (self.rank, c) in missing:
+                dv = uv = NONE
+            elif uv != NONE and not any(cc == c for _, cc, _ in chunks):
+                uv = NONE  # not asked for: no need to read it
+            elif uv != NONE and not lay.verify_undo(c):
+                uv = NONE
+            mine += [dv, uv, lay.stored_checksum(c) if dv != NONE else 0]
+        table = self._node_gather(mine)
+        base = self.node * self.nproc
+        for r, c, v in chunks:
+            cands = [(i, t) for i, t in enumerate(table) if (base + i, c) not in missing]
+            version = target
+            src = next((i for i, t in cands if base + i not in lost and t[3 * c] == target), None)
+            if src is None:
+                version = v
+                src = next((i for i, t in cands if v in (t[3 * c], t[3 * c + 1])), None)
+            if src is None:
+                version = target
+                src = next((i for i, t in cands if t[3 * c] == target), None)
+            if src is None:
                 raise IntegrityError(
-                    f"rank {r}: gradients rebuilt from parity fail their checksums"
+                    f"rank {r} chunk {c}: no member of node {self.node} holds it at step {v} "
+                    f"or {target}"
                 )
+            if self.lr == src:
+                for part in self._bytes_at(lay, c, version):
+                    dist.send(part, dst=r)
+            elif self.rank == r:
+                for part in lay.chunk_data(c):
+                    dist.recv(part, src=base + src)
+                lay.seal_chunk(c, version)
+                # the record's checksum of this member at v, the same on every replica;
+                # at the target: the source's own seal of its bytes
+                rec = self.parity[c]
+                want = (
+                    rec.checksums()[self.lr]
+                    if rec.versions()[self.lr] == version
+                    else table[src][3 * c + 2]
+                )
+                if lay.stored_checksum(c) != want:
+                    raise IntegrityError(
+                        f"rank {r} chunk {c}: the bytes copied from rank {base + src} fail "
+                        f"the checksum of step {version}"
+                    )
+
+    def _node_gather(self, values: list[int]) -> list[list[int]]:
+        """Every node member's ``values`` (int64), in local-rank order."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.zeros_like(mine) for _ in range(self.nproc)]
+        dist.all_gather(out, mine, group=self.node_group)
+        return [[int(x) for x in t] for t in out]
 
     def _settle(self, target: int) -> tuple[int, int]:
         """Roll this rank to ``target``; (chunks rolled forward, chunks rolled back)."""
@@ -1146,8 +1283,20 @@ class GlooSession:
             return
         block = self.parity[c]
         if block.valid and block.versions()[self.lr] == step - 1:
-            lay = self.layout
-            block.update(self.lr, lay.undo_data(c), lay.chunk_data(c), step, lay.stored_checksum(c))
+            self._tier1_chunk(c, step)
+
+    def _tier1_chunk(self, c: int, step: int) -> None:
+        """Chunk ``c``'s new bytes (its undo copy holds the old) into the node's tier 1:
+        the parity's change, or for replicas only the record of its version."""
+        if not self.parity:
+            return
+        lay = self.layout
+        if self.replica:
+            self.parity[c].record(self.lr, step, lay.stored_checksum(c))
+        else:
+            self.parity[c].update(
+                self.lr, lay.undo_data(c), lay.chunk_data(c), step, lay.stored_checksum(c)
+            )
 
     def _snapshot_layout(self) -> tuple[int, int]:
         nb = sum(as_bytes(b).numel() for b in self.layout.data_buffers())
@@ -1330,9 +1479,21 @@ class GlooSession:
             )
             self.stats["parity_reencodes_skipped"] += int(current)
             self._reencoded = not current
-            if current and _CHECK_KEPT_PARITY:
+            if self.replica:
+                # no bytes to encode: the replicas must agree, then the records say so
+                split = [c for c in range(lay.n_chunks) if len(set(want[c])) != 1]
+                if split:
+                    raise IntegrityError(
+                        f"node {self.node}: its ranks' chunks {split} differ at step {target}; "
+                        "tier1_code 'replica' needs every rank of a node to hold the same "
+                        "state (data-parallel training): use 'parity'"
+                    )
+                if not current and self.lr == 0:
+                    for c in range(lay.n_chunks):
+                        self.parity[c].write_full(None, [target] * self.nproc, want[c])
+            elif current and _CHECK_KEPT_PARITY:
                 self._check_kept_parity(coll, target)
-            if not current:
+            elif not current:
                 # one reduce for every chunk: chunk c's parity is bytes [c*cb, (c+1)*cb)
                 parts = [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)]
                 par = encode(coll, parts, 0)

@@ -1,7 +1,7 @@
 """The real-process tests' training script: a tiny MLP, every RNG seeded.
 
 Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
-("1"/"0"), CKPT (a checkpoint directory), BIG_MB (allocate that much while steps
+("1"/"0"), TIER1_CODE ("parity"/"replica"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory), BIG_MB (allocate that much while steps
 3..6 run, to push the trainers over a shadow memory budget; the math is unchanged).
 """
 
@@ -26,12 +26,16 @@ settings = {
     "chunk_size": int(os.environ.get("CHUNK", "64")),
     "tier2_interval": 2,
     "tier2": os.environ.get("TIER2", "1") == "1",
+    "tier1_code": os.environ.get("TIER1_CODE", "parity"),
 }
 if os.environ.get("CKPT"):
     settings["checkpoint_dir"] = os.environ["CKPT"]
 cfg = leto.Config.from_dict(settings)
 X, Y = torch.randn(64, 8), torch.randn(64, 2)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 2))
+if os.environ.get("DIVERGE"):  # each rank's model its own (not data-parallel training)
+    with torch.no_grad():
+        model[0].bias.add_(int(os.environ.get("RANK", "0")))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
 sampler = ResumableBatchSampler(64, 8, seed=0)
