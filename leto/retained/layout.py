@@ -867,6 +867,11 @@ class RetainedLayout:
     def undo_version(self, i: int) -> int:
         return int(self._slot_ver[self._slot_checked(i)])
 
+    def undo_checksum(self, i: int) -> int:
+        """The checksum recorded with chunk i's undo copy (of its bytes at :meth:`undo_version`)."""
+        k = self._slot_checked(i)
+        return int(self._hdr[self._slot_base + _SLOT_WORDS * k + 2].item())
+
     def verify_undo(self, i: int) -> bool:
         k = self._slot_checked(i)
         cs = checksum(
@@ -876,7 +881,7 @@ class RetainedLayout:
             domain=DOMAIN_DATA,
             algorithm=self.checksum_algorithm,
         )
-        return bool(cs.item() == self._hdr[self._slot_base + _SLOT_WORDS * k + 2].item())
+        return bool(cs.item() == self.undo_checksum(i))
 
     def restore_undo(self, i: int) -> None:
         """Put chunk i's undo copy back (after checking it); the chunk becomes CLEAN at the old version."""

@@ -30,6 +30,12 @@ def test_missing_script_bad_endpoint_bad_fault_plan(
     plan = '[{"kind": "melt", "rank": 0, "step": 1, "phase": "forward"}]'
     r = launch(["--run-dir", tag, "--faults", plan, TRAIN], capsys)
     assert r.returncode == 2 and "kind 'melt'" in r.stderr
+    plan = '[{"kind": "crash", "rank": 0, "step": 1, "phase": "forward", "chunk": 1}]'
+    r = launch(["--run-dir", tag, "--faults", plan, TRAIN], capsys)
+    assert r.returncode == 2 and "phase 'forward' takes no chunk" in r.stderr
+    plan = '[{"kind": "corrupt", "rank": 0, "step": 1, "phase": "forward", "chunk": -1}]'
+    r = launch(["--run-dir", tag, "--faults", plan, TRAIN], capsys)
+    assert r.returncode == 2 and "chunk -1 is not a chunk index" in r.stderr
     r = launch(["--run-dir", tag, "--nnodes", "2", TRAIN], capsys)
     assert r.returncode == 2 and "--rdzv-endpoint" in r.stderr
     r = launch(["--run-dir", tag, "--node-rank", "3", TRAIN], capsys)

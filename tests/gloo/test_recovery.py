@@ -238,6 +238,28 @@ def test_replica_tier1_refuses_ranks_that_are_not_replicas(tag: str) -> None:
     assert "differ at step 0" in res.error and "tier1_code 'replica'" in res.error, res.error
 
 
+@pytest.mark.parametrize("code", ["parity", "replica"])
+def test_silent_corruption_of_both_ranks_is_found_and_rebuilt(
+    tag: str, ref_1x2: JobResult, code: str
+) -> None:
+    # a bit flips in a different chunk of each rank, nothing reports it: PREPARE's
+    # checksum pass stops both trainers; each chunk is rebuilt from tier 1 (no rank is
+    # intact, so for replicas each copy comes from the rank whose chunk is intact)
+    faults = [
+        {"kind": "corrupt", "rank": 0, "step": 3, "phase": "forward", "chunk": 1},
+        {"kind": "corrupt", "rank": 1, "step": 3, "phase": "forward", "chunk": 3},
+    ]
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, env={"TIER1_CODE": code})
+    assert res.ok, explain(res)
+    fails = res.of("failure")
+    assert fails and all(f["kind"] == "exception" for f in fails), fails
+    assert "fail their checksums at PREPARE of step 3" in fails[0]["traceback"]
+    (rec,) = res.recoveries
+    assert (rec["kind"], rec["target"], rec["chunks_repaired_tier1"]) == ("tier1", 2, 2), rec
+    assert rec["tier1_from_replicas"] == (2 if code == "replica" else 0), rec
+    assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
+
+
 def test_parity_tier1_copies_nothing_from_replicas(two_nodes: JobResult) -> None:
     assert [r["tier1_from_replicas"] for r in two_nodes.recoveries] == [0] * len(
         two_nodes.recoveries

@@ -23,7 +23,11 @@ What each kind does, *for real*, when rank ``rank`` reaches the point:
 * ``lose_memory``: the trainer SIGKILLs its keeper (the rank's retained memory is
   gone; the agent kills the trainer, the last holder of a mapping);
 * ``lose_node``: the trainer SIGKILLs its node's agent (the node's keepers,
-  trainers, shadows and host memory die with it).
+  trainers, shadows and host memory die with it);
+* ``corrupt``: the trainer flips one bit of its retained chunk ``chunk`` (at any
+  phase; default 0) and trains on, as after a memory error nothing reported: the
+  next PREPARE's checksum pass stops the trainer (``IntegrityError``), and the
+  recovery finds the chunk failing its checksum and rebuilds it from tier 1.
 
 Each fault fires once per job, even across trainer incarnations and replacement
 nodes: a trainer claims it with an atomic ``add`` on the job's TCPStore first.
@@ -51,7 +55,7 @@ PHASES = (
 APPLY_WHERE = ("undo_saved", "mid_write", "written")
 DECIDE_WHERE = ("before", "after")
 RECOVERY_WHERE = ("report", "reconcile", "rebuild", "resume")
-FAULT_KINDS = ("crash", "hang", "exception", "lose_memory", "lose_node")
+FAULT_KINDS = ("crash", "hang", "exception", "lose_memory", "lose_node", "corrupt")
 
 
 class FaultPlanError(ValueError):
@@ -83,8 +87,10 @@ def validate(plan: Any, *, world_size: int | None = None) -> list[dict[str, Any]
         if phase in ("apply", "parity"):
             if not isinstance(chunk, int) or chunk < 0:
                 raise FaultPlanError(f"{where}: phase {phase!r} needs a chunk index")
-        elif chunk is not None:
+        elif chunk is not None and kind != "corrupt":
             raise FaultPlanError(f"{where}: phase {phase!r} takes no chunk")
+        elif chunk is not None and (not isinstance(chunk, int) or chunk < 0):
+            raise FaultPlanError(f"{where}: chunk {chunk!r} is not a chunk index")
         allowed = {"apply": APPLY_WHERE, "decide": DECIDE_WHERE, "recovery": RECOVERY_WHERE}
         default = {"apply": "mid_write", "decide": "before", "recovery": "reconcile"}
         if phase in allowed:

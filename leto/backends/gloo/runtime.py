@@ -532,7 +532,8 @@ class GlooSession:
         for f in self.faults:
             if f.get("_fired"):
                 continue
-            if f["phase"] != phase or (f["chunk"] is not None and f["chunk"] != chunk):
+            at_chunk = f["chunk"] if phase in ("apply", "parity") else None  # corrupt: its target
+            if f["phase"] != phase or (at_chunk is not None and at_chunk != chunk):
                 continue
             if f["where"] is not None and f["where"] != where:
                 continue
@@ -567,6 +568,13 @@ class GlooSession:
         elif kind == "lose_node":
             os.kill(int(self.spec["agent_pid"]), signal.SIGKILL)
             time.sleep(120)  # dies with its agent
+        elif kind == "corrupt":
+            c = int(f["chunk"] or 0)
+            if not 0 <= c < self.layout.n_chunks:
+                self._fatal(f"fault {what}: this rank has chunks 0..{self.layout.n_chunks - 1}")
+            first = as_bytes(self.layout.chunk_data(c)[0])
+            first[0] ^= 0x10  # and train on: nothing reported a memory error
+            return
         time.sleep(120)
 
     # ================================================================ the step
@@ -983,8 +991,7 @@ class GlooSession:
             for rep in repairs:
                 if rep["what"] == "grad-tier1":
                     r = int(rep["rank"])
-                    needed = sum(rr == r for rr, _, _ in chunks) < self.layout.n_chunks
-                    if self._replica_grads(r, int(rep["step"]), target, needed) and r == self.rank:
+                    if self._replica_grads(r, int(rep["step"])) and r == self.rank:
                         summary["grads_repaired_tier1"] += 1
                         summary["tier1_from_replicas"] += 1
             fwd = back = 0
@@ -1109,21 +1116,17 @@ class GlooSession:
 
     # --- tier 1 as replicas: a member's lost state copied from another member ------
 
-    def _replica_grads(self, r: int, step: int, target: int, needed: bool) -> bool:
+    def _replica_grads(self, r: int, step: int) -> bool:
         """Rank ``r``'s gradients of ``step`` from a member of the node that holds them
-        (every member of a data-parallel node reduces the same gradients). False where
-        no member does and none are needed (``step`` beyond the target: dropped; or
-        every chunk of ``r`` is copied at the target: nothing of it rolls forward)."""
+        (every member of a data-parallel node reduces the same gradients); False if
+        none does. The plan asks for them where rolling ``r`` forward may need them;
+        if it then does and they are missing, its settle says so."""
         lay = self.layout
         have = r != self.rank and lay.prepared_step == step and not lay.verify_grads(step)
         holders = self._node_gather([step if have else NONE])
         src = next((i for i, h in enumerate(holders) if h[0] == step), None)
         if src is None:
-            if step > target or not needed:
-                return False
-            raise IntegrityError(
-                f"rank {r}: no member of node {self.node} holds the gradients of step {step}"
-            )
+            return False
         base = self.node * self.nproc
         if self.lr == src:
             dist.send(lay.grad_buffer, dst=r)
@@ -1138,16 +1141,17 @@ class GlooSession:
         """Each ``(rank, chunk, version)`` of the plan from another member of the node.
 
         The version is the one the tier-1 record holds for that member, which the
-        parity would decode. The copy is of ``target`` from a member that lost no
-        chunk (it has settled there: nothing of the copy rolls forward); else of
-        that version from a member that can produce it (its bytes or its undo copy)
-        and then rolls forward as a parity-decoded chunk would; else of ``target``
-        from any member holding it. Checked against the checksum the record holds
-        for the member at that version (the same bytes on every replica), or else
-        against the source's own seal.
+        parity would decode. The copy is, by preference: of ``target`` from a member
+        that lost no chunk (it has settled there); of that version from a member that
+        can produce it (its bytes or its undo copy), as the parity would decode it;
+        of ``target`` from any member; of ``target - 1`` (the receiver then rolls it
+        forward with its gradients of ``target``). The receiver checks the bytes
+        against the source's checksum of them and, where the record holds the
+        member at the same version, against the record's (the same on every replica).
         """
         lay = self.layout
         missing = {(r, c) for r, c, _ in chunks}
+        wanted = {c for _, c, _ in chunks}
         mine = []
         for c in range(lay.n_chunks):
             st = lay.chunk_status(c)
@@ -1155,28 +1159,39 @@ class GlooSession:
             uv = lay.undo_version(c) if st is not ChunkStatus.CLEAN else NONE
             if (self.rank, c) in missing:
                 dv = uv = NONE
-            elif uv != NONE and not any(cc == c for _, cc, _ in chunks):
-                uv = NONE  # not asked for: no need to read it
-            elif uv != NONE and not lay.verify_undo(c):
-                uv = NONE
-            mine += [dv, uv, lay.stored_checksum(c) if dv != NONE else 0]
+            elif uv != NONE and (c not in wanted or not lay.verify_undo(c)):
+                uv = NONE  # not asked for (no need to read it), or not intact
+            mine += [
+                dv,
+                lay.stored_checksum(c) if dv != NONE else 0,
+                uv,
+                lay.undo_checksum(c) if uv != NONE else 0,
+            ]
         table = self._node_gather(mine)
         base = self.node * self.nproc
         for r, c, v in chunks:
-            cands = [(i, t) for i, t in enumerate(table) if (base + i, c) not in missing]
-            version = target
-            src = next((i for i, t in cands if base + i not in lost and t[3 * c] == target), None)
-            if src is None:
-                version = v
-                src = next((i for i, t in cands if v in (t[3 * c], t[3 * c + 1])), None)
-            if src is None:
-                version = target
-                src = next((i for i, t in cands if t[3 * c] == target), None)
-            if src is None:
+            cands = [(i, t[4 * c : 4 * c + 4]) for i, t in enumerate(table)]
+            cands = [(i, t) for i, t in cands if (base + i, c) not in missing]
+            choice = next(
+                (
+                    (i, u)
+                    for whole_only, u in (
+                        (True, target),
+                        (False, v),
+                        (False, target),
+                        (False, target - 1),
+                    )
+                    for i, t in cands
+                    if u in (t[0], t[2]) and not (whole_only and (base + i in lost or t[0] != u))
+                ),
+                None,
+            )
+            if choice is None:
                 raise IntegrityError(
-                    f"rank {r} chunk {c}: no member of node {self.node} holds it at step {v} "
-                    f"or {target}"
+                    f"rank {r} chunk {c}: no member of node {self.node} holds it at step "
+                    f"{target - 1}, {v} or {target}"
                 )
+            src, version = choice
             if self.lr == src:
                 for part in self._bytes_at(lay, c, version):
                     dist.send(part, dst=r)
@@ -1184,15 +1199,12 @@ class GlooSession:
                 for part in lay.chunk_data(c):
                     dist.recv(part, src=base + src)
                 lay.seal_chunk(c, version)
-                # the record's checksum of this member at v, the same on every replica;
-                # at the target: the source's own seal of its bytes
+                t = table[src][4 * c : 4 * c + 4]
+                want = {t[1] if t[0] == version else t[3]}
                 rec = self.parity[c]
-                want = (
-                    rec.checksums()[self.lr]
-                    if rec.versions()[self.lr] == version
-                    else table[src][3 * c + 2]
-                )
-                if lay.stored_checksum(c) != want:
+                if rec.versions()[self.lr] == version:
+                    want.add(rec.checksums()[self.lr])
+                if want != {lay.stored_checksum(c)}:
                     raise IntegrityError(
                         f"rank {r} chunk {c}: the bytes copied from rank {base + src} fail "
                         f"the checksum of step {version}"
