@@ -10,7 +10,9 @@ size `leto bench` uses), steps alternate between three configurations:
   into the flat buffer (DDP copies into its buckets too), the gradient parity delta
   and the copy into retained memory, PREPARE (verify every chunk, seal the gradients,
   add the delta), then chunk by chunk the undo copy, the chunked AdamW, the seal and
-  the parity update.
+  the parity update;
+* leto/replica: the same with xxh3 and tier 1 as replicas (``tier1_code =
+  "replica"``): no gradient delta, no parity bytes, only each chunk's record.
 
 Caches are flushed before every step (a forward and backward pass ran in between in
 a real job). Prints per-phase medians, each leto configuration's extra time over
@@ -41,7 +43,7 @@ MEMBERS = 2
 class LetoRank:
     """One member of a tier-1 group: a retained layout, its optimizer, the parity blocks."""
 
-    def __init__(self, wl: Workload, algorithm: str) -> None:
+    def __init__(self, wl: Workload, algorithm: str, *, replica: bool = False) -> None:
         model = wl.build_model()
         opt = wl.build_optimizer(model)
         lay = RetainedLayout.create(
@@ -50,12 +52,14 @@ class LetoRank:
             states=required_states(opt),
             checksum_algorithm=algorithm,
         )
-        self.name = f"leto/{algorithm}"
+        self.name = "leto/replica" if replica else f"leto/{algorithm}"
+        self.replica = replica
         self.lay = lay
         self.ropt: RetainedOptimizer = to_retained(opt, lay)
-        cbytes = (1 + len(lay.states)) * lay.chunk_numel * lay.dtype.itemsize
+        item = 0 if replica else lay.dtype.itemsize  # replicas: the records only
+        cbytes = (1 + len(lay.states)) * lay.chunk_numel * item
         self.parity = [self._block(cbytes) for _ in range(lay.n_chunks)]
-        self.gparity = self._block(lay.numel * lay.dtype.itemsize)
+        self.gparity = self._block(lay.numel * item)
         self.gdelta = torch.empty(lay.numel * lay.dtype.itemsize, dtype=torch.uint8)
         self.flat = torch.empty(lay.numel, dtype=lay.dtype)
 
@@ -69,7 +73,8 @@ class LetoRank:
         lay, ropt = self.lay, self.ropt
         for s, g in zip(lay.slots, grads, strict=True):  # the reduced gradients
             self.flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
-        torch.sub(as_bytes(self.flat), as_bytes(lay.grad_buffer), out=self.gdelta)
+        if not self.replica:
+            torch.sub(as_bytes(self.flat), as_bytes(lay.grad_buffer), out=self.gdelta)
         lay.clear_prepared()
         lay.grad_buffer.copy_(self.flat)
         lap("gradients")
@@ -78,7 +83,10 @@ class LetoRank:
         lap("verify")
         lay.seal_grads(V, [True] * len(lay.params))
         lap("seal grads")
-        self.gparity.add_delta(0, self.gdelta, V)
+        if self.replica:
+            self.gparity.record(0, V)
+        else:
+            self.gparity.add_delta(0, self.gdelta, V)
         lap("grad parity")
         ropt.begin(V)
         for c in range(lay.n_chunks):
@@ -88,7 +96,12 @@ class LetoRank:
             lap("adamw")
             lay.seal_chunk(c, V)
             lap("seal")
-            self.parity[c].update(0, lay.undo_data(c), lay.chunk_data(c), V, lay.stored_checksum(c))
+            if self.replica:
+                self.parity[c].record(0, V, lay.stored_checksum(c))
+            else:
+                self.parity[c].update(
+                    0, lay.undo_data(c), lay.chunk_data(c), V, lay.stored_checksum(c)
+                )
             ropt.finish_chunk(c)
             lap("parity")
         ropt.end()
@@ -129,7 +142,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     wl = Workload(width=512, batch=16384)
-    systems = [Plain(wl), LetoRank(wl, "fletcher"), LetoRank(wl, "xxh3")]
+    systems = [
+        Plain(wl),
+        LetoRank(wl, "fletcher"),
+        LetoRank(wl, "xxh3"),
+        LetoRank(wl, "xxh3", replica=True),
+    ]
     gen = torch.Generator().manual_seed(0)
     shapes = [p.shape for p in systems[0].model.parameters()]
     flush = torch.empty(64 << 20, dtype=torch.uint8)
@@ -154,6 +172,7 @@ def main() -> None:
     for n, e in extra.items():
         print(f"{n:14} extra over plain: {e:.2f} ms")
     print(f"xxh3 / fletcher (extra over plain): {extra['leto/xxh3'] / extra['leto/fletcher']:.2f}")
+    print(f"replica / xxh3 (extra over plain): {extra['leto/replica'] / extra['leto/xxh3']:.2f}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,17 @@ from leto.sim.params import SimParams
 def main() -> None:
     start = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "leto.cli", "simulate", "--gpus", "131072", "--days", "30", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "leto.cli",
+            "simulate",
+            "--gpus",
+            "131072",
+            "--days",
+            "30",
+            "--json",
+        ],
         check=True,
         capture_output=True,
     )
@@ -24,7 +34,9 @@ def main() -> None:
     sweep.run_sweep(SimParams(), "gpus", progress=False)
     twenty = time.perf_counter() - start
     print(f"simulate 131072 GPUs x 30 days: {one:.2f} s  ({one / 5.0:.2f} of the 5 s target)")
-    print(f"20-point gpus sweep:            {twenty:.1f} s  ({twenty / 60.0:.2f} of the 60 s target)")
+    print(
+        f"20-point gpus sweep:            {twenty:.1f} s  ({twenty / 60.0:.2f} of the 60 s target)"
+    )
 
 
 if __name__ == "__main__":

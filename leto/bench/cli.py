@@ -85,7 +85,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--gap", type=float, default=10.0, help="seconds of training between failures (default 10)"
     )
     p = sub.add_parser(
-        "overhead", help="failure-free step time: plain vs leto (tiers on, tier 2 off)"
+        "overhead",
+        help="failure-free step time: plain vs leto (tiers on, tier 2 off, tier 1 as replicas)",
     )
     _common(p, systems=False, batch=TRAINING_BATCH)
     p.add_argument("--rounds", type=int, default=5, help="rounds of interleaved jobs (default 5)")

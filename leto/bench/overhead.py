@@ -6,7 +6,10 @@ Three configurations of the same model, data and four ranks, each a real job:
   worker, no checkpoints), under the benchmark's agent;
 * ``leto``: ``leto launch`` (two nodes of two ranks), every tier on: tier-1
   parity of chunks and gradients every step, a tier-2 snapshot every K steps;
-* ``leto-no-tier2``: the same with tier 2 off.
+* ``leto-no-tier2``: the same with tier 2 off;
+* ``leto-replica``: every tier on, tier 1 as replicas (``tier1_code = "replica"``):
+  data-parallel ranks hold the same state, so a node keeps no parity of it, only
+  each rank's versions and checksums (a lost rank is copied from another).
 
 They run one after another in short jobs, round after round, the order rotating
 each round, so the machine's drift falls on all of them alike. A job's step time
@@ -44,7 +47,7 @@ from .workload import BenchError, Workload
 
 __all__ = ["CONFIGS", "adjusted_by_round", "ci95", "forward_ms", "run_overhead"]
 
-CONFIGS = ("plain", "leto", "leto-no-tier2")
+CONFIGS = ("plain", "leto", "leto-no-tier2", "leto-replica")
 _TIMEOUT_S = 300.0
 
 
@@ -67,7 +70,7 @@ def _plain(wl: Workload, warmup: int, steps: int) -> tuple[float, dict[str, Any]
 
 
 def _leto(
-    wl: Workload, warmup: int, steps: int, *, tier2: bool, tier2_interval: int
+    wl: Workload, warmup: int, steps: int, *, tier2: bool, tier2_interval: int, tier1_code: str
 ) -> tuple[float, dict[str, Any]]:
     """leto's step time over steps ``warmup..warmup+steps``, and its CPU per step."""
     from .gloojob import GlooJob, step_time
@@ -76,7 +79,12 @@ def _leto(
     # the same number of whole steps, so the job runs one step more than measured
     probe = (warmup + 1, warmup + steps + 1)
     with GlooJob(
-        wl, steps=warmup + steps + 1, tier2=tier2, tier2_interval=tier2_interval, cpu_probe=probe
+        wl,
+        steps=warmup + steps + 1,
+        tier1_code=tier1_code,
+        tier2=tier2,
+        tier2_interval=tier2_interval,
+        cpu_probe=probe,
     ) as job:
         job.start()
         job.wait(lambda: bool(job.seen("job_end")), _TIMEOUT_S, "the leto job's end")
@@ -103,12 +111,20 @@ def run_overhead(
     cpus: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
     start = time.monotonic()
     for r in range(rounds):
-        order = CONFIGS[r % 3 :] + CONFIGS[: r % 3]
+        k = r % len(CONFIGS)
+        order = CONFIGS[k:] + CONFIGS[:k]
         for c in order:
             if c == "plain":
                 t, cpu = _plain(wl, warmup, steps)
             else:
-                t, cpu = _leto(wl, warmup, steps, tier2=c == "leto", tier2_interval=tier2_interval)
+                t, cpu = _leto(
+                    wl,
+                    warmup,
+                    steps,
+                    tier2=c != "leto-no-tier2",
+                    tier2_interval=tier2_interval,
+                    tier1_code="replica" if c == "leto-replica" else "parity",
+                )
             times[c].append(t)
             cpus[c].append(cpu)
             if bar is not None:
@@ -131,6 +147,7 @@ def run_overhead(
         "step_s_runs": times,
         "overhead_pct": 100.0 * (mean["leto"] / mean["plain"] - 1.0),
         "overhead_pct_tier2_off": 100.0 * (mean["leto-no-tier2"] / mean["plain"] - 1.0),
+        "overhead_pct_replica": 100.0 * (mean["leto-replica"] / mean["plain"] - 1.0),
         "overhead_pct_by_round": per_round,
         # the machine's speed drifts by several percent between jobs: the median of the
         # rounds' own ratios is the estimate least moved by one slow or fast job
@@ -187,7 +204,7 @@ def adjusted_by_round(
 
     out: dict[str, list[float]] = {}
     base = gauges("plain")
-    for c in CONFIGS[1:]:
+    for c in (c for c in times if c != "plain"):
         fwd = gauges(c)
         if base is None or fwd is None:
             continue

@@ -96,7 +96,8 @@ def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
     cpu = res["cpu_ms_per_step"]
     assert set(cpu) == set(CONFIGS)
     assert cpu["plain"]["trainer_ms"] > 0 and "extra_pct" not in cpu["plain"]
-    for c in ("leto", "leto-no-tier2"):
+    leto = ("leto", "leto-no-tier2", "leto-replica")
+    for c in leto:
         ph = cpu[c]["phases_ms"]
         # every step of the window passed through these phases, each with some CPU
         assert all(ph[p] > 0 for p in ("forward", "backward", "allreduce", "apply")), ph
@@ -110,19 +111,25 @@ def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
             TINY.world * cpu[c]["trainer_ms"] + cpu[c]["others_ms"]
         )
     assert cpu["leto"]["phases_ms"].get("snapshot", 0.0) > 0  # tier 2 every 5 steps
+    assert cpu["leto-replica"]["phases_ms"].get("snapshot", 0.0) > 0
     assert cpu["leto-no-tier2"]["phases_ms"].get("snapshot", 0.0) == 0.0
     from leto.bench.report import overhead_table
 
     table = overhead_table(res)
-    assert table.count("by phase, CPU/wall: ") == 2 and "CPU per step (ms)" in table
-    assert res["overhead_pct_ci95"] == {"leto": None, "leto-no-tier2": None}  # one round
+    assert table.count("by phase, CPU/wall: ") == 3 and "CPU per step (ms)" in table
+    assert res["overhead_pct_ci95"] == dict.fromkeys(leto)  # one round: no interval
     assert all("unused_core_ms" in cpu[c] for c in CONFIGS) and " unused" in table
     # the forward passes' CPU of every job, the gauge of the drift-adjusted figure
     assert cpu["plain"]["forward_ms"] > 0
     adj = res["overhead_pct_adjusted_by_round"]
-    assert set(adj) == {"leto", "leto-no-tier2"} and all(len(v) == 1 for v in adj.values())
-    assert res["overhead_pct_adjusted_ci95"] == {"leto": None, "leto-no-tier2": None}
-    assert table.count(" adj.") == 2 and "forward passes: " in table
+    assert set(adj) == set(leto) and all(len(v) == 1 for v in adj.values())
+    assert res["overhead_pct_adjusted_ci95"] == dict.fromkeys(leto)
+    assert table.count(" adj.") == 3 and "forward passes: " in table
+    # the replica configuration's own figure, from the same jobs' mean step times
+    st = res["step_s"]
+    assert res["overhead_pct_replica"] == pytest.approx(
+        100 * (st["leto-replica"] / st["plain"] - 1)
+    )
 
 
 def test_leto_job_nodes_share_the_benchmarks_session() -> None:
