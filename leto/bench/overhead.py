@@ -45,7 +45,15 @@ from typing import Any
 
 from .workload import BenchError, Workload
 
-__all__ = ["CONFIGS", "adjusted_by_round", "ci95", "forward_ms", "run_overhead"]
+__all__ = [
+    "CONFIGS",
+    "adjusted_by_round",
+    "ci95",
+    "forward_ms",
+    "machine_ticks",
+    "run_overhead",
+    "steal_pct",
+]
 
 CONFIGS = ("plain", "leto", "leto-no-tier2", "leto-replica")
 _TIMEOUT_S = 300.0
@@ -91,6 +99,28 @@ def _leto(
         return step_time(job.events, warmup, warmup + steps), job.cpu(*probe)
 
 
+def machine_ticks() -> tuple[int, int] | None:
+    """The machine's CPU time stolen by the hypervisor and its whole CPU time, in clock
+    ticks since boot (``/proc/stat``: the ``steal`` field and the sum of the first
+    eight); None where there is no such file."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
+def steal_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time stolen between two :func:`machine_ticks`."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return 100.0 * (after[0] - before[0]) / (after[1] - before[1])
+
+
 def run_overhead(
     wl: Workload,
     *,
@@ -109,11 +139,13 @@ def run_overhead(
     bar = Progress(rounds * len(CONFIGS), f"overhead {wl.label}") if progress else None
     times: dict[str, list[float]] = {c: [] for c in CONFIGS}
     cpus: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
+    steal: dict[str, list[float | None]] = {c: [] for c in CONFIGS}
     start = time.monotonic()
     for r in range(rounds):
         k = r % len(CONFIGS)
         order = CONFIGS[k:] + CONFIGS[:k]
         for c in order:
+            ticks = machine_ticks()
             if c == "plain":
                 t, cpu = _plain(wl, warmup, steps)
             else:
@@ -127,6 +159,7 @@ def run_overhead(
                 )
             times[c].append(t)
             cpus[c].append(cpu)
+            steal[c].append(steal_pct(ticks, machine_ticks()))
             if bar is not None:
                 bar.advance(f"round {r + 1} {c}")
     mean = {c: statistics.fmean(v) for c, v in times.items()}
@@ -161,6 +194,9 @@ def run_overhead(
         "overhead_pct_adjusted_ci95": {c: ci95(v) for c, v in adjusted.items()},
         "cpu_ms_per_step": cpu_summary(cpus, wl.world, step_s=mean, cores=_cores()),
         "cpu_ms_per_step_runs": cpus,
+        # the hypervisor's share of the machine during each job (None: not measured):
+        # a job that ran on a machine with CPU stolen ran slower for a reason of its own
+        "steal_pct_runs": steal,
         "elapsed_s": time.monotonic() - start,
     }
 

@@ -87,6 +87,12 @@ def overhead_table(res: dict[str, Any]) -> str:
             "    (adj.: step time per CPU second of forward passes, the same work in every"
             " configuration: the machine's drift between jobs taken out)"
         )
+    stolen = [x for v in (res.get("steal_pct_runs") or {}).values() for x in v if x is not None]
+    if stolen:
+        lines.append(
+            f"CPU time stolen by the hypervisor during the jobs: mean {sum(stolen) / len(stolen):.1f}%, "
+            f"most {max(stolen):.1f}% (/proc/stat)"
+        )
     cpu = res.get("cpu_ms_per_step")
     if cpu:
         lines.append(

@@ -149,3 +149,14 @@ def test_adjusted_overhead_takes_the_machines_speed_out() -> None:
     # a job without the gauge leaves its configuration out rather than guess
     cpus["leto"][1] = {"phases_ms": {}}
     assert set(adjusted_by_round(times, cpus)) == {"leto-no-tier2"}
+
+
+def test_steal_share_between_two_readings() -> None:
+    from leto.bench.overhead import machine_ticks, steal_pct
+
+    now = machine_ticks()
+    assert now is not None and 0 <= now[0] <= now[1]
+    assert steal_pct((100, 10_000), (150, 11_000)) == pytest.approx(5.0)
+    assert steal_pct((100, 10_000), (100, 12_000)) == 0.0
+    # no reading, or no time between them: no figure rather than a guess
+    assert steal_pct(None, now) is None and steal_pct(now, now) is None

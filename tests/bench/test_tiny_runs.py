@@ -125,6 +125,9 @@ def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
     assert set(adj) == set(leto) and all(len(v) == 1 for v in adj.values())
     assert res["overhead_pct_adjusted_ci95"] == dict.fromkeys(leto)
     assert table.count(" adj.") == 3 and "forward passes: " in table
+    # the hypervisor's share of the machine, measured around every job
+    assert all(len(v) == 1 and 0 <= v[0] <= 100 for v in res["steal_pct_runs"].values())
+    assert "stolen by the hypervisor" in table
     # the replica configuration's own figure, from the same jobs' mean step times
     st = res["step_s"]
     assert res["overhead_pct_replica"] == pytest.approx(
