@@ -36,6 +36,9 @@ def test_missing_script_bad_endpoint_bad_fault_plan(
     plan = '[{"kind": "corrupt", "rank": 0, "step": 1, "phase": "forward", "chunk": -1}]'
     r = launch(["--run-dir", tag, "--faults", plan, TRAIN], capsys)
     assert r.returncode == 2 and "chunk -1 is not a chunk index" in r.stderr
+    plan = '[{"kind": "corrupt", "rank": 0, "step": 1, "phase": "prepare", "chunk": 1}]'
+    r = launch(["--run-dir", tag, "--faults", plan, TRAIN], capsys)
+    assert r.returncode == 2 and "at phase 'prepare' would be sealed unseen" in r.stderr
     r = launch(["--run-dir", tag, "--nnodes", "2", TRAIN], capsys)
     assert r.returncode == 2 and "--rdzv-endpoint" in r.stderr
     r = launch(["--run-dir", tag, "--node-rank", "3", TRAIN], capsys)

@@ -248,15 +248,21 @@ def test_silent_corruption_of_both_ranks_is_found_and_rebuilt(
     faults = [
         {"kind": "corrupt", "rank": 0, "step": 3, "phase": "forward", "chunk": 1},
         {"kind": "corrupt", "rank": 1, "step": 3, "phase": "forward", "chunk": 3},
+        # new bytes damaged after their parity update, then a crash before the undo
+        # copy is released: the undo copy, not the damaged bytes, is rolled forward
+        {"kind": "corrupt", "rank": 1, "step": 6, "phase": "parity", "chunk": 2},
+        {"kind": "crash", "rank": 1, "step": 6, "phase": "parity", "chunk": 2},
     ]
     res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, env={"TIER1_CODE": code})
     assert res.ok, explain(res)
     fails = res.of("failure")
-    assert fails and all(f["kind"] == "exception" for f in fails), fails
+    assert fails[-1]["kind"] == "crash", fails
+    assert all(f["kind"] == "exception" for f in fails[:-1]), fails
     assert "fail their checksums at PREPARE of step 3" in fails[0]["traceback"]
-    (rec,) = res.recoveries
+    rec, again = res.recoveries
     assert (rec["kind"], rec["target"], rec["chunks_repaired_tier1"]) == ("tier1", 2, 2), rec
     assert rec["tier1_from_replicas"] == (2 if code == "replica" else 0), rec
+    assert again["target"] == 6 and again["chunks_rolled_forward"] >= 1, again
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
 
 

@@ -24,10 +24,14 @@ What each kind does, *for real*, when rank ``rank`` reaches the point:
   gone; the agent kills the trainer, the last holder of a mapping);
 * ``lose_node``: the trainer SIGKILLs its node's agent (the node's keepers,
   trainers, shadows and host memory die with it);
-* ``corrupt``: the trainer flips one bit of its retained chunk ``chunk`` (at any
-  phase; default 0) and trains on, as after a memory error nothing reported: the
-  next PREPARE's checksum pass stops the trainer (``IntegrityError``), and the
-  recovery finds the chunk failing its checksum and rebuilds it from tier 1.
+* ``corrupt``: the trainer flips one bit of its retained chunk ``chunk`` (default
+  0) and trains on, as after a memory error nothing reported: the next PREPARE's
+  checksum pass (``verify_chunks``, on by default) stops the trainer
+  (``IntegrityError``), and the recovery finds the chunk failing its checksum and
+  rebuilds it from tier 1. Only between a chunk's tier-1 update and the next
+  PREPARE (``forward``, ``backward``, ``allreduce``, ``parity``, ``finish``): a
+  flip anywhere else would be sealed into the step or its parity, which no check
+  of this design can see.
 
 Each fault fires once per job, even across trainer incarnations and replacement
 nodes: a trainer claims it with an atomic ``add`` on the job's TCPStore first.
@@ -39,7 +43,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAULT_KINDS", "PHASES", "FaultPlanError", "load_plan", "validate"]
+__all__ = ["CORRUPT_PHASES", "FAULT_KINDS", "PHASES", "FaultPlanError", "load_plan", "validate"]
 
 PHASES = (
     "forward",
@@ -56,6 +60,7 @@ APPLY_WHERE = ("undo_saved", "mid_write", "written")
 DECIDE_WHERE = ("before", "after")
 RECOVERY_WHERE = ("report", "reconcile", "rebuild", "resume")
 FAULT_KINDS = ("crash", "hang", "exception", "lose_memory", "lose_node", "corrupt")
+CORRUPT_PHASES = ("forward", "backward", "allreduce", "parity", "finish")
 
 
 class FaultPlanError(ValueError):
@@ -83,6 +88,11 @@ def validate(plan: Any, *, world_size: int | None = None) -> list[dict[str, Any]
             raise FaultPlanError(f"{where}: step must be an int >= 1, got {step!r}")
         if phase not in PHASES:
             raise FaultPlanError(f"{where}: phase {phase!r} (known: {', '.join(PHASES)})")
+        if kind == "corrupt" and phase not in CORRUPT_PHASES:
+            raise FaultPlanError(
+                f"{where}: a corrupt chunk at phase {phase!r} would be sealed unseen "
+                f"(corrupt strikes at {', '.join(CORRUPT_PHASES)})"
+            )
         chunk, at = f.get("chunk"), f.get("where")
         if phase in ("apply", "parity"):
             if not isinstance(chunk, int) or chunk < 0:

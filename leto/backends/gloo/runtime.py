@@ -274,6 +274,8 @@ class GlooSession:
             "recoveries": 0,
             "chunks_repaired_from_parity": 0,
             "grad_blocks_repaired_from_parity": 0,
+            "chunks_copied_from_replicas": 0,
+            "grad_blocks_copied_from_replicas": 0,
             "chunks_rolled_forward": 0,
             "snapshot_restores": 0,
             "checkpoint_restores": 0,
@@ -569,6 +571,8 @@ class GlooSession:
             os.kill(int(self.spec["agent_pid"]), signal.SIGKILL)
             time.sleep(120)  # dies with its agent
         elif kind == "corrupt":
+            if not self.cfg.verify_chunks:
+                self._fatal(f"fault {what}: needs verify_chunks (PREPARE's checksum pass)")
             c = int(f["chunk"] or 0)
             if not 0 <= c < self.layout.n_chunks:
                 self._fatal(f"fault {what}: this rank has chunks 0..{self.layout.n_chunks - 1}")
@@ -977,10 +981,10 @@ class GlooSession:
             summary["chunks_restored"] = self.layout.n_chunks
             self.stats["checkpoint_restores"] += 1
         elif self.replica:
-            # 1. gradients a member needs to roll its own chunks forward; 2. the members
-            # that lost no chunk settle at the target; 3. every lost chunk is copied from
-            # one of them (or, if none, from a member that can produce the version the
-            # record names); 4. the members that lost chunks settle
+            # 1. the gradients the plan asks for; 2. the members that lost no chunk
+            # settle at the target; 3. every lost chunk is copied, from one of them if
+            # there is one (_replica_chunks), then the gradients a member whose chunks
+            # are still behind lacks; 4. the members that lost chunks settle
             repairs = [rep for rep in msg["repairs"] if rep["rank"] // self.nproc == self.node]
             chunks = [
                 (int(x["rank"]), int(x["chunk"]), int(x["step"]))
@@ -1001,6 +1005,7 @@ class GlooSession:
                 self._replica_chunks(chunks, target, lost)
                 summary["chunks_repaired_tier1"] = sum(r == self.rank for r, _, _ in chunks)
                 summary["tier1_from_replicas"] += summary["chunks_repaired_tier1"]
+                self._replica_grads_behind(target, lost)
             if self.rank in lost:
                 fwd, back = self._settle(target)
             summary["chunks_rolled_forward"] = fwd
@@ -1021,8 +1026,9 @@ class GlooSession:
             fwd, back = self._settle(target)
             summary["chunks_rolled_forward"] = fwd
             summary["chunks_rolled_back"] = back
-        self.stats["chunks_repaired_from_parity"] += summary["chunks_repaired_tier1"]
-        self.stats["grad_blocks_repaired_from_parity"] += summary["grads_repaired_tier1"]
+        how = "copied_from_replicas" if self.replica else "repaired_from_parity"
+        self.stats[f"chunks_{how}"] += summary["chunks_repaired_tier1"]
+        self.stats[f"grad_blocks_{how}"] += summary["grads_repaired_tier1"]
         self.stats["chunks_rolled_forward"] += summary["chunks_rolled_forward"]
         t1 = time.perf_counter()
         meta = self._after_recovery_state(target, snapshot=bool(msg.get("retake_t2", True)))
@@ -1116,24 +1122,52 @@ class GlooSession:
 
     # --- tier 1 as replicas: a member's lost state copied from another member ------
 
+    def _grads_intact(self, step: int) -> bool:
+        lay = self.layout
+        return lay.prepared_step == step and not lay.verify_grads(step)
+
     def _replica_grads(self, r: int, step: int) -> bool:
         """Rank ``r``'s gradients of ``step`` from a member of the node that holds them
         (every member of a data-parallel node reduces the same gradients); False if
-        none does. The plan asks for them where rolling ``r`` forward may need them;
-        if it then does and they are missing, its settle says so."""
-        lay = self.layout
-        have = r != self.rank and lay.prepared_step == step and not lay.verify_grads(step)
-        holders = self._node_gather([step if have else NONE])
-        src = next((i for i, h in enumerate(holders) if h[0] == step), None)
+        none does. The plan asks for them where rolling ``r`` forward may need them."""
+        have = r != self.rank and self._grads_intact(step)
+        holders = self._node_gather([int(have)])
+        src = next((i for i, h in enumerate(holders) if h[0]), None)
         if src is None:
             return False
+        self._copy_grads(src, r, step)
+        return True
+
+    def _replica_grads_behind(self, target: int, lost: set[int]) -> None:
+        """After the copies: a member that lost chunks and still has some behind the
+        target (a copy of ``target - 1``) without its gradients of ``target`` gets
+        them from a member that holds them (one that has not settled yet); if none
+        does, its settle says what is missing."""
+        lay = self.layout
+        intact = self._grads_intact(target)
+        behind = self.rank in lost and any(
+            lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
+            for c in range(lay.n_chunks)
+        )
+        rows = self._node_gather([int(behind and not intact), int(intact)])
+        src = next((i for i, row in enumerate(rows) if row[1]), None)
+        if src is None:
+            return
+        base = self.node * self.nproc
+        for i, row in enumerate(rows):
+            if row[0]:
+                self._copy_grads(src, base + i, target)
+
+    def _copy_grads(self, src: int, r: int, step: int) -> None:
+        """Local member ``src`` sends its gradients of ``step`` to rank ``r``, which seals
+        and checks them against its prepare record."""
+        lay = self.layout
         base = self.node * self.nproc
         if self.lr == src:
             dist.send(lay.grad_buffer, dst=r)
         elif self.rank == r:
             dist.recv(lay.grad_buffer, src=base + src)
             self._seal_rebuilt_grads(step, f"copied from rank {base + src}")
-        return True
 
     def _replica_chunks(
         self, chunks: list[tuple[int, int, int]], target: int, lost: set[int]
@@ -1157,8 +1191,12 @@ class GlooSession:
             st = lay.chunk_status(c)
             dv = lay.chunk_version(c) if st is not ChunkStatus.TORN else NONE
             uv = lay.undo_version(c) if st is not ChunkStatus.CLEAN else NONE
+            if (self.rank, c) in missing or (
+                c in wanted and dv != NONE and not lay.verify_chunk(c)
+            ):
+                dv = NONE  # lost, or its bytes fail their checksum: not a source
             if (self.rank, c) in missing:
-                dv = uv = NONE
+                uv = NONE
             elif uv != NONE and (c not in wanted or not lay.verify_undo(c)):
                 uv = NONE  # not asked for (no need to read it), or not intact
             mine += [
@@ -1182,7 +1220,9 @@ class GlooSession:
                         (False, target - 1),
                     )
                     for i, t in cands
-                    if u in (t[0], t[2]) and not (whole_only and (base + i in lost or t[0] != u))
+                    if u >= 0
+                    and u in (t[0], t[2])
+                    and not (whole_only and (base + i in lost or t[0] != u))
                 ),
                 None,
             )
@@ -1229,7 +1269,10 @@ class GlooSession:
         for c in range(lay.n_chunks):
             st = lay.chunk_status(c)
             if st is ChunkStatus.APPLIED and lay.chunk_version(c) == target:
-                lay.release_undo(c)  # parity written, undo not yet released: finish that
+                if lay.verify_chunk(c):
+                    lay.release_undo(c)  # parity written, undo not yet released: finish that
+                else:  # new bytes damaged since their seal: back to the undo copy, forward again
+                    lay.restore_undo(c)
             elif st is not ChunkStatus.CLEAN and lay.undo_version(c) == target:
                 lay.restore_undo(c)  # a step beyond the target had begun: undo it
                 back += 1
