@@ -27,18 +27,18 @@ def test_missing_script_bad_endpoint_bad_fault_plan(
     assert r.returncode == 2 and "not found" in r.stderr
     r = launch(["--run-dir", tag, "--rdzv-endpoint", "localhost", TRAIN], capsys)
     assert r.returncode == 2 and "HOST:PORT" in r.stderr
-    plan = '[{"kind": "melt", "rank": 0, "step": 1, "phase": "forward"}]'
-    r = launch(["--run-dir", tag, "--faults", plan, TRAIN], capsys)
-    assert r.returncode == 2 and "kind 'melt'" in r.stderr
-    plan = '[{"kind": "crash", "rank": 0, "step": 1, "phase": "forward", "chunk": 1}]'
-    r = launch(["--run-dir", tag, "--faults", plan, TRAIN], capsys)
-    assert r.returncode == 2 and "phase 'forward' takes no chunk" in r.stderr
-    plan = '[{"kind": "corrupt", "rank": 0, "step": 1, "phase": "forward", "chunk": -1}]'
-    r = launch(["--run-dir", tag, "--faults", plan, TRAIN], capsys)
-    assert r.returncode == 2 and "chunk -1 is not a chunk index" in r.stderr
-    plan = '[{"kind": "corrupt", "rank": 0, "step": 1, "phase": "prepare", "chunk": 1}]'
-    r = launch(["--run-dir", tag, "--faults", plan, TRAIN], capsys)
-    assert r.returncode == 2 and "at phase 'prepare' would be sealed unseen" in r.stderr
+    for fault, why in [
+        ('"kind": "melt", "phase": "forward"', "kind 'melt'"),
+        ('"kind": "crash", "phase": "forward", "chunk": 1', "phase 'forward' takes no chunk"),
+        ('"kind": "corrupt", "phase": "forward", "chunk": -1', "chunk -1 is not a chunk index"),
+        (
+            '"kind": "corrupt", "phase": "prepare", "chunk": 1',
+            "at phase 'prepare' would be sealed unseen",
+        ),
+    ]:
+        plan = '[{"rank": 0, "step": 1, ' + fault + "}]"
+        r = launch(["--run-dir", tag, "--faults", plan, TRAIN], capsys)
+        assert r.returncode == 2 and why in r.stderr, (fault, r.stderr)
     r = launch(["--run-dir", tag, "--nnodes", "2", TRAIN], capsys)
     assert r.returncode == 2 and "--rdzv-endpoint" in r.stderr
     r = launch(["--run-dir", tag, "--node-rank", "3", TRAIN], capsys)

@@ -260,7 +260,7 @@ class GlooSession:
         self.gparity: ParityBlock | None = None
         # tier 1 as replicas (tier1_code = "replica"): the node's other ranks hold the
         # same state; the blocks keep only each member's versions and checksums
-        self.replica = bool(config.tier1) and getattr(config, "tier1_code", "parity") == "replica"
+        self.replica = bool(config.tier1) and config.tier1_code == "replica"
         self._red: torch.Tensor | None = None  # the all-reduce buffer, reused
         self._gdelta: torch.Tensor | None = None  # the gradient parity's delta, reused
         self._reencoded = False  # did the last recovery re-encode the node's tier-1 parity
@@ -681,10 +681,11 @@ class GlooSession:
         lay.seal_grads(V, present_mask)
         self._point("prepare")
         if self.gparity is not None:
-            if gdelta is not None:
-                self.gparity.add_delta(m, gdelta, V)
-            else:  # replicas: the record that this member's gradients are of step V
+            if self.replica:  # the record that this member's gradients are of step V
                 self.gparity.record(m, V)
+            else:
+                assert gdelta is not None
+                self.gparity.add_delta(m, gdelta, V)
         n = lay.n_chunks
         pending = {
             "step": V,
