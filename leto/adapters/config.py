@@ -17,10 +17,12 @@ world_size         none      if given (or ``WORLD_SIZE`` in the environment), it
                              equal nodes x ranks_per_node
 chunk_size         1048576   elements per chunk of the retained state (> 0)
 tier1              true      per-step protection inside each node (tier 1)
-tier1_code         "parity"  what tier 1 keeps: ``parity`` (single parity over the
+tier1_code         "auto"    what tier 1 keeps: ``parity`` (single parity over the
                              node's ranks, any training) or ``replica`` (nothing: the
                              node's other ranks hold the same state, as in data-parallel
-                             training; a lost rank is copied from one of them; gloo only)
+                             training; a lost rank is copied from one of them; gloo only,
+                             and a job whose ranks differ is refused with this setting
+                             named); ``auto``: ``replica`` on gloo, ``parity`` elsewhere
 tier2              true      cross-node snapshots every ``tier2_interval`` steps
 tier2_interval     10        K: steps between tier-2 snapshots (> 0)
 checkpoint_dir     none      directory for the torch.distributed.checkpoint fallback
@@ -46,7 +48,7 @@ from leto.core.erasure import Topology
 __all__ = ["BACKENDS", "TIER1_CODES", "Config", "ConfigError"]
 
 BACKENDS = ("fake", "gloo", "nccl")
-TIER1_CODES = ("parity", "replica")
+TIER1_CODES = ("auto", "parity", "replica")
 _ENV_PREFIX = "LETO_"
 
 
@@ -125,7 +127,7 @@ class Config:
     world_size: int | None = attrs.field(default=None, validator=_v_world)
     chunk_size: int = attrs.field(default=1 << 20, validator=_v_positive)
     tier1: bool = attrs.field(default=True, validator=_v_bool)
-    tier1_code: str = attrs.field(default="parity", validator=_v_tier1_code)
+    tier1_code: str = attrs.field(default="auto", validator=_v_tier1_code)
     tier2: bool = attrs.field(default=True, validator=_v_bool)
     tier2_interval: int = attrs.field(default=10, validator=_v_positive)
     checkpoint_dir: str | None = attrs.field(default=None, validator=_v_dir)
@@ -158,6 +160,20 @@ class Config:
     @property
     def ranks(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def tier1_kind(self) -> str | None:
+        """What tier 1 keeps in this job: ``"parity"``, ``"replica"``, or None (tier 1 off).
+
+        ``auto`` is ``replica`` on gloo (its training is data-parallel: every rank of
+        a node holds the same state, so a copy is as good as a parity and costs no
+        per-step update) and ``parity`` on the other backends.
+        """
+        if not self.tier1:
+            return None
+        if self.tier1_code == "auto":
+            return "replica" if self.backend == "gloo" else "parity"
+        return self.tier1_code
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)

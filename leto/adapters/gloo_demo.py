@@ -3,8 +3,9 @@
 4 ranks as 2 nodes x 2 (two ``leto launch`` agents on 127.0.0.1), a character GPT
 trained with AdamW. The fault plan SIGKILLs trainers at forward, backward, the
 gradient all-reduce, prepare, both sides of the COMMIT, three points of a chunk's
-apply and the parity update, and finish; it kills a keeper (its memory is rebuilt
-from tier-1 parity), hangs a trainer (the heartbeat timeout finds it, the fence
+apply and the tier-1 update, and finish; it kills a keeper (its memory is rebuilt
+from tier 1: with gloo's default ``tier1_code``, copied from the other rank of its
+node, which holds the same state; with ``parity``, decoded), hangs a trainer (the heartbeat timeout finds it, the fence
 kills it), makes one raise, fails a rank during a recovery (which restarts at the
 next generation) and SIGKILLs a whole node's agent (a replacement node joins and
 the tier-2 snapshot is restored). Then the same job runs without faults and every
@@ -173,6 +174,7 @@ def demo(
     """Run the faulted job and its failure-free twin; the summary (see the module docstring)."""
     from leto.backends.gloo.harness import run_local
 
+    from .config import Config
     from .report import summarize, timeline_lines
 
     def say(msg: str) -> None:
@@ -241,6 +243,8 @@ def demo(
     from leto.backends.gloo.faults import point
 
     covered = sorted({f"{f['kind']}: {point(f)}" for f in plan})
+    tier1 = Config.load(cfg).tier1_kind
+    grads_tier1 = sum(int(x.get("grads_repaired_tier1", 0)) for x in recs)
     result = {
         "backend": "gloo",
         "bitwise_equal": bitwise,
@@ -259,10 +263,13 @@ def demo(
             1 for x in recs if x.get("kind") == "back" or x.get("chunks_rolled_back")
         ),
         "chunks_rolled_forward": s["chunks_rolled_forward"],
-        "chunks_repaired_from_parity": s["chunks_repaired_tier1"],
-        "grad_blocks_repaired_from_parity": sum(
-            int(x.get("grads_repaired_tier1", 0)) for x in recs
-        ),
+        "tier1_code": tier1,
+        "chunks_repaired_tier1": s["chunks_repaired_tier1"],
+        "grad_blocks_repaired_tier1": grads_tier1,
+        # the fake demo's keys: tier-1 repairs decoded from parity (none with replicas)
+        "chunks_repaired_from_parity": s["chunks_repaired_tier1"] if tier1 == "parity" else 0,
+        "grad_blocks_repaired_from_parity": grads_tier1 if tier1 == "parity" else 0,
+        "copied_from_replicas": s["tier1_from_replicas"],
         "snapshot_restores": by_kind.get("tier2", 0),
         "checkpoint_restores": by_kind.get("ckpt", 0),
         "stale_processes_killed": sum(len(e.get("stale_killed", [])) for e in res.of("fence")),
@@ -293,6 +300,11 @@ def demo(
         f"{len(failure_events)} failures detected ({len(plan)} planned), {len(recs)} recoveries "
         f"{by_kind}, {s['recovery_restarts']} restart(s); shadows promoted warm "
         f"{s['promotions_warm']}, cold {s['promotions_cold']}"
+    )
+    say(
+        f"tier 1 ({tier1}): {s['chunks_repaired_tier1']} chunk(s) and {grads_tier1} gradient "
+        f"block(s) rebuilt, {s['tier1_from_replicas']} copied from replicas; "
+        f"{s['chunks_rolled_forward']} chunk(s) rolled forward"
     )
     say(
         "recovery seconds, per failure: "

@@ -98,6 +98,7 @@ def _recovery_text(e: dict[str, Any]) -> str:
         ("chunks_rolled_back", "chunks rolled back"),
         ("chunks_repaired_tier1", "chunks repaired from tier 1"),
         ("grads_repaired_tier1", "gradient blocks repaired from tier 1"),
+        ("tier1_from_replicas", "copied from replicas"),
         ("chunks_restored", "chunks restored"),
     ):
         if e.get(key):
@@ -181,6 +182,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "promotions_warm": sum(1 for p in promoted if p.get("warm")),
         "promotions_cold": sum(1 for p in promoted if not p.get("warm")),
         "chunks_repaired_tier1": sum(int(r.get("chunks_repaired_tier1", 0)) for r in recs),
+        "tier1_from_replicas": sum(int(r.get("tier1_from_replicas", 0)) for r in recs),
         "chunks_rolled_forward": sum(int(r.get("chunks_rolled_forward", 0)) for r in recs),
         "steps_lost": sum(int(r.get("steps_lost", 0) or 0) for r in recs),
         "final_step": None if done is None else done.get("step"),
@@ -323,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"shadows promoted warm {summary['promotions_warm']}, cold {summary['promotions_cold']}; "
-        f"{summary['chunks_repaired_tier1']} chunk(s) from tier-1 parity, "
+        f"{summary['chunks_repaired_tier1']} chunk(s) repaired from tier 1 "
+        f"({summary['tier1_from_replicas']} copies from replicas), "
         f"{summary['chunks_rolled_forward']} rolled forward, {summary['steps_lost']} step(s) recomputed"
     )
     print(f"status: {summary['status']}" + (f" ({summary['error']})" if summary["error"] else ""))

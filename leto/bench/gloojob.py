@@ -56,7 +56,7 @@ class GlooJob:
         t0_after_step: int | None = None,
         nodes: int = 2,
         tier1: bool = True,
-        tier1_code: str = "parity",
+        tier1_code: str = "auto",
         tier2: bool = True,
         tier2_interval: int = 10,
         cpu_probe: tuple[int, int] | None = None,

@@ -138,7 +138,7 @@ def main() -> None:
         ranks_per_node=wl.world // spec["nodes"],
         chunk_size=wl.chunk_numel,
         tier1=spec.get("tier1", True),
-        tier1_code=spec.get("tier1_code", "parity"),
+        tier1_code=spec.get("tier1_code", "auto"),
         tier2=spec.get("tier2", True),
         tier2_interval=spec.get("tier2_interval", 10),
     )

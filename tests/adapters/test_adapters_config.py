@@ -22,10 +22,25 @@ def test_defaults_and_lazy_export() -> None:
     c = Config()
     assert (c.backend, c.nodes, c.ranks_per_node, c.chunk_size) == ("fake", 1, 1, 1 << 20)
     assert c.tier1 and c.tier2 and c.tier2_interval == 10 and c.checkpoint_dir is None
-    assert c.tier1_code == "parity"
+    assert (c.tier1_code, c.tier1_kind) == ("auto", "parity")
     r = Config.from_env({"LETO_BACKEND": "gloo", "LETO_TIER1_CODE": "replica"})
-    assert (r.backend, r.tier1_code) == ("gloo", "replica")
+    assert (r.backend, r.tier1_code, r.tier1_kind) == ("gloo", "replica", "replica")
     assert c.topology.node_sizes == (1,)
+
+
+@pytest.mark.parametrize(
+    "data,kind",
+    [
+        ({"backend": "gloo"}, "replica"),  # "auto": gloo trains data-parallel
+        ({"backend": "gloo", "tier1_code": "parity"}, "parity"),
+        ({"backend": "fake"}, "parity"),
+        ({"backend": "fake", "tier1_code": "parity"}, "parity"),
+        ({"backend": "gloo", "tier1": False}, None),
+        ({"backend": "fake", "tier1": False, "tier1_code": "parity"}, None),
+    ],
+)
+def test_tier1_kind_resolves_auto_by_backend(data: dict, kind: str | None) -> None:  # type: ignore[type-arg]
+    assert Config.from_dict(data).tier1_kind == kind
 
 
 def test_from_dict_with_topology_string() -> None:
@@ -54,7 +69,7 @@ def test_from_dict_with_topology_string() -> None:
         (
             {"backend": "gloo", "tier1_code": "xor"},
             "tier1_code",
-            "unknown code 'xor' (choose one of parity, replica)",
+            "unknown code 'xor' (choose one of auto, parity, replica)",
         ),
         (
             {"tier1_code": "replica"},

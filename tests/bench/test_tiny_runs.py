@@ -96,7 +96,7 @@ def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
     cpu = res["cpu_ms_per_step"]
     assert set(cpu) == set(CONFIGS)
     assert cpu["plain"]["trainer_ms"] > 0 and "extra_pct" not in cpu["plain"]
-    leto = ("leto", "leto-no-tier2", "leto-replica")
+    leto = ("leto", "leto-no-tier2", "leto-parity")
     for c in leto:
         ph = cpu[c]["phases_ms"]
         # every step of the window passed through these phases, each with some CPU
@@ -111,7 +111,7 @@ def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
             TINY.world * cpu[c]["trainer_ms"] + cpu[c]["others_ms"]
         )
     assert cpu["leto"]["phases_ms"].get("snapshot", 0.0) > 0  # tier 2 every 5 steps
-    assert cpu["leto-replica"]["phases_ms"].get("snapshot", 0.0) > 0
+    assert cpu["leto-parity"]["phases_ms"].get("snapshot", 0.0) > 0
     assert cpu["leto-no-tier2"]["phases_ms"].get("snapshot", 0.0) == 0.0
     from leto.bench.report import overhead_table
 
@@ -128,11 +128,9 @@ def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
     # the hypervisor's share of the machine, measured around every job
     assert all(len(v) == 1 and 0 <= v[0] <= 100 for v in res["steal_pct_runs"].values())
     assert "stolen by the hypervisor" in table
-    # the replica configuration's own figure, from the same jobs' mean step times
+    # the parity configuration's own figure, from the same jobs' mean step times
     st = res["step_s"]
-    assert res["overhead_pct_replica"] == pytest.approx(
-        100 * (st["leto-replica"] / st["plain"] - 1)
-    )
+    assert res["overhead_pct_parity"] == pytest.approx(100 * (st["leto-parity"] / st["plain"] - 1))
 
 
 def test_leto_job_nodes_share_the_benchmarks_session() -> None:

@@ -232,10 +232,13 @@ def test_replica_tier1_rebuilds_every_lost_memory_bitwise(
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
 
 
-def test_replica_tier1_refuses_ranks_that_are_not_replicas(tag: str) -> None:
-    res = job(Path(tag) / "run", steps=4, env={"TIER1_CODE": "replica", "DIVERGE": "1"})
+@pytest.mark.parametrize("code", ["auto", "replica"])  # "auto": gloo's default, replicas
+def test_replica_tier1_refuses_ranks_that_are_not_replicas(tag: str, code: str) -> None:
+    res = job(Path(tag) / "run", steps=4, env={"TIER1_CODE": code, "DIVERGE": "1"})
     assert not res.ok and res.error is not None, explain(res)
-    assert "differ at step 0" in res.error and "tier1_code 'replica'" in res.error, res.error
+    assert "differ at step 0" in res.error, res.error
+    assert f"tier1_code '{code}' keeps tier 1 as replicas" in res.error, res.error
+    assert "set tier1_code = 'parity'" in res.error, res.error
 
 
 @pytest.mark.parametrize("code", ["parity", "replica"])

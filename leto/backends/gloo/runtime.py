@@ -258,9 +258,10 @@ class GlooSession:
         self.cross_group: Any = None
         self.parity: list[ParityBlock] = []
         self.gparity: ParityBlock | None = None
-        # tier 1 as replicas (tier1_code = "replica"): the node's other ranks hold the
-        # same state; the blocks keep only each member's versions and checksums
-        self.replica = bool(config.tier1) and config.tier1_code == "replica"
+        # tier 1 as replicas (tier1_code "replica", or "auto", gloo's default): the
+        # node's other ranks hold the same state; the blocks keep only each member's
+        # versions and checksums
+        self.replica = config.tier1_kind == "replica"
         self._red: torch.Tensor | None = None  # the all-reduce buffer, reused
         self._gdelta: torch.Tensor | None = None  # the gradient parity's delta, reused
         self._reencoded = False  # did the last recovery re-encode the node's tier-1 parity
@@ -1541,8 +1542,9 @@ class GlooSession:
                 if split:
                     raise IntegrityError(
                         f"node {self.node}: its ranks' chunks {split} differ at step {target}; "
-                        "tier1_code 'replica' needs every rank of a node to hold the same "
-                        "state (data-parallel training): use 'parity'"
+                        f"tier1_code {self.cfg.tier1_code!r} keeps tier 1 as replicas, which "
+                        "needs every rank of a node to hold the same state (data-parallel "
+                        "training): set tier1_code = 'parity'"
                     )
                 if not current and self.lr == 0:
                     for c in range(lay.n_chunks):

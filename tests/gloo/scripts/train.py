@@ -1,7 +1,7 @@
 """The real-process tests' training script: a tiny MLP, every RNG seeded.
 
 Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
-("1"/"0"), TIER1_CODE ("parity"/"replica"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory), BIG_MB (allocate that much while steps
+("1"/"0"), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory), BIG_MB (allocate that much while steps
 3..6 run, to push the trainers over a shadow memory budget; the math is unchanged).
 """
 
