@@ -154,9 +154,7 @@ def config_properties(cfg_text: str) -> list[str]:
     return names
 
 
-_CFG_ERROR = re.compile(
-    r"TLC found an error in the configuration file at line (\d+)\s*\n\s*(\S.*)"
-)
+_CFG_ERROR = re.compile(r"TLC found an error in the configuration file at line (\d+)\s*\n\s*(\S.*)")
 _SANY_ERROR = re.compile(r"^(\*\*\*Parse Error\*\*\*|\*\*\* Errors: \d+)", re.M)
 
 
@@ -167,12 +165,12 @@ def _error_line(output: str) -> str:
         return f"error in the configuration file at line {cfg.group(1)}: {cfg.group(2).strip()}"
     sany = _SANY_ERROR.search(output)
     if sany is not None:
-        after = [ln.strip() for ln in output[sany.end():].splitlines() if ln.strip()]
+        after = [ln.strip() for ln in output[sany.end() :].splitlines() if ln.strip()]
         return "TLA+ parse error: " + " ".join(after[:3])
     lines = output.splitlines()
     for i, line in enumerate(lines):
         if line.startswith("Error:") and "unexpected exception" not in line:
-            parts = [line[len("Error:"):].strip()]
+            parts = [line[len("Error:") :].strip()]
             for nxt in lines[i + 1 :]:
                 if not nxt.strip() or nxt.startswith(("Finished in", "Error:", "State ")):
                     break
@@ -185,8 +183,13 @@ def _error_line(output: str) -> str:
     return nonblank[-1] if nonblank else "TLC stopped without output"
 
 
-def parse_output(output: str, config: str = "", returncode: int | None = None,
-                 seconds: float = 0.0, properties: Sequence[str] = ()) -> TLCResult:
+def parse_output(
+    output: str,
+    config: str = "",
+    returncode: int | None = None,
+    seconds: float = 0.0,
+    properties: Sequence[str] = (),
+) -> TLCResult:
     """Turn TLC's console output into a :class:`TLCResult`.
 
     ``properties`` are the temporal properties the configuration checks: TLC does
@@ -207,7 +210,7 @@ def parse_output(output: str, config: str = "", returncode: int | None = None,
     counterexample = ""
     start = _TRACE_START.search(output)
     if start is not None:
-        rest = output[start.end():]
+        rest = output[start.end() :]
         end = _TRACE_END.search(rest)
         counterexample = (rest[: end.start()] if end else rest).strip()
 
@@ -269,10 +272,17 @@ def run_tlc(
 
     with tempfile.TemporaryDirectory(prefix="leto-tlc-") as metadir:
         cmd = [
-            java, "-XX:+UseParallelGC", "-cp", str(jar), "tlc2.TLC",
-            "-workers", str(workers),
-            "-config", str(cfg_path),
-            "-metadir", metadir,
+            java,
+            "-XX:+UseParallelGC",
+            "-cp",
+            str(jar),
+            "tlc2.TLC",
+            "-workers",
+            str(workers),
+            "-config",
+            str(cfg_path),
+            "-metadir",
+            metadir,
         ]
         if not check_deadlock:
             cmd.append("-deadlock")
@@ -310,8 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"TLC not available: {exc}", file=sys.stderr)
         return 2
     verdict = "ok" if res.ok else "FAILED"
-    print(f"{res.config}: {verdict}; {res.distinct_states} distinct states, "
-          f"{res.states_generated} generated, depth {res.depth}, {res.seconds:.1f} s")
+    print(
+        f"{res.config}: {verdict}; {res.distinct_states} distinct states, "
+        f"{res.states_generated} generated, depth {res.depth}, {res.seconds:.1f} s"
+    )
     if res.violations:
         print("violated: " + ", ".join(res.violations))
     if res.error:

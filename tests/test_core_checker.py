@@ -131,6 +131,8 @@ def test_config_validation_names_the_field() -> None:
 
 
 def test_import_core_does_not_import_torch() -> None:
-    code = "import sys, leto.core, leto.core.checker, leto.core.verify; print('torch' in sys.modules)"
+    code = (
+        "import sys, leto.core, leto.core.checker, leto.core.verify; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -78,7 +78,9 @@ def test_the_checks_reject_a_drifted_table() -> None:
     text = (SPEC / "README.md").read_text().replace("events.Decide", "events.Decided")
     drifted = action_table(text)
     assert {c.removeprefix("events.") for c, _ in drifted.values()} != {c.__name__ for c in ev.ALL}
-    assert next_actions("Next ==\n    \\/ Foo\n    \\/ Bar(r)\n\nFoo == TRUE\nBar(r) == TRUE\n") == {
+    assert next_actions(
+        "Next ==\n    \\/ Foo\n    \\/ Bar(r)\n\nFoo == TRUE\nBar(r) == TRUE\n"
+    ) == {
         "Foo",
         "Bar",
     }

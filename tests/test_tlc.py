@@ -122,7 +122,11 @@ def test_missing_config_is_a_clear_error() -> None:
     ("old", "new", "expected"),
     [
         ("MaxStep = 1", "MaxStep =", ["configuration file at line", "expecting = or <-"]),
-        ("    Integrity\n", "    Integrity\n    NoSuchInvariant\n", ["NoSuchInvariant", "not defined"]),
+        (
+            "    Integrity\n",
+            "    Integrity\n    NoSuchInvariant\n",
+            ["NoSuchInvariant", "not defined"],
+        ),
         ("    K = 1\n", "", ["constant parameter K is not assigned"]),
     ],
     ids=["syntax", "unknown-invariant", "missing-constant"],
@@ -267,9 +271,13 @@ def test_parse_temporal_violation_names_the_single_property() -> None:
 
 
 def test_parse_deadlock_and_config_errors() -> None:
-    dead = parse_output("Error: Deadlock reached.\nError: The behavior up to this point is:\n"
-                        "State 1: <Initial predicate>\n\n5 states generated, 5 distinct "
-                        "states found, 0 states left on queue.\n", "x.cfg", 11)
+    dead = parse_output(
+        "Error: Deadlock reached.\nError: The behavior up to this point is:\n"
+        "State 1: <Initial predicate>\n\n5 states generated, 5 distinct "
+        "states found, 0 states left on queue.\n",
+        "x.cfg",
+        11,
+    )
     assert dead.violations == ["Deadlock"] and not dead.ok
     cfg_err = parse_output(
         "Error: TLC threw an unexpected exception.\nThe exception was a "

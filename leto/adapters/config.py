@@ -22,7 +22,8 @@ tier1_code         "auto"    what tier 1 keeps: ``parity`` (single parity over t
                              node's other ranks hold the same state, as in data-parallel
                              training; a lost rank is copied from one of them; gloo only,
                              and a job whose ranks differ is refused with this setting
-                             named); ``auto``: ``replica`` on gloo, ``parity`` elsewhere
+                             named); ``auto``: ``replica`` on gloo with 2+ ranks per
+                             node, ``parity`` otherwise
 tier2              true      cross-node snapshots every ``tier2_interval`` steps
 tier2_interval     10        K: steps between tier-2 snapshots (> 0)
 checkpoint_dir     none      directory for the torch.distributed.checkpoint fallback
@@ -148,7 +149,13 @@ class Config:
                 raise ConfigError(
                     "tier1_code",
                     f"'replica' is built for the gloo backend only, not {self.backend!r} "
-                    "(use 'parity')",
+                    "(use 'parity' or 'auto')",
+                )
+            if self.ranks_per_node < 2:
+                raise ConfigError(
+                    "tier1_code",
+                    "'replica' copies a lost rank from another rank of its node, but a node "
+                    "here has one rank (use 'parity' or 'auto')",
                 )
 
     # --- derived ------------------------------------------------------------------
@@ -165,14 +172,16 @@ class Config:
     def tier1_kind(self) -> str | None:
         """What tier 1 keeps in this job: ``"parity"``, ``"replica"``, or None (tier 1 off).
 
-        ``auto`` is ``replica`` on gloo (its training is data-parallel: every rank of
-        a node holds the same state, so a copy is as good as a parity and costs no
-        per-step update) and ``parity`` on the other backends.
+        ``auto`` is ``replica`` on gloo with two or more ranks per node (its training
+        is data-parallel: every rank of a node holds the same state, so a copy is as
+        good as a parity and costs no per-step update) and ``parity`` otherwise (the
+        other backends; a node of one rank, whose parity is a copy of its own state).
         """
         if not self.tier1:
             return None
         if self.tier1_code == "auto":
-            return "replica" if self.backend == "gloo" else "parity"
+            replica = self.backend == "gloo" and self.ranks_per_node >= 2
+            return "replica" if replica else "parity"
         return self.tier1_code
 
     def as_dict(self) -> dict[str, Any]:

@@ -5,7 +5,8 @@ trained with AdamW. The fault plan SIGKILLs trainers at forward, backward, the
 gradient all-reduce, prepare, both sides of the COMMIT, three points of a chunk's
 apply and the tier-1 update, and finish; it kills a keeper (its memory is rebuilt
 from tier 1: with gloo's default ``tier1_code``, copied from the other rank of its
-node, which holds the same state; with ``parity``, decoded), hangs a trainer (the heartbeat timeout finds it, the fence
+node, which holds the same state; with ``tier1_code = "parity"`` in the ``--config``
+file, decoded from the node's parity), hangs a trainer (the heartbeat timeout finds it, the fence
 kills it), makes one raise, fails a rank during a recovery (which restarts at the
 next generation) and SIGKILLs a whole node's agent (a replacement node joins and
 the tier-2 snapshot is restored). Then the same job runs without faults and every
@@ -142,6 +143,8 @@ def _config(
     chunk_size: int,
     tier2_interval: int,
     checkpoint_dir: str | None,
+    tier1_code: str = "auto",
+    verify_chunks: bool = True,
 ) -> Path:
     lines = [
         "[leto]",
@@ -149,6 +152,8 @@ def _config(
         f'topology = "{nodes}x{per_node}"',
         f"chunk_size = {chunk_size}",
         f"tier2_interval = {tier2_interval}",
+        f'tier1_code = "{tier1_code}"',
+        f"verify_chunks = {'true' if verify_chunks else 'false'}",
     ]
     if checkpoint_dir:
         lines.append(f'checkpoint_dir = "{checkpoint_dir}"')
@@ -164,6 +169,8 @@ def demo(
     chunk_size: int = 4096,
     tier2_interval: int = 10,
     checkpoint_dir: str | None = None,
+    tier1_code: str = "auto",
+    verify_chunks: bool = True,
     seed: int = 0,
     faults: bool = True,
     hang_timeout: float = 2.0,
@@ -198,6 +205,8 @@ def demo(
         chunk_size=chunk_size,
         tier2_interval=tier2_interval,
         checkpoint_dir=checkpoint_dir,
+        tier1_code=tier1_code,
+        verify_chunks=verify_chunks,
     )
     args = ["--config", str(cfg), "--steps", str(steps), "--seed", str(seed)]
     extra = ["--hang-timeout", str(hang_timeout), "--quiet", "--no-echo"]
@@ -263,7 +272,7 @@ def demo(
             1 for x in recs if x.get("kind") == "back" or x.get("chunks_rolled_back")
         ),
         "chunks_rolled_forward": s["chunks_rolled_forward"],
-        "tier1_code": tier1,
+        "tier1_kind": tier1,
         "chunks_repaired_tier1": s["chunks_repaired_tier1"],
         "grad_blocks_repaired_tier1": grads_tier1,
         # the fake demo's keys: tier-1 repairs decoded from parity (none with replicas)
@@ -345,6 +354,10 @@ def run_cli(args: Any, config: Any = None) -> int:
     base["world_size"] = None
     try:
         cfg = Config.from_dict(base)
+        if not getattr(args, "no_faults", False):
+            for tier in ("tier1", "tier2"):  # the fault plan loses a keeper and a node
+                if not getattr(cfg, tier):
+                    raise ConfigError(tier, "the demo's faults need both tiers on")
         result = demo(
             steps=STEPS if getattr(args, "steps", None) is None else args.steps,
             nodes=cfg.nodes,
@@ -352,6 +365,8 @@ def run_cli(args: Any, config: Any = None) -> int:
             chunk_size=cfg.chunk_size,
             tier2_interval=cfg.tier2_interval,
             checkpoint_dir=os.path.abspath(cfg.checkpoint_dir) if cfg.checkpoint_dir else None,
+            tier1_code=cfg.tier1_code,
+            verify_chunks=cfg.verify_chunks,
             seed=getattr(args, "seed", 0),
             faults=not getattr(args, "no_faults", False),
             out=None if getattr(args, "json", False) else sys.stdout,

@@ -25,7 +25,7 @@ KIND_WORDS = {
     "inplace": "nothing to repair",
     "back": "rolled back the uncommitted step",
     "forward": "rolled forward to the committed step",
-    "tier1": "rebuilt from tier-1 parity",
+    "tier1": "rebuilt from tier 1",
     "tier2": "restored the tier-2 snapshot",
     "ckpt": "loaded the disk checkpoint",
 }
@@ -132,7 +132,7 @@ def timeline_lines(events: list[dict[str, Any]]) -> list[str]:
         elif ev == "training_started":
             out.append(
                 f"{t}  START    {e.get('n_chunks')} chunks of {e.get('chunk_numel')} elements per rank, "
-                f"tier 1 {'on' if e.get('tier1') else 'off'}, tier 2 "
+                f"tier 1 {_tier1_words(e)}, tier 2 "
                 + (f"every {e.get('tier2_interval')} steps" if e.get("tier2") else "off")
                 + f", checkpoint {'yes' if e.get('checkpoint') else 'no'}"
             )
@@ -190,6 +190,13 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "digests": None if done is None else done.get("digests"),
         "error": next((e.get("error") for e in events if e["event"] == "job_failed"), None),
     }
+
+
+def _tier1_words(e: dict[str, Any]) -> str:
+    if not e.get("tier1"):
+        return "off"
+    kind = e.get("tier1_kind")
+    return f"on ({kind})" if kind else "on"
 
 
 def plot(events: list[dict[str, Any]], out: str | Path) -> Path:

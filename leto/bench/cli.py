@@ -86,7 +86,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     p = sub.add_parser(
         "overhead",
-        help="failure-free step time: plain vs leto (its defaults, tier 2 off, tier 1 as parity)",
+        help="failure-free step time: plain DDP vs leto (its defaults: tier 1 as replicas on gloo), "
+        "the same with tier 2 off, and with tier 1 as parity",
     )
     _common(p, systems=False, batch=TRAINING_BATCH)
     p.add_argument("--rounds", type=int, default=5, help="rounds of interleaved jobs (default 5)")

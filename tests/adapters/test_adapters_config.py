@@ -23,7 +23,9 @@ def test_defaults_and_lazy_export() -> None:
     assert (c.backend, c.nodes, c.ranks_per_node, c.chunk_size) == ("fake", 1, 1, 1 << 20)
     assert c.tier1 and c.tier2 and c.tier2_interval == 10 and c.checkpoint_dir is None
     assert (c.tier1_code, c.tier1_kind) == ("auto", "parity")
-    r = Config.from_env({"LETO_BACKEND": "gloo", "LETO_TIER1_CODE": "replica"})
+    r = Config.from_env(
+        {"LETO_BACKEND": "gloo", "LETO_TOPOLOGY": "1x2", "LETO_TIER1_CODE": "replica"}
+    )
     assert (r.backend, r.tier1_code, r.tier1_kind) == ("gloo", "replica", "replica")
     assert c.topology.node_sizes == (1,)
 
@@ -31,11 +33,12 @@ def test_defaults_and_lazy_export() -> None:
 @pytest.mark.parametrize(
     "data,kind",
     [
-        ({"backend": "gloo"}, "replica"),  # "auto": gloo trains data-parallel
+        ({"backend": "gloo", "topology": "2x2"}, "replica"),  # "auto": data-parallel
+        ({"backend": "gloo", "topology": "2x1"}, "parity"),  # no other rank to copy from
         ({"backend": "gloo", "tier1_code": "parity"}, "parity"),
         ({"backend": "fake"}, "parity"),
         ({"backend": "fake", "tier1_code": "parity"}, "parity"),
-        ({"backend": "gloo", "tier1": False}, None),
+        ({"backend": "gloo", "topology": "1x2", "tier1": False}, None),
         ({"backend": "fake", "tier1": False, "tier1_code": "parity"}, None),
     ],
 )
@@ -74,7 +77,12 @@ def test_from_dict_with_topology_string() -> None:
         (
             {"tier1_code": "replica"},
             "tier1_code",
-            "'replica' is built for the gloo backend only, not 'fake'",
+            "'replica' is built for the gloo backend only, not 'fake' (use 'parity' or 'auto')",
+        ),
+        (
+            {"backend": "gloo", "topology": "2x1", "tier1_code": "replica"},
+            "tier1_code",
+            "'replica' copies a lost rank from another rank of its node, but a node here has one rank",
         ),
         (
             {"backend": "gloo", "tier1": False, "tier1_code": "replica"},

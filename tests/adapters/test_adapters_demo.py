@@ -116,6 +116,8 @@ def test_demo_runs_on_gloo_by_default(
         "chunk_size": 4096,
         "tier2_interval": 10,
         "checkpoint_dir": None,
+        "tier1_code": "auto",
+        "verify_chunks": True,
         "seed": 0,
         "faults": True,
         "out": None,
@@ -127,6 +129,17 @@ def test_demo_runs_on_gloo_by_default(
     kw = calls.pop()
     assert (kw["nodes"], kw["ranks_per_node"], kw["chunk_size"], kw["steps"]) == (3, 2, 1024, -1)
     assert kw["out"] is sys.stdout
+    # the file's tier-1 settings reach the demo; a tier the faults need, off: refused
+    cfg.write_text('[leto]\nbackend = "gloo"\ntier1_code = "parity"\nverify_chunks = false\n')
+    assert main(["demo", "--config", str(cfg), "--json"]) == 0
+    kw = calls.pop()
+    assert (kw["tier1_code"], kw["verify_chunks"]) == ("parity", False)
+    capsys.readouterr()
+    for tier in ("tier1", "tier2"):
+        cfg.write_text(f'[leto]\nbackend = "gloo"\n{tier} = false\n')
+        assert main(["demo", "--config", str(cfg)]) == 2
+        assert f"{tier}: the demo's faults need both tiers on" in capsys.readouterr().err
+    assert not calls
 
 
 def test_failure_seconds_is_one_entry_per_failure() -> None:

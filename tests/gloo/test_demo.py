@@ -23,6 +23,6 @@ def test_gloo_demo_recovers_every_fault_bitwise(tag: str) -> None:
     assert {"forward", "tier1", "tier2"} <= set(result["recoveries_by_kind"])
     assert result["topology"] == "2x2" and result["backend"] == "gloo"
     # gloo's default tier 1 (tier1_code "auto"): replicas; the lost keeper's chunks copied
-    assert result["tier1_code"] == "replica", result["tier1_code"]
+    assert result["tier1_kind"] == "replica", result["tier1_kind"]
     assert result["copied_from_replicas"] >= result["chunks_repaired_tier1"] >= 1
     assert result["chunks_repaired_from_parity"] == 0

@@ -237,7 +237,15 @@ class Coordinator:
         if len(self.ready) < self.W or self.model is not None:
             return
         infos = list(self.ready.values())
-        keys = ("n_chunks", "chunk_numel", "tier1", "tier2", "tier2_interval", "checkpoint")
+        keys = (
+            "n_chunks",
+            "chunk_numel",
+            "tier1",
+            "tier1_kind",
+            "tier2",
+            "tier2_interval",
+            "checkpoint",
+        )
         for k in keys:
             vals = {str(i.get(k)) for i in infos}
             if len(vals) > 1:
@@ -266,6 +274,7 @@ class Coordinator:
             n_chunks=cfg.chunks,
             chunk_numel=self.info["chunk_numel"],
             tier1=self.info["tier1"],
+            tier1_kind=self.info["tier1_kind"],
             tier2=self.info["tier2"],
             tier2_interval=self.info["tier2_interval"],
             checkpoint=self.info["checkpoint"],

@@ -126,7 +126,7 @@ class ParityBlock:
     def record(self, member: int, version: int, checksum: int | None = None) -> None:
         """Only the record: ``member``'s version (and checksum) becomes current.
 
-        Tier 1 as replicas (``tier1_code = "replica"``) keeps no parity bytes (a block
+        Tier 1 as replicas (``tier1_code = "replica"``, or ``"auto"`` on gloo) keeps no parity bytes (a block
         of ``nbytes == 0``), only what each member's chunk was at its last update:
         the versions the recovery plans from and the checksums it verifies against.
         """

@@ -7,7 +7,8 @@ same surface as the fake backend's session (``run_step``, ``train``, ``step``,
 
 Each rank is one process. Its parameters, gradients and optimizer state are
 views into memfd segments owned by its keeper (:mod:`.keeper`); its node's
-tier-1 parity and tier-2 snapshot slots are segments owned by the node agent.
+tier-1 blocks (a parity, or with replicas only the records) and tier-2 snapshot
+slots are segments owned by the node agent.
 One step ``V`` (the same transaction as the fake backend's engine, the protocol's
 events in brackets):
 
@@ -15,11 +16,12 @@ events in brackets):
 2. the gradients' sum all-reduce over gloo, divided by the world size, copied into
    the retained gradient buffer [Reduce];
 3. checksums verified, gradients sealed, this rank's delta added to the node's
-   gradient parity, the prepare record (RNG, sampler position, present mask,
+   gradient parity (with replicas: only the record of their step), the prepare record (RNG, sampler position, present mask,
    gradient checksums) sent to the node agent, the vote sent [Prepare];
 4. wait for ``commit(V)`` from the coordinator [Decide];
 5. per chunk: undo copy [BeginChunk], new bytes written and sealed [EndChunk],
-   the node's chunk parity updated [ParityChunk], undo released;
+   the node's chunk parity (with replicas: its record) updated [ParityChunk],
+   undo released;
 6. the process state of ``V`` to the node agent, ``finished`` [Finish]; every K
    steps the tier-2 snapshot (own bytes into the node's slot, rotated parity
    across nodes) and a wait for its confirmation [Tier2Snapshot].
@@ -357,6 +359,7 @@ class GlooSession:
                 "n_chunks": self.layout.n_chunks,
                 "chunk_numel": self.layout.chunk_numel,
                 "tier1": bool(self.cfg.tier1),
+                "tier1_kind": self.cfg.tier1_kind,
                 "tier2": bool(self.cfg.tier2),
                 "tier2_interval": int(self.cfg.tier2_interval),
                 "checkpoint": self.cfg.checkpoint_dir is not None,
