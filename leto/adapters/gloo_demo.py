@@ -145,6 +145,8 @@ def _config(
     checkpoint_dir: str | None,
     tier1_code: str = "auto",
     verify_chunks: bool = True,
+    tier1: bool = True,
+    tier2: bool = True,
 ) -> Path:
     lines = [
         "[leto]",
@@ -154,6 +156,8 @@ def _config(
         f"tier2_interval = {tier2_interval}",
         f'tier1_code = "{tier1_code}"',
         f"verify_chunks = {'true' if verify_chunks else 'false'}",
+        f"tier1 = {'true' if tier1 else 'false'}",
+        f"tier2 = {'true' if tier2 else 'false'}",
     ]
     if checkpoint_dir:
         lines.append(f'checkpoint_dir = "{checkpoint_dir}"')
@@ -171,6 +175,8 @@ def demo(
     checkpoint_dir: str | None = None,
     tier1_code: str = "auto",
     verify_chunks: bool = True,
+    tier1: bool = True,
+    tier2: bool = True,
     seed: int = 0,
     faults: bool = True,
     hang_timeout: float = 2.0,
@@ -207,6 +213,8 @@ def demo(
         checkpoint_dir=checkpoint_dir,
         tier1_code=tier1_code,
         verify_chunks=verify_chunks,
+        tier1=tier1,
+        tier2=tier2,
     )
     args = ["--config", str(cfg), "--steps", str(steps), "--seed", str(seed)]
     extra = ["--hang-timeout", str(hang_timeout), "--quiet", "--no-echo"]
@@ -355,9 +363,10 @@ def run_cli(args: Any, config: Any = None) -> int:
     try:
         cfg = Config.from_dict(base)
         if not getattr(args, "no_faults", False):
-            for tier in ("tier1", "tier2"):  # the fault plan loses a keeper and a node
-                if not getattr(cfg, tier):
-                    raise ConfigError(tier, "the demo's faults need both tiers on")
+            # the fault plan loses a keeper (tier 1) and, with two nodes or more, a node
+            for tier, needed in (("tier1", True), ("tier2", cfg.nodes >= 2)):
+                if needed and not getattr(cfg, tier):
+                    raise ConfigError(tier, f"the demo's faults need {tier} on")
         result = demo(
             steps=STEPS if getattr(args, "steps", None) is None else args.steps,
             nodes=cfg.nodes,
@@ -367,6 +376,8 @@ def run_cli(args: Any, config: Any = None) -> int:
             checkpoint_dir=os.path.abspath(cfg.checkpoint_dir) if cfg.checkpoint_dir else None,
             tier1_code=cfg.tier1_code,
             verify_chunks=cfg.verify_chunks,
+            tier1=cfg.tier1,
+            tier2=cfg.tier2,
             seed=getattr(args, "seed", 0),
             faults=not getattr(args, "no_faults", False),
             out=None if getattr(args, "json", False) else sys.stdout,

@@ -118,6 +118,8 @@ def test_demo_runs_on_gloo_by_default(
         "checkpoint_dir": None,
         "tier1_code": "auto",
         "verify_chunks": True,
+        "tier1": True,
+        "tier2": True,
         "seed": 0,
         "faults": True,
         "out": None,
@@ -130,16 +132,31 @@ def test_demo_runs_on_gloo_by_default(
     assert (kw["nodes"], kw["ranks_per_node"], kw["chunk_size"], kw["steps"]) == (3, 2, 1024, -1)
     assert kw["out"] is sys.stdout
     # the file's tier-1 settings reach the demo; a tier the faults need, off: refused
-    cfg.write_text('[leto]\nbackend = "gloo"\ntier1_code = "parity"\nverify_chunks = false\n')
+    head = '[leto]\nbackend = "gloo"\ntopology = "2x2"\n'
+    cfg.write_text(head + 'tier1_code = "parity"\nverify_chunks = false\n')
     assert main(["demo", "--config", str(cfg), "--json"]) == 0
     kw = calls.pop()
-    assert (kw["tier1_code"], kw["verify_chunks"]) == ("parity", False)
+    assert (kw["tier1_code"], kw["verify_chunks"], kw["tier1"], kw["tier2"]) == (
+        "parity",
+        False,
+        True,
+        True,
+    )
     capsys.readouterr()
     for tier in ("tier1", "tier2"):
-        cfg.write_text(f'[leto]\nbackend = "gloo"\n{tier} = false\n')
+        cfg.write_text(head + f"{tier} = false\n")
         assert main(["demo", "--config", str(cfg)]) == 2
-        assert f"{tier}: the demo's faults need both tiers on" in capsys.readouterr().err
-    assert not calls
+        assert f"{tier}: the demo's faults need {tier} on" in capsys.readouterr().err
+        assert not calls
+        # without faults nothing needs the tier: it reaches the demo as the file says
+        assert main(["demo", "--config", str(cfg), "--no-faults", "--json"]) == 0
+        kw = calls.pop()
+        assert (kw[tier], kw["faults"]) == (False, False)
+        capsys.readouterr()
+    # one node: no node to lose, so tier 2 may be off
+    cfg.write_text('[leto]\nbackend = "gloo"\ntopology = "1x2"\ntier2 = false\n')
+    assert main(["demo", "--config", str(cfg), "--json"]) == 0
+    assert calls.pop()["tier2"] is False
 
 
 def test_failure_seconds_is_one_entry_per_failure() -> None:

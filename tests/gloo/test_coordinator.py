@@ -20,6 +20,7 @@ def ready(r: int, **kw: Any) -> dict[str, Any]:
         "n_chunks": CHUNKS,
         "chunk_numel": 4,
         "tier1": True,
+        "tier1_kind": "replica",
         "tier2": True,
         "tier2_interval": 100,
         "checkpoint": False,
@@ -80,6 +81,24 @@ def report(r: int, gen: int, step: int, node_par: Any = "auto") -> dict[str, Any
         msg["node_par"] = node_par
         msg["node_gpar"] = None
     return msg
+
+
+def test_ranks_agree_on_the_tier1_kind_and_it_is_logged() -> None:
+    h = Harness()
+    (start,) = [e for e in h.log.records if e["event"] == "training_started"]
+    assert (start["tier1"], start["tier1_kind"]) == (True, "replica")
+    from leto.adapters.report import timeline_lines
+
+    assert "tier 1 on (replica), tier 2 every 100 steps" in timeline_lines([start])[0]
+    # one rank of the node resolved another kind (another config): refused, named
+    log = EventLog(None)
+    c = Coordinator(1, 2, log=log, options=CoordinatorOptions())
+    c.node_up(0, spare=False, now=0.0)
+    c.handle(0, ready(0), 0.001)
+    c.handle(0, ready(1, tier1_kind="parity"), 0.002)
+    assert c.failed is not None and "ranks disagree on tier1_kind" in c.failed
+    assert "['parity', 'replica']" in c.failed
+    assert not [e for e in log.records if e["event"] == "training_started"]
 
 
 def test_votes_commit_and_a_crash_is_recovered_through_the_core() -> None:

@@ -126,8 +126,9 @@ class ParityBlock:
     def record(self, member: int, version: int, checksum: int | None = None) -> None:
         """Only the record: ``member``'s version (and checksum) becomes current.
 
-        Tier 1 as replicas (``tier1_code = "replica"``, or ``"auto"`` on gloo) keeps no parity bytes (a block
-        of ``nbytes == 0``), only what each member's chunk was at its last update:
+        Tier 1 as replicas (``tier1_code = "replica"``, or ``"auto"`` on gloo with 2+
+        ranks per node) keeps no parity bytes (a block of ``nbytes == 0``), only what
+        each member's chunk was at its last update:
         the versions the recovery plans from and the checksums it verifies against.
         """
         with self.lock():

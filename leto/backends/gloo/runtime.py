@@ -260,9 +260,9 @@ class GlooSession:
         self.cross_group: Any = None
         self.parity: list[ParityBlock] = []
         self.gparity: ParityBlock | None = None
-        # tier 1 as replicas (tier1_code "replica", or "auto", gloo's default): the
-        # node's other ranks hold the same state; the blocks keep only each member's
-        # versions and checksums
+        # tier 1 as replicas (tier1_code "replica", or gloo's default "auto" with 2+
+        # ranks per node): the node's other ranks hold the same state; the blocks
+        # keep only each member's versions and checksums
         self.replica = config.tier1_kind == "replica"
         self._red: torch.Tensor | None = None  # the all-reduce buffer, reused
         self._gdelta: torch.Tensor | None = None  # the gradient parity's delta, reused
