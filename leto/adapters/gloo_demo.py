@@ -5,11 +5,11 @@ trained with AdamW. The fault plan SIGKILLs trainers at forward, backward, the
 gradient all-reduce, prepare, both sides of the COMMIT, three points of a chunk's
 apply and the tier-1 update, and finish; it kills a keeper (its memory is rebuilt
 from tier 1: with gloo's default ``tier1_code``, copied from the other rank of its
-node, which holds the same state; with ``tier1_code = "parity"`` in the ``--config``
-file, decoded from the node's parity), hangs a trainer (the heartbeat timeout finds it, the fence
-kills it), makes one raise, fails a rank during a recovery (which restarts at the
-next generation) and SIGKILLs a whole node's agent (a replacement node joins and
-the tier-2 snapshot is restored). Then the same job runs without faults and every
+node, which holds the same state; with ``tier1_code = "parity"`` in the
+``--config`` file, decoded from the node's parity), hangs a trainer (the heartbeat
+timeout finds it, the fence kills it), makes one raise, fails a rank during a
+recovery (which restarts at the next generation) and SIGKILLs a whole node's agent
+(a replacement node joins and the tier-2 snapshot is restored). Then the same job runs without faults and every
 rank's parameters, optimizer state and process state (scheduler, RNG, sampler)
 are compared bitwise (SHA-256 of each buffer).
 

@@ -16,8 +16,9 @@ events in brackets):
 2. the gradients' sum all-reduce over gloo, divided by the world size, copied into
    the retained gradient buffer [Reduce];
 3. checksums verified, gradients sealed, this rank's delta added to the node's
-   gradient parity (with replicas: only the record of their step), the prepare record (RNG, sampler position, present mask,
-   gradient checksums) sent to the node agent, the vote sent [Prepare];
+   gradient parity (with replicas: only the record of their step), the prepare
+   record (RNG, sampler position, present mask, gradient checksums) sent to the
+   node agent, the vote sent [Prepare];
 4. wait for ``commit(V)`` from the coordinator [Decide];
 5. per chunk: undo copy [BeginChunk], new bytes written and sealed [EndChunk],
    the node's chunk parity (with replicas: its record) updated [ParityChunk],
