@@ -10,8 +10,9 @@ It owns everything leto runs on its node:
   and waiting); a promoted shadow is replaced in the background; when the
   trainers' memory crosses ``shadow_memory_budget`` the shadows are killed (cold)
   and re-warmed when it falls back under 90 % of it;
-* the node's **host memory**: tier-1 blocks (parity, or replica records) and tier-2 snapshot segments, the
-  ranks' process states and prepare records (small JSON);
+* the node's **host memory**: tier-1 blocks (parity, or replica records) and
+  tier-2 snapshot segments, the ranks' process states and prepare records (small
+  JSON);
 * **detection**: a pidfd per process (an exit is seen the moment it happens), the
   exit status from the zygote, tracebacks reported by the bootstrap, heartbeats
   (silence or no progress for ``hang_timeout`` is a hang), keeper exits;
