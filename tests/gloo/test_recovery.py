@@ -269,6 +269,23 @@ def test_silent_corruption_of_both_ranks_is_found_and_rebuilt(
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
 
 
+def test_corruption_during_the_allreduce_is_found_before_the_vote(
+    tag: str, ref_1x2: JobResult
+) -> None:
+    # the checksum pass runs while the gradient all-reduce is in flight: a bit that
+    # flips in that window (after the rank passed its fault point) must still stop
+    # the step; found a step late, it would be laundered into step 3's new bytes
+    faults = [{"kind": "corrupt", "rank": 1, "step": 3, "phase": "allreduce", "chunk": 2}]
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults)
+    assert res.ok, explain(res)
+    (fail,) = res.of("failure")
+    assert (fail["kind"], fail["rank"]) == ("exception", 1), fail
+    assert "chunks [2] fail their checksums at PREPARE of step 3" in fail["traceback"], fail
+    (rec,) = res.recoveries
+    assert (rec["kind"], rec["target"], rec["chunks_repaired_tier1"]) == ("tier1", 2, 1), rec
+    assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
+
+
 def test_parity_tier1_copies_nothing_from_replicas(two_nodes: JobResult) -> None:
     assert [r["tier1_from_replicas"] for r in two_nodes.recoveries] == [0] * len(
         two_nodes.recoveries

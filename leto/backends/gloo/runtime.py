@@ -655,6 +655,10 @@ class GlooSession:
         self.ch.mark("allreduce")
         work = _coll(dist.all_reduce, buf, op=dist.ReduceOp.SUM, async_op=True)
         self._point("allreduce")
+        # PREPARE's checksum pass over the chunks runs while the all-reduce is in
+        # flight: it reads only the chunks, which nothing writes before APPLY, and a
+        # rank mostly waits for the slowest one here (its CPU counts as "allreduce")
+        bad = lay.verify() if self.cfg.verify_chunks else []
         _coll(work.wait)
         present = buf[n:]
         flat.div_(W)
@@ -679,10 +683,8 @@ class GlooSession:
         present_mask = [bool(c > 0) for c in present.tolist()]
         # 3. prepare
         self.ch.mark("prepare")
-        if self.cfg.verify_chunks:
-            bad = lay.verify()
-            if bad:
-                raise IntegrityError(f"chunks {bad} fail their checksums at PREPARE of step {V}")
+        if bad:
+            raise IntegrityError(f"chunks {bad} fail their checksums at PREPARE of step {V}")
         lay.seal_grads(V, present_mask)
         self._point("prepare")
         if self.gparity is not None:
