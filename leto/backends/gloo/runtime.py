@@ -410,10 +410,10 @@ class GlooSession:
             chunk_numel=int(self.cfg.chunk_size),
             alloc=self.keeper.alloc,
             attach=attach,
-            # verify_chunks is done once per step, for every chunk, at PREPARE
-            # (before the vote, so a corrupt chunk stops the step before its
-            # commit); checking each chunk again at its undo copy would read the
-            # whole state a second time for nothing
+            # verify_chunks is done once per step, for every chunk, before the vote
+            # (during the gradient all-reduce, so a corrupt chunk stops the step
+            # before its commit); checking each chunk again at its undo copy would
+            # read the whole state a second time for nothing
             verify=False,
         )
 
