@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 # (name, module, one-line help)
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -33,10 +34,20 @@ def _present(module_name: str) -> bool:
         return False
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a refusal in one line: ``leto CMD: error: argument --FLAG: ...``
+    and exit status 2 (argparse's usage block would bury the line that matters; the
+    line says where the usage is). Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The parser; only the subcommands in ``commands`` (all when None) get their
     options, which imports their modules. The others are listed with their help."""
-    parser = argparse.ArgumentParser(prog="leto", description=__doc__.splitlines()[0])
+    parser = Parser(prog="leto", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name, help_ in SUBCOMMANDS:
         if not _present(module_name):

@@ -12,10 +12,12 @@ Settings (TOML key / ``LETO_<KEY>`` variable):
 =================  ========  ==========================================================
 backend            "fake"    ``fake`` (simulated ranks in one process), ``gloo`` (CPU
                              processes), ``nccl`` (CUDA; refused without CUDA)
-topology           "1x1"     ``"NODESxRANKS"``; or ``nodes`` and ``ranks_per_node``
+topology           "1x1"     ``"NODESxRANKS"``; or ``nodes`` (<= 65,536) and
+                             ``ranks_per_node`` (<= 1,024), at most 1,048,576 ranks
 world_size         none      if given (or ``WORLD_SIZE`` in the environment), it must
                              equal nodes x ranks_per_node
-chunk_size         1048576   elements per chunk of the retained state (> 0)
+chunk_size         1048576   elements per chunk of the retained state (1 .. 2**30;
+                             every rank allocates whole chunks)
 tier1              true      per-step protection inside each node (tier 1)
 tier1_code         "auto"    what tier 1 keeps: ``parity`` (single parity over the
                              node's ranks, any training) or ``replica`` (nothing: the
@@ -25,13 +27,21 @@ tier1_code         "auto"    what tier 1 keeps: ``parity`` (single parity over t
                              named); ``auto``: ``replica`` on gloo with 2+ ranks per
                              node, ``parity`` otherwise
 tier2              true      cross-node snapshots every ``tier2_interval`` steps
-tier2_interval     10        K: steps between tier-2 snapshots (> 0)
+tier2_interval     10        K: steps between tier-2 snapshots (1 .. 1,000,000)
 checkpoint_dir     none      directory for the torch.distributed.checkpoint fallback
 verify_chunks      true      check each chunk's checksum before its step overwrites it
 =================  ========  ==========================================================
 
 ``LETO_CONFIG=path.toml`` makes :meth:`Config.from_env` read that file first; the
-other variables override it.
+other variables override it. The variables ``leto launch`` sets for its trainers
+(``LETO_ROLE``, ``LETO_INCARNATION``, ``LETO_RUN_DIR``, ``LETO_JOB``) and the few
+other ``LETO_*`` variables leto reads elsewhere are not settings and are left
+alone; any other ``LETO_*`` variable is refused (a typo is not ignored). Under
+``leto launch`` the environment's defaults are the job's: ``backend = "gloo"`` and
+the topology the launcher started.
+
+A TOML file with no settings is refused: it would run the defaults (the fake
+backend, one rank) without a word, which is never what a file was written for.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from typing import Any
 
 import attrs
 
+from leto.argcheck import BadInput, Bound, dir_to_create, show
 from leto.core.erasure import Topology
 
 __all__ = ["BACKENDS", "TIER1_CODES", "Config", "ConfigError"]
@@ -51,6 +62,30 @@ __all__ = ["BACKENDS", "TIER1_CODES", "Config", "ConfigError"]
 BACKENDS = ("fake", "gloo", "nccl")
 TIER1_CODES = ("auto", "parity", "replica")
 _ENV_PREFIX = "LETO_"
+# LETO_* variables that are not settings: set by `leto launch`'s agent for its
+# trainers (leto.backends.gloo.agent), or read by other parts of leto.
+NOT_SETTINGS = frozenset(
+    {
+        "LETO_ROLE",
+        "LETO_INCARNATION",
+        "LETO_RUN_DIR",
+        "LETO_JOB",
+        "LETO_CHECK_KEPT_PARITY",
+        "LETO_DUMP_FINAL",
+        "LETO_TLA2TOOLS",
+        "LETO_BENCH_TEST_MARK",
+    }
+)
+MAX_RANKS = 1 << 20
+BOUNDS: dict[str, Bound] = {
+    "nodes": Bound(lo=1, hi=65_536, integer=True),
+    "ranks_per_node": Bound(lo=1, hi=1_024, integer=True),
+    "world_size": Bound(lo=1, hi=MAX_RANKS, integer=True),
+    "chunk_size": Bound(
+        lo=1, hi=1 << 30, integer=True, unit="elements", why_hi="each rank allocates whole chunks"
+    ),
+    "tier2_interval": Bound(lo=1, hi=1_000_000, integer=True, unit="steps"),
+}
 
 
 class ConfigError(ValueError):
@@ -59,22 +94,31 @@ class ConfigError(ValueError):
     def __init__(self, field: str, message: str, source: str | None = None) -> None:
         self.field = field
         self.source = source
-        where = f" ({source})" if source else ""
-        super().__init__(f"leto config{where}: {field}: {message}")
+        self.message = message
+        where = f" ({_printable(source)})" if source else ""
+        super().__init__(f"leto config{where}: {_printable(field)}: {message}")
 
 
-def _int(field: str, value: Any, minimum: int) -> None:
+def _printable(name: Any) -> str:
+    """A key or a path as it goes into a one-line message."""
+    text = str(name)
+    return text if text.isprintable() and len(text) <= 200 else show(name, 200)
+
+
+def _int(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(field, f"must be an integer, got {value!r}")
-    if value < minimum:
-        what = "positive" if minimum == 1 else f">= {minimum}"
-        raise ConfigError(field, f"must be {what}, got {value}")
+        raise ConfigError(field, f"must be an integer, got {show(value)}")
+    if value < 1:
+        raise ConfigError(field, f"must be positive, got {value}")
+    problem = BOUNDS[field].problem(value)
+    if problem is not None:
+        raise ConfigError(field, problem)
 
 
 def _v_backend(_inst: Any, _attr: Any, value: Any) -> None:
     if value not in BACKENDS:
         raise ConfigError(
-            "backend", f"unknown backend {value!r} (choose one of {', '.join(BACKENDS)})"
+            "backend", f"unknown backend {show(value)} (choose one of {', '.join(BACKENDS)})"
         )
     if value == "nccl":
         import torch
@@ -88,34 +132,35 @@ def _v_backend(_inst: Any, _attr: Any, value: Any) -> None:
 
 
 def _v_positive(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-    _int(attr.name, value, 1)
+    _int(attr.name, value)
 
 
 def _v_bool(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, bool):
-        raise ConfigError(attr.name, f"must be true or false, got {value!r}")
+        raise ConfigError(attr.name, f"must be true or false, got {show(value)}")
 
 
 def _v_tier1_code(_inst: Any, _attr: Any, value: Any) -> None:
     if value not in TIER1_CODES:
         raise ConfigError(
-            "tier1_code", f"unknown code {value!r} (choose one of {', '.join(TIER1_CODES)})"
+            "tier1_code", f"unknown code {show(value)} (choose one of {', '.join(TIER1_CODES)})"
         )
 
 
 def _v_world(_inst: Any, _attr: Any, value: Any) -> None:
     if value is not None:
-        _int("world_size", value, 1)
+        _int("world_size", value)
 
 
 def _v_dir(_inst: Any, _attr: Any, value: Any) -> None:
     if value is None:
         return
-    if not isinstance(value, str) or not value:
-        raise ConfigError("checkpoint_dir", f"must be a directory path or none, got {value!r}")
-    p = Path(value)
-    if p.exists() and not p.is_dir():
-        raise ConfigError("checkpoint_dir", f"{value!r} exists and is not a directory")
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ConfigError("checkpoint_dir", f"must be a directory path or none, got {show(value)}")
+    try:
+        dir_to_create("checkpoint_dir", value)
+    except BadInput as e:
+        raise ConfigError("checkpoint_dir", str(e).removeprefix("checkpoint_dir ")) from None
 
 
 @attrs.frozen(kw_only=True)
@@ -136,6 +181,12 @@ class Config:
 
     def __attrs_post_init__(self) -> None:
         n = self.nodes * self.ranks_per_node
+        if n > MAX_RANKS:
+            raise ConfigError(
+                "topology",
+                f"{self.nodes} nodes x {self.ranks_per_node} ranks per node = {n:,} ranks, "
+                f"more than leto's limit of {MAX_RANKS:,}",
+            )
         if self.world_size is not None and self.world_size != n:
             raise ConfigError(
                 "topology",
@@ -205,7 +256,7 @@ class Config:
                 kwargs.setdefault("ranks_per_node", per)
                 if kwargs["nodes"] != nodes or kwargs["ranks_per_node"] != per:
                     raise ConfigError(
-                        "topology", f"{value!r} contradicts nodes/ranks_per_node", source
+                        "topology", f"{show(value)} contradicts nodes/ranks_per_node", source
                     )
                 continue
             if key not in fields:
@@ -215,57 +266,40 @@ class Config:
                     source,
                 )
             if key in ("nodes", "ranks_per_node") and key in kwargs and kwargs[key] != value:
-                raise ConfigError("topology", f"{key}={value!r} contradicts topology", source)
+                raise ConfigError("topology", f"{key}={show(value)} contradicts topology", source)
             kwargs[key] = value
         try:
             return cls(**kwargs)
         except ConfigError as e:
             if source is None or e.source is not None:
                 raise
-            raise ConfigError(e.field, str(e).split(": ", 2)[-1], source) from None
+            raise ConfigError(e.field, e.message, source) from None
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> Config:
         """Settings from a TOML file: a ``[leto]`` table, or keys at the top level."""
-        p = Path(path)
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover - Python 3.10
-            try:
-                import tomli as tomllib
-            except ModuleNotFoundError:
-                raise ConfigError(
-                    "config",
-                    "reading TOML needs Python >= 3.11 (tomllib) or the tomli package",
-                    str(p),
-                ) from None
-        try:
-            raw = p.read_bytes()
-        except OSError as e:
-            raise ConfigError("config", f"cannot read the file: {e.strerror}", str(p)) from None
-        try:
-            data = tomllib.loads(raw.decode())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError("config", f"not valid TOML: {e}", str(p)) from None
-        if "leto" in data:
-            extra = sorted(k for k in data if k != "leto")
-            if extra:
-                raise ConfigError(extra[0], "unknown setting outside the [leto] table", str(p))
-            data = data["leto"]
-        return cls.from_dict(data, source=str(p))
+        return cls.from_dict(_read_toml(path), source=str(path))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
-        """Settings from ``LETO_*`` variables (and ``LETO_CONFIG``, ``WORLD_SIZE``)."""
+        """Settings from ``LETO_*`` variables (and ``LETO_CONFIG``, ``WORLD_SIZE``).
+
+        Layers, each over the one before: the defaults (under ``leto launch``, the
+        job's backend and topology), the ``LETO_CONFIG`` file, the variables."""
         env = os.environ if environ is None else environ
-        base: dict[str, Any] = {}
+        base: dict[str, Any] = _launch_defaults(env)
         if env.get("LETO_CONFIG"):
-            base = cls.from_toml(env["LETO_CONFIG"]).as_dict()
-            if base.get("world_size") is None:
-                base.pop("world_size", None)
+            path = env["LETO_CONFIG"]
+            data = _read_toml(path)
+            cfg = cls.from_dict(data, source=path)  # its errors name the file
+            for key in data:
+                if key == "topology":
+                    base["nodes"], base["ranks_per_node"] = cfg.nodes, cfg.ranks_per_node
+                else:
+                    base[key] = getattr(cfg, key)
         types = {a.name: a for a in attrs.fields(cls)}
         for name, raw in sorted(env.items()):
-            if not name.startswith(_ENV_PREFIX) or name == "LETO_CONFIG":
+            if not name.startswith(_ENV_PREFIX) or name == "LETO_CONFIG" or name in NOT_SETTINGS:
                 continue
             key = name[len(_ENV_PREFIX) :].lower()
             src = f"from {name}"
@@ -281,7 +315,7 @@ class Config:
                     src,
                 )
             base[key] = _parse_env(key, raw, src)
-        if "world_size" not in base and env.get("WORLD_SIZE"):
+        if base.get("world_size") is None and env.get("WORLD_SIZE"):
             base["world_size"] = _parse_env("world_size", env["WORLD_SIZE"], "from WORLD_SIZE")
         return cls.from_dict(base, source="environment")
 
@@ -301,13 +335,67 @@ class Config:
         raise ConfigError("config", f"cannot load settings from {type(source).__name__}")
 
 
+def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The settings of a TOML file (its ``[leto]`` table, or its top level); a file
+    with none is refused."""
+    p = Path(path)
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise ConfigError(
+                "config",
+                "reading TOML needs Python >= 3.11 (tomllib) or the tomli package",
+                str(p),
+            ) from None
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError("config", f"cannot read the file: {e.strerror}", str(p)) from None
+    except ValueError as e:  # a NUL in the path
+        raise ConfigError("config", f"not a file path: {e}", str(p)) from None
+    try:
+        data = tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError("config", f"not valid TOML: {e}", str(p)) from None
+    if "leto" in data:
+        extra = sorted(k for k in data if k != "leto")
+        if extra:
+            raise ConfigError(extra[0], "unknown setting outside the [leto] table", str(p))
+        data = data["leto"]
+        if not isinstance(data, dict):
+            raise ConfigError("leto", f"must be a table of settings, got {data!r}", str(p))
+    if not data:
+        raise ConfigError(
+            "config",
+            "the file has no settings (it would run the defaults: the fake backend, one "
+            "rank); give at least the backend",
+            str(p),
+        )
+    return data
+
+
+def _launch_defaults(env: Mapping[str, str]) -> dict[str, Any]:
+    """Under ``leto launch`` (whose agent sets ``LETO_ROLE``): the gloo backend and the
+    topology the launcher started; elsewhere none."""
+    if not env.get("LETO_ROLE"):
+        return {}
+    out: dict[str, Any] = {"backend": "gloo"}
+    world, local = env.get("WORLD_SIZE", ""), env.get("LOCAL_WORLD_SIZE", "")
+    if world.isdecimal() and local.isdecimal() and int(local) > 0 and int(world) % int(local) == 0:
+        out["nodes"], out["ranks_per_node"] = int(world) // int(local), int(local)
+    return out
+
+
 def _parse_topology(value: Any, source: str | None) -> tuple[int, int]:
     if isinstance(value, str):
         parts = value.lower().replace(" ", "").split("x")
-        if len(parts) == 2 and all(p.isdigit() for p in parts):
+        if len(parts) == 2 and all(p.isascii() and p.isdecimal() and len(p) < 30 for p in parts):
             nodes, per = int(parts[0]), int(parts[1])
         else:
-            raise ConfigError("topology", f'{value!r} is not NODESxRANKS (e.g. "2x4")', source)
+            raise ConfigError("topology", f'{show(value)} is not NODESxRANKS (e.g. "2x4")', source)
     elif (
         isinstance(value, (list, tuple))
         and len(value) == 2
@@ -315,11 +403,15 @@ def _parse_topology(value: Any, source: str | None) -> tuple[int, int]:
     ):
         nodes, per = value
     else:
-        raise ConfigError("topology", f'{value!r} is not NODESxRANKS (e.g. "2x4")', source)
+        raise ConfigError("topology", f'{show(value)} is not NODESxRANKS (e.g. "2x4")', source)
     if nodes < 1 or per < 1:
         raise ConfigError(
-            "topology", f"{value!r}: nodes and ranks per node must be positive", source
+            "topology", f"{show(value)}: nodes and ranks per node must be positive", source
         )
+    for field, n in (("nodes", nodes), ("ranks_per_node", per)):
+        problem = BOUNDS[field].problem(n)
+        if problem is not None:
+            raise ConfigError("topology", f"{show(value)}: {field} {problem}", source)
     return nodes, per
 
 
@@ -336,8 +428,8 @@ def _parse_env(key: str, raw: str, source: str) -> Any:
             return True
         if low in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(key, f"must be true or false, got {raw!r}", source)
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(key, f"must be an integer, got {raw!r}", source) from None
+        raise ConfigError(key, f"must be true or false, got {show(raw)}", source)
+    digits = text.removeprefix("-").removeprefix("+")
+    if not (digits.isascii() and digits.isdecimal()) or len(digits) > 30:
+        raise ConfigError(key, f"must be an integer, got {show(raw)}", source)
+    return int(text)
