@@ -397,6 +397,18 @@ def _line(e: dict[str, Any]) -> str:
     return f"            {ev:<9} {e.get('detail', '')}"
 
 
+def _failure_seconds(timeline: list[dict[str, Any]]) -> list[float | None]:
+    """Per injected fault, in order: seconds from it until the recovery that resumed
+    training after it ended (``None`` if none did), as the gloo demo reports them."""
+    ends = [e["t_ms"] for e in timeline if e["event"] == "recovered"]
+    out: list[float | None] = []
+    for e in timeline:
+        if e["event"] == "fault":
+            end = next((t for t in ends if t >= e["t_ms"]), None)
+            out.append(None if end is None else round((end - e["t_ms"]) / 1e3, 6))
+    return out
+
+
 def _demo(cfg: Any, steps: int, seed: int, faults: bool, say: Any) -> dict[str, Any]:
     t_all = time.perf_counter()
     job = build(seed, cfg.ranks)
@@ -456,6 +468,7 @@ def _demo(cfg: Any, steps: int, seed: int, faults: bool, say: Any) -> dict[str, 
         "real_state_matches_core": not eng.mismatches() and not eng.parity_exact(),
         "final_loss": eng.losses.get(steps),
         "reference_final_loss": ref.engine.losses.get(steps),
+        "recovery_seconds": _failure_seconds(eng.timeline),
         "recovery_ms_total": round(sum(r["ms"] for r in eng.recoveries), 3),
         "seconds": {
             "with_failures": round(secs, 3),

@@ -1297,6 +1297,8 @@ class Engine:
             s = self.state
         if self.options.tier2 and s.step[0] - s.t2 >= self.options.tier2_interval:
             # a recovery kept a snapshot that is now K steps back: take the next one first
+            if not self._snapshot_capture_clean():
+                self.recover()
             self.feed(ev.Tier2Snapshot())
             s = self.state
         V = s.step[0] + 1
@@ -1332,9 +1334,29 @@ class Engine:
         self.stats["steps_run"] += 1
         s = self.state
         if self.options.tier2 and V - s.t2 >= self.options.tier2_interval:
+            if not self._snapshot_capture_clean():
+                self.recover()
+                return loss
             self.feed(ev.Tier2Snapshot())
         self._warm_shadows()
         return loss
+
+    def _snapshot_capture_clean(self) -> bool:
+        """PROTOCOL.md, Tier2Snapshot: a snapshot captures verified bytes only.
+
+        Bytes damaged after PREPARE's pass (a silent flip between the vote and the
+        snapshot) would enter the snapshot under the chunk's good checksum and be found
+        only when the snapshot is restored, with no tier left to repair them. A rank whose
+        chunks fail here is an integrity failure (its memory is discarded and rebuilt
+        from tier 1) and the snapshot is taken after that recovery.
+        """
+        if not self.options.verify:
+            return True
+        bad = {p.rank: p.layout.verify() for p in self.procs}
+        bad = {r: cs for r, cs in bad.items() if cs}
+        for r, cs in bad.items():
+            self._integrity_failure(r, f"chunks {cs} fail their checksums at the tier-2 snapshot")
+        return not bad
 
     def _warm_shadows(self) -> None:
         for r in range(self.W):

@@ -269,3 +269,23 @@ def test_a_shadow_whose_model_does_not_fit_is_refused_and_modifies_nothing() -> 
         eng.run_step()
     assert eng.backend.retained_bytes() == before
     assert eng.state.phase is Phase.RECONCILING
+
+
+def test_a_snapshot_never_captures_bytes_damaged_after_prepare() -> None:
+    # The flip strikes after PREPARE's pass of step 3, the step whose snapshot is due
+    # (K = 3). Were the damaged bytes captured under their good checksum, the node
+    # loss of step 5 would restore them and find them bad with no tier left (the
+    # README's fake demo crashed so). The capture checks them: rank 1's memory is
+    # discarded and rebuilt from tier 1, then the snapshot of step 3 is taken.
+    plan = [
+        ("corrupt", dict(rank=1, step=3, chunk=0, phase="finish", bit=3)),
+        ("lose_node", dict(node=0, step=5, phase="finish")),
+    ]
+    eng = run(plan)
+    f = eng.injector.faults[0]
+    assert f.fired == 1 and f.detected == 1
+    assert "at the tier-2 snapshot" in eng.recoveries[0]["integrity_failures"][0]
+    assert [(r["kind"], r["resumed_at"]) for r in eng.recoveries] == [
+        ("tier1", 3),
+        ("tier2", 3),
+    ]

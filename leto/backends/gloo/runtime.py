@@ -763,6 +763,11 @@ class GlooSession:
             return
         if self._t2_pending is not None:  # the previous snapshot is complete (long since)
             self.ch.wait_for("t2", self._t2_pending, self.gen)
+        bad = self.layout.verify() if self.cfg.verify_chunks else []
+        if bad:  # PROTOCOL.md, Tier2Snapshot: a snapshot captures verified bytes only
+            raise IntegrityError(
+                f"chunks {bad} fail their checksums at the tier-2 snapshot of step {V}"
+            )
         meta = _coll(self._snapshot, V)
         self.ch.send(
             {"t": "snapshot_done", "rank": self.rank, "step": V, "gen": self.gen, "meta": meta}

@@ -1,0 +1,196 @@
+"""Every command the README shows runs, exactly as written, and does what it says.
+
+The commands are read from the README's ``sh`` blocks (a trailing ``# comment`` is
+not part of the command). Each one must have a check below, and each check must
+belong to a command the README still shows: a command added to the README without a
+test here, or a test left behind by a removed command, fails
+:func:`test_every_readme_command_has_a_check`.
+
+Commands run in a scratch directory that mirrors the repository root (``examples``,
+``spec`` linked in), so their relative paths resolve as they do for a user and the
+files they write (``leto-runs/``) stay out of the checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+SETUP = 'python3 -m venv .venv && . .venv/bin/activate && pip install "torch==2.13.0" -e ".[dev]"'
+TESTS = "python -m pytest -q"
+
+
+def readme_commands(text: str | None = None) -> list[str]:
+    """The commands of the README's ``sh`` blocks, in order."""
+    text = README.read_text() if text is None else text
+    out: list[str] = []
+    for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            cmd = re.sub(r"\s+#.*$", "", line).strip()
+            if cmd and not cmd.startswith("#"):
+                out.append(cmd)
+    return out
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def _scratch(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    root.mkdir()
+    for name in ("examples", "spec"):
+        (root / name).symlink_to(ROOT / name)
+    return root
+
+
+def run(cmd: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "-c", cmd], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _ok(p: subprocess.CompletedProcess[str]) -> str:
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    return p.stdout
+
+
+# --------------------------------------------------------------------- the checks
+
+
+def check_setup(cmd: str, tmp_path: Path) -> None:
+    # a fresh copy of the project (what git tracks, and new files it does not ignore)
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    copy = tmp_path / "fresh"
+    for f in files:
+        src = ROOT / f
+        if src.is_file():
+            (copy / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, copy / f)
+    env = _env()
+    env["PATH"] = os.pathsep.join(
+        p for p in env["PATH"].split(os.pathsep) if not p.startswith(str(ROOT))
+    )
+    env.pop("VIRTUAL_ENV", None)
+    p = subprocess.run(
+        ["bash", "-c", cmd], cwd=copy, env=env, capture_output=True, text=True, timeout=1200
+    )
+    _ok(p)
+    leto = copy / ".venv" / "bin" / "leto"
+    out = subprocess.run([str(leto), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "demo" in out.stdout
+    torch_v = subprocess.run(
+        [str(copy / ".venv" / "bin" / "python"), "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert torch_v.stdout.startswith("2.13.0"), torch_v
+
+
+def check_tests(cmd: str, tmp_path: Path) -> None:
+    # The test command cannot run itself; CI runs it as written, after the set-up.
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert cmd in [line.strip() for line in ci]
+
+
+def check_demo(cmd: str, tmp_path: Path) -> None:
+    out = _ok(run(cmd, _scratch(tmp_path)))
+    assert re.search(r"bitwise equal to the failure-free run .*: YES", out), out[-3000:]
+
+
+def check_demo_json(cmd: str, tmp_path: Path) -> None:
+    res = json.loads(_ok(run(cmd, _scratch(tmp_path))))
+    assert res["bitwise_equal"] is True
+    assert res["every_failure_recovered"] is True
+    assert res["failures_injected"] == res["failures_planned"] >= 16
+    assert len(res["recovery_seconds"]) == res["failures_injected"]
+
+
+def check_spec(cmd: str, tmp_path: Path) -> None:
+    out = _ok(run(cmd, _scratch(tmp_path)))
+    assert "violations: 0" in out, out[-2000:]
+
+
+def check_simulate(cmd: str, tmp_path: Path) -> None:
+    out = _ok(run(cmd, _scratch(tmp_path)))
+    assert re.search(r"^leto\s+\d+\.\d+%", out, flags=re.M), out
+
+
+def check_example_fake(cmd: str, tmp_path: Path) -> None:
+    out = _ok(run(cmd, _scratch(tmp_path)))
+    assert "step 20" in out, out
+
+
+def check_launch_then_report(cmd: str, tmp_path: Path) -> None:
+    """`leto launch ... --run-dir leto-runs/gpt`, then the README's `leto report` of it."""
+    root = _scratch(tmp_path)
+    out = _ok(run(cmd, root))
+    assert "step 20" in out, out
+    events = root / "leto-runs" / "gpt" / "events.jsonl"
+    assert events.is_file()
+    report = next(c for c in readme_commands() if c.startswith("leto report"))
+    rep = _ok(run(report, root))
+    assert "status: ok" in rep, rep
+    assert (root / "leto-runs" / "gpt" / "timeline.png").is_file()
+
+
+def check_report(cmd: str, tmp_path: Path) -> None:
+    pass  # run by check_launch_then_report, on the run directory the launch wrote
+
+
+CHECKS: dict[str, Callable[[str, Path], None]] = {
+    SETUP: check_setup,
+    TESTS: check_tests,
+    "leto demo": check_demo,
+    "leto demo --json": check_demo_json,
+    "leto demo --backend fake --json": check_demo_json,
+    "leto spec check": check_spec,
+    "leto simulate --gpus 131072 --days 30": check_simulate,
+    "python examples/gpt.py --config examples/fake.toml --steps 20": check_example_fake,
+    "leto launch --nproc-per-node 2 --run-dir leto-runs/gpt examples/gpt.py "
+    "--config examples/gloo-1node.toml --steps 20": check_launch_then_report,
+    "leto report leto-runs/gpt": check_report,
+}
+
+
+def test_every_readme_command_has_a_check() -> None:
+    cmds = readme_commands()
+    assert len(cmds) >= 5
+    assert set(cmds) == set(CHECKS), (
+        f"README commands without a check: {sorted(set(cmds) - set(CHECKS))}; "
+        f"checks of commands the README no longer shows: {sorted(set(CHECKS) - set(cmds))}"
+    )
+
+
+def test_the_extractor_reads_blocks_and_drops_comments() -> None:
+    text = "x\n```sh\nleto a --b   # why\n\n# note\nleto c\n```\n```python\nleto d\n```\n"
+    assert readme_commands(text) == ["leto a --b", "leto c"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", list(CHECKS))
+def test_readme_command_runs_as_written(cmd: str, tmp_path: Path) -> None:
+    if cmd not in readme_commands():
+        pytest.fail(f"the README no longer shows {cmd!r}: remove its check")
+    CHECKS[cmd](cmd, tmp_path)
