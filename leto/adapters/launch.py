@@ -25,10 +25,24 @@ from (the reason is printed and logged), 2 for bad arguments, 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from leto.argcheck import (
+    BadInput,
+    Bound,
+    check_args,
+    dir_to_create,
+    file_to_read,
+    positive_int,
+    seconds,
+    show,
+)
 
 __all__ = ["configure", "parse_endpoint", "run"]
 
@@ -87,16 +101,123 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
+# Bounds of the numeric flags (leto.argcheck): every count has a ceiling, every
+# duration is positive and finite (nan would switch hang detection off; inf overflows).
+BOUNDS: dict[str, Bound] = {
+    "nproc_per_node": positive_int(1024, "each local rank runs a keeper, a trainer and a shadow"),
+    "nnodes": positive_int(65_536),
+    "node_rank": Bound(lo=0, integer=True),
+    "heartbeat": seconds(3600.0, "an hour"),
+    "hang_timeout": seconds(),
+    "collective_timeout": seconds(),
+    "rdzv_timeout": seconds(),
+    "spare_timeout": seconds(),
+    "recovery_timeout": seconds(),
+    "shadow_memory_budget": Bound(lo=0, hi=float(1 << 30), unit="MB", why_hi="a petabyte"),
+    "threads": positive_int(1024),
+}
+
+
 def parse_endpoint(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--rdzv-endpoint {text!r} is not HOST:PORT (e.g. 127.0.0.1:29400)")
+    if host.startswith("[") and host.endswith("]"):  # [::1]:29400
+        host = host[1:-1]
+    if (
+        not sep
+        or not host
+        or not (port.isascii() and port.isdecimal())
+        or len(port) > 5
+        or not 0 < int(port) < 65536
+    ):
+        raise ValueError(
+            f"--rdzv-endpoint {show(text)} is not HOST:PORT with a port in 1..65535 "
+            "(e.g. 127.0.0.1:29400)"
+        )
     return host, int(port)
 
 
-def _reachable(host: str, port: int, timeout: float) -> bool:
-    import socket
+def _addresses(host: str, port: int) -> list[tuple[Any, Any]]:
+    """(family, socket address) for each address ``host`` resolves to; BadInput if none."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise BadInput(f"--rdzv-endpoint: cannot resolve host {show(host)} ({why})") from None
+    return [(family, addr) for family, _, _, _, addr in infos]
 
+
+def _listen_problem(host: str, port: int) -> tuple[int, str] | None:
+    """Why node 0 cannot serve the rendezvous at host:port (an exit status and a line),
+    or None: the host must be an address of this machine and the port free there."""
+    problem: tuple[int, str] | None = None
+    for family, addr in _addresses(host, port):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(addr)
+                return None
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    problem = (
+                        1,
+                        f"the rendezvous endpoint {host}:{port} is in use by another process "
+                        "(pick a free port with --rdzv-endpoint HOST:PORT)",
+                    )
+                elif problem is None and e.errno == errno.EADDRNOTAVAIL:
+                    ip = "" if addr[0] == host else f" ({addr[0]})"
+                    problem = (
+                        2,
+                        f"--rdzv-endpoint: {host}{ip} is not an address of this machine; "
+                        "node 0 serves the rendezvous there, so give one of its own",
+                    )
+                elif problem is None:
+                    problem = (2, f"--rdzv-endpoint: cannot listen on {host}:{port}: {e.strerror}")
+    return problem
+
+
+def _check(args: argparse.Namespace) -> tuple[str, int, Any] | int:
+    """Every flag, before anything is imported or started: the rendezvous address and
+    the fault plan; or an exit status when a refusal has been printed."""
+    file_to_read("script", args.script, "script")
+    check_args(args, BOUNDS)
+    if not args.node_rank < args.nnodes:
+        raise BadInput(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1}")
+    if not args.heartbeat < args.hang_timeout:
+        raise BadInput(
+            f"--heartbeat {args.heartbeat:g} s must be shorter than --hang-timeout "
+            f"{args.hang_timeout:g} s, or every trainer looks hung between heartbeats"
+        )
+    if args.run_dir is not None:
+        dir_to_create("--run-dir", args.run_dir)
+    else:
+        dir_to_create("--run-dir (default: leto-runs/ here)", "leto-runs")
+    if args.rdzv_endpoint is None:
+        if args.nnodes > 1 and not args.standalone:
+            raise BadInput("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
+        from leto.backends.gloo.procs import free_port
+
+        host, port = "127.0.0.1", free_port()
+    else:
+        try:
+            host, port = parse_endpoint(args.rdzv_endpoint)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+    from leto.backends.gloo.faults import FaultPlanError, load_plan
+
+    try:
+        faults = load_plan(args.faults, world_size=args.nnodes * args.nproc_per_node)
+    except FaultPlanError as e:
+        raise BadInput(f"--faults: {e}") from None
+    if args.node_rank == 0:
+        problem = _listen_problem(host, port)
+        if problem is not None:
+            print(f"leto launch: error: {problem[1]}", file=sys.stderr)
+            return problem[0]
+    else:
+        _addresses(host, port)
+    return host, port, faults
+
+
+def _reachable(host: str, port: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -114,43 +235,14 @@ def _error(msg: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    script = Path(args.script)
-    if not script.is_file():
-        return _error(f"script {args.script!r} not found")
-    if args.nproc_per_node < 1 or args.nnodes < 1:
-        return _error("--nproc-per-node and --nnodes must be >= 1")
-    if not 0 <= args.node_rank < args.nnodes:
-        return _error(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1}")
-    from leto.backends.gloo.procs import free_port
-
-    if args.rdzv_endpoint is None:
-        if args.nnodes > 1 and not args.standalone:
-            return _error("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
-        host, port = "127.0.0.1", free_port()
-    else:
-        try:
-            host, port = parse_endpoint(args.rdzv_endpoint)
-        except ValueError as e:
-            return _error(str(e))
-    for name in ("heartbeat", "hang_timeout", "collective_timeout", "rdzv_timeout"):
-        if getattr(args, name) <= 0:
-            return _error(f"--{name.replace('_', '-')} must be > 0")
-    from leto.backends.gloo.faults import FaultPlanError, load_plan
-
-    try:
-        faults = load_plan(args.faults, world_size=args.nnodes * args.nproc_per_node)
-    except FaultPlanError as e:
-        return _error(f"--faults: {e}")
     # the cheap checks first: nothing is imported or started for a launch that cannot work
-    from leto.backends.gloo.procs import port_in_use
-
-    if args.node_rank == 0 and port_in_use(host, port):
-        print(
-            f"leto launch: error: the rendezvous endpoint {host}:{port} is in use by another "
-            "process (pick a free port with --rdzv-endpoint HOST:PORT)",
-            file=sys.stderr,
-        )
-        return 1
+    try:
+        checked = _check(args)
+    except BadInput as e:
+        return _error(str(e))
+    if isinstance(checked, int):
+        return checked
+    host, port, faults = checked
     if args.node_rank > 0 and not _reachable(host, port, args.rdzv_timeout):
         print(
             f"leto launch: error: cannot reach the rendezvous endpoint {host}:{port} within "
@@ -159,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    script = Path(args.script)
     run_dir = args.run_dir or os.path.join("leto-runs", time.strftime("run-%Y%m%d-%H%M%S"))
     # torch's C++ warnings (store socket timeouts while a peer is gone) are noise here:
     # leto reports failures itself
