@@ -13,10 +13,13 @@ to ``RUN_DIR/timeline.png`` unless ``--no-plot`` or ``--out`` says otherwise.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from leto.argcheck import BadInput, Bound, file_to_write, show
 
 __all__ = ["configure", "load", "plot", "run", "summarize", "timeline_lines"]
 
@@ -43,19 +46,114 @@ class ReportError(ValueError):
     pass
 
 
-def load(run_dir: str | Path) -> list[dict[str, Any]]:
-    from leto.backends.gloo.eventlog import read_events
+# The fields the report computes with, and what each must hold where it is present
+# ("t_rel" in every record, "step" in a "step" record). Any other field is printed as
+# it is, so it may hold anything.
+_LIMIT = 1e12
+_NUMBER = Bound(lo=-_LIMIT, hi=_LIMIT)
+_COUNT = Bound(lo=0, hi=_LIMIT, integer=True)
+FIELDS: dict[str, Bound] = {
+    "t_rel": _NUMBER,
+    "seconds": Bound(lo=0, hi=_LIMIT),
+    "restarts": _COUNT,
+    "chunks_repaired_tier1": _COUNT,
+    "tier1_from_replicas": _COUNT,
+    "chunks_rolled_forward": _COUNT,
+    "steps_lost": _COUNT,
+}
+_STEP = Bound(lo=-1, hi=_LIMIT, integer=True)
 
+
+def load(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run's event log, each checked to hold what the report reads.
+
+    A line that is not JSON is skipped (a writer killed half way through a line
+    leaves one), but a file with no record, records that are not JSON objects or
+    have no ``"event"``, and fields of the wrong type are refused, naming the line."""
     p = Path(run_dir)
     f = p / "events.jsonl" if p.is_dir() else p
     if not f.is_file():
         raise ReportError(
             f"no event log at {f} (a run directory of `leto launch` holds events.jsonl)"
         )
-    events = read_events(f)
+    try:
+        text = f.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ReportError(f"cannot read {f}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ReportError(
+            f"{f} is not an event log: it is not UTF-8 text (byte {e.start})"
+        ) from None
+    events = []
+    skipped = 0
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
+            skipped += 1
+            continue
+        _check_record(f, n, rec)
+        events.append(rec)
     if not events:
-        raise ReportError(f"{f} holds no events")
+        what = "no line of it is a JSON record" if skipped else "it holds no events"
+        raise ReportError(f"{f} is not an event log: {what}")
     return events
+
+
+def _check_record(f: Path, n: int, rec: Any) -> None:
+    where = f"{f}: line {n}"
+    if not isinstance(rec, dict):
+        raise ReportError(f"{where}: a record must be a JSON object, got {show(rec)}")
+    event = rec.get("event")
+    if not isinstance(event, str):
+        got = "none" if "event" not in rec else show(event)
+        raise ReportError(f'{where}: a record must name its "event" (a string), got {got}')
+    what = f"{where}: {show(event)} record:"
+    if "t_rel" not in rec:
+        raise ReportError(f'{what} no "t_rel" (seconds since the job started)')
+    for key, bound in FIELDS.items():
+        if key in rec and not (key == "steps_lost" and rec[key] is None):
+            problem = bound.problem(rec[key])
+            if problem is not None:
+                raise ReportError(f"{what} {key} {problem}")
+    if event == "step":
+        problem = _STEP.problem(rec.get("step"))
+        if problem is not None:
+            raise ReportError(f"{what} step {problem}")
+    if event == "node_joined" and "node" not in rec:
+        raise ReportError(f'{what} no "node"')
+    phases = rec.get("phases_ms", {})
+    if not isinstance(phases, dict):
+        raise ReportError(f"{what} phases_ms must be an object, got {show(phases)}")
+    for k, v in phases.items():
+        problem = Bound(lo=0, hi=_LIMIT).problem(v)
+        if problem is not None:
+            raise ReportError(f"{what} phases_ms.{show(k)} {problem}")
+    promoted = rec.get("promoted", [])
+    if not isinstance(promoted, list):
+        raise ReportError(f"{what} promoted must be a list, got {show(promoted)}")
+    for p in promoted:
+        if not isinstance(p, dict) or "rank" not in p:
+            raise ReportError(
+                f'{what} each of promoted must be an object with "rank", got {show(p)}'
+            )
+        problem = None if "ms" not in p else Bound(lo=0, hi=_LIMIT).problem(p["ms"])
+        if problem is not None:
+            raise ReportError(f"{what} promoted ms {problem}")
+
+
+def _line(value: Any, last: bool = False) -> str:
+    """The first (or last) non-blank line of a field's text."""
+    lines = [ln for ln in str(value).splitlines() if ln.strip()]
+    return (lines[-1] if last else lines[0]).strip() if lines else ""
+
+
+def _label(value: Any) -> str:
+    """A field's text as a plot label: one line, short, no mathtext (``$``)."""
+    return _line(value)[:40].replace("$", r"\$")
 
 
 def _failure_text(e: dict[str, Any]) -> str:
@@ -79,7 +177,7 @@ def _failure_text(e: dict[str, Any]) -> str:
         text += f", {detail}"
     tb = e.get("traceback")
     if tb:
-        text += f"; {str(tb).strip().splitlines()[-1]}"
+        text += f"; {_line(tb, last=True)}"
     return text
 
 
@@ -147,12 +245,12 @@ def timeline_lines(events: list[dict[str, Any]]) -> list[str]:
         elif ev == "recovery_end":
             out.append(f"{t}  RECOVERED {_recovery_text(e)}")
         elif ev == "shadow" and e.get("state") in ("cold", "failed"):
-            why = str(e.get("reason", "")).splitlines()[0] if e.get("reason") else ""
+            why = _line(e.get("reason", ""))
             out.append(f"{t}  SHADOW   rank {e.get('rank')} {e.get('state')}: {why}")
         elif ev == "training_done":
             out.append(f"{t}  DONE     step {e.get('step')}, {e.get('recoveries')} recoveries")
         elif ev == "job_failed":
-            out.append(f"{t}  FAILED   {str(e.get('error')).splitlines()[0]}")
+            out.append(f"{t}  FAILED   {_line(e.get('error'))}")
         elif ev == "job_end":
             out.append(f"{t}  END      {e.get('status')}")
     return out
@@ -239,7 +337,7 @@ def plot(events: list[dict[str, Any]], out: str | Path) -> Path:
         )
         seen.add("failure")
         ax.annotate(
-            kind,
+            _label(kind),
             (float(f["t_rel"]), ax.get_ylim()[1] if steps else 1),
             rotation=90,
             fontsize=7,
@@ -276,12 +374,12 @@ def plot(events: list[dict[str, Any]], out: str | Path) -> Path:
             bx.text(
                 left,
                 i,
-                f" {r.get('kind')} {float(r.get('seconds', 0)) * 1e3:.0f} ms",
+                f" {_label(r.get('kind'))} {float(r.get('seconds', 0)) * 1e3:.0f} ms",
                 va="center",
                 fontsize=7,
             )
         bx.set_yticks(range(len(recs)))
-        bx.set_yticklabels([f"gen {r.get('generation')}" for r in recs], fontsize=7)
+        bx.set_yticklabels([f"gen {_label(r.get('generation'))}" for r in recs], fontsize=7)
         bx.invert_yaxis()
         bx.set_xlabel("milliseconds per recovery phase")
         bx.legend(loc="lower right", fontsize=7, ncol=5)
@@ -302,20 +400,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    png = None
     try:
+        if not args.no_plot:
+            base = Path(args.run_dir)
+            png = (
+                Path(args.out)
+                if args.out
+                else (base if base.is_dir() else base.parent) / "timeline.png"
+            )
+            file_to_write("--out" if args.out else "the plot (--out, --no-plot)", png)
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ReportError(
+                    "the plot needs matplotlib (pip install matplotlib); or --no-plot"
+                )
         events = load(args.run_dir)
-    except ReportError as e:
+    except (ReportError, BadInput) as e:
         print(f"leto report: error: {e}", file=sys.stderr)
         return 2
     summary = summarize(events)
-    png = None
-    if not args.no_plot:
-        base = Path(args.run_dir)
-        png = (
-            Path(args.out)
-            if args.out
-            else (base if base.is_dir() else base.parent) / "timeline.png"
-        )
+    if png is not None:
         plot(events, png)
         summary["plot"] = str(png)
     if args.json:
