@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any
 
+from leto.argcheck import BadInput, dir_to_create, show
+
 FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--gpus", "gpus", int, "GPUs in the job (default 16384)"),
     ("--gpus-per-node", "gpus_per_node", int, "GPUs per node (default 8)"),
@@ -95,18 +97,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _coerce(name: str, text: str, current: Any) -> Any:
+def _coerce(name: str, text: str, current: Any, kind: str) -> Any:
+    """``text`` as the value of the field ``name`` (``current``: its default, ``kind``:
+    its annotation)."""
     if isinstance(current, bool) or text.lower() in ("true", "false"):
         if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"--set {name}: expected true or false, got {text!r}")
+            raise ValueError(f"expected true or false, got {show(text)}")
         return text.lower() in ("true", "1")
-    if isinstance(current, int) and not isinstance(current, bool):
-        return int(text)
     if isinstance(current, str):
         return text
-    if text.lower() == "none":
+    if current is None and text.lower() == "none":
         return None
-    return float(text)
+    if isinstance(current, int) or kind.startswith("int"):
+        digits = text.removeprefix("-")
+        if not (digits.isascii() and digits.isdecimal()) or len(digits) > 30:
+            raise ValueError(f"expected an integer, got {show(text)}")
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {show(text)}") from None
 
 
 def build_params(args: argparse.Namespace) -> Any:
@@ -130,12 +140,14 @@ def build_params(args: argparse.Namespace) -> Any:
         name = name.strip().replace("-", "_")
         if not sep or name not in fields:
             raise SimInputError(
-                f"--set {item!r}: expected NAME=VALUE with NAME one of SimParams' fields"
+                f"--set {show(item)}: expected NAME=VALUE with NAME one of SimParams' fields"
             )
         try:
-            kwargs[name] = _coerce(name, text.strip(), getattr(defaults, name))
+            kwargs[name] = _coerce(
+                name, text.strip(), getattr(defaults, name), str(fields[name].type)
+            )
         except ValueError as exc:
-            raise SimInputError(f"--set {item!r}: {exc}") from exc
+            raise SimInputError(f"--set {show(item)}: {exc}") from None
     return SimParams(**kwargs)
 
 
@@ -154,15 +166,59 @@ def _names(args: argparse.Namespace) -> tuple[str, ...]:
     return names
 
 
+MAX_SWEEP_POINTS = 100
+
+
 def _values(args: argparse.Namespace) -> list[float] | None:
     from leto.sim.params import SimInputError
 
     if args.values is None:
         return None
-    try:
-        return [float(v) for v in args.values.split(",") if v.strip()]
-    except ValueError as exc:
-        raise SimInputError(f"--values: {exc}") from exc
+    if args.sweep is None:
+        raise SimInputError("--values needs --sweep NAME (the parameter the values are for)")
+    texts = [v.strip() for v in args.values.split(",") if v.strip()]
+    if not texts:
+        raise SimInputError("--values names no value")
+    if len(texts) > MAX_SWEEP_POINTS:
+        raise SimInputError(
+            f"--values: {len(texts)} points, more than the limit of {MAX_SWEEP_POINTS}"
+        )
+    out = []
+    for text in texts:
+        try:
+            out.append(float(text))
+        except ValueError:
+            raise SimInputError(f"--values: {show(text)} is not a number") from None
+    return out
+
+
+def _check_points(params: Any, sweeps: list[str], values: list[float] | None) -> None:
+    """Every point of every sweep is a valid experiment, and all of them together stay
+    within the simulator's work limit, before the first one runs."""
+    import attrs
+
+    from leto.sim.params import MAX_FAILURES, SimInputError
+    from leto.sim.sweep import SWEEPS, default_values
+
+    total = 0.0
+    for name in sweeps:
+        field = SWEEPS[name][0]
+        for value in values if values is not None else default_values(name):
+            point: Any = value
+            if field == "gpus":
+                if not value.is_integer():
+                    raise SimInputError(f"--values: gpus must be integers, got {value:g}")
+                point = int(value)
+            try:
+                total += attrs.evolve(params, **{field: point}).expected_failures
+            except SimInputError as exc:
+                raise SimInputError(f"sweep {name} at {value:g}: {exc}") from None
+    if total > MAX_FAILURES:
+        raise SimInputError(
+            f"the sweep{'s' if len(sweeps) > 1 else ''} would simulate about {total:,.0f} "
+            f"failures in all, more than the limit of {MAX_FAILURES:,}: fewer points, "
+            "days or seeds"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return _run(args)
-    except (SimInputError, ValueError) as exc:
+    except (SimInputError, BadInput) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"leto simulate: error: {message}", file=sys.stderr)
         return 2
@@ -182,6 +238,9 @@ def _run(args: argparse.Namespace) -> int:
 
     params = build_params(args)
     names = _names(args)
+    values = _values(args)
+    if args.plot is not None:
+        dir_to_create("--plot", args.plot)
     if args.sweep is None and args.plot is None:
         start = time.perf_counter()
         result = experiment.run(params, names)
@@ -199,7 +258,7 @@ def _run(args: argparse.Namespace) -> int:
     from leto.sim.plots import plot_sweep
 
     sweeps = [args.sweep] if args.sweep else list(SWEEPS)
-    values = _values(args)
+    _check_points(params, sweeps, values)
     outputs = []
     for name in sweeps:
         sweep = run_sweep(

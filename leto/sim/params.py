@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from leto.argcheck import Bound, show
 from leto.sim import calibration
 
 LLAMA3_PARAMS = 405e9
@@ -31,48 +32,58 @@ class SimInputError(ValueError):
     """Input the simulator refuses; the message is one line, fit for the terminal."""
 
 
-def _positive(inst: object, attr: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0 or (isinstance(value, float) and math.isinf(value)):
-        raise SimInputError(f"{attr.name} must be a positive number, got {value}")
+# Every number is finite and bounded: the ceilings keep a run to what a simulation of
+# a real job needs (and to memory and minutes); MAX_FAILURES bounds the work itself.
+MAX_FAILURES = 10_000_000
+_BIG = 1e9
 
 
-def _non_negative(inst: object, attr: attrs.Attribute[Any], value: float) -> None:
-    if not value >= 0 or (isinstance(value, float) and math.isinf(value)):
-        raise SimInputError(f"{attr.name} must be a non-negative number, got {value}")
+def _bounded(bound: Bound) -> Any:
+    def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is None and attr.default is None:
+            return
+        problem = bound.problem(value)
+        if problem is not None:
+            raise SimInputError(f"{attr.name} {problem}")
+
+    return check
 
 
-def _optional_positive(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
-    if value is not None:
-        _positive(inst, attr, value)
-
-
-def _fraction(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
-    if value is not None and not 0.0 <= value <= 1.0:
-        raise SimInputError(f"{attr.name} must be in [0, 1], got {value}")
+_positive = _bounded(Bound(lo=0, lo_open=True, hi=_BIG))
+_non_negative = _bounded(Bound(lo=0, hi=_BIG))
+_optional_positive = _positive
+_fraction = _bounded(Bound(lo=0, hi=1))
 
 
 def _calibration(inst: object, attr: attrs.Attribute[Any], value: str) -> None:
     if value not in calibration.CALIBRATIONS:
         choices = ", ".join(calibration.CALIBRATIONS)
-        raise SimInputError(f"{attr.name} must be one of {choices}, got {value!r}")
+        raise SimInputError(f"{attr.name} must be one of {choices}, got {show(value)}")
 
 
-def _int_at_least(low: int) -> Any:
-    def check(inst: object, attr: attrs.Attribute[Any], value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise SimInputError(f"{attr.name} must be an integer >= {low}, got {value}")
+def _int_at_least(low: int, high: int = 1_000_000, why: str = "") -> Any:
+    return _bounded(Bound(lo=low, hi=high, integer=True, why_hi=why))
 
-    return check
+
+def _bool(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise SimInputError(f"{attr.name} must be true or false, got {show(value)}")
 
 
 @attrs.frozen(kw_only=True)
 class SimParams:
     # -- the job ---------------------------------------------------------------------------
-    gpus: int = attrs.field(default=16_384, validator=_int_at_least(1))  # [L3]
-    gpus_per_node: int = attrs.field(default=8, validator=_int_at_least(1))  # [L3] HGX H100
-    days: float = attrs.field(default=30.0, validator=_positive)
+    gpus: int = attrs.field(
+        default=16_384, validator=_int_at_least(1, 10_000_000, "ten million")
+    )  # [L3]
+    gpus_per_node: int = attrs.field(default=8, validator=_int_at_least(1, 1024))  # [L3] HGX H100
+    days: float = attrs.field(
+        default=30.0, validator=_bounded(Bound(lo=0, lo_open=True, hi=36_500, why_hi="a century"))
+    )
     # None: Llama 3's 405B parameters per 16,384 GPUs, capped at 405B ([L3], see model_size).
-    model_params: float | None = attrs.field(default=None, validator=_optional_positive)
+    model_params: float | None = attrs.field(
+        default=None, validator=_bounded(Bound(lo=0, lo_open=True, hi=1e15))
+    )
     bytes_per_param: float = attrs.field(default=16.0, validator=_positive)  # [ZeRO]
     step_time_s: float = attrs.field(
         default=6.0, validator=_positive
@@ -83,7 +94,7 @@ class SimParams:
     hof_fraction: float | None = attrs.field(default=None, validator=_fraction)  # None: the table's
     # -- the cluster around the job ------------------------------------------------------
     # None: sized to the nodes expected away at once (see spare_nodes); an int: a fixed pool.
-    spares: int | None = attrs.field(default=None)
+    spares: int | None = attrs.field(default=None, validator=_int_at_least(0))
     reboot_min: float = attrs.field(default=10.0, validator=_non_negative)  # [A]
     repair_hours: float = attrs.field(default=72.0, validator=_non_negative)  # [A]
     storage_node_gb_s: float = attrs.field(default=2.5, validator=_positive)  # [A]
@@ -100,24 +111,35 @@ class SimParams:
     spare_join_s: float = attrs.field(default=30.0, validator=_non_negative)  # [A] warm spare
     # -- strategies ------------------------------------------------------------------------
     fallback_max_interval_h: float = attrs.field(default=3.0, validator=_positive)  # [GEM]
-    gemini_replicas: int = attrs.field(default=2, validator=_int_at_least(1))  # [GEM]
+    gemini_replicas: int = attrs.field(default=2, validator=_int_at_least(1, 1024))  # [GEM]
     gemini_overhead: float = attrs.field(default=0.0, validator=_fraction)  # [GEM]
-    tier1: bool = True
-    tier2: bool = True
-    tier2_parity: int = attrs.field(default=1, validator=_int_at_least(1))
+    tier1: bool = attrs.field(default=True, validator=_bool)
+    tier2: bool = attrs.field(default=True, validator=_bool)
+    tier2_parity: int = attrs.field(default=1, validator=_int_at_least(1, 1024))
     tier2_every_steps: int = attrs.field(default=1, validator=_int_at_least(1))
     # None: leto's critical-path copies per step (see leto_overhead_fraction).
     leto_overhead: float | None = attrs.field(default=None, validator=_fraction)
     hbm_gb_s: float = attrs.field(default=3000.0, validator=_positive)  # H100 HBM3 ~3 TB/s
     # -- the experiment --------------------------------------------------------------------
-    seeds: int = attrs.field(default=5, validator=_int_at_least(1))
-    seed: int = attrs.field(default=0, validator=_int_at_least(0))
+    seeds: int = attrs.field(default=5, validator=_int_at_least(1, 10_000))
+    seed: int = attrs.field(default=0, validator=_int_at_least(0, 2**63 - 1))
 
     def __attrs_post_init__(self) -> None:
-        if self.spares is not None:
-            _int_at_least(0)(self, attrs.fields(SimParams).spares, self.spares)
+        expected = self.expected_failures
+        if expected > MAX_FAILURES:
+            raise SimInputError(
+                f"about {expected:,.0f} failures to simulate ({self.gpus:,} GPUs, "
+                f"{self.days:g} days, MTBF {self.mtbf_s / 3600.0:.3g} h, {self.seeds} seeds), "
+                f"more than the limit of {MAX_FAILURES:,}: fewer GPUs, days or seeds, or a "
+                "longer MTBF"
+            )
 
     # ---- derived quantities --------------------------------------------------------------
+    @property
+    def expected_failures(self) -> float:
+        """Failures the experiment draws, over all its seeds (its work is proportional)."""
+        return self.horizon_s / self.mtbf_s * self.seeds
+
     @property
     def ranks_per_node(self) -> int:
         return min(self.gpus_per_node, self.gpus)
