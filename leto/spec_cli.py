@@ -1,8 +1,10 @@
 """``leto spec check``: the verification ladder in one command.
 
-TLC on the TLA+ model-checking configs (when Java is present), the explicit-state
-checker on the Python core, and every mutant through both. Prints a summary, or with
-``--json`` one JSON object.
+TLC on the TLA+ model-checking configs, the explicit-state checker on the Python
+core, and every mutant through both. Prints a summary, or with ``--json`` one JSON
+object. TLC needs Java and ``tla2tools.jar``: without them the command stops with
+one line that says so (exit status 2), unless ``--skip-tlc`` says to check without
+TLC; a check that did not run is never reported as passed.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from leto import argcheck
+from leto.argcheck import BadInput, Bound, positive_int, seconds, show
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "spec"
 MAIN_CONFIG = "MCLeto.cfg"
@@ -44,8 +48,34 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-tlc", action="store_true", help="do not run TLC")
     p.add_argument("--skip-core", action="store_true", help="do not run the Python checker")
     p.add_argument("--skip-mutants", action="store_true", help="do not run the mutants")
-    p.add_argument("--workers", type=int, default=2, help="TLC worker threads")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per TLC run")
+    p.add_argument("--workers", type=int, default=2, help="TLC worker threads (1..256)")
+    p.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds per TLC run (at most a week)"
+    )
+
+
+BOUNDS: dict[str, Bound] = {"workers": positive_int(256), "timeout": seconds()}
+
+
+def check_args(args: argparse.Namespace) -> bool:
+    """Refuse bad flags, a missing spec directory and (unless ``--skip-tlc``) a machine
+    where TLC cannot run, before any check starts; whether TLC will run."""
+    from leto import tlc
+
+    try:
+        argcheck.check_args(args, BOUNDS)
+    except BadInput as exc:
+        raise SpecInputError(str(exc)) from None
+    if not Path(args.spec_dir).is_dir():
+        raise SpecInputError(f"--spec-dir {show(str(args.spec_dir))} is not a directory")
+    if args.skip_tlc:
+        return False
+    try:
+        tlc.find_java()
+        tlc.find_jar()
+    except tlc.TLCNotAvailable as exc:
+        raise SpecInputError(f"TLC cannot run: {exc} (or --skip-tlc to check without it)") from None
+    return True
 
 
 def validate_cfg(path: Path) -> None:
@@ -76,7 +106,10 @@ def validate_cfg(path: Path) -> None:
 def _tlc(cfg: Path, spec_dir: Path, workers: int, timeout: float) -> dict[str, Any]:
     from leto import tlc
 
-    res = tlc.run_tlc(cfg, spec_dir=spec_dir, workers=workers, timeout=timeout)
+    try:
+        res = tlc.run_tlc(cfg, spec_dir=spec_dir, workers=workers, timeout=timeout)
+    except tlc.TLCNotAvailable as exc:
+        raise SpecInputError(f"TLC cannot run: {exc}") from None
     if res.error:
         raise SpecInputError(f"config {cfg}: {res.error}")
     return {
@@ -93,8 +126,7 @@ def run_checks(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     from leto.core.verify import MUTANTS, check_core, check_mutant
 
     spec_dir: Path = args.spec_dir
-    have_java = shutil.which("java") is not None
-    run_tlc = not args.skip_tlc and have_java
+    run_tlc = check_args(args)
     # Configs named on the command line are always validated; the default one only
     # when TLC is going to read it.
     configs = [Path(c) for c in (args.config or [str(spec_dir / MAIN_CONFIG)])]
@@ -108,7 +140,7 @@ def run_checks(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         "mutants_caught": 0,
         "mutants_total": 0,
         "tlc": [],
-        "tlc_skipped": None if run_tlc else ("--skip-tlc" if args.skip_tlc else "java not found"),
+        "tlc_skipped": None if run_tlc else "--skip-tlc",
         "core": {},
         "mutants": {},
     }
@@ -197,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = run_checks(args, log)
     except SpecInputError as exc:
-        print(f"leto spec check: {exc}", file=sys.stderr)
+        print(f"leto spec check: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(out, indent=2))

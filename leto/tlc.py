@@ -32,6 +32,8 @@ from pathlib import Path
 
 import attrs
 
+from leto.argcheck import BadInput, check_args, positive_int, seconds
+
 __all__ = [
     "SPEC_DIR",
     "TLCNotAvailable",
@@ -314,6 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--trace", action="store_true", help="print the counterexample")
     args = parser.parse_args(argv)
+    try:
+        check_args(args, {"workers": positive_int(256), "timeout": seconds()})
+    except BadInput as exc:
+        parser.error(str(exc))
     try:
         res = run_tlc(args.config, args.spec, workers=args.workers, timeout=args.timeout)
     except TLCNotAvailable as exc:
