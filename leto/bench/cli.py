@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from leto.argcheck import BadInput, Bound, check_args, dir_to_create, positive_int, seconds, show
+
 from .workload import BenchError, Workload, available_memory, format_count, parse_count
 
 __all__ = ["configure", "run"]
@@ -123,9 +125,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------ validation
 
 
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise BenchError(f"{name} must be positive, got {value:g}")
+# Every flag finite and bounded (leto.argcheck); the model size is bounded by this
+# machine's memory (check_memory).
+BOUNDS: dict[str, Bound] = {
+    "world": Bound(lo=2, hi=256, integer=True, unit="ranks", why_hi="one process each"),
+    "batch": positive_int(1 << 20),
+    "seed": Bound(lo=0, hi=2**32 - 1, integer=True),
+    "repeats": positive_int(1000),
+    "rounds": positive_int(1000),
+    "periods": positive_int(1000),
+    "tier2_interval": positive_int(1_000_000),
+    "mtbf": seconds(),
+    "budget": seconds(),
+    "gap": Bound(lo=0, hi=86_400.0, unit="s", why_hi="a day"),
+}
+MAX_SIZES = 16
 
 
 def _systems(text: str) -> list[str]:
@@ -139,12 +153,11 @@ def _systems(text: str) -> list[str]:
 
 
 def _workload(args: argparse.Namespace, params: str) -> Workload:
-    if args.world < 2:
-        raise BenchError(f"--world must be at least 2 ranks, got {args.world}")
-    _positive("--batch", args.batch)
-    return Workload.for_params(
-        parse_count(params), batch=args.batch, world=args.world, seed=args.seed
-    )
+    try:
+        count = parse_count(params)
+    except OverflowError:
+        raise BenchError(f"model size {show(params)} is not a parameter count") from None
+    return Workload.for_params(count, batch=args.batch, world=args.world, seed=args.seed)
 
 
 def check_memory(wl: Workload, systems: list[str], available: int | None = None) -> None:
@@ -165,14 +178,14 @@ def check_memory(wl: Workload, systems: list[str], available: int | None = None)
 
 def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
     systems = _systems(args.systems) if hasattr(args, "systems") else ["leto"]
-    if hasattr(args, "mtbf"):
-        _positive("--mtbf", args.mtbf)
-    if hasattr(args, "budget"):
-        _positive("--budget", args.budget)
-    for flag in ("repeats", "rounds", "periods", "tier2_interval"):
-        if hasattr(args, flag) and getattr(args, flag) < 1:
-            raise BenchError(f"--{flag.replace('_', '-')} must be at least 1")
+    try:
+        check_args(args, BOUNDS)
+        dir_to_create("--out", args.out)
+    except BadInput as e:
+        raise BenchError(str(e)) from None
     sizes = args.sizes.split(",") if args.bench == "scaling" else [args.params]
+    if len(sizes) > MAX_SIZES:
+        raise BenchError(f"--sizes names {len(sizes)} sizes, more than the limit of {MAX_SIZES}")
     wls = [_workload(args, s) for s in sizes if s.strip()]
     if not wls:
         raise BenchError("--sizes names no model size")
