@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leto.argcheck import BadInput, Bound, check_args, dir_to_create, positive_int
+
 __all__ = ["TinyGPT", "configure", "demo", "fault_plan", "run"]
 
 DATA = "sonnets.txt"
@@ -508,6 +510,33 @@ def attrs_evolve(cfg: Any, **changes: Any) -> Any:
 # --------------------------------------------------------------------------- CLI
 
 
+# The demo's flags (leto.argcheck); the demo runs every rank on this machine.
+DEMO_BOUNDS: dict[str, Bound] = {
+    "steps": positive_int(100_000),
+    "nodes": positive_int(64),
+    "ranks_per_node": positive_int(64),
+    "chunk_size": Bound(lo=1, hi=1 << 30, integer=True, unit="elements"),
+    "tier2_interval": positive_int(1_000_000),
+    "seed": Bound(lo=0, hi=2**32 - 1, integer=True),
+}
+MAX_DEMO_RANKS = 256
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse bad flags before anything is loaded or started (BadInput, one line)."""
+    if args.backend not in (None, "gloo", "fake"):
+        raise BadInput(f"--backend must be gloo or fake, got {args.backend!r}")
+    check_args(args, DEMO_BOUNDS)
+    ranks = (args.nodes or DEFAULTS["nodes"]) * (args.ranks_per_node or DEFAULTS["ranks_per_node"])
+    if ranks > MAX_DEMO_RANKS:
+        raise BadInput(
+            f"--nodes x --ranks-per-node = {ranks} ranks, more than the demo's limit of "
+            f"{MAX_DEMO_RANKS} (it runs every rank on this machine)"
+        )
+    if args.checkpoint_dir is not None:
+        dir_to_create("--checkpoint-dir", args.checkpoint_dir)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
@@ -546,6 +575,11 @@ def run(args: argparse.Namespace) -> int:
     from leto.adapters.config import Config, ConfigError
     from leto.adapters.engine import UnrecoverableError
 
+    try:
+        check_flags(args)
+    except BadInput as e:
+        print(f"leto demo: error: {e}", file=sys.stderr)
+        return 2
     loaded = None
     if args.config is not None:
         try:
