@@ -25,6 +25,14 @@ to the coordinator over TCP (JSON frames); the coordinator's address is publishe
 in the TCPStore at rendezvous. A node whose agent link closes is lost; starting
 ``leto launch`` again with the same ``--node-rank`` brings a replacement (spare)
 node into the running job.
+
+What comes in from outside is checked where it arrives (``docs/security.md``): a
+TCP connection to the coordinator is a node only once it has proven the job's
+secret (:mod:`.auth`), a process on the agent's Unix socket is the one the kernel
+names (``SO_PEERCRED``) and must be a child of this node's zygote, and a bad frame
+or a first message that is not such a hello closes that one connection, never the
+agent. The TCPStore and the coordinator listen on the rendezvous address only, and
+the run directory is private (:mod:`.private`).
 """
 
 from __future__ import annotations
@@ -41,13 +49,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import auth, segments
 from . import procs as P
-from . import segments
 from .board import StatusBoard
 from .coordinator import Coordinator, CoordinatorOptions
 from .eventlog import EventLog
 from .keeper import KeeperHandle, spawn_keeper
-from .wire import Conn, WireError, abstract_name, check_peer, listen_unix
+from .private import InsecurePathError, private_dir
+from .wire import MAX_FRAME, Conn, WireError, abstract_name, check_peer, listen_unix
 
 __all__ = ["Agent", "AgentOptions", "LaunchError"]
 
@@ -75,6 +84,11 @@ TO_TRAINERS = {
     "start",
 }
 COMPUTE_PHASES = {"forward", "backward", "step"}
+UNPROVEN_FRAME = 4096  # bytes a TCP peer may send before it has proven the job's secret
+UNPROVEN_SECONDS = 10.0  # and how long it has to do so
+UNPROVEN_MAX = 16  # connections waiting to prove it at once (the oldest is closed)
+HELD_MAX = 256  # messages held for a process whose spawn report has not been read yet
+REFUSALS_LOGGED = 100
 
 
 class LaunchError(RuntimeError):
@@ -135,6 +149,28 @@ class Proc:
     done: bool = False
 
 
+@dataclass(eq=False)
+class Link:
+    """A TCP connection to the coordinator: a node once its hello proved the secret."""
+
+    conn: Conn
+    peer: str
+    challenge: str
+    since: float
+    node: int | None = None
+
+
+@dataclass(eq=False)
+class ProcConn:
+    """A connection on the agent's Unix socket, from the process the kernel names."""
+
+    conn: Conn
+    pid: int  # SO_PEERCRED: who connected, whatever its hello says
+    proc: Proc | None = None
+    hello: bool = False
+    held: list[dict[str, Any]] = field(default_factory=list)
+
+
 class Agent:
     def __init__(self, opts: AgentOptions) -> None:
         self.o = opts
@@ -151,7 +187,7 @@ class Agent:
         self.shadow_failures: dict[int, int] = dict.fromkeys(self.local_ranks, 0)
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[int, dict[str, Any]] = {}
-        self.unclaimed: dict[int, list[Any]] = {}
+        self.unclaimed: dict[int, ProcConn] = {}
         self.unclaimed_boards: dict[int, StatusBoard | None] = {}
         self.local_inbox: list[dict[str, Any]] = []
         self.incarnation = 0
@@ -173,6 +209,10 @@ class Agent:
         self.coord: Coordinator | None = None
         self.coord_conn: Conn | None = None
         self.links: dict[int, Conn] = {}
+        self.unproven: dict[int, Link] = {}  # by the connection's descriptor
+        self.refusals = 0
+        self.secret: bytes | None = None  # the job's (auth); read by a node != 0 at rendezvous
+        self.umask = 0o022  # the user's, given back to the trainers
         self.joined: set[int] = set()
         self.t_start = time.monotonic()
         self.store: Any = None
@@ -193,8 +233,11 @@ class Agent:
 
     def run(self) -> int:
         """Start, run the loop, clean up; the process exit code."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "logs").mkdir(exist_ok=True)
+        try:
+            self._private()
+        except (InsecurePathError, auth.SecretError, OSError) as e:
+            print(f"leto[node {self.node}]: error: {e}", file=sys.stderr, flush=True)
+            return 1
         import torch._dynamo  # noqa: F401 - creating any torch optimizer imports it
         import torch.distributed  # noqa: F401 - paid once here; the zygote inherits it
 
@@ -237,6 +280,18 @@ class Agent:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
+    def _private(self) -> None:
+        """The run directory (0700, ours), files in it 0600, and the job's secret: from
+        the environment, or on node 0 a new one written to RUN_DIR/secret (before the
+        store exists, so a node that reached the store finds it written)."""
+        self.umask = os.umask(0o077)
+        self.run_dir = private_dir(self.run_dir, "run directory")
+        private_dir(self.run_dir / "logs", "log directory")
+        self.secret = auth.from_environment()
+        if self.node == 0 and self.secret is None:
+            self.secret = auth.new_secret()
+            auth.write_secret(self.run_dir, self.secret)
+
     def _rendezvous(self) -> None:
         from datetime import timedelta
 
@@ -252,10 +307,19 @@ class Agent:
                     "(pick a free port with --rdzv-endpoint HOST:PORT)"
                 )
             try:
+                # bound here, to the address given: left to itself, the store listens on
+                # every interface whatever host it is given
+                bound = P.listen_tcp(o.rdzv_host, o.rdzv_port)
                 self.store = TCPStore(
-                    o.rdzv_host, o.rdzv_port, None, True, timeout, wait_for_workers=False
+                    o.rdzv_host,
+                    o.rdzv_port,
+                    None,
+                    True,
+                    timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=bound.detach(),  # the store owns it now
                 )
-            except Exception as e:  # noqa: BLE001 - DistNetworkError, RuntimeError
+            except Exception as e:  # noqa: BLE001 - DistNetworkError, RuntimeError, OSError
                 raise LaunchError(f"cannot serve the rendezvous at {endpoint}: {e}") from None
             self.job = secrets.token_hex(8)
             self.listener = socket.create_server((o.rdzv_host, 0))
@@ -315,19 +379,8 @@ class Agent:
                 )
             self.job = info["job"]
             host, port = info["coordinator"].rsplit(":", 1)
-            try:
-                sock = socket.create_connection((host, int(port)), timeout=o.rdzv_timeout)
-            except OSError as e:
-                raise LaunchError(f"cannot reach the coordinator at {host}:{port}: {e}") from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.coord_conn = Conn(sock, send_timeout=30.0)
-            self.coord_conn.send({"t": "hello", "node": self.node, "pid": os.getpid()})
-            try:
-                welcome, _ = self.coord_conn.recv(timeout=o.rdzv_timeout)
-            except (WireError, TimeoutError) as e:
-                raise LaunchError(f"the coordinator did not answer: {e}") from None
-            if welcome.get("t") == "reject":
-                raise LaunchError(str(welcome.get("why")))
+            welcome = self._join(host, int(port))
+            assert self.coord_conn is not None
             self.spare = bool(welcome.get("spare"))
             self.generation = int(welcome.get("gen", 0))
             self.sel.register(self.coord_conn, selectors.EVENT_READ, ("coord", None))
@@ -335,6 +388,47 @@ class Agent:
                 f"joined job {self.job} at {endpoint}"
                 + (" as a replacement (spare) node" if self.spare else "")
             )
+
+    def _join(self, host: str, port: int) -> dict[str, Any]:
+        """Connect to the coordinator, prove the job's secret and check its proof (see
+        :mod:`.auth`); the welcome."""
+        o = self.o
+        if self.secret is None:
+            try:
+                self.secret = auth.read_secret(self.run_dir)
+            except auth.SecretError as e:
+                raise LaunchError(str(e)) from None
+        if self.secret is None:
+            raise LaunchError(
+                f"no job secret: node 0 writes it to RUN_DIR/{auth.FILE}, and {self.run_dir} "
+                f"has none; give this node node 0's --run-dir (a shared directory) or set "
+                f"{auth.ENV} to the same value on every node"
+            )
+        try:
+            sock = socket.create_connection((host, port), timeout=o.rdzv_timeout)
+        except OSError as e:
+            raise LaunchError(f"cannot reach the coordinator at {host}:{port}: {e}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.coord_conn = Conn(sock, send_timeout=30.0)
+        nonce = auth.new_nonce()
+        try:
+            challenge, _ = self.coord_conn.recv(timeout=o.rdzv_timeout)
+            ns = challenge.get("nonce")
+            if challenge.get("t") != "challenge" or not isinstance(ns, str):
+                raise WireError(f"expected a challenge, got {str(challenge)[:80]}")
+            proof = auth.proof(self.secret, "node", self.node, ns, nonce)
+            self.coord_conn.send({"t": "hello", "node": self.node, "nonce": nonce, "proof": proof})
+            welcome, _ = self.coord_conn.recv(timeout=o.rdzv_timeout)
+        except (WireError, TimeoutError) as e:
+            raise LaunchError(f"the coordinator at {host}:{port} did not answer: {e}") from None
+        if welcome.get("t") == "reject":
+            raise LaunchError(str(welcome.get("why")))
+        if not auth.verify(self.secret, "coordinator", self.node, ns, nonce, welcome.get("proof")):
+            raise LaunchError(
+                f"the coordinator at {host}:{port} did not prove the job's secret: "
+                "not this job's node 0 (or a different secret)"
+            )
+        return welcome
 
     def _start_node(self) -> None:
         self.agent_socket = abstract_name(f"{self.job}-agent{self.node}")
@@ -413,6 +507,7 @@ class Agent:
             "threads": o.threads,
             "heartbeat": o.heartbeat,
             "collective_timeout": o.collective_timeout,
+            "umask": self.umask,
             "store_host": o.rdzv_host,
             "store_port": o.rdzv_port,
             "faults": [f for f in o.faults if f["rank"] == rank],
@@ -626,14 +721,17 @@ class Agent:
 
     def _accept_proc(self) -> None:
         assert self.agent_listener is not None
-        sock, _ = self.agent_listener.accept()
         try:
-            check_peer(sock)
-        except PermissionError:
+            sock, _ = self.agent_listener.accept()
+        except OSError:  # out of descriptors, or the peer gave up
+            return
+        try:
+            pid = check_peer(sock)
+        except OSError:  # PeerError: another user
             sock.close()
             return
         conn = Conn(sock, send_timeout=30.0)
-        self.sel.register(conn, selectors.EVENT_READ, ("pconn", [conn, None]))
+        self.sel.register(conn, selectors.EVENT_READ, ("pconn", ProcConn(conn, pid)))
 
     def _drop_conn(self, conn: Conn) -> None:
         try:
@@ -642,45 +740,78 @@ class Agent:
             pass
         conn.close()
 
-    def _on_pconn(self, slot: list[Any]) -> None:
-        conn: Conn = slot[0]
+    def _on_pconn(self, pc: ProcConn) -> None:
+        """Messages from a process on the agent's socket. Which process it is comes from
+        the kernel: its hello is taken only from a process this agent's zygote forked
+        (its spawn report may not have been read yet: its messages wait for it). Once
+        it is known, it is this node's trainer or shadow and speaks the protocol; a bad
+        frame from anyone closes its connection."""
+        conn = pc.conn
         alive = conn.feed()
-        for msg, fds in conn.messages():
-            board = _board_of(fds) if slot[1] is None and msg.get("t") == "hello" else None
-            for fd in fds:
-                os.close(fd)
-            if slot[1] is None:
-                if msg.get("t") != "hello":
-                    self._drop_conn(conn)
-                    return
-                pid = int(msg.get("pid", -1))
-                p = self.by_pid.get(pid)
-                if p is None:  # the zygote's "spawned" has not been read yet
-                    self.unclaimed[pid] = slot
-                    self.unclaimed_boards[pid] = board
-                    slot[1] = "pending"
-                    continue
-                p.conn, p.board = conn, board
-                slot[1] = p
-                continue
-            if slot[1] == "pending":
-                slot.append(msg)  # held until the process is known
-                continue
-            self._on_proc_msg(slot[1], msg)
+        got, bad = conn.drain()
+        for i, (msg, fds) in enumerate(got):
+            if not pc.hello:
+                bad = self._proc_hello(pc, msg, fds)
+            else:
+                for fd in fds:
+                    os.close(fd)
+                if pc.proc is not None:
+                    self._on_proc_msg(pc.proc, msg)
+                elif len(pc.held) < HELD_MAX:
+                    pc.held.append(msg)  # until the process is known
+                else:
+                    bad = WireError(f"{HELD_MAX} messages before its spawn was reported")
+            if bad is not None:
+                for _, rest in got[i + 1 :]:
+                    for fd in rest:
+                        os.close(fd)
+                break
+        if bad is not None:
+            self.say(f"closed the connection of pid {pc.pid}: {bad}")
+            alive = False
         if not alive:
-            if isinstance(slot[1], Proc):
-                slot[1].conn = None
+            if pc.proc is not None and pc.proc.conn is conn:
+                pc.proc.conn = None
+            if self.unclaimed.get(pc.pid) is pc:
+                del self.unclaimed[pc.pid]
+                stale = self.unclaimed_boards.pop(pc.pid, None)
+                if stale is not None:
+                    stale.close()
             self._drop_conn(conn)
 
+    def _proc_hello(self, pc: ProcConn, msg: dict[str, Any], fds: list[int]) -> WireError | None:
+        """Take the first message of a connection; why not, if it is refused."""
+        p = self.by_pid.get(pc.pid)
+        claimed = msg.get("pid", pc.pid)
+        why = None
+        if msg.get("t") != "hello":
+            why = f"its first message is {str(msg.get('t'))[:40]!r}, not a hello"
+        elif claimed != pc.pid:
+            why = f"its hello claims pid {str(claimed)[:40]}, the kernel says {pc.pid}"
+        elif p is None and P.parent_of(pc.pid) != self.zygote.pid:
+            why = f"pid {pc.pid} is not a process this agent started"
+        board = _board_of(fds) if why is None else None
+        for fd in fds:
+            os.close(fd)
+        if why is not None:
+            return WireError(why)
+        pc.hello = True
+        if p is None:  # the zygote's "spawned" has not been read yet
+            self.unclaimed[pc.pid] = pc
+            self.unclaimed_boards[pc.pid] = board
+            return None
+        p.conn, p.board = pc.conn, board
+        pc.proc = p
+        return None
+
     def _claim(self, p: Proc) -> None:
-        slot = self.unclaimed.pop(p.pid, None)
-        if slot is None:
+        pc = self.unclaimed.pop(p.pid, None)
+        if pc is None:
             return
-        p.conn = slot[0]
+        p.conn = pc.conn
         p.board = self.unclaimed_boards.pop(p.pid, None)
-        slot[1] = p
-        held = slot[2:]
-        del slot[2:]
+        pc.proc = p
+        held, pc.held = pc.held, []
         for msg in held:
             self._on_proc_msg(p, msg)
 
@@ -845,80 +976,134 @@ class Agent:
                         pass
 
     def _accept_link(self) -> None:
+        """A TCP connection to the coordinator: challenged at once (:mod:`.auth`); it
+        may send a few bytes, for a few seconds, until its hello proves the secret."""
         assert self.listener is not None
-        sock, _ = self.listener.accept()
+        try:
+            sock, addr = self.listener.accept()
+        except OSError:  # out of descriptors, or the peer gave up
+            return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = Conn(sock, send_timeout=30.0)
-        self.sel.register(conn, selectors.EVENT_READ, ("link", [conn, None]))
+        conn = Conn(sock, send_timeout=1.0, max_frame=UNPROVEN_FRAME)
+        link = Link(conn, f"{addr[0]}:{addr[1]}", auth.new_nonce(), time.monotonic())
+        if len(self.unproven) >= UNPROVEN_MAX:
+            oldest = min(self.unproven.values(), key=lambda k: k.since)
+            self._refuse(oldest, "too many connections waiting to prove the job's secret")
+        if not _send_link(conn, {"t": "challenge", "nonce": link.challenge}):
+            conn.close()
+            return
+        self.unproven[conn.fileno()] = link
+        self.sel.register(conn, selectors.EVENT_READ, ("link", link))
 
-    def _on_link(self, slot: list[Any]) -> None:
-        conn: Conn = slot[0]
+    def _refuse(self, link: Link, why: str, tell: str | None = None) -> None:
+        """Close a connection that is not (or not yet) a node, saying why in the log."""
+        self.unproven.pop(link.conn.fileno(), None)
+        if tell is not None:
+            _send_link(link.conn, {"t": "reject", "why": tell})
+        self._drop_conn(link.conn)
+        self.refusals += 1
+        if self.refusals <= REFUSALS_LOGGED:
+            self.say(f"refused a connection from {link.peer}: {why}")
+            if self.log is not None:
+                self.log.write("connection_refused", peer=link.peer, why=why)
+
+    def _expire_unproven(self, now: float) -> None:
+        for link in list(self.unproven.values()):
+            if now - link.since > UNPROVEN_SECONDS:
+                self._refuse(link, f"no proof of the job's secret within {UNPROVEN_SECONDS:g} s")
+
+    def _prove(self, link: Link, msg: dict[str, Any], now: float) -> bool:
+        """A connection's first message: a node's hello with its proof, or it is closed."""
+        assert self.coord is not None and self.secret is not None
+        conn = link.conn
+        n, nonce = msg.get("node"), msg.get("nonce")
+        if msg.get("t") != "hello" or type(n) is not int:
+            self._refuse(link, f"not a leto node's hello: {json.dumps(msg)[:80]}")
+            return False
+        if not auth.verify(self.secret, "node", n, link.challenge, nonce, msg.get("proof")):
+            self._refuse(
+                link,
+                f"node {n} did not prove the job's secret",
+                tell="authentication failed: this node does not hold the job's secret "
+                f"(node 0's RUN_DIR/{auth.FILE}, or {auth.ENV})",
+            )
+            return False
+        why = None
+        if not 0 < n < self.o.nnodes:
+            why = f"node rank {n} is not in 1..{self.o.nnodes - 1}"
+        elif n in self.links:
+            why = f"node {n} has already joined this job (use another --node-rank)"
+        elif self.started and self.coord.model is None:
+            why = "the job is starting up; cannot take a spare node yet"
+        if why is not None:
+            self._refuse(link, why, tell=why)
+            return False
+        del self.unproven[conn.fileno()]
+        conn.max_frame = MAX_FRAME
+        conn.sock.settimeout(30.0)
+        spare = self.started
+        link.node = n
+        self.links[n] = conn
+        self.joined.add(n)
+        proof = auth.proof(self.secret, "coordinator", n, link.challenge, str(nonce))
+        welcome = {"t": "welcome", "spare": spare, "gen": self.coord.generation, "proof": proof}
+        _send_link(conn, welcome)
+        self.coord.node_up(n, spare=spare, now=now)
+        if spare:
+            _send_link(conn, {"t": "go", "spare": True})
+        elif len(self.joined) == self.o.nnodes:
+            self.say(f"all {self.o.nnodes} nodes joined: starting {self.W} trainers")
+            for m in self.links:
+                _send_link(self.links[m], {"t": "go", "spare": False})
+            self._go()
+        return True
+
+    def _on_link(self, link: Link) -> None:
+        conn = link.conn
         assert self.coord is not None
         alive = conn.feed()
+        got, bad = conn.drain()
         now = time.monotonic()
-        for msg, _fds in conn.messages():
-            if slot[1] is None:
-                n = int(msg.get("node", -1))
-                if msg.get("t") != "hello" or not 0 < n < self.o.nnodes:
-                    conn.send(
-                        {"t": "reject", "why": f"node rank {n} is not in 1..{self.o.nnodes - 1}"}
-                    )
-                    self._drop_conn(conn)
+        for msg, _fds in got:
+            if link.node is None:
+                if not self._prove(link, msg, now):
                     return
-                if n in self.links:
-                    conn.send(
-                        {
-                            "t": "reject",
-                            "why": f"node {n} has already joined this job (use another --node-rank)",
-                        }
-                    )
-                    self._drop_conn(conn)
-                    return
-                spare = self.started
-                if spare and self.coord.model is None:
-                    conn.send(
-                        {
-                            "t": "reject",
-                            "why": "the job is starting up; cannot take a spare node yet",
-                        }
-                    )
-                    self._drop_conn(conn)
-                    return
-                slot[1] = n
-                self.links[n] = conn
-                self.joined.add(n)
-                conn.send({"t": "welcome", "spare": spare, "gen": self.coord.generation})
-                self.coord.node_up(n, spare=spare, now=now)
-                if spare:
-                    conn.send({"t": "go", "spare": True})
-                elif len(self.joined) == self.o.nnodes:
-                    self.say(f"all {self.o.nnodes} nodes joined: starting {self.W} trainers")
-                    for m in self.links:
-                        self.links[m].send({"t": "go", "spare": False})
-                    self._go()
                 continue
-            self.coord.handle(int(slot[1]), msg, now)
+            self.coord.handle(link.node, msg, now)
+        if link.node is None:
+            if bad is not None or not alive:
+                self._refuse(link, str(bad) if bad else "closed before its hello")
+            return
+        if bad is not None:
+            self.say(f"node {link.node} sent a bad frame ({bad}): closing its link")
+            alive = False
         if not alive:
-            n = slot[1]
+            n = link.node
             self._drop_conn(conn)
-            if n is not None:
-                self.links.pop(n, None)
-                self.joined.discard(n)
-                if not self.stop and not self.coord.complete:
-                    self.say(f"lost node {n} (its agent's link closed)")
-                self.coord.node_down(n, now)
+            self.links.pop(n, None)
+            self.joined.discard(n)
+            if not self.stop and not self.coord.complete:
+                self.say(f"lost node {n} (its agent's link closed)")
+            self.coord.node_down(n, now)
         self._flush_coord()
 
     def _on_coord(self) -> None:
         assert self.coord_conn is not None
         alive = self.coord_conn.feed()
-        for msg, _fds in self.coord_conn.messages():
-            self._from_coord(msg)
+        self._coord_messages()
         if not alive and not self.stop:
             if self.complete:
                 self.stop = True
                 return
             raise LaunchError("lost the coordinator (node 0's agent)")
+
+    def _coord_messages(self) -> None:
+        assert self.coord_conn is not None
+        got, bad = self.coord_conn.drain()
+        for msg, _fds in got:
+            self._from_coord(msg)
+        if bad is not None and not self.stop:
+            raise LaunchError(f"the coordinator sent a bad frame: {bad}")
 
     def _from_coord(self, msg: dict[str, Any]) -> None:
         t = msg.get("t")
@@ -1041,8 +1226,7 @@ class Agent:
     def _loop(self) -> None:
         last_tick = 0.0
         if self.coord_conn is not None:  # messages that arrived with the welcome
-            for msg, _fds in self.coord_conn.messages():
-                self._from_coord(msg)
+            self._coord_messages()
         while not self.stop:
             period = self._tick_period()
             for key, _ in self.sel.select(timeout=period):
@@ -1115,6 +1299,7 @@ class Agent:
             if p.dead_at is not None and now - p.dead_at > 0.2:
                 self._finalize_exit(p)
         if self.coord is not None:
+            self._expire_unproven(now)
             self.coord.tick(now)
             if not self.started and now - self.t_start > o.rdzv_timeout:
                 raise LaunchError(
@@ -1260,11 +1445,22 @@ class Agent:
             self.log.close()
         for c in list(self.links.values()):
             c.close()
+        for link in list(self.unproven.values()):
+            link.conn.close()
         if self.coord_conn is not None:
             self.coord_conn.close()
         if self.listener is not None:
             self.listener.close()
         self.store = None
+
+
+def _send_link(conn: Conn, msg: dict[str, Any]) -> bool:
+    """Send on a TCP link; False if it is gone (its closing is handled where it is read)."""
+    try:
+        conn.send(msg)
+    except WireError:
+        return False
+    return True
 
 
 def _board_of(fds: list[int]) -> StatusBoard | None:

@@ -29,6 +29,8 @@ SPEC: dict[str, Any] = {}
 def child_main(spec: dict[str, Any]) -> int:
     global CHANNEL, SPEC
     SPEC = spec
+    if "umask" in spec:
+        os.umask(int(spec["umask"]))  # the user's: the agent's own files are private
     os.environ.update({k: str(v) for k, v in spec["env"].items()})
     os.chdir(spec["cwd"])
     try:
@@ -41,7 +43,12 @@ def child_main(spec: dict[str, Any]) -> int:
     torch.set_num_threads(int(spec.get("threads", 1)))
     keys: tuple[str, ...] = ("role", "rank", "local_rank", "node", "incarnation")
     hello: dict[str, Any] = {k: spec[k] for k in keys if k in spec}
-    CHANNEL = AgentChannel(spec["agent_socket"], hello, heartbeat=float(spec.get("heartbeat", 0.5)))
+    CHANNEL = AgentChannel(
+        spec["agent_socket"],
+        hello,
+        heartbeat=float(spec.get("heartbeat", 0.5)),
+        agent_pid=spec.get("agent_pid"),
+    )
     script = spec["script"]
     sys.argv = [script, *spec.get("args", [])]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

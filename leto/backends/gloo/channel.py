@@ -10,6 +10,10 @@ that stops (SIGSTOP, a deadlock in native code) goes silent and the agent's
 heartbeat timeout catches it; one stuck in Python with the heartbeat alive is
 caught by the progress counter not moving. Between heartbeats, each phase change
 is written to a :class:`~.board.StatusBoard` shared with the agent, not sent.
+
+The socket's name is public (``/proc/net/unix``): the channel talks only to a
+server of its own user and, given ``agent_pid``, only to that process; the agent,
+for its part, knows which process connected from the kernel, not from the hello.
 """
 
 from __future__ import annotations
@@ -39,8 +43,15 @@ COMMANDS = {"promote", "report", "reconcile", "rebuild", "resume", "complete", "
 
 
 class AgentChannel:
-    def __init__(self, socket_name: str, hello: dict[str, Any], heartbeat: float = 0.5) -> None:
-        self.conn = Conn(connect_unix("\0" + socket_name, timeout=30.0), send_timeout=30.0)
+    def __init__(
+        self,
+        socket_name: str,
+        hello: dict[str, Any],
+        heartbeat: float = 0.5,
+        agent_pid: int | None = None,
+    ) -> None:
+        sock = connect_unix("\0" + socket_name, timeout=30.0, peer_pid=agent_pid)
+        self.conn = Conn(sock, send_timeout=30.0)
         self.info = dict(hello)
         self.phase = "startup"
         self.step = 0

@@ -17,6 +17,15 @@ kills such a stale process (and reaps it) before the fence completes, and the
 keeper's read-only *fence word* (an int64 segment holding the current
 generation, mapped by every trainer) makes a stale trainer refuse its own
 writes: :func:`~leto.backends.gloo.runtime` checks it before every chunk write.
+The fence word is sealed against writes (``F_SEAL_FUTURE_WRITE``) once the
+keeper has mapped it: the descriptor a trainer gets cannot be reopened
+read-write through ``/proc``, so only the keeper can move the fence.
+
+**Hostile peers.** Only processes of the keeper's user may connect, and which
+process a connection is comes from the kernel (``SO_PEERCRED``), never from the
+message: the admitted pid is compared with that. A bad frame (an oversized
+length, JSON nested too deep, not JSON at all) or a malformed request closes
+that client's connection or is refused; the keeper itself carries on.
 
 Protocol (JSON, :mod:`.wire`): from the agent over the control socket
 ``fence``, ``admit``, ``list``, ``digest``, ``stop``; from a trainer ``hello``
@@ -37,7 +46,7 @@ from typing import Any
 
 from . import segments
 from .procs import die_with_parent
-from .wire import Conn, PeerError, WireError, abstract_name, check_peer, listen_unix
+from .wire import Conn, WireError, abstract_name, check_peer, listen_unix
 
 __all__ = ["Keeper", "KeeperHandle", "main", "spawn_keeper"]
 
@@ -55,6 +64,7 @@ class Keeper:
         self.segments: dict[str, tuple[int, int]] = {}  # name -> (fd, nbytes)
         self.fence_fd = segments.create(f"leto-{job}-r{rank}-fence", 8)
         self._fence_map = segments.Mapping(self.fence_fd, 8)
+        segments.seal_writes(self.fence_fd)  # from now on only this mapping writes it
         self.refused = 0
         self._write_fence()
 
@@ -145,31 +155,37 @@ def serve(keeper: Keeper, control: Conn, listener: socket.socket) -> None:
         for key, _ in sel.select():
             tag = key.data
             if tag == "listen":
-                sock, _ = listener.accept()
+                try:
+                    sock, _ = listener.accept()
+                except OSError:  # out of descriptors, or the peer gave up: not ours to die of
+                    continue
                 try:
                     pid = check_peer(sock)
-                except PeerError:
+                except OSError:  # PeerError: another user
                     sock.close()
                     continue
                 c = _Client(Conn(sock), pid)
                 clients[c.conn.fileno()] = c
                 sel.register(c.conn, selectors.EVENT_READ, c)
             elif tag == "control":
-                if not control.feed():
-                    return  # the agent is gone: so is this node's retained memory
-                for msg, fds in control.messages():
+                alive = control.feed()
+                got, bad = control.drain()
+                for msg, fds in got:
                     for fd in fds:
                         os.close(fd)
                     if _control(keeper, control, msg):
                         return
+                if not alive or bad is not None:
+                    return  # the agent is gone: so is this node's retained memory
             else:
                 c = tag
                 alive = c.conn.feed()
-                for msg, fds in c.conn.messages():
+                got, bad = c.conn.drain()
+                for msg, fds in got:
                     for fd in fds:
                         os.close(fd)
                     _request(keeper, c, msg)
-                if not alive:
+                if not alive or bad is not None or c.conn.closed:  # a bad frame: done
                     sel.unregister(c.conn)
                     clients.pop(c.conn.fileno(), None)
                     c.conn.close()
@@ -236,7 +252,7 @@ def _request(keeper: Keeper, c: _Client, msg: dict[str, Any]) -> None:
             _reply(c.conn, {"ok": True, "op": op, "digests": keeper.digests(msg.get("names"))})
         else:
             _reply(c.conn, {"ok": False, "op": op, "error": "unknown", "why": f"unknown op {op!r}"})
-    except (KeyError, TypeError, ValueError, OSError) as e:
+    except (KeyError, TypeError, ValueError, ArithmeticError, OSError) as e:
         _reply(c.conn, {"ok": False, "op": op, "error": "bad_request", "why": str(e)})
 
 

@@ -28,17 +28,26 @@ class KeeperClient:
     """``alloc(name, nbytes)`` is a :data:`leto.retained.layout.Allocator` backed by a keeper.
 
     ``role="writer"`` is the rank's admitted trainer; ``role="shadow"`` connects
-    ahead of promotion and may not map retained memory.
+    ahead of promotion and may not map retained memory. The keeper must run as this
+    user, and be ``keeper_pid`` where it is given (the kernel's credentials of the
+    socket's server: its name is public, another process could have bound it).
     """
 
     def __init__(
-        self, socket_name: str, *, generation: int, role: str = "writer", patience: float = 5.0
+        self,
+        socket_name: str,
+        *,
+        generation: int,
+        role: str = "writer",
+        patience: float = 5.0,
+        keeper_pid: int | None = None,
     ) -> None:
         self.socket_name = socket_name
         self.generation = generation
         self.role = role
         try:
-            self.conn = Conn(connect_unix("\0" + socket_name), send_timeout=10.0)
+            sock = connect_unix("\0" + socket_name, peer_pid=keeper_pid)
+            self.conn = Conn(sock, send_timeout=10.0)
         except OSError as e:
             raise KeeperError(f"cannot reach the keeper: {e}") from None
         self._fence: mmap.mmap | None = None

@@ -7,6 +7,8 @@
   moment the process exits, for a selector loop;
 * :func:`rss_bytes`: resident memory of a process (``/proc/PID/status``);
 * :func:`free_port`: a TCP port the OS says is free on 127.0.0.1;
+* :func:`listen_tcp`: a listening TCP socket bound to the address given, not to
+  every interface (what torch's TCPStore would do on its own);
 * :func:`describe_status`: "exit code 3" / "killed by SIGKILL".
 """
 
@@ -17,7 +19,16 @@ import os
 import signal
 import socket
 
-__all__ = ["describe_status", "die_with_parent", "free_port", "pidfd", "rss_bytes", "port_in_use"]
+__all__ = [
+    "describe_status",
+    "die_with_parent",
+    "free_port",
+    "listen_tcp",
+    "parent_of",
+    "pidfd",
+    "port_in_use",
+    "rss_bytes",
+]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -54,6 +65,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def listen_tcp(host: str, port: int, backlog: int = 1024) -> socket.socket:
+    """A TCP socket listening on ``host:port`` only (its first address, IPv4 or IPv6)."""
+    family, _, _, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    return socket.create_server(addr, family=family, backlog=backlog)
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (``/proc/PID/stat``); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name, in parentheses, may hold any byte: the fields follow its last ')'
+    try:
+        return int(stat[stat.rindex(b")") + 2 :].split()[1])
+    except (ValueError, IndexError):
+        return None
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -10,11 +10,17 @@ views into it, with no copy. When every holder dies the kernel frees the memory:
 a SIGKILLed launcher cannot leak it, and losing a keeper (with the trainer that
 mapped its segments) really loses that memory.
 
+A segment that only its creator may change (the keeper's fence word) is sealed
+with ``F_SEAL_FUTURE_WRITE`` once its creator has mapped it (:func:`seal_writes`):
+the creator's mapping still writes, but no descriptor of it, even one reopened
+read-write through ``/proc/PID/fd``, can be written or mapped writable again.
+
 This module imports torch only in :func:`as_tensor`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import mmap
 import os
@@ -23,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Mapping", "as_tensor", "create", "digest", "size_of"]
+__all__ = ["Mapping", "as_tensor", "create", "digest", "seal_writes", "size_of"]
+
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
 
 
 def create(name: str, nbytes: int) -> int:
@@ -35,13 +43,17 @@ def create(name: str, nbytes: int) -> int:
         os.fchmod(fd, 0o600)
         os.ftruncate(fd, nbytes)
         # the size never changes again: a mapping can never be cut short under a reader
-        import fcntl
-
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def seal_writes(fd: int) -> None:
+    """No new write to segment ``fd`` but through mappings that exist now: no
+    ``write``, no new writable mapping, from any descriptor; and no more seals."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
 
 
 def size_of(fd: int) -> int:

@@ -7,19 +7,29 @@ socket is ever unpickled: a peer can at worst send JSON we reject.
 
 :class:`Conn` wraps a connected stream socket: ``send(obj, fds)`` and
 ``recv() -> (obj, fds)`` (blocking), plus a non-blocking ``feed()`` /
-``messages()`` pair for selector loops. Frames above :data:`MAX_FRAME` bytes are
-refused (a corrupt or hostile length would otherwise exhaust memory).
+``drain()`` pair for selector loops. Whatever a peer sends, a bad frame is a
+:class:`WireError` for that connection, never another exception: the length
+prefix is bounded (:data:`MAX_FRAME`, or a connection's smaller ``max_frame``
+before its peer has authenticated), the nesting of arrays and objects is
+bounded (:data:`MAX_DEPTH`, checked before the JSON parser sees the body, which
+would otherwise recurse until ``RecursionError``), and so are the descriptors a
+connection may hold unclaimed (:data:`MAX_FDS`).
 
 Unix sockets are *abstract* (Linux): nothing is created in the file system, so a
-SIGKILLed process leaves nothing behind, and the name carries a random 128-bit
-token. Every accepted peer must run as the same user (``SO_PEERCRED``).
+SIGKILLed process leaves nothing behind. Their names are not secret (every user
+sees them in ``/proc/net/unix``): what keeps other users out is the kernel's
+credentials of the peer (``SO_PEERCRED``), checked on both sides: a server
+accepts only peers of its own user, and a client talks only to a server of its
+own user (and, where it knows it, of the pid it expects).
 """
 
 from __future__ import annotations
 
 import array
+import itertools
 import json
 import os
+import re
 import secrets
 import socket
 import struct
@@ -28,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = [
+    "MAX_DEPTH",
     "MAX_FRAME",
     "MAX_FDS",
     "Conn",
@@ -37,11 +48,16 @@ __all__ = [
     "check_peer",
     "connect_unix",
     "listen_unix",
+    "too_deep",
 ]
 
 MAX_FRAME = 64 << 20
 MAX_FDS = 64
+MAX_DEPTH = 64  # leto's own messages nest a few levels
 _HEAD = struct.Struct("!I")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1, +1, -1, -1
 
 
 class WireError(ConnectionError):
@@ -53,7 +69,7 @@ class PeerError(PermissionError):
 
 
 def abstract_name(tag: str) -> str:
-    """A fresh abstract socket name (leading NUL) that nobody can guess."""
+    """A fresh abstract socket name (leading NUL): unique, but visible to every user."""
     return f"\0leto-{tag}-{secrets.token_hex(16)}"
 
 
@@ -64,11 +80,17 @@ def listen_unix(name: str, backlog: int = 64) -> socket.socket:
     return s
 
 
-def connect_unix(name: str, timeout: float | None = 10.0) -> socket.socket:
+def connect_unix(
+    name: str, timeout: float | None = 10.0, *, peer_pid: int | None = None
+) -> socket.socket:
+    """Connect to ``name``; :class:`PeerError` unless the server runs as our user (and,
+    given ``peer_pid``, is that process): a name is public, and another user could
+    bind one that a dead server left free."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     s.settimeout(timeout)
     try:
         s.connect(name)
+        check_peer(s, peer_pid)
     except OSError:
         s.close()
         raise
@@ -76,13 +98,16 @@ def connect_unix(name: str, timeout: float | None = 10.0) -> socket.socket:
     return s
 
 
-def check_peer(sock: socket.socket) -> int:
-    """The peer's pid; raises :class:`PeerError` unless it runs as our user."""
+def check_peer(sock: socket.socket, pid: int | None = None) -> int:
+    """The peer's pid as the kernel knows it (``SO_PEERCRED``, not what the peer
+    claims); raises :class:`PeerError` unless it runs as our user (and is ``pid``)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", creds)
+    peer, uid, _gid = struct.unpack("3i", creds)
     if uid != os.getuid():
-        raise PeerError(f"peer pid {pid} runs as uid {uid}, not {os.getuid()}")
-    return int(pid)
+        raise PeerError(f"peer pid {peer} runs as uid {uid}, not {os.getuid()}")
+    if pid is not None and peer != pid:
+        raise PeerError(f"the peer is pid {peer}, not the expected pid {pid}")
+    return int(peer)
 
 
 def _encode(obj: Any) -> bytes:
@@ -92,10 +117,27 @@ def _encode(obj: Any) -> bytes:
     return _HEAD.pack(len(body)) + body
 
 
+def too_deep(body: bytes, limit: int = MAX_DEPTH) -> bool:
+    """Whether the JSON text ``body`` nests arrays and objects more than ``limit`` deep
+    (brackets inside strings do not count; the parser judges the rest)."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    steps = memoryview(_STRING.sub(b"", body).translate(_STEPS, _NOT_BRACKETS)).cast("b")
+    depth = 0
+    for at in range(0, len(steps), 1 << 16):
+        depths = list(itertools.accumulate(steps[at : at + (1 << 16)], initial=depth))
+        if max(depths) > limit:
+            return True
+        depth = depths[-1]
+    return False
+
+
 def _decode(body: bytes) -> dict[str, Any]:
+    if too_deep(body):
+        raise WireError(f"not a leto message: nested more than {MAX_DEPTH} deep")
     try:
         obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, digits
         raise WireError(f"not a leto message: {e}") from None
     if not isinstance(obj, dict):
         raise WireError(f"not a leto message: a JSON {type(obj).__name__}, not an object")
@@ -103,12 +145,19 @@ def _decode(body: bytes) -> dict[str, Any]:
 
 
 class Conn:
-    """One connected stream socket carrying framed JSON messages (and fds on Unix)."""
+    """One connected stream socket carrying framed JSON messages (and fds on Unix).
 
-    def __init__(self, sock: socket.socket, send_timeout: float | None = 10.0) -> None:
+    ``max_frame`` bounds the frames this end accepts: a server keeps it small until
+    its peer has proven who it is, then raises it (to :data:`MAX_FRAME` at most).
+    """
+
+    def __init__(
+        self, sock: socket.socket, send_timeout: float | None = 10.0, max_frame: int = MAX_FRAME
+    ) -> None:
         self.sock = sock
         self.sock.settimeout(send_timeout)
         self._send_timeout = send_timeout
+        self.max_frame = min(max_frame, MAX_FRAME)
         self._buf = bytearray()
         self._fds: list[int] = []
         self._lock = threading.Lock()
@@ -157,6 +206,8 @@ class Conn:
                 self._fds.extend(arr)
         if flags & socket.MSG_CTRUNC:
             raise WireError("file descriptors were truncated in transit")
+        if len(self._fds) > MAX_FDS:
+            raise WireError(f"{len(self._fds)} file descriptors sent without their messages")
         if not data:
             self.closed = True
             return False
@@ -167,8 +218,8 @@ class Conn:
         if len(self._buf) < _HEAD.size:
             return None
         (n,) = _HEAD.unpack_from(self._buf)
-        if n > MAX_FRAME:
-            raise WireError(f"frame of {n} bytes announced (max {MAX_FRAME}): not a leto peer")
+        if n > self.max_frame:
+            raise WireError(f"frame of {n} bytes announced (max {self.max_frame}): not a leto peer")
         if len(self._buf) < _HEAD.size + n:
             return None
         body = bytes(self._buf[_HEAD.size : _HEAD.size + n])
@@ -219,12 +270,23 @@ class Conn:
             return False
 
     def messages(self) -> Iterator[tuple[dict[str, Any], list[int]]]:
-        """Complete messages buffered so far."""
+        """Complete messages buffered so far (:class:`WireError` at a bad frame)."""
         while True:
             got = self._take()
             if got is None:
                 return
             yield got
+
+    def drain(self) -> tuple[list[tuple[dict[str, Any], list[int]]], WireError | None]:
+        """The complete messages buffered so far, and the error of the first bad frame
+        (None if none): the messages before it are good, the connection is not."""
+        out: list[tuple[dict[str, Any], list[int]]] = []
+        try:
+            for got in self.messages():
+                out.append(got)
+        except WireError as e:
+            return out, e
+        return out, None
 
     def close(self) -> None:
         self.closed = True
