@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ __all__ = [
     "dir_to_create",
     "file_to_read",
     "file_to_write",
+    "one_line",
+    "refuse",
     "show",
 ]
 
@@ -59,6 +62,18 @@ def _limit(value: float) -> str:
     if float(value).is_integer() and abs(value) >= 10_000:
         return f"{int(value):,}"
     return show(value)
+
+
+def one_line(text: object) -> str:
+    """``text`` with every unprintable character escaped: a newline in a path or a value
+    the user gave cannot split a refusal into two lines."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def refuse(command: str, error: object, status: int = 2) -> int:
+    """Print ``leto COMMAND: error: ...`` (one line) to stderr; the exit status."""
+    print(f"leto {command}: error: {one_line(error)}", file=sys.stderr)
+    return status
 
 
 @attrs.frozen

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from leto import argcheck
-from leto.argcheck import BadInput, Bound, positive_int, seconds, show
+from leto.argcheck import BadInput, Bound, positive_int, refuse, seconds, show
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "spec"
 MAIN_CONFIG = "MCLeto.cfg"
@@ -229,8 +229,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = run_checks(args, log)
     except SpecInputError as exc:
-        print(f"leto spec check: error: {exc}", file=sys.stderr)
-        return 2
+        return refuse("spec check", exc)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

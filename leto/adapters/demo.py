@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leto.argcheck import BadInput, Bound, check_args, dir_to_create, positive_int
+from leto.argcheck import BadInput, Bound, check_args, dir_to_create, positive_int, refuse
 
 __all__ = ["TinyGPT", "configure", "demo", "fault_plan", "run"]
 
@@ -578,8 +578,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_flags(args)
     except BadInput as e:
-        print(f"leto demo: error: {e}", file=sys.stderr)
-        return 2
+        return refuse("demo", e)
     loaded = None
     if args.config is not None:
         try:

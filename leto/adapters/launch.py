@@ -40,6 +40,7 @@ from leto.argcheck import (
     dir_to_create,
     file_to_read,
     positive_int,
+    refuse,
     seconds,
     show,
 )
@@ -210,8 +211,7 @@ def _check(args: argparse.Namespace) -> tuple[str, int, Any] | int:
     if args.node_rank == 0:
         problem = _listen_problem(host, port)
         if problem is not None:
-            print(f"leto launch: error: {problem[1]}", file=sys.stderr)
-            return problem[0]
+            return refuse("launch", problem[1], problem[0])
     else:
         _addresses(host, port)
     return host, port, faults
@@ -230,8 +230,7 @@ def _reachable(host: str, port: int, timeout: float) -> bool:
 
 
 def _error(msg: str) -> int:
-    print(f"leto launch: error: {msg}", file=sys.stderr)
-    return 2
+    return refuse("launch", msg)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from leto.argcheck import BadInput, Bound, file_to_write, show
+from leto.argcheck import BadInput, Bound, file_to_write, refuse, show
 
 __all__ = ["configure", "load", "plot", "run", "summarize", "timeline_lines"]
 
@@ -416,8 +415,7 @@ def run(args: argparse.Namespace) -> int:
                 )
         events = load(args.run_dir)
     except (ReportError, BadInput) as e:
-        print(f"leto report: error: {e}", file=sys.stderr)
-        return 2
+        return refuse("report", e)
     summary = summarize(events)
     if png is not None:
         plot(events, png)

@@ -26,7 +26,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from leto.argcheck import BadInput, Bound, check_args, dir_to_create, positive_int, seconds, show
+from leto.argcheck import (
+    BadInput,
+    Bound,
+    check_args,
+    dir_to_create,
+    positive_int,
+    refuse,
+    seconds,
+    show,
+)
 
 from .workload import BenchError, Workload, available_memory, format_count, parse_count
 
@@ -218,14 +227,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         wls, systems = _validate(args)
     except BenchError as e:
-        print(f"leto bench: error: {e}", file=sys.stderr)
-        return 2
+        return refuse("bench", e)
     progress = not args.no_progress
     try:
         res, table, plot = _run(args, wls, systems, progress)
     except BenchError as e:
-        print(f"leto bench: error: {e}", file=sys.stderr)
-        return 1
+        return refuse("bench", e, 1)
     except KeyboardInterrupt:
         print("leto bench: interrupted", file=sys.stderr)
         return 130

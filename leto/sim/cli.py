@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from typing import Any
 
-from leto.argcheck import BadInput, dir_to_create, show
+from leto.argcheck import BadInput, dir_to_create, refuse, show
 
 FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--gpus", "gpus", int, "GPUs in the job (default 16384)"),
@@ -228,8 +227,7 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     except (SimInputError, BadInput) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"leto simulate: error: {message}", file=sys.stderr)
-        return 2
+        return refuse("simulate", message)
 
 
 def _run(args: argparse.Namespace) -> int:
