@@ -145,46 +145,73 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
+def _path(name: str, path: str | os.PathLike[str]) -> tuple[Path, str]:
+    """The path and how a message shows it; BadInput for an empty one or a NUL."""
+    text = str(os.fspath(path))
+    if not text:
+        raise BadInput(f"{name} is empty: give a path")
+    if "\0" in text:
+        raise BadInput(f"{name} {show(text)} is not a path (it holds a NUL)")
+    return Path(text), show(text, 200)
+
+
+def _os_error(name: str, shown: str, e: OSError) -> BadInput:
+    return BadInput(f"{name} {shown}: {e.strerror or e}")
+
+
 def file_to_read(name: str, path: str | os.PathLike[str], what: str = "file") -> Path:
     """An existing, readable regular file."""
-    p = Path(path)
-    if p.is_dir():
-        raise BadInput(f"{name} {str(path)!r} is a directory, not a {what}")
-    if not p.exists():
-        raise BadInput(f"{name} {str(path)!r} not found")
-    if not p.is_file():
-        raise BadInput(f"{name} {str(path)!r} is not a regular file")
-    if not os.access(p, os.R_OK):
-        raise BadInput(f"{name} {str(path)!r} is not readable")
+    p, shown = _path(name, path)
+    try:
+        if p.is_dir():
+            raise BadInput(f"{name} {shown} is a directory, not a {what}")
+        if not p.exists():
+            raise BadInput(f"{name} {shown} not found")
+        if not p.is_file():
+            raise BadInput(f"{name} {shown} is not a regular file")
+        if not os.access(p, os.R_OK):
+            raise BadInput(f"{name} {shown} is not readable")
+    except OSError as e:  # a name too long, a loop of links
+        raise _os_error(name, shown, e) from None
     return p
 
 
 def dir_to_create(name: str, path: str | os.PathLike[str]) -> Path:
     """A directory that is there (writable) or can be created (its nearest existing
     ancestor is a writable directory). Nothing is created here."""
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise BadInput(f"{name} {str(path)!r} exists and is not a directory")
-    base = _nearest_existing(p)
-    if not base.is_dir():
-        raise BadInput(f"{name} {str(path)!r}: {str(base)!r} is not a directory")
-    if not os.access(base, os.W_OK | os.X_OK):
-        what = "is not writable" if base == p.absolute() else f"cannot be created in {str(base)!r}"
-        raise BadInput(f"{name} {str(path)!r} {what}")
+    p, shown = _path(name, path)
+    try:
+        if p.exists() and not p.is_dir():
+            raise BadInput(f"{name} {shown} exists and is not a directory")
+        base = _nearest_existing(p)
+        if not base.is_dir():
+            raise BadInput(f"{name} {shown}: {show(str(base), 200)} is not a directory")
+        if not os.access(base, os.W_OK | os.X_OK):
+            where = "is not writable" if base == p.absolute() else "cannot be created there"
+            raise BadInput(f"{name} {shown} {where}")
+        if any(len(part.encode()) > 255 for part in p.parts):
+            raise BadInput(f"{name} {shown}: a name in it is longer than 255 bytes")
+    except OSError as e:
+        raise _os_error(name, shown, e) from None
     return p
 
 
 def file_to_write(name: str, path: str | os.PathLike[str]) -> Path:
     """A file the command will write: not a directory, in an existing, writable one."""
-    p = Path(path)
-    if p.is_dir():
-        raise BadInput(f"{name} {str(path)!r} is a directory")
-    parent = p.absolute().parent
-    if not parent.is_dir():
-        why = "does not exist" if not parent.exists() else "is not a directory"
-        raise BadInput(f"{name} {str(path)!r}: the directory {str(parent)!r} {why}")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise BadInput(f"{name} {str(path)!r} is not writable")
-    if not p.exists() and not os.access(parent, os.W_OK | os.X_OK):
-        raise BadInput(f"{name} {str(path)!r}: the directory {str(parent)!r} is not writable")
+    p, shown = _path(name, path)
+    try:
+        if p.is_dir():
+            raise BadInput(f"{name} {shown} is a directory")
+        parent = p.absolute().parent
+        if not parent.is_dir():
+            why = "does not exist" if not parent.exists() else "is not a directory"
+            raise BadInput(f"{name} {shown}: the directory {show(str(parent), 200)} {why}")
+        if p.exists() and not os.access(p, os.W_OK):
+            raise BadInput(f"{name} {shown} is not writable")
+        if not p.exists() and not os.access(parent, os.W_OK | os.X_OK):
+            raise BadInput(f"{name} {shown}: the directory is not writable")
+        if len(p.name.encode()) > 255:
+            raise BadInput(f"{name} {shown}: the file name is longer than 255 bytes")
+    except OSError as e:
+        raise _os_error(name, shown, e) from None
     return p
