@@ -215,3 +215,131 @@ def test_attach_to_an_empty_keeper_is_a_clear_error(tag: str) -> None:
         c.close()
     finally:
         h.stop()
+
+
+# --- hostile peers (issue 25) --------------------------------------------------------------
+
+
+def test_fence_word_cannot_be_reopened_writable() -> None:
+    """The trainer's read-only descriptor, reopened read-write through /proc: no write,
+    no writable mapping; the keeper's own mapping still moves the fence."""
+    import errno
+    import mmap
+
+    k = Keeper("unit-seal", 0)
+    ro = k.readonly_fence_fd()
+    rw = os.open(f"/proc/self/fd/{ro}", os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError) as e:
+            os.pwrite(rw, struct.pack("<q", 99), 0)
+        assert e.value.errno == errno.EPERM
+        with pytest.raises(PermissionError):
+            mmap.mmap(rw, 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        seen = mmap.mmap(ro, 8, mmap.MAP_SHARED, mmap.PROT_READ)
+        k.fence(7)
+        assert struct.unpack_from("<q", seen)[0] == 7
+        seen.close()
+    finally:
+        os.close(rw)
+        os.close(ro)
+
+
+def _raw(name: str, payload: bytes) -> bytes:
+    """Send ``payload`` to socket ``name``; what came back before the keeper closed it."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect("\0" + name)
+    s.sendall(payload)
+    s.settimeout(5)
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    s.close()
+    return out
+
+
+def test_keeper_survives_malformed_frames(tag: str) -> None:
+    h = spawn_keeper(0, "job-hostile", tag=tag)
+    try:
+        nested = b"[" * 100_000 + b"]" * 100_000
+        for payload in [
+            struct.pack("!I", 0xFFFFFFF0),  # an oversized length prefix
+            struct.pack("!I", len(nested)) + nested,  # RecursionError in json, once
+            struct.pack("!I", 5) + b"nope!",
+            b"GET / HTTP/1.0\r\n\r\n",
+        ]:
+            assert _raw(h.socket_name, payload) == b""  # closed, no reply
+            assert h.alive()
+        # a request that parses but makes no sense is refused, the connection kept
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect("\0" + h.socket_name)
+        c = Conn(s)
+        c.send({"op": "hello", "generation": 1e999, "role": "writer"})
+        reply, _ = c.recv(timeout=5)
+        assert reply["ok"] is False and reply["error"] == "bad_request"
+        c.close()
+        h.admit(0, os.getpid())
+        k = KeeperClient(h.socket_name, generation=0, keeper_pid=h.pid)
+        assert k.alloc("x", 8).numel() == 8
+        k.close()
+    finally:
+        h.stop()
+
+
+def test_keeper_client_checks_the_server(tag: str) -> None:
+    h = spawn_keeper(0, "job-server", tag=tag)
+    try:
+        h.admit(0, os.getpid())
+        with pytest.raises(KeeperError, match=f"not the expected pid {h.pid + 1}"):
+            KeeperClient(h.socket_name, generation=0, keeper_pid=h.pid + 1)
+    finally:
+        h.stop()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_other_users_are_refused_on_both_sides(tag: str) -> None:
+    """Another user's process connecting to a keeper is closed at once; a server of
+    another user (one that bound a name a dead keeper left free) is refused."""
+    h = spawn_keeper(0, "job-uid", tag=tag)
+    try:
+        probe = textwrap.dedent(
+            f"""
+            import os, socket, struct
+            os.setgid(65534); os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\\0" + {h.socket_name!r})
+            body = b'{{"op":"hello","generation":0,"role":"shadow"}}'
+            s.settimeout(5)
+            try:
+                s.sendall(struct.pack("!I", len(body)) + body)
+                print(len(s.recv(100)))
+            except (BrokenPipeError, ConnectionResetError):
+                print(0)  # closed before it could even send
+            """
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", probe, tag], capture_output=True, text=True, timeout=30
+        )
+        assert out.stdout.strip() == "0", out.stderr  # closed without a reply
+        server = textwrap.dedent(
+            """
+            import os, socket, sys, time
+            os.setgid(65534); os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind("\\0leto-test-squatter-" + str(os.getppid())); s.listen()
+            print("ready", flush=True)
+            time.sleep(30)
+            """
+        )
+        squatter = subprocess.Popen(
+            [sys.executable, "-c", server, tag], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert squatter.stdout is not None and squatter.stdout.readline() == "ready\n"
+            with pytest.raises(KeeperError, match="runs as uid 65534"):
+                KeeperClient(f"leto-test-squatter-{os.getpid()}", generation=0)
+        finally:
+            squatter.kill()
+            squatter.wait()
+        assert h.alive()
+    finally:
+        h.stop()

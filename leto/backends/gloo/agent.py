@@ -242,8 +242,8 @@ class Agent:
         import torch.distributed  # noqa: F401 - paid once here; the zygote inherits it
 
         import leto.adapters.api  # noqa: F401 - what every trainer imports, preloaded
-        import leto.adapters.state  # noqa: F401
         import leto.backends.gloo.runtime  # noqa: F401
+        import leto.retained.process_state  # noqa: F401
 
         from .zygote import start_zygote
 
@@ -401,8 +401,8 @@ class Agent:
         if self.secret is None:
             raise LaunchError(
                 f"no job secret: node 0 writes it to RUN_DIR/{auth.FILE}, and {self.run_dir} "
-                f"has none; give this node node 0's --run-dir (a shared directory) or set "
-                f"{auth.ENV} to the same value on every node"
+                f"has none; give every node the same --run-dir (a shared directory), or "
+                f"export {auth.ENV} with the same value on every node (docs/security.md)"
             )
         try:
             sock = socket.create_connection((host, port), timeout=o.rdzv_timeout)
