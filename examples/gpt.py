@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import leto
-from leto.adapters.state import ResumableBatchSampler
+from leto.retained.process_state import ResumableBatchSampler
 
 
 class Attention(nn.Module):

@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Config": "leto.adapters.config",
     "wrap": "leto.adapters.api",
+    "ResumableBatchSampler": "leto.retained.process_state",
 }
 
 

@@ -24,7 +24,7 @@ What leto retains besides the tensors, as JSON: the optimizer's scalars, the LR
 scheduler's ``state_dict()``, the sampler position and every rank's RNG states.
 ``sampler`` yields one *global* batch per step (lists or tensors of indices);
 rank ``r`` of ``W`` receives ``batch[r::W]``. Samplers with ``state_dict()`` /
-``load_state_dict()`` (such as :class:`leto.adapters.state.ResumableBatchSampler`)
+``load_state_dict()`` (such as :class:`leto.ResumableBatchSampler`)
 resume exactly; other iterables are re-iterated and skipped ahead.
 
 The optimizer must be ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (chunked

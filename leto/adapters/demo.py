@@ -129,7 +129,7 @@ def load_text() -> str:
 
 def build(seed: int, world: int, *, per_rank: int = 4, block: int = 32) -> dict[str, Any]:
     """Model, optimizer, scheduler, sampler and step function of the demo (seeded)."""
-    from .state import ResumableBatchSampler
+    from leto.retained.process_state import ResumableBatchSampler
 
     torch.manual_seed(seed)
     random.seed(seed)

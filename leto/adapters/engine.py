@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import attrs
 import torch
 from torch import nn
 
@@ -51,12 +50,14 @@ from leto.backends.base import (
     Work,
 )
 from leto.core import events as ev
+from leto.core import schedule
 from leto.core.chunk import LOST, NONE
 from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Effect
 from leto.core.recovery import Kind, Phase
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
 from leto.core.txn import TxnState
+from leto.retained import recovery as rx
 from leto.retained.layout import (
     ChecksumError,
     ChunkStatus,
@@ -73,9 +74,17 @@ from leto.retained.parity import (
     encode,
     encode_rotated,
 )
+from leto.retained.process_state import (
+    BatchCursor,
+    capture_rng,
+    restore_rng,
+    scheduler_state,
+    shard,
+    step_scheduler,
+)
+from leto.retained.recovery import IntegrityError
 
 from .checkpoint import Checkpointer
-from .state import BatchCursor, capture_rng, restore_rng, scheduler_state, shard, step_scheduler
 
 __all__ = [
     "Engine",
@@ -93,10 +102,6 @@ RECOVERY_EVENTS = ("Fence", "Promote", "EndPromote", "Reconcile", "Rebuild", "Re
 
 class UnrecoverableError(RuntimeError):
     """The loss is beyond both tiers and no checkpoint is configured: training stops."""
-
-
-class IntegrityError(RuntimeError):
-    """Real state disagrees with the protocol's (a checksum, a version, a parity record)."""
 
 
 class InjectedFault(Exception):
@@ -166,10 +171,6 @@ def copy_replica(rep: Replica, *, clear_state: bool = False) -> Replica:
 
 def _named_buffers(lay: RetainedLayout) -> list[tuple[str, torch.Tensor]]:
     return [("param", lay.param_buffer)] + [("state." + s, lay.state_buffer(s)) for s in lay.states]
-
-
-def _packed(lay: RetainedLayout) -> torch.Tensor:
-    return torch.cat([as_bytes(b) for b in lay.data_buffers()])
 
 
 @dataclass
@@ -265,14 +266,17 @@ class Engine:
             max_step=options.max_steps,
             max_faults=10**9,
             k=options.tier2_interval if options.tier2 else options.max_steps + 1,
+            tier1=options.tier1,
         )
+        if cfg.tier1 != options.tier1:
+            raise ValueError(f"core config has tier1={cfg.tier1}, the engine tier1={options.tier1}")
         if cfg.chunks != n_chunks or cfg.topology != backend.topology:
             raise ValueError(
                 f"core config has {cfg.chunks} chunks on {cfg.topology}, the retained state "
                 f"{n_chunks} chunks on {backend.topology}"
             )
         model = ClusterModel(cfg)
-        backend.coordinator = Coordinator(model, self._patched(model.initial()))
+        backend.coordinator = Coordinator(model, model.initial())
         rng0 = capture_rng()
         for p in self.procs:
             p.rng = rng0
@@ -326,13 +330,6 @@ class Engine:
         self.timeline.append(
             {"t_ms": round((time.perf_counter() - self._t0) * 1e3, 3), "event": event, **kw}
         )
-
-    def _patched(self, s: ClusterState) -> ClusterState:
-        """Tier 1 switched off: the core has no switch for it, so its parity is LOST."""
-        if self.options.tier1 or all(p is None for p in s.par):
-            return s
-        n = len(s.par)
-        return attrs.evolve(s, par=(None,) * n, gpar=(None,) * n)
 
     def _shadow_factory(self) -> Replica:
         return copy_replica(self.template, clear_state=True)
@@ -764,15 +761,6 @@ class Engine:
         elif p.ropt is None:
             self._attach_layout(p)
 
-    @staticmethod
-    def _free_undo(lay: RetainedLayout) -> None:
-        for c in range(lay.n_chunks):
-            st = lay.chunk_status(c)
-            if st is ChunkStatus.TORN:
-                lay.restore_undo(c)
-            elif st is ChunkStatus.APPLIED:
-                lay.release_undo(c)
-
     def _reconcile(
         self, before: ClusterState, after: ClusterState, effects: tuple[Effect, ...]
     ) -> None:
@@ -823,14 +811,6 @@ class Engine:
             self._rec.loss = loss
             self._rec.reason = reason
 
-    def _bytes_at(self, lay: RetainedLayout, c: int, version: int) -> list[torch.Tensor]:
-        st = lay.chunk_status(c)
-        if st is not ChunkStatus.TORN and lay.chunk_version(c) == version:
-            return lay.chunk_data(c)
-        if st is not ChunkStatus.CLEAN and lay.undo_version(c) == version:
-            return lay.undo_data(c)
-        raise IntegrityError(f"chunk {c} cannot produce version {version} (it is {st.value})")
-
     def _decode_chunk(self, r: int, c: int, version: int) -> None:
         """Tier 1: rebuild rank ``r``'s chunk ``c`` at ``version`` from its node's parity."""
         members = self.backend.ranks_of(self.backend.node_of(r))
@@ -847,7 +827,7 @@ class Engine:
         for j, q in enumerate(members):
             lay = self.procs[q].layout
             datas.append(
-                lay.chunk_data(c) if q == r else self._bytes_at(lay, c, store.parity_versions[c][j])
+                lay.chunk_data(c) if q == r else rx.bytes_at(lay, c, store.parity_versions[c][j])
             )
         parity = store.parity[c]
 
@@ -897,50 +877,25 @@ class Engine:
             raise IntegrityError(f"rank {r}: gradients rebuilt from parity fail their checksums")
 
     def _settle(self, r: int, target: int) -> tuple[int, bool]:
-        """Bring rank ``r`` to ``target``: roll forward what is behind, load its process
-        state. Returns (chunks rolled forward, uncommitted gradients dropped)."""
+        """Bring rank ``r`` to ``target`` (:func:`leto.retained.recovery.settle`).
+        Returns (chunks rolled forward, uncommitted gradients dropped)."""
         p = self.procs[r]
-        lay = p.layout
-        ropt = p.ropt
-        assert ropt is not None
+        assert p.ropt is not None
         store = self._store(r)
-        dropped = lay.prepared_step > target
-        for c in range(lay.n_chunks):  # parity written, undo not yet released: finish that
-            if lay.chunk_status(c) is ChunkStatus.APPLIED and lay.chunk_version(c) == target:
-                lay.release_undo(c)
-        behind = [
-            c
-            for c in range(lay.n_chunks)
-            if lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
-        ]
-        hist = store.process_states.get(r, {})
-        if not behind and target in hist:
-            self._load_ps(p, hist[target])
-        else:
-            if target - 1 not in hist or r not in store.pending:
-                raise IntegrityError(
-                    f"rank {r}: no process state of step {target - 1} or prepare record of "
-                    f"step {target} to roll forward from"
-                )
-            pend = json.loads(store.pending[r])
-            if pend["step"] != target:
-                raise IntegrityError(f"rank {r}: the prepare record is of step {pend['step']}")
-            if lay.prepared_step != target:
-                if behind:
-                    raise IntegrityError(f"rank {r}: the gradients of step {target} are missing")
-                # every chunk is applied: only the present mask is needed (no chunk is written)
-                lay.seal_grads(target, pend["present"])
-            self._load_ps(p, hist[target - 1])
-            if behind:
-                ropt.roll_forward()
-            else:
-                ropt.begin(target)
-                ropt.end()
-            step_scheduler(p.replica.scheduler)
-            p.rng = pend["rng"]
-            p.sampler_state = pend["sampler"]
-        lay.clear_prepared()
-        return len(behind), dropped
+        done = rx.settle(
+            p.layout,
+            p.ropt,
+            target,
+            history=store.process_states.get(r, {}),
+            pending=rx.load_pending(store.pending.get(r)),
+            load_ps=lambda text: self._load_ps(p, text),
+            step_scheduler=lambda: step_scheduler(p.replica.scheduler),
+            who=f"rank {r}",
+        )
+        if done.rng is not None:
+            p.rng = done.rng
+            p.sampler_state = done.sampler
+        return done.forward, done.dropped
 
     def _restore_snapshot(self, step: int) -> None:
         """Tier 2: every rank restores its node's snapshot (a lost node's is decoded)."""
@@ -975,27 +930,12 @@ class Engine:
             for j, r in enumerate(self.backend.ranks_of(n)):
                 p = self.procs[r]
                 lay = p.layout
-                self._free_undo(lay)
-                nb = _packed(lay).numel()
-                flat = snap.data[j * nb : (j + 1) * nb]
-                off = 0
-                with torch.no_grad():
-                    for buf in lay.data_buffers():
-                        b = as_bytes(buf)
-                        b.copy_(flat[off : off + b.numel()])
-                        off += b.numel()
-                self._seal_checked(r, step, snap.checksums[r], "tier-2 snapshot")
+                rx.free_undo(lay)
+                nb = rx.packed(lay).numel()
+                rx.unpack_into(lay, snap.data[j * nb : (j + 1) * nb])
+                rx.seal_checked(lay, step, snap.checksums[r], "tier-2 snapshot", f"rank {r}")
                 lay.clear_prepared()
                 self._load_ps(p, snap.process_states[r])
-
-    def _seal_checked(self, r: int, step: int, expected: list[int], source: str) -> None:
-        lay = self.procs[r].layout
-        for c in range(lay.n_chunks):
-            lay.seal_chunk(c, step)
-            if lay.stored_checksum(c) != expected[c]:
-                raise IntegrityError(
-                    f"rank {r} chunk {c}: the bytes restored from the {source} fail their checksum"
-                )
 
     def _checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         return {
@@ -1026,11 +966,13 @@ class Engine:
         lost = {r for r in range(self.W) if all(d == LOST for d in before.data[r])}
         for r in range(self.W):
             self._ensure_layout(r, r in lost)
-            self._free_undo(self.procs[r].layout)
+            rx.free_undo(self.procs[r].layout)
         with torch.no_grad():
             meta = self.checkpointer.load(step, self._checkpoint_tensors())
         for p in self.procs:
-            self._seal_checked(p.rank, step, meta["checksums"][str(p.rank)], "disk checkpoint")
+            rx.seal_checked(
+                p.layout, step, meta["checksums"][str(p.rank)], "disk checkpoint", f"rank {p.rank}"
+            )
             p.layout.clear_prepared()
             self._load_ps(p, meta["process_states"][str(p.rank)])
         self._after_recovery_state(step)
@@ -1039,13 +981,7 @@ class Engine:
         """Verify every chunk, then rebuild the redundancy at ``target``: process states,
         tier-1 parity, empty gradient parity, and (``snapshot``) the tier-2 snapshot."""
         for p in self.procs:
-            lay = p.layout
-            lay.clear_prepared()
-            why = lay.unresumable(target)
-            if why is None and (p.ropt is None or p.ropt.version != target):
-                why = f"the optimizer is not at step {target}"
-            if why is not None:
-                raise IntegrityError(f"rank {p.rank} would resume on wrong state: {why}")
+            rx.check_resumable(p.layout, p.ropt, target, f"rank {p.rank}")
         for n in range(self.backend.nodes):
             self.backend.node_store(n).pending.clear()
         for p in self.procs:
@@ -1078,7 +1014,7 @@ class Engine:
     def _take_snapshot(self, step: int) -> None:
         self.stats["snapshots_taken"] += 1
         N = self.backend.nodes
-        rank_bytes = [_packed(p.layout) for p in self.procs]
+        rank_bytes = [rx.packed(p.layout) for p in self.procs]
         nb = rank_bytes[0].numel()
         width = max(self.backend.topology.node_sizes)
         checks = {
@@ -1156,9 +1092,7 @@ class Engine:
                 for j, q in enumerate(members):
                     if self.backend.memory_lost(q) or self.procs[q].ropt is None:
                         break
-                    datas.append(
-                        self._bytes_at(self.procs[q].layout, c, store.parity_versions[c][j])
-                    )
+                    datas.append(rx.bytes_at(self.procs[q].layout, c, store.parity_versions[c][j]))
                 else:
                     if not torch.equal(encode_local(datas), store.parity[c]):
                         out.append(
@@ -1215,7 +1149,7 @@ class Engine:
         try:
             self.execute(e, effects, before, after)
         except InjectedFault as f:
-            coord.adopt(self._patched(after) if f.adopt else before)
+            coord.adopt(after if f.adopt else before)
             self._fire(f.faults)
             raise _Interrupted from None
         except ChecksumError as err:
@@ -1224,7 +1158,7 @@ class Engine:
             coord.adopt(before)  # no vote cast / no undo copy taken
             self._integrity_failure(e.rank, str(err))
             raise _Interrupted from None
-        coord.adopt(self._patched(after))
+        coord.adopt(after)
 
     def _try(self, e: ev.Event) -> bool:
         if self.model.why_not(self.state, e) is not None:
@@ -1364,44 +1298,29 @@ class Engine:
                 self._try(ev.ShadowWarm(r))
 
     def recover(self) -> None:
-        """Drive the coordinator until every rank runs again (or raise)."""
+        """Feed the recovery the core schedules until every rank runs again (or raise).
+
+        The order is the core's (:func:`leto.core.schedule.next_event`); the engine
+        only gathers what an event needs first: before ``Reconcile`` it checks every
+        rank's retained memory (a checksum failure is a lost memory), and a shadow
+        still spawning warms at once (simulated ranks start instantly).
+        """
         V = self._current_step
         for _ in range(10_000):
             s = self.state
-            alive = all(t is TrainerState.ALIVE for t in s.trainer)
-            if s.phase is Phase.RUNNING and alive:
-                break
-            e: ev.Event
-            if not alive and s.phase not in (Phase.FENCING, Phase.PROMOTING):
-                e = ev.Detect()
-            elif s.phase is Phase.FENCING:
-                e = ev.Fence()
-            elif s.phase is Phase.PROMOTING:
-                dead = [r for r, t in enumerate(s.trainer) if t is TrainerState.DEAD]
-                if TrainerState.HUNG in s.trainer:
-                    e = ev.Detect()
-                elif dead:
-                    r = dead[0]
-                    e = ev.ShadowWarm(r) if s.shadow[r] is ShadowState.SPAWNING else ev.Promote(r)
-                else:
-                    e = ev.EndPromote()
-            elif s.phase is Phase.RECONCILING:
+            if s.phase is Phase.RECONCILING:
                 bad = self.integrity_scan(s)
                 if bad:
                     for r, why in bad.items():
                         self._integrity_failure(r, why)
                     continue
-                plan = self.model.plan(s)
-                if plan.fallback and self.checkpointer is None:
-                    self._log("unrecoverable", step=V, detail=plan.reason)
-                    raise UnrecoverableError(self.lost_message(s, plan.reason))
-                e = ev.GoFallback() if plan.fallback else ev.Reconcile()
-            elif s.phase is Phase.FALLBACK:
-                e = ev.RestoreCheckpoint()
-            elif s.phase is Phase.REBUILDING:
-                e = ev.Rebuild()
-            else:
-                e = ev.Resume()
+            e = schedule.next_event(self.model, s)
+            if e is None:
+                break
+            if isinstance(e, ev.GoFallback) and self.checkpointer is None:
+                reason = self.model.plan(s).reason
+                self._log("unrecoverable", step=V, detail=reason)
+                raise UnrecoverableError(self.lost_message(s, reason))
             name = type(e).__name__
             if self.injector is not None and name in RECOVERY_EVENTS:
                 hits = [

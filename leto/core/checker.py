@@ -4,8 +4,11 @@ Breadth-first search over every state the :class:`ClusterModel` can reach from i
 initial state (so the first violation found has a shortest counterexample), every
 invariant checked in every state, every "sometimes" property required to be reached,
 and progress checked on the state graph (networkx): from every reachable state some
-RUNNING state is reachable. It checks the Python protocol itself, not a copy of it:
-the transitions are the same ``step`` the backends drive.
+RUNNING state is reachable. "Scheduled" checks the recovery order every backend
+takes (:mod:`leto.core.schedule`): from every reachable state, feeding the scheduled
+events alone (no further fault) reaches RUNNING with every trainer alive, each of
+them enabled where it is scheduled. It checks the Python protocol itself, not a copy
+of it: the transitions are the same ``step`` the backends drive.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from leto.core import events as ev
 from leto.core.cluster import ClusterModel, ClusterState
 from leto.core.properties import INVARIANTS, SOMETIMES, Invariant, Sometimes
 from leto.core.recovery import Phase
+from leto.core.schedule import in_recovery, next_event
 
 
 @attrs.frozen
@@ -70,6 +74,7 @@ def check(
     sometimes: Sequence[Sometimes] = SOMETIMES,
     stop_at_first: bool = False,
     progress: bool = True,
+    scheduled: bool = True,
     max_states: int | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> CheckResult:
@@ -146,6 +151,12 @@ def check(
         if stuck:
             worst = min(stuck, key=lambda i: depth[i])
             violations.append(Violation("Progress", trace(worst)))
+    if scheduled and complete:
+        for i, s in enumerate(states):
+            run = scheduled_run(model, s, limit=4 * len(s.trainer) + 16)
+            if run is not None:
+                violations.append(Violation("Scheduled", trace(i) + run))
+                break
     unreached = tuple(p.name for p in sometimes if p.name not in reached)
     return CheckResult(
         states=len(states),
@@ -155,3 +166,23 @@ def check(
         unreached=unreached if complete else (),
         complete=complete,
     )
+
+
+def scheduled_run(
+    model: ClusterModel, s: ClusterState, *, limit: int
+) -> tuple[tuple[ev.Event | None, ClusterState], ...] | None:
+    """None if feeding :func:`~leto.core.schedule.next_event` from ``s`` ends RUNNING
+    with every trainer alive within ``limit`` events, each enabled; else the run that
+    did not (ending at the refused or last event)."""
+    run: list[tuple[ev.Event | None, ClusterState]] = []
+    for _ in range(limit):
+        if not in_recovery(s):
+            return None
+        e = next_event(model, s)
+        assert e is not None
+        if model.why_not(s, e) is not None:
+            run.append((e, s))
+            return tuple(run)
+        s, _ = model.step(s, e)
+        run.append((e, s))
+    return tuple(run) if in_recovery(s) else None

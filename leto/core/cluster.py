@@ -87,6 +87,9 @@ class ClusterConfig:
         default=FAULT_KINDS, converter=frozenset, validator=_check_fault_kinds
     )
     reclaim: bool = True  # shadows may go cold
+    # tier 1 off: no node keeps parity, so every par/gpar is LOST (None) in every state
+    # and a lost memory needs tier 2 (or the checkpoint)
+    tier1: bool = True
     mutant: Mutant = attrs.field(default=Mutant.NONE, converter=Mutant)
 
     @property
@@ -167,19 +170,28 @@ class ClusterModel:
     def initial(self) -> ClusterState:
         cfg = self.config
         R, C = cfg.ranks, cfg.chunks
-        return ClusterState(
-            trainer=(TrainerState.ALIVE,) * R,
-            tgen=(0,) * R,
-            pc=(TxnState.IDLE,) * R,
-            step=(0,) * R,
-            data=((0,) * C,) * R,
-            undo=((NONE,) * C,) * R,
-            grad=(NONE,) * R,
-            shadow=(ShadowState.WARM,) * R,
-            stale=(False,) * R,
-            par=reencoded_parity(cfg.groups, C, 0),
-            gpar=empty_grad_parity(cfg.groups),
+        return self._tier1(
+            ClusterState(
+                trainer=(TrainerState.ALIVE,) * R,
+                tgen=(0,) * R,
+                pc=(TxnState.IDLE,) * R,
+                step=(0,) * R,
+                data=((0,) * C,) * R,
+                undo=((NONE,) * C,) * R,
+                grad=(NONE,) * R,
+                shadow=(ShadowState.WARM,) * R,
+                stale=(False,) * R,
+                par=reencoded_parity(cfg.groups, C, 0),
+                gpar=empty_grad_parity(cfg.groups),
+            )
         )
+
+    def _tier1(self, s: ClusterState) -> ClusterState:
+        """Tier 1 switched off in the config: no parity survives any transition."""
+        if self.config.tier1 or all(p is None for p in s.par):
+            return s
+        n = len(s.par)
+        return attrs.evolve(s, par=(None,) * n, gpar=(None,) * n)
 
     def candidates(self, s: ClusterState) -> Iterator[ev.Event]:
         """Every event worth trying in ``s`` (a superset of the enabled ones)."""
@@ -252,12 +264,13 @@ class ClusterModel:
         if err is not None:
             raise err
         _, update = _HANDLERS[type(e)]
-        return update(self, s, e)
+        after, effects = update(self, s, e)
+        return self._tier1(after), effects
 
     def successors(self, s: ClusterState) -> Iterator[tuple[ev.Event, ClusterState]]:
         for e in self.enabled(s):
             _, update = _HANDLERS[type(e)]
-            yield e, update(self, s, e)[0]
+            yield e, self._tier1(update(self, s, e)[0])
 
     # --- helpers ------------------------------------------------------------------
 

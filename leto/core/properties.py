@@ -84,10 +84,16 @@ def _equivalence(m: ClusterModel, s: ClusterState) -> bool:
     )
 
 
+def _tier1_rebuilds(m: ClusterModel) -> int:
+    """How many lost members per node tier 1 rebuilds: one (single parity), or none
+    when the config switches tier 1 off."""
+    return 1 if m.config.tier1 else 0
+
+
 def tier1_covered(m: ClusterModel, s: ClusterState) -> bool:
     """Every loss since the last resume is one that tier-1 parity rebuilds."""
     return all(
-        n not in s.nlost and len(s.mlost & set(members)) <= 1
+        n not in s.nlost and len(s.mlost & set(members)) <= _tier1_rebuilds(m)
         for n, members in enumerate(m.config.groups)
     )
 
@@ -97,7 +103,7 @@ def tier2_covered(m: ClusterModel, s: ClusterState) -> bool:
     beyond = [
         n
         for n, members in enumerate(m.config.groups)
-        if n in s.nlost or len(s.mlost & set(members)) >= 2
+        if n in s.nlost or len(s.mlost & set(members)) > _tier1_rebuilds(m)
     ]
     # A lost node's snapshot share lives on another node: a one-node job has none.
     return len(beyond) <= 1 and (not s.nlost or m.config.topology.nodes > 1)

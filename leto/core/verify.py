@@ -28,6 +28,9 @@ CHECK_CONFIGS: Mapping[str, ClusterConfig] = {
     "reclaim": ClusterConfig(
         topology=Topology((1, 1)), chunks=1, max_step=1, max_faults=1, reclaim=True
     ),
+    "tier1-off": ClusterConfig(
+        topology=Topology((2, 1)), chunks=1, max_step=1, max_faults=1, reclaim=False, tier1=False
+    ),
 }
 
 MUTANT_CONFIG = "three-ranks"

@@ -13,8 +13,8 @@ from torch import nn
 
 import leto
 from leto.adapters.config import ConfigError
-from leto.adapters.state import ResumableBatchSampler
 from leto.retained.layout import ShapeMismatchError
+from leto.retained.process_state import ResumableBatchSampler
 
 CFG = {"backend": "fake", "topology": "2x2", "chunk_size": 16, "tier2_interval": 2}
 

@@ -10,10 +10,10 @@ from torch import nn
 
 from leto.adapters.checkpoint import Checkpointer, MemoryCheckpointer
 from leto.adapters.engine import Engine, EngineOptions, Replica
-from leto.adapters.state import ResumableBatchSampler
 from leto.backends.fake import FakeBackend
 from leto.core.cluster import ClusterConfig
 from leto.core.erasure import Topology
+from leto.retained.process_state import ResumableBatchSampler
 
 _DEFAULT = object()
 

@@ -228,7 +228,7 @@ class GlooSession:
         config: Any,
         step_fn: StepFn | None,
     ) -> None:
-        from leto.adapters.state import BatchCursor
+        from leto.retained.process_state import BatchCursor
 
         self.ch = ch
         self.spec = spec
@@ -616,7 +616,7 @@ class GlooSession:
         V = ropt.version + 1
         self._step_in_progress = V
         r, W = self.rank, self.W
-        from leto.adapters.state import shard, step_scheduler
+        from leto.retained.process_state import shard, step_scheduler
 
         # 1. compute
         self.ch.mark("forward", ropt.version)
@@ -834,7 +834,7 @@ class GlooSession:
     # ================================================================ process state
 
     def _ps_json(self, step: int) -> str:
-        from leto.adapters.state import scheduler_state
+        from leto.retained.process_state import scheduler_state
 
         assert self.ropt is not None
         return json.dumps(
@@ -1272,7 +1272,7 @@ class GlooSession:
 
     def _settle(self, target: int) -> tuple[int, int]:
         """Roll this rank to ``target``; (chunks rolled forward, chunks rolled back)."""
-        from leto.adapters.state import step_scheduler
+        from leto.retained.process_state import step_scheduler
 
         lay = self.layout
         ropt = self.ropt
@@ -1582,16 +1582,16 @@ class GlooSession:
         return meta
 
 
-# --- RNG (JSON, through leto.adapters.state) -----------------------------------------
+# --- RNG (JSON, through leto.retained.process_state) -----------------------------------------
 
 
 def _capture_rng() -> dict[str, Any]:
-    from leto.adapters.state import capture_rng
+    from leto.retained.process_state import capture_rng
 
     return capture_rng()
 
 
 def _restore_rng(state: dict[str, Any]) -> None:
-    from leto.adapters.state import restore_rng
+    from leto.retained.process_state import restore_rng
 
     restore_rng(state)

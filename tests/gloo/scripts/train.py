@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import leto
-from leto.adapters.state import ResumableBatchSampler
+from leto.retained.process_state import ResumableBatchSampler
 
 torch.manual_seed(0)
 random.seed(0)

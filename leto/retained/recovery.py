@@ -1,0 +1,209 @@
+"""The recovery executor: per-rank functions that carry out the core's reconcile plan
+on one rank's retained memory.
+
+The core (:mod:`leto.core.reconcile`) decides where every rank resumes and how each
+chunk gets there; every backend carries that out through these functions and only
+supplies what is its own: where the process-state history and the prepare record
+live (the fake backend's node store, the gloo agent), how parity bytes move (an
+in-process group, a ``torch.distributed`` group). Nothing here knows a backend.
+
+The rules, each the executor's side of a rule of ``spec/PROTOCOL.md``:
+
+* :func:`observe` -- what a rank's memory reports to the model per chunk: a chunk whose
+  bytes fail their checksum but whose undo copy holds is TORN (it rolls forward from
+  the undo copy like a chunk torn mid-write); one with neither is LOST;
+* :func:`settle` -- bring a rank to the plan's target: finish a chunk whose parity was
+  written but whose undo copy was not yet released; put a damaged written chunk back
+  to its undo copy; undo a step beyond the target that had begun; roll every chunk
+  behind the target forward with the retained gradients of the target and the
+  process state of the step before it;
+* :func:`bytes_at`, :func:`free_undo`, :func:`seal_checked`, :func:`check_resumable`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from leto.core.chunk import LOST, NONE, TORN
+from leto.retained.layout import ChunkStatus, RetainedLayout
+from leto.retained.optim import RetainedOptimizer
+from leto.retained.parity import as_bytes
+
+__all__ = [
+    "IntegrityError",
+    "Settled",
+    "bytes_at",
+    "check_resumable",
+    "free_undo",
+    "observe",
+    "packed",
+    "seal_checked",
+    "settle",
+    "unpack_into",
+]
+
+
+class IntegrityError(RuntimeError):
+    """Real state disagrees with the protocol's (a checksum, a version, a record)."""
+
+
+def observe(lay: RetainedLayout, bad: set[int] | None = None) -> tuple[list[int], list[int]]:
+    """The model's ``data`` and ``undo`` values of every chunk of ``lay``.
+
+    ``bad``: the chunks whose bytes failed their checksum (None: check them here).
+    """
+    bad = set(lay.verify()) if bad is None else bad
+    data: list[int] = []
+    undo: list[int] = []
+    for c in range(lay.n_chunks):
+        st = lay.chunk_status(c)
+        u = lay.undo_version(c) if st is not ChunkStatus.CLEAN else NONE
+        if u != NONE and not lay.verify_undo(c):
+            u = NONE
+        if st is ChunkStatus.TORN or c in bad:
+            d = TORN if u != NONE else LOST  # damaged new bytes: back to the undo copy
+        else:
+            d = lay.chunk_version(c)
+        data.append(d)
+        undo.append(u)
+    return data, undo
+
+
+def bytes_at(lay: RetainedLayout, c: int, version: int) -> list[torch.Tensor]:
+    """Chunk ``c``'s bytes at ``version``: its data, or its undo copy."""
+    st = lay.chunk_status(c)
+    if st is not ChunkStatus.TORN and lay.chunk_version(c) == version:
+        return lay.chunk_data(c)
+    if st is not ChunkStatus.CLEAN and lay.undo_version(c) == version:
+        return lay.undo_data(c)
+    raise IntegrityError(f"chunk {c} cannot produce version {version} (it is {st.value})")
+
+
+def free_undo(lay: RetainedLayout) -> None:
+    """Before every chunk is overwritten: torn chunks back to their undo copy, the undo
+    copies of applied ones released."""
+    for c in range(lay.n_chunks):
+        st = lay.chunk_status(c)
+        if st is ChunkStatus.TORN:
+            lay.restore_undo(c)
+        elif st is ChunkStatus.APPLIED:
+            lay.release_undo(c)
+
+
+def seal_checked(
+    lay: RetainedLayout, step: int, expected: list[int], source: str, who: str
+) -> None:
+    """Seal every chunk at ``step`` and check it against ``expected`` checksums."""
+    for c in range(lay.n_chunks):
+        lay.seal_chunk(c, step)
+        if lay.stored_checksum(c) != int(expected[c]):
+            raise IntegrityError(
+                f"{who} chunk {c}: the bytes restored from the {source} fail their checksum"
+            )
+
+
+def packed(lay: RetainedLayout) -> torch.Tensor:
+    """The data buffers' bytes (parameters, then each optimizer state), one copy."""
+    return torch.cat([as_bytes(b) for b in lay.data_buffers()])
+
+
+def unpack_into(lay: RetainedLayout, flat: torch.Tensor) -> None:
+    """Write :func:`packed` bytes back into the data buffers."""
+    off = 0
+    with torch.no_grad():
+        for buf in lay.data_buffers():
+            b = as_bytes(buf)
+            b.copy_(flat[off : off + b.numel()])
+            off += b.numel()
+
+
+@attrs.frozen
+class Settled:
+    """What :func:`settle` did on one rank."""
+
+    forward: int  # chunks rolled forward to the target
+    back: int  # chunks of a begun step beyond the target put back to their undo copy
+    dropped: bool  # gradients prepared for a step beyond the target were dropped
+    rng: Any = None  # rolled forward: the RNG and sampler state after the target
+    sampler: Any = None
+
+
+def settle(
+    lay: RetainedLayout,
+    ropt: RetainedOptimizer,
+    target: int,
+    *,
+    history: Mapping[int, str],
+    pending: Mapping[str, Any] | None,
+    load_ps: Callable[[str], None],
+    step_scheduler: Callable[[], None],
+    who: str,
+    on_applied: Callable[[int], None] | None = None,
+) -> Settled:
+    """Bring one rank to ``target`` (PROTOCOL.md, the reconcile plan).
+
+    ``history``: the rank's process states by step (JSON); ``pending``: its prepare
+    record (the step, RNG and sampler after it, the present mask). ``on_applied(c)``:
+    called after each chunk rolled forward (a backend keeps its tier 1 up to date).
+    """
+    dropped = lay.prepared_step > target
+    back = 0
+    for c in range(lay.n_chunks):
+        st = lay.chunk_status(c)
+        if st is ChunkStatus.APPLIED and lay.chunk_version(c) == target:
+            if lay.verify_chunk(c):
+                lay.release_undo(c)  # parity written, undo not yet released: finish that
+            else:  # observed TORN: back to the undo copy, then forward again below
+                lay.restore_undo(c)
+        elif st is not ChunkStatus.CLEAN and lay.undo_version(c) == target:
+            lay.restore_undo(c)  # a step beyond the target had begun: undo it
+            back += 1
+    behind = [
+        c
+        for c in range(lay.n_chunks)
+        if lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
+    ]
+    if not behind and target in history:
+        load_ps(history[target])
+        lay.clear_prepared()
+        return Settled(0, back, dropped)
+    if target - 1 not in history or pending is None or int(pending["step"]) != target:
+        raise IntegrityError(
+            f"{who}: no process state of step {target - 1} or prepare record of step "
+            f"{target} to roll forward from"
+        )
+    if lay.prepared_step != target:
+        if behind:
+            raise IntegrityError(f"{who}: the gradients of step {target} are missing")
+        lay.seal_grads(target, pending["present"])  # nothing to write: only the mask
+    load_ps(history[target - 1])
+    if behind:
+        ropt.roll_forward(on_applied=on_applied)
+    else:
+        ropt.begin(target)
+        ropt.end()
+    step_scheduler()
+    lay.clear_prepared()
+    return Settled(len(behind), back, dropped, pending["rng"], pending["sampler"])
+
+
+def check_resumable(
+    lay: RetainedLayout, ropt: RetainedOptimizer | None, target: int, who: str
+) -> None:
+    """Every chunk clean at ``target`` and its checksum holding, the optimizer there too."""
+    lay.clear_prepared()
+    why = lay.unresumable(target)
+    if why is None and (ropt is None or ropt.version != target):
+        why = f"the optimizer is not at step {target}"
+    if why is not None:
+        raise IntegrityError(f"{who} would resume on wrong state: {why}")
+
+
+def load_pending(text: str | None) -> dict[str, Any] | None:
+    """A prepare record as stored (JSON text), or None."""
+    return json.loads(text) if text else None
