@@ -202,6 +202,8 @@ def _check(args: argparse.Namespace) -> tuple[str, int, Any] | int:
             host, port = parse_endpoint(args.rdzv_endpoint)
         except ValueError as e:
             raise BadInput(str(e)) from None
+    if args.faults is not None and not args.faults.strip():
+        raise BadInput("--faults is empty: give a JSON list of faults or a file that holds one")
     from leto.backends.gloo.faults import FaultPlanError, load_plan
 
     try:
