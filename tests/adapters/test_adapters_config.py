@@ -171,3 +171,35 @@ def test_load_dispatch() -> None:
     assert Config.load(c) is c
     assert Config.load({"nodes": 3}).nodes == 3
     assert err(Config.load, 42).field == "config"
+
+
+def test_bounds_and_odd_values_are_refused_in_one_line(tmp_path: Path) -> None:
+    assert err(Config.from_dict, {"topology": "99999x1"}).field == "topology"
+    assert err(Config.from_dict, {"topology": "²x1"}).field == "topology"  # not a decimal digit
+    e = err(Config.from_dict, {"nodes": 65_536, "ranks_per_node": 1024})
+    assert e.field == "topology" and "more than leto's limit of 1,048,576" in str(e)
+    assert "must be at most 1,000,000" in str(err(Config.from_dict, {"tier2_interval": 10**6 + 1}))
+    e = err(Config.from_dict, {"a\nb": 1})
+    assert e.field == "a\nb" and len(str(e).splitlines()) == 1
+    e = err(Config.from_env, {"LETO_CHUNK_SIZE": "9" * 5000})
+    assert e.field == "chunk_size" and len(str(e)) < 200
+    assert Config.from_dict({"chunk_size": 1 << 30}).chunk_size == 1 << 30
+
+
+def test_launch_defaults_sit_under_the_config_file(tmp_path: Path) -> None:
+    """Under `leto launch`: the launched shape, then LETO_CONFIG (only the keys it sets),
+    then the variables."""
+    p = tmp_path / "job.toml"
+    p.write_text("chunk_size = 64\n")
+    env = {
+        "LETO_ROLE": "trainer",
+        "WORLD_SIZE": "6",
+        "LOCAL_WORLD_SIZE": "3",
+        "LETO_CONFIG": str(p),
+    }
+    c = Config.from_env(env)
+    assert (c.backend, c.nodes, c.ranks_per_node, c.chunk_size) == ("gloo", 2, 3, 64)
+    p.write_text('backend = "fake"\ntopology = "1x6"\n')
+    c = Config.from_env(env)
+    assert (c.backend, c.nodes, c.ranks_per_node, c.chunk_size) == ("fake", 1, 6, 1 << 20)
+    assert Config.from_env({**env, "LETO_TIER2": "off"}).tier2 is False
