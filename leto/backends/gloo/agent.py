@@ -295,6 +295,7 @@ class Agent:
     def _rendezvous(self) -> None:
         from datetime import timedelta
 
+        import torch
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         o = self.o
@@ -308,7 +309,9 @@ class Agent:
                 )
             try:
                 # bound here, to the address given: left to itself, the store listens on
-                # every interface whatever host it is given
+                # every interface whatever host it is given. torch's libuv server takes a
+                # listening socket from 2.8 on (pytorch#150215); before, the classic one
+                old = torch.__version__ < (2, 8)  # type: ignore[operator]
                 bound = P.listen_tcp(o.rdzv_host, o.rdzv_port)
                 self.store = TCPStore(
                     o.rdzv_host,
@@ -318,6 +321,7 @@ class Agent:
                     timeout,
                     wait_for_workers=False,
                     master_listen_fd=bound.detach(),  # the store owns it now
+                    **({"use_libuv": False} if old else {}),
                 )
             except Exception as e:  # noqa: BLE001 - DistNetworkError, RuntimeError, OSError
                 raise LaunchError(f"cannot serve the rendezvous at {endpoint}: {e}") from None
