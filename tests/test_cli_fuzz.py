@@ -302,10 +302,11 @@ NUMERIC: list[tuple[Command, Num]] = [
     (SPEC, Num("--workers", True, 1, 256)),
     (SPEC, Num("--timeout", False, 0, WEEK, True)),
     (DEMO, Num("--steps", True, 1, 100_000)),
-    (DEMO, Num("--nodes", True, 1, 64)),
-    (DEMO, Num("--ranks-per-node", True, 1, 64)),
-    (DEMO, Num("--chunk-size", True, 1, 1 << 30)),
-    (DEMO, Num("--tier2-interval", True, 1, 1_000_000)),
+    # at most 256 ranks, and the other of the two is 2 by default
+    (DEMO, Num("--nodes", True, 1, 128, names=("nodes",))),
+    (DEMO, Num("--ranks-per-node", True, 1, 128, names=("ranks_per_node",))),
+    (DEMO, Num("--chunk-size", True, 1, 1 << 30, names=("chunk_size",))),
+    (DEMO, Num("--tier2-interval", True, 1, 1_000_000, names=("tier2_interval",))),
     (DEMO, Num("--seed", True, 0, 2**32 - 1)),
 ]
 _ids = [f"{c.name} {f.flag}" for c, f in NUMERIC]

@@ -57,7 +57,7 @@ import attrs
 from leto.argcheck import BadInput, Bound, dir_to_create, show
 from leto.core.erasure import Topology
 
-__all__ = ["BACKENDS", "TIER1_CODES", "Config", "ConfigError"]
+__all__ = ["BACKENDS", "TIER1_CODES", "Config", "ConfigError", "check_count"]
 
 BACKENDS = ("fake", "gloo", "nccl")
 TIER1_CODES = ("auto", "parity", "replica")
@@ -103,6 +103,13 @@ def _printable(name: Any) -> str:
     """A key or a path as it goes into a one-line message."""
     text = str(name)
     return text if text.isprintable() and len(text) <= 200 else show(name, 200)
+
+
+def check_count(field: str, value: Any) -> None:
+    """Refuse (ConfigError) a value of the integer setting ``field`` (``nodes``,
+    ``ranks_per_node``, ``world_size``, ``chunk_size``, ``tier2_interval``) that a
+    Config would refuse; for flags that set one."""
+    _int(field, value)
 
 
 def _int(field: str, value: Any) -> None:

@@ -41,7 +41,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leto.argcheck import BadInput, Bound, check_args, dir_to_create, positive_int, refuse
+from leto.adapters.config import ConfigError, check_count
+from leto.argcheck import (
+    BadInput,
+    Bound,
+    check_args,
+    dir_to_create,
+    positive_int,
+    refuse,
+    show,
+)
 
 __all__ = ["TinyGPT", "configure", "demo", "fault_plan", "run"]
 
@@ -510,13 +519,11 @@ def attrs_evolve(cfg: Any, **changes: Any) -> Any:
 # --------------------------------------------------------------------------- CLI
 
 
-# The demo's flags (leto.argcheck); the demo runs every rank on this machine.
+# The demo's own flags (leto.argcheck); those that are config settings (nodes, ranks
+# per node, chunk size, tier-2 interval) are checked by leto.Config, which names the
+# setting. The demo runs every rank on this machine.
 DEMO_BOUNDS: dict[str, Bound] = {
     "steps": positive_int(100_000),
-    "nodes": positive_int(64),
-    "ranks_per_node": positive_int(64),
-    "chunk_size": Bound(lo=1, hi=1 << 30, integer=True, unit="elements"),
-    "tier2_interval": positive_int(1_000_000),
     "seed": Bound(lo=0, hi=2**32 - 1, integer=True),
 }
 MAX_DEMO_RANKS = 256
@@ -525,12 +532,21 @@ MAX_DEMO_RANKS = 256
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse bad flags before anything is loaded or started (BadInput, one line)."""
     if args.backend not in (None, "gloo", "fake"):
-        raise BadInput(f"--backend must be gloo or fake, got {args.backend!r}")
-    check_args(args, DEMO_BOUNDS)
-    ranks = (args.nodes or DEFAULTS["nodes"]) * (args.ranks_per_node or DEFAULTS["ranks_per_node"])
-    if ranks > MAX_DEMO_RANKS:
         raise BadInput(
-            f"--nodes x --ranks-per-node = {ranks} ranks, more than the demo's limit of "
+            f"--backend: unknown backend {show(args.backend)} (the demo runs on gloo or fake)"
+        )
+    check_args(args, DEMO_BOUNDS)
+    for field in ("nodes", "ranks_per_node", "chunk_size", "tier2_interval"):
+        if getattr(args, field) is not None:
+            try:
+                check_count(field, getattr(args, field))
+            except ConfigError as e:
+                raise BadInput(f"{field}: {e.message}") from None
+    nodes = DEFAULTS["nodes"] if args.nodes is None else args.nodes
+    per = DEFAULTS["ranks_per_node"] if args.ranks_per_node is None else args.ranks_per_node
+    if nodes * per > MAX_DEMO_RANKS:
+        raise BadInput(
+            f"--nodes x --ranks-per-node = {nodes * per} ranks, more than the demo's limit of "
             f"{MAX_DEMO_RANKS} (it runs every rank on this machine)"
         )
     if args.checkpoint_dir is not None:
