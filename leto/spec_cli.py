@@ -52,6 +52,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=float, default=900.0, help="seconds per TLC run (at most a week)"
     )
+    t = sub.add_parser(
+        "trace",
+        help="replay a run's event log through the core's model (trace validation)",
+        description="Replay RUN_DIR/events.jsonl through the core's ClusterModel and check "
+        "it after every record; exit 1 on the first divergence, 2 on bad input.",
+    )
+    t.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or its events.jsonl")
+    t.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 BOUNDS: dict[str, Bound] = {"workers": positive_int(256), "timeout": seconds()}
@@ -219,7 +227,21 @@ def _summary(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_trace(args: argparse.Namespace) -> int:
+    """``leto spec trace RUN_DIR``: one line (or JSON); 0 agrees, 1 diverges, 2 bad input."""
+    from leto.core_trace import InputError, check
+
+    try:
+        report = check(args.run_dir)
+    except InputError as exc:
+        return refuse("spec trace", exc)
+    print(json.dumps(report.as_dict()) if args.json else report.line())
+    return 0 if report.ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.spec_command == "trace":
+        return run_trace(args)
     quiet = args.json
 
     def log(msg: str) -> None:

@@ -1,0 +1,756 @@
+"""The core's trace: what a backend fed the protocol model, written down and replayed.
+
+Trace validation, as CCF does for its Raft (``tla/consensus/Traceccfraft.tla`` replays
+the implementation's logs against the spec). A backend's coordinator drives
+:class:`~leto.core.cluster.ClusterModel` with the events of a real run; it writes what
+it feeds into the run's event log, and :func:`check` (``leto spec trace RUN_DIR``)
+rebuilds the model from that log, replays every event, and after each record the log
+holds checks that the replayed state agrees with what the log says happened. The
+coordinator and the replay share this module's vocabulary, so what is replayed is
+exactly what was fed.
+
+Records (one JSON object per line of ``RUN_DIR/events.jsonl``; other records pass by):
+
+* ``core_init``: the model's constants and initial state (:class:`CoreSetup`).
+* ``core`` with ``feed``: events fed, in order, as one batch. An item is an event of
+  :mod:`leto.core.events` by class name and fields (``["Crash", 1]``, ``["Detect"]``)
+  or an abbreviation of what one message of the run means, which keeps the log at
+  O(ranks) per step: ``["Commit", s]`` (every rank voted for step ``s``: each rank's
+  Compute, then each Reduce, then each Prepare, then Decide), ``["Apply", r, s]`` (rank
+  ``r`` finished step ``s``: BeginChunk, EndChunk, ParityChunk of every chunk in order,
+  then Finish), ``["Snapshot", s]`` (every rank took the tier-2 snapshot of step ``s``).
+  An abbreviation is refused unless its step is the one the model expects.
+* ``core`` with ``adopt``: the retained state the trainers reported during a recovery
+  replaces the model's (:func:`adopt`, which refuses what the model cannot have come to).
+* ``job_failed`` with ``feed`` or ``adopt``: what the coordinator refused, stopping the
+  job; replayed, it is refused again, so such a trace never passes.
+
+What is checked after each record, against the replayed state: ``step`` (every rank
+finished the step, and it is the committed one), ``tier2_snapshot``, ``failure`` (a
+fault was just fed, in the phase, generation and committed step the record names),
+``failure_ignored`` (the model refuses that fault), ``recovery_start``,
+``recovery_restart``, ``fence``, ``promoted``, ``reconciled`` (kind, target, steps
+lost), ``recovery_end`` (every rank resumed at the step the record names),
+``training_done``; a ``model_mismatch`` record (a coordinator not in strict mode let a
+refusal pass) is a divergence. Not checked: the bytes (the digests are the tests'
+business), timings, and the shadows' and the trainers' records that feed nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeGuard, cast
+
+import attrs
+
+from leto.core import events as ev
+from leto.core.chunk import LOST, NONE, TORN
+from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Effect
+from leto.core.erasure import Topology
+from leto.core.errors import ProtocolError
+from leto.core.recovery import Phase
+from leto.core.shadow import ShadowState
+from leto.core.trainer import TrainerState
+
+__all__ = [
+    "UNBOUNDED",
+    "Apply",
+    "Commit",
+    "CoreSetup",
+    "InputError",
+    "Item",
+    "Retained",
+    "Snapshot",
+    "TraceError",
+    "TraceReport",
+    "adopt",
+    "check",
+    "decode",
+    "describe",
+    "encode",
+    "replay",
+    "run",
+]
+
+UNBOUNDED = 10**12  # max_step / max_faults / k of a real run: no bound
+
+
+class TraceError(ValueError):
+    """A record of the trace that does not say anything the model can replay."""
+
+
+class InputError(Exception):
+    """What was given to :func:`check` is not a readable event log with a trace."""
+
+
+def _index(_inst: Any, attribute: attrs.Attribute[int], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
+# --- abbreviations: one message of a run, as the events it means ----------------------
+
+
+@attrs.frozen
+class Commit:
+    """Every rank voted for ``step``: each rank's Compute, Reduce, Prepare; then Decide."""
+
+    step: int = attrs.field(validator=_index)
+
+    def refusal(self, model: ClusterModel, s: ClusterState) -> ProtocolError | None:
+        if s.committed + 1 != self.step:
+            why = f"the model's next step is {s.committed + 1}"
+            return ProtocolError("commit", s.commit, self, why)
+        return None
+
+    def events(self, model: ClusterModel) -> list[ev.Event]:
+        ranks = range(model.config.ranks)
+        return [
+            *(ev.Compute(r) for r in ranks),
+            *(ev.Reduce(r) for r in ranks),
+            *(ev.Prepare(r) for r in ranks),
+            ev.Decide(),
+        ]
+
+
+@attrs.frozen
+class Apply:
+    """Rank ``rank`` finished ``step``: every chunk begun, written, folded into parity, in
+    order; then Finish."""
+
+    rank: int = attrs.field(validator=_index)
+    step: int = attrs.field(validator=_index)
+
+    def refusal(self, model: ClusterModel, s: ClusterState) -> ProtocolError | None:
+        r = self.rank
+        if r >= model.config.ranks:
+            return ProtocolError("cluster", s.phase, self, f"rank {r} out of range")
+        if s.step[r] + 1 != self.step:
+            why = f"rank {r} is at step {s.step[r]}: it can finish step {s.step[r] + 1} only"
+            return ProtocolError("txn", s.pc[r], self, why)
+        return None
+
+    def events(self, model: ClusterModel) -> list[ev.Event]:
+        r = self.rank
+        out: list[ev.Event] = []
+        for c in range(model.config.chunks):
+            out += [ev.BeginChunk(r, c), ev.EndChunk(r, c), ev.ParityChunk(r, c)]
+        return [*out, ev.Finish(r)]
+
+
+@attrs.frozen
+class Snapshot:
+    """Every rank took the tier-2 snapshot of ``step``: Tier2Snapshot."""
+
+    step: int = attrs.field(validator=_index)
+
+    def refusal(self, model: ClusterModel, s: ClusterState) -> ProtocolError | None:
+        if s.step[0] != self.step:
+            why = f"the ranks are at step {s.step[0]}"
+            return ProtocolError("recovery", s.phase, self, why)
+        return None
+
+    def events(self, model: ClusterModel) -> list[ev.Event]:
+        return [ev.Tier2Snapshot()]
+
+
+Abbreviation = Commit | Apply | Snapshot
+Item = ev.Event | Abbreviation
+
+_ITEMS: dict[str, type[Any]] = {c.__name__: c for c in (*ev.ALL, Commit, Apply, Snapshot)}
+
+
+def encode(item: Item) -> list[Any]:
+    """``item`` as a JSON list: its class name, then its fields in order."""
+    return [type(item).__name__, *attrs.astuple(cast(attrs.AttrsInstance, item))]
+
+
+def decode(raw: Any) -> Item:
+    """The item a JSON list names; :class:`TraceError` if it names none."""
+    if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
+        raise TraceError(f"a feed item is [NAME, int, ...], got {raw!r}")
+    name, args = raw[0], raw[1:]
+    cls = _ITEMS.get(name)
+    if cls is None:
+        raise TraceError(f"{name!r} is no event of the protocol nor an abbreviation")
+    n = len(attrs.fields(cls))
+    if len(args) != n:
+        raise TraceError(f"{name} takes {n} argument(s), got {len(args)}: {raw!r}")
+    try:
+        item: Item = cls(*args)
+    except (TypeError, ValueError) as e:
+        raise TraceError(f"{raw!r}: {e}") from None
+    return item
+
+
+def expand(model: ClusterModel, s: ClusterState, item: Item) -> list[ev.Event]:
+    """The events ``item`` stands for in ``s``; ProtocolError if its step is not ``s``'s."""
+    if isinstance(item, ev.Event):
+        return [item]
+    err = item.refusal(model, s)
+    if err is not None:
+        raise err
+    return item.events(model)
+
+
+def run(
+    model: ClusterModel, s: ClusterState, items: Sequence[Item]
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    """Feed ``items`` in order, all or nothing: the state after them and their effects,
+    or the :class:`ProtocolError` of the first refused event (``s`` is a value: the
+    caller still holds it unchanged)."""
+    effects: tuple[Effect, ...] = ()
+    for item in items:
+        for e in expand(model, s, item):
+            s, eff = model.step(s, e)
+            effects += eff
+    return s, effects
+
+
+# --- the model's constants and initial state -----------------------------------------
+
+
+@attrs.frozen
+class CoreSetup:
+    """How a backend instantiates the model for a run: constants and initial state."""
+
+    nodes: tuple[int, ...]  # ranks per node
+    chunks: int
+    k: int | None  # tier 2 lags at most k steps; None: tier 2 off (no bound)
+    tier1: bool = True  # off: no node keeps parity (the core's ClusterConfig.tier1)
+    shadows: ShadowState = ShadowState.WARM  # every shadow at the start (gloo: spawning)
+
+    def model(self) -> ClusterModel:
+        return ClusterModel(
+            ClusterConfig(
+                topology=Topology(self.nodes),
+                chunks=self.chunks,
+                max_step=UNBOUNDED,
+                max_faults=UNBOUNDED,
+                k=UNBOUNDED if self.k is None else self.k,
+                tier1=self.tier1,
+            )
+        )
+
+    def initial(self, model: ClusterModel) -> ClusterState:
+        s = model.initial()
+        if self.shadows is not ShadowState.WARM:
+            s = attrs.evolve(s, shadow=(self.shadows,) * model.config.ranks)
+        return s
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "nodes": list(self.nodes),
+            "chunks": self.chunks,
+            "k": self.k,
+            "tier1": self.tier1,
+            "shadows": self.shadows.value,
+        }
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> CoreSetup:
+        nodes, chunks, k = rec.get("nodes"), rec.get("chunks"), rec.get("k")
+        if not isinstance(nodes, list) or not nodes or not all(_nat(n) and n > 0 for n in nodes):
+            raise TraceError(f"nodes must be a list of rank counts >= 1, got {nodes!r}")
+        if not _nat(chunks) or chunks < 1:
+            raise TraceError(f"chunks must be an int >= 1, got {chunks!r}")
+        if k is not None and not (_nat(k) and k >= 1):
+            raise TraceError(f"k must be an int >= 1 or null, got {k!r}")
+        tier1 = rec.get("tier1", True)
+        if not isinstance(tier1, bool):
+            raise TraceError(f"tier1 must be true or false, got {tier1!r}")
+        try:
+            shadows = ShadowState(rec.get("shadows", "warm"))
+        except ValueError:
+            raise TraceError(f"shadows: no shadow state {rec.get('shadows')!r}") from None
+        return cls(tuple(nodes), chunks, k, tier1, shadows)
+
+
+def _nat(v: Any) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+# --- adopting the retained state the trainers report ----------------------------------
+
+Par = tuple[tuple[int, ...], ...] | None
+
+
+@attrs.frozen
+class Retained:
+    """The retained state as the trainers found it, read during a recovery, and the
+    tier-2 snapshot the coordinator holds confirmed. The model's data/undo/grad/par/gpar
+    are its picture of memory; a trainer that died between doing something and
+    reporting it leaves that picture one event behind, the retained headers never are."""
+
+    data: tuple[tuple[int, ...], ...]
+    undo: tuple[tuple[int, ...], ...]
+    grad: tuple[int, ...]
+    par: tuple[Par, ...]
+    gpar: tuple[tuple[int, ...] | None, ...]
+    t2: int
+    t2lost: frozenset[int]
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "data": [list(d) for d in self.data],
+            "undo": [list(u) for u in self.undo],
+            "grad": list(self.grad),
+            "par": [None if p is None else [list(row) for row in p] for p in self.par],
+            "gpar": [None if g is None else list(g) for g in self.gpar],
+            "t2": self.t2,
+            "t2lost": sorted(self.t2lost),
+        }
+
+    @classmethod
+    def from_record(cls, rec: Any) -> Retained:
+        if not isinstance(rec, dict):
+            raise TraceError(f"adopt must be an object, got {rec!r}")
+        try:
+            return cls(
+                data=_ints2(rec["data"]),
+                undo=_ints2(rec["undo"]),
+                grad=_ints(rec["grad"]),
+                par=tuple(None if p is None else _ints2(p) for p in rec["par"]),
+                gpar=tuple(None if g is None else _ints(g) for g in rec["gpar"]),
+                t2=_int(rec["t2"]),
+                t2lost=frozenset(_ints(rec["t2lost"])),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise TraceError(f"adopt: malformed retained state ({type(e).__name__}: {e})") from None
+
+
+def _int(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"not an int: {v!r}")
+    return v
+
+
+def _ints(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        raise TypeError(f"not a list: {v!r}")
+    return tuple(_int(x) for x in v)
+
+
+def _ints2(v: Any) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(v, list):
+        raise TypeError(f"not a list: {v!r}")
+    return tuple(_ints(x) for x in v)
+
+
+@attrs.frozen
+class Adopt:
+    """The adoption, named in a refusal."""
+
+    generation: int
+
+    def __repr__(self) -> str:
+        return f"Adopt(retained state of generation {self.generation})"
+
+
+def adoption_refusal(model: ClusterModel, s: ClusterState, r: Retained) -> str | None:
+    """Why ``r`` cannot replace ``s``'s picture of memory; None if it can.
+
+    Only while reconciling (every trainer alive after EndPromote, before Reconcile:
+    the plan is computed from it next); shapes of this topology; values a header can
+    hold (a step, TORN, LOST; undo NONE or a step; gradients NONE, LOST or a step;
+    parity versions NONE or a step); and nothing the model lost comes back (a chunk or
+    gradient block LOST in the model is LOST in the report: memory a fault took is not
+    found again; the reverse, a chunk failing its checksum, is what reports are for).
+    """
+    cfg = model.config
+    R, C = cfg.ranks, cfg.chunks
+    if s.phase is not Phase.RECONCILING:
+        return "the retained state is adopted only while reconciling"
+    for q, t in enumerate(s.trainer):
+        if t is not TrainerState.ALIVE:
+            return f"rank {q}'s trainer is {t.value}"
+    if len(r.data) != R or len(r.undo) != R or len(r.grad) != R:
+        return f"{R} ranks expected, got data {len(r.data)}, undo {len(r.undo)}, grad {len(r.grad)}"
+    for q in range(R):
+        if len(r.data[q]) != C or len(r.undo[q]) != C:
+            return (
+                f"rank {q}: {C} chunks expected, got data {list(r.data[q])} undo {list(r.undo[q])}"
+            )
+        for c in range(C):
+            d, u = r.data[q][c], r.undo[q][c]
+            if d < 0 and d not in (TORN, LOST):
+                return f"rank {q} chunk {c}: no chunk value {d}"
+            if u < 0 and u != NONE:
+                return f"rank {q} chunk {c}: no undo value {u}"
+            if s.data[q][c] == LOST and d != LOST:
+                return f"rank {q} chunk {c} is LOST in the model, reported {d}"
+        g = r.grad[q]
+        if g < 0 and g not in (NONE, LOST):
+            return f"rank {q}: no gradient value {g}"
+        if s.grad[q] == LOST and g != LOST:
+            return f"rank {q}'s gradients are LOST in the model, reported {g}"
+    groups = cfg.groups
+    if len(r.par) != len(groups) or len(r.gpar) != len(groups):
+        return f"{len(groups)} nodes expected, got par {len(r.par)}, gpar {len(r.gpar)}"
+    for n, members in enumerate(groups):
+        p, gp = r.par[n], r.gpar[n]
+        if p is not None and (len(p) != C or any(len(row) != len(members) for row in p)):
+            return f"node {n}: parity of {C} chunks x {len(members)} members expected, got {p}"
+        if gp is not None and len(gp) != len(members):
+            return f"node {n}: gradient parity of {len(members)} members expected, got {gp}"
+        if any(v < NONE for row in p or () for v in row) or any(v < NONE for v in gp or ()):
+            return f"node {n}: no parity version in {p} / {gp}"
+    if r.t2 < 0 or not r.t2lost <= set(range(len(groups))):
+        return f"tier 2: snapshot step {r.t2}, lost blocks of nodes {sorted(r.t2lost)}"
+    return None
+
+
+def adopt(model: ClusterModel, s: ClusterState, r: Retained) -> ClusterState:
+    """``s`` with the retained state ``r`` as its picture of memory (checked by
+    :func:`adoption_refusal`; a refusal raises :class:`ProtocolError`, ``s`` unchanged)."""
+    why = adoption_refusal(model, s, r)
+    if why is not None:
+        raise ProtocolError("cluster", s.phase, Adopt(s.gen), why)
+    par = r.par if model.config.tier1 else (None,) * len(r.par)
+    gpar = r.gpar if model.config.tier1 else (None,) * len(r.gpar)
+    return attrs.evolve(
+        s, data=r.data, undo=r.undo, grad=r.grad, par=par, gpar=gpar, t2=r.t2, t2lost=r.t2lost
+    )
+
+
+def describe(s: ClusterState | None) -> str:
+    """The model's state in one line: phase, generation, steps, the ranks' machines."""
+    if s is None:
+        return "no model yet"
+    return (
+        f"phase {s.phase.value}, generation {s.gen}, committed {s.committed}, t2 {s.t2}; "
+        f"ranks at steps {list(s.step)}, txn {[p.value for p in s.pc]}, "
+        f"trainers {[t.value for t in s.trainer]}"
+    )
+
+
+# --- replay ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Divergence:
+    line: int
+    event: str
+    why: str
+    state: str
+
+
+@attrs.frozen
+class TraceReport:
+    path: str
+    lines: int
+    core_records: int
+    events: int  # events replayed (abbreviations expanded)
+    checked: int  # records checked against the replayed state
+    divergence: Divergence | None
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None
+
+    def line(self) -> str:
+        d = self.divergence
+        if d is None:
+            return (
+                f"trace OK: {self.path}: {self.events} events replayed from "
+                f"{self.core_records} core records, {self.checked} records checked"
+            )
+        return f"trace DIVERGES at {self.path}:{d.line} ({d.event}): {d.why} [model: {d.state}]"
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self) | {"ok": self.ok}
+
+
+class _Diverged(Exception):
+    pass
+
+
+@attrs.define
+class _Replay:
+    setup: CoreSetup | None = None
+    model: ClusterModel | None = None
+    state: ClusterState | None = None
+    last: ev.Event | None = None
+    core_records: int = 0
+    events: int = 0
+    checked: int = 0
+
+    def live(self) -> tuple[ClusterModel, ClusterState]:
+        if self.model is None or self.state is None:
+            raise _Diverged("no core_init record before this one")
+        return self.model, self.state
+
+    def feed(self, raw: Any) -> None:
+        model, s = self.live()
+        if not isinstance(raw, list) or not raw:
+            raise _Diverged(f"feed must be a non-empty list of items, got {raw!r}")
+        for x in raw:
+            try:
+                item = decode(x)
+            except TraceError as bad:
+                raise _Diverged(str(bad)) from None
+            try:
+                for e in expand(model, s, item):
+                    s = model.step(s, e)[0]
+                    self.last = e
+                    self.events += 1
+            except ProtocolError as err:
+                self.state = s
+                raise _Diverged(f"the model refuses {item!r}: {err}") from None
+        self.state = s
+
+    def adopt(self, raw: Any) -> None:
+        model, s = self.live()
+        try:
+            self.state = adopt(model, s, Retained.from_record(raw))
+        except (TraceError, ProtocolError) as e:
+            raise _Diverged(f"the model refuses the adoption: {e}") from None
+        self.last = None
+
+
+def _get_int(rec: dict[str, Any], key: str) -> int:
+    v = rec.get(key)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise _Diverged(f"the record has no integer {key!r} (got {v!r})")
+    return v
+
+
+def _expect(ok: bool, why: str) -> None:
+    if not ok:
+        raise _Diverged(why)
+
+
+def _last_is(r: _Replay, kinds: type | tuple[type, ...], record: str) -> None:
+    name = type(r.last).__name__ if r.last is not None else "no event"
+    _expect(isinstance(r.last, kinds), f"{record} follows {name}, not the event it reports")
+
+
+def _all_at(s: ClusterState, step: int, what: str) -> None:
+    _expect(s.committed == step, f"{what} {step}; the model has committed step {s.committed}")
+    _expect(
+        all(x == step for x in s.step), f"{what} {step}; the model's ranks are at {list(s.step)}"
+    )
+
+
+def _c_init(r: _Replay, rec: dict[str, Any]) -> None:
+    try:
+        setup = CoreSetup.from_record(rec)
+    except TraceError as e:
+        raise _Diverged(f"core_init: {e}") from None
+    r.setup, r.model = setup, setup.model()
+    r.state, r.last = setup.initial(r.model), None
+
+
+def _c_core(r: _Replay, rec: dict[str, Any]) -> None:
+    r.core_records += 1
+    if "feed" in rec:
+        r.feed(rec["feed"])
+    elif "adopt" in rec:
+        r.adopt(rec["adopt"])
+    else:
+        raise _Diverged("a core record holds a feed or an adopt")
+
+
+def _c_step(r: _Replay, rec: dict[str, Any]) -> None:
+    _all_at(r.live()[1], _get_int(rec, "step"), "the log says every rank finished step")
+
+
+def _c_done(r: _Replay, rec: dict[str, Any]) -> None:
+    _all_at(r.live()[1], _get_int(rec, "step"), "the log says training is done at step")
+
+
+def _c_t2(r: _Replay, rec: dict[str, Any]) -> None:
+    s = r.live()[1]
+    _last_is(r, ev.Tier2Snapshot, "tier2_snapshot")
+    step = _get_int(rec, "step")
+    _expect(s.t2 == step, f"the log says snapshot of step {step}; the model's is of {s.t2}")
+
+
+def _c_failure(r: _Replay, rec: dict[str, Any]) -> None:
+    s = r.live()[1]
+    _last_is(r, ev.Fault, "failure")
+    phase, gen, step = rec.get("phase"), _get_int(rec, "generation"), _get_int(rec, "step")
+    _expect(
+        (phase, gen, step) == (s.phase.value, s.gen, s.committed),
+        f"the log says a failure in phase {phase}, generation {gen}, committed step {step}",
+    )
+
+
+def _c_ignored(r: _Replay, rec: dict[str, Any]) -> None:
+    model, s = r.live()
+    if "refused" not in rec:
+        return
+    try:
+        item = decode(rec["refused"])
+    except TraceError as e:
+        raise _Diverged(str(e)) from None
+    _expect(isinstance(item, ev.Event), f"refused must be an event, got {rec['refused']!r}")
+    assert isinstance(item, ev.Event)
+    _expect(
+        model.why_not(s, item) is not None,
+        f"the log says the model refused {item!r}; it accepts it",
+    )
+
+
+def _c_recovery_start(r: _Replay, rec: dict[str, Any]) -> None:
+    s = r.live()[1]
+    _last_is(r, ev.Detect, rec["event"])
+    gen = _get_int(rec, "generation")
+    _expect(s.phase is Phase.FENCING, f"the model is {s.phase.value}, not fencing")
+    _expect(s.gen == gen, f"the log says generation {gen}")
+    if rec["event"] == "recovery_start":
+        step = _get_int(rec, "from_step")
+        _expect(s.committed == step, f"the log says recovery from committed step {step}")
+
+
+def _c_fence(r: _Replay, rec: dict[str, Any]) -> None:
+    s = r.live()[1]
+    _last_is(r, ev.Fence, "fence")
+    gen = _get_int(rec, "generation")
+    _expect(s.phase is Phase.PROMOTING and s.gen == gen, f"the log says fenced at generation {gen}")
+    killed = rec.get("stale_killed") or []
+    stale = {q for q, x in enumerate(s.stale) if x}
+    _expect(
+        isinstance(killed, list) and set(killed) <= stale,
+        f"the log says stale processes {killed} were killed; the model's are {sorted(stale)}",
+    )
+
+
+def _c_promoted(r: _Replay, rec: dict[str, Any]) -> None:
+    s = r.live()[1]
+    rank = _get_int(rec, "rank")
+    _expect(rank in s.promoted, f"the log says rank {rank} was promoted; the model has not")
+
+
+def _c_reconciled(r: _Replay, rec: dict[str, Any]) -> None:
+    s = r.live()[1]
+    kind, target, lost = rec.get("kind"), _get_int(rec, "target"), rec.get("steps_lost")
+    _expect(s.phase is Phase.REBUILDING, f"the model is {s.phase.value}, not rebuilding")
+    _expect(
+        (kind, target, lost) == (s.kind.value, s.target, s.loss),
+        f"the log says {kind} to step {target} losing {lost} step(s); the model did "
+        f"{s.kind.value} to step {s.target} losing {s.loss}",
+    )
+
+
+def _c_recovery_end(r: _Replay, rec: dict[str, Any]) -> None:
+    s = r.live()[1]
+    _last_is(r, ev.Resume, "recovery_end")
+    step, gen = _get_int(rec, "resumed_at"), _get_int(rec, "generation")
+    _expect(s.phase is Phase.RUNNING, f"the model is {s.phase.value}, not running")
+    _expect(s.gen == gen, f"the log says generation {gen}")
+    _expect(rec.get("kind") == s.kind.value, f"the log says {rec.get('kind')!r}")
+    _all_at(s, step, "the log says every rank resumed at step")
+
+
+def _c_failed(r: _Replay, rec: dict[str, Any]) -> None:
+    if "feed" not in rec and "adopt" not in rec:
+        return
+    try:
+        if "feed" in rec:
+            r.feed(rec["feed"])
+        else:
+            r.adopt(rec["adopt"])
+    except _Diverged as d:
+        raise _Diverged(f"the coordinator stopped the job: {d}") from None
+    raise _Diverged("the log says the model refused this, but it replays")
+
+
+def _c_mismatch(r: _Replay, rec: dict[str, Any]) -> None:
+    raise _Diverged(f"the coordinator let a refusal pass: {rec.get('error')}")
+
+
+_CHECKS: dict[str, Callable[[_Replay, dict[str, Any]], None]] = {
+    "core_init": _c_init,
+    "core": _c_core,
+    "step": _c_step,
+    "training_done": _c_done,
+    "tier2_snapshot": _c_t2,
+    "failure": _c_failure,
+    "failure_ignored": _c_ignored,
+    "recovery_start": _c_recovery_start,
+    "recovery_restart": _c_recovery_start,
+    "fence": _c_fence,
+    "promoted": _c_promoted,
+    "reconciled": _c_reconciled,
+    "recovery_end": _c_recovery_end,
+    "job_failed": _c_failed,
+    "model_mismatch": _c_mismatch,
+}
+_CHECKED = frozenset(_CHECKS) - {"core_init", "core", "job_failed"}
+
+
+def replay(records: Iterable[tuple[int, dict[str, Any]]], path: str = "<records>") -> TraceReport:
+    """Replay numbered records (line, record); stops at the first divergence."""
+    r = _Replay()
+    lines = 0
+    for n, rec in records:
+        lines = n
+        name = str(rec.get("event"))
+        check_record = _CHECKS.get(name)
+        if check_record is None:
+            continue
+        if r.model is None and name not in ("core_init", "core", "job_failed"):
+            continue  # a record before the model exists (a job that stopped early)
+        before = r.state
+        try:
+            check_record(r, rec)
+        except _Diverged as d:
+            state = r.state if name in ("core", "job_failed") else before
+            return TraceReport(
+                path,
+                lines,
+                r.core_records,
+                r.events,
+                r.checked,
+                Divergence(n, name, str(d), describe(state if state is not None else before)),
+            )
+        if name in _CHECKED:
+            r.checked += 1
+    return TraceReport(path, lines, r.core_records, r.events, r.checked, None)
+
+
+def read(path: str | Path) -> tuple[Path, list[tuple[int, dict[str, Any]]]]:
+    """The numbered records of a run directory's ``events.jsonl`` (or of the file).
+
+    A line that is not a JSON object naming its ``event`` is bad input, except a last
+    line with no newline (a writer killed half way through it), which is skipped."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file or directory")
+    f = p / "events.jsonl" if p.is_dir() else p
+    if not f.is_file():
+        raise InputError(f"no event log at {f} (a run directory of `leto launch` holds one)")
+    try:
+        text = f.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{f}: unreadable ({e})") from None
+    lines = text.split("\n")
+    torn = lines[-1] != ""
+    out: list[tuple[int, dict[str, Any]]] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if torn and n == len(lines):
+                continue
+            raise InputError(f"{f}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("event"), str):
+            raise InputError(f'{f}:{n}: not a JSON object naming its "event"')
+        out.append((n, rec))
+    if not any(rec["event"] in ("core_init", "core") for _, rec in out):
+        raise InputError(
+            f"{f} has no core records: nothing to replay (a job that stopped before "
+            "training started, or a log written without trace records)"
+        )
+    return f, out
+
+
+def check(path: str | Path) -> TraceReport:
+    """``leto spec trace``: replay a run's log; :class:`InputError` for bad input."""
+    f, records = read(path)
+    return replay(records, str(f))

@@ -1,0 +1,309 @@
+"""Trace validation (``leto.core_trace``, ``leto spec trace``) on logs written by hand.
+
+A log the coordinator would write for a 1-node, 2-rank job with a crash and its
+recovery replays; each way of doctoring it is refused at the line it touches; bad
+input is exit 2 with one line. ``tests/gloo/test_trace.py`` does the same on the log
+of a real job.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from leto.cli import main
+from leto.core import events as ev
+from leto.core.chunk import LOST, NONE
+from leto.core.errors import ProtocolError
+from leto.core.recovery import Phase
+from leto.core_trace import (
+    Apply,
+    Commit,
+    CoreSetup,
+    Retained,
+    Snapshot,
+    TraceError,
+    adopt,
+    decode,
+    encode,
+    replay,
+    run,
+)
+
+SETUP = CoreSetup(nodes=(2,), chunks=2, k=None)
+ADOPT = {
+    "data": [[1, 1], [1, 1]],
+    "undo": [[NONE, NONE], [NONE, NONE]],
+    "grad": [1, 1],
+    "par": [[[1, 1], [1, 1]]],
+    "gpar": [[1, 1]],
+    "t2": 0,
+    "t2lost": [],
+}
+
+
+def a_run() -> list[dict[str, Any]]:
+    """Two steps, a crash of rank 1 after the first, an in-place recovery."""
+    return [
+        {"event": "job_start"},
+        {"event": "core_init", **SETUP.to_record()},
+        {"event": "training_started"},
+        {"event": "core", "feed": [["Commit", 1]]},
+        {"event": "core", "feed": [["Apply", 0, 1]]},
+        {"event": "core", "feed": [["Apply", 1, 1]]},
+        {"event": "step", "step": 1},
+        {"event": "core", "feed": [["Crash", 1]]},
+        {"event": "failure", "rank": 1, "phase": "running", "generation": 0, "step": 1},
+        {"event": "core", "feed": [["Detect"]]},
+        {"event": "recovery_start", "generation": 0, "from_step": 1},
+        {"event": "core", "feed": [["Fence"]]},
+        {"event": "fence", "generation": 1, "stale_killed": []},
+        {"event": "core", "feed": [["Promote", 1]]},
+        {"event": "promoted", "rank": 1, "generation": 1},
+        {"event": "core", "feed": [["EndPromote"]]},
+        {"event": "core", "adopt": ADOPT},
+        {"event": "core", "feed": [["Reconcile"]]},
+        {"event": "reconciled", "generation": 1, "kind": "inplace", "target": 1, "steps_lost": 0},
+        {"event": "core", "feed": [["Rebuild"]]},
+        {"event": "core", "feed": [["Resume"]]},
+        {"event": "recovery_end", "generation": 1, "resumed_at": 1, "kind": "inplace"},
+        {"event": "core", "feed": [["Commit", 2]]},
+        {"event": "core", "feed": [["Apply", 0, 2]]},
+        {"event": "core", "feed": [["Apply", 1, 2]]},
+        {"event": "step", "step": 2},
+        {"event": "training_done", "step": 2},
+        {"event": "job_end"},
+    ]
+
+
+def numbered(records: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    return list(enumerate(records, 1))
+
+
+def line_of(records: list[dict[str, Any]], event: str, nth: int = 0, **match: Any) -> int:
+    hits = [
+        n
+        for n, r in numbered(records)
+        if r["event"] == event and all(r.get(k) == v for k, v in match.items())
+    ]
+    return hits[nth]
+
+
+def test_a_run_replays_with_every_record_checked() -> None:
+    report = replay(numbered(a_run()))
+    assert report.ok, report.line()
+    # Commit: 2 ranks x (Compute, Reduce, Prepare) + Decide; Apply: 2 chunks x 3 + Finish
+    commit, apply = 7, 7
+    recovery = 1 + 1 + 1 + 1 + 1 + 1 + 1 + 1  # Crash .. Resume (the adoption feeds none)
+    assert report.events == 2 * commit + 4 * apply + recovery
+    assert report.core_records == 15
+    checked = {"step", "failure", "recovery_start", "fence", "promoted", "reconciled"}
+    checked |= {"recovery_end", "training_done"}
+    assert report.checked == sum(r["event"] in checked for r in a_run()) == 9
+    assert report.line().startswith("trace OK: <records>: 50 events replayed")
+
+
+def test_items_round_trip_and_malformed_items_are_refused() -> None:
+    for item in (
+        ev.Crash(1),
+        ev.Detect(),
+        ev.BeginChunk(0, 1),
+        ev.LoseNode(0),
+        Commit(3),
+        Apply(1, 3),
+        Snapshot(4),
+    ):
+        assert decode(json.loads(json.dumps(encode(item)))) == item
+    for raw, why in [
+        (["Melt", 1], "no event of the protocol"),
+        (["Crash"], "takes 1 argument"),
+        (["Crash", -1], "must be >= 0"),
+        (["Apply", 1, True], "must be an int"),
+        ("Crash", "a feed item is"),
+        ([], "a feed item is"),
+    ]:
+        with pytest.raises(TraceError, match=why):
+            decode(raw)
+
+
+def test_an_abbreviation_is_refused_at_a_step_the_model_is_not_at() -> None:
+    model = SETUP.model()
+    s = SETUP.initial(model)
+    with pytest.raises(ProtocolError, match="next step is 1"):
+        run(model, s, [Commit(2)])
+    s, _ = run(model, s, [Commit(1)])
+    with pytest.raises(ProtocolError, match="rank 0 is at step 0: it can finish step 1 only"):
+        run(model, s, [Apply(0, 2)])
+    # all or nothing: the refused batch names its inner event, the caller's state stands
+    with pytest.raises(ProtocolError, match=r"BeginChunk\(rank=1, chunk=0\)") as exc:
+        run(model, s, [Apply(0, 1), Apply(1, 1), Apply(1, 2)])
+    assert "illegal in state IDLE" in str(exc.value)
+    s, _ = run(model, s, [Apply(0, 1), Apply(1, 1)])
+    assert (s.committed, s.step) == (1, (1, 1))
+
+
+def _recovering() -> tuple[Any, Any]:
+    """The model reconciling after rank 1 lost its memory at step 1."""
+    model = SETUP.model()
+    s = SETUP.initial(model)
+    s, _ = run(model, s, [Commit(1), Apply(0, 1), Apply(1, 1), ev.LoseMemory(1), ev.Detect()])
+    s, _ = run(model, s, [ev.Fence(), ev.Promote(1), ev.EndPromote()])
+    assert s.phase is Phase.RECONCILING
+    return model, s
+
+
+def test_adoption_is_checked() -> None:
+    model, s = _recovering()
+    lost = {**ADOPT, "data": [[1, 1], [LOST, LOST]], "grad": [1, LOST]}
+    after = adopt(model, s, Retained.from_record(lost))
+    assert after.data == ((1, 1), (LOST, LOST)) and model.plan(after).kind.value == "tier1"
+    for change, why in [
+        ({"data": [[1, 1], [1, 1]]}, "rank 1 chunk 0 is LOST in the model, reported 1"),
+        ({"grad": [1, 1]}, "rank 1's gradients are LOST in the model"),
+        ({"data": [[1, 1, 1], [LOST, LOST]]}, "rank 0: 2 chunks expected"),
+        ({"data": [[1, -3], [LOST, LOST]]}, "rank 0 chunk 1: no chunk value -3"),
+        ({"par": [[[1, 1]]]}, "node 0: parity of 2 chunks x 2 members expected"),
+        ({"t2lost": [3]}, "lost blocks of nodes [3]"),
+    ]:
+        with pytest.raises(ProtocolError, match=why.replace("[", r"\[").replace("]", r"\]")):
+            adopt(model, s, Retained.from_record({**lost, **change}))
+    running = SETUP.initial(model)
+    with pytest.raises(ProtocolError, match="adopted only while reconciling"):
+        adopt(model, running, Retained.from_record(lost))
+    off = CoreSetup(nodes=(2,), chunks=2, k=None, tier1=False)
+    m2 = off.model()
+    s2, _ = run(m2, off.initial(m2), [ev.Crash(0), ev.Detect(), ev.Fence(), ev.Promote(0)])
+    s2, _ = run(m2, s2, [ev.EndPromote()])
+    assert adopt(m2, s2, Retained.from_record(ADOPT)).par == (None,)  # tier 1 off: no parity
+
+
+Doctor = Callable[[list[dict[str, Any]]], tuple[int, str, str]]
+
+
+def _remove_last_apply(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
+    n = line_of(recs, "step", step=1)
+    del recs[n - 2]  # Apply(1, 1), just before: the step record moves up to its line
+    return n - 1, "step", "the model's ranks are at [1, 0]"
+
+
+def _renumber_step(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
+    n = line_of(recs, "step", step=2)
+    recs[n - 1]["step"] = 3
+    return n, "step", "every rank finished step 3; the model has committed step 2"
+
+
+def _reorder(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
+    n = line_of(recs, "core", feed=[["Commit", 2]])
+    recs[n - 1], recs[n] = recs[n], recs[n - 1]  # Apply(0, 2) before the votes are in
+    return n, "core", "refuses Apply(rank=0, step=2)"
+
+
+def _remove_failure(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
+    n = line_of(recs, "core", feed=[["Crash", 1]])
+    del recs[n - 1]
+    return n, "failure", "failure follows Finish, not the event it reports"
+
+
+def _other_kind(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
+    n = line_of(recs, "reconciled")
+    recs[n - 1]["kind"] = "tier2"
+    return n, "reconciled", "the log says tier2 to step 1"
+
+
+def _resurrect(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
+    recs[line_of(recs, "core", feed=[["Crash", 1]]) - 1]["feed"] = [["LoseMemory", 1]]
+    return line_of(recs, "core", adopt=ADOPT), "core", "chunk 0 is LOST in the model"
+
+
+def _no_init(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
+    del recs[line_of(recs, "core_init") - 1]
+    return line_of(recs, "core"), "core", "no core_init record before this one"
+
+
+def _refused_by_the_coordinator(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
+    n = line_of(recs, "step", step=1)
+    recs.insert(n, {"event": "job_failed", "error": "...", "feed": [["Apply", 0, 3]]})
+    return n + 1, "job_failed", "the coordinator stopped the job"
+
+
+def _tolerated(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
+    n = line_of(recs, "step", step=1)
+    recs.insert(n, {"event": "model_mismatch", "error": "x", "feed": [["Apply", 0, 3]]})
+    return n + 1, "model_mismatch", "let a refusal pass"
+
+
+DOCTORS: dict[str, Doctor] = {
+    "an event removed": _remove_last_apply,
+    "a step renumbered": _renumber_step,
+    "events reordered": _reorder,
+    "a failure's event removed": _remove_failure,
+    "another recovery kind": _other_kind,
+    "lost memory found again": _resurrect,
+    "no core_init": _no_init,
+    "a refusal that stopped the job": _refused_by_the_coordinator,
+    "a refusal let pass": _tolerated,
+}
+
+
+@pytest.mark.parametrize("name", sorted(DOCTORS))
+def test_a_doctored_log_diverges_at_the_line_it_touches(name: str) -> None:
+    recs = copy.deepcopy(a_run())
+    line, event, why = DOCTORS[name](recs)
+    report = replay(numbered(recs))
+    d = report.divergence
+    assert d is not None, f"{name}: the doctored log replays"
+    assert (d.line, d.event) == (line, event), report.line()
+    assert why in d.why, report.line()
+    assert f"<records>:{line} ({event})" in report.line() and "[model: " in report.line()
+
+
+def _write(path: Path, records: list[dict[str, Any]], tail: str = "") -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return path
+
+
+def test_leto_spec_trace_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _write(run_dir / "events.jsonl", a_run())
+    assert main(["spec", "trace", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        out.startswith(f"trace OK: {run_dir / 'events.jsonl'}: 50 events") and out.count("\n") == 1
+    )
+    assert main(["spec", "trace", str(run_dir / "events.jsonl"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["ok"] is True and got["events"] == 50 and got["divergence"] is None
+    # a writer killed half way through its last line: that line is skipped
+    _write(run_dir / "events.jsonl", a_run(), tail='{"event": "core", "fe')
+    assert main(["spec", "trace", str(run_dir)]) == 0
+    capsys.readouterr()
+
+    recs = copy.deepcopy(a_run())
+    line, _, _ = _renumber_step(recs)
+    bad = _write(tmp_path / "doctored.jsonl", recs)
+    assert main(["spec", "trace", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"trace DIVERGES at {bad}:{line} (step): ") and out.count("\n") == 1
+    assert main(["spec", "trace", str(bad), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["divergence"]["line"] == line
+
+    lines = [json.dumps(r) for r in a_run()]
+    cases = {
+        str(tmp_path / "nowhere"): "no such file or directory",
+        str(tmp_path): "no event log at",
+        str(_write(tmp_path / "none.jsonl", a_run()[:1] + a_run()[2:3])): "has no core records",
+        str(_write(tmp_path / "mid.jsonl", [], "\n".join([*lines[:3], "{oops", *lines[3:]]))): (
+            "mid.jsonl:4: not JSON"
+        ),
+        str(_write(tmp_path / "arr.jsonl", [], "[1, 2]\n")): 'naming its "event"',
+    }
+    for path, why in cases.items():
+        assert main(["spec", "trace", path]) == 2, path
+        err = capsys.readouterr().err
+        assert err.startswith("leto spec trace: error: ") and why in err and err.count("\n") == 1
