@@ -8,6 +8,7 @@ import pytest
 
 from leto.backends.gloo.coordinator import Coordinator, CoordinatorOptions
 from leto.backends.gloo.eventlog import EventLog
+from leto.core_trace import replay
 
 CHUNKS = 2
 
@@ -129,6 +130,8 @@ def test_votes_commit_and_a_crash_is_recovered_through_the_core() -> None:
     assert end["tier2_retaken"] is False
     assert set(end["phases_ms"]) >= {"fence", "promote", "rejoin", "reconcile", "rebuild"}
     h.step(2, gen=1)  # training goes on in the new generation
+    rep = replay(enumerate(h.log.records, 1))
+    assert rep.ok, rep.line()
 
 
 def test_torn_chunk_with_commit_rolls_forward_from_the_retained_truth() -> None:
@@ -148,6 +151,7 @@ def test_torn_chunk_with_commit_rolls_forward_from_the_retained_truth() -> None:
     cmd = out[0][1]
     assert cmd["kind"] == "forward" and cmd["target"] == 2
     assert h.events("retained_truth"), "the model is corrected from the retained headers"
+    assert replay(enumerate(h.log.records, 1)).ok
 
 
 def test_hang_is_fenced_and_killed_before_promotion() -> None:
@@ -221,3 +225,96 @@ def test_no_tier2_no_checkpoint_is_unrecoverable(tier2: bool) -> None:
     out = h.send(0, {**lost, "rank": 1})
     assert h.c.failed is not None and "No checkpoint is configured" in h.c.failed
     assert out and out[-1][1]["t"] == "fail"
+
+
+# --- the model as judge ------------------------------------------------------------------
+
+
+def test_a_recovery_replays_through_the_model_from_its_log() -> None:
+    h = Harness()
+    h.step(1)
+    h.send(0, {"t": "failure", "kind": "keeper_lost", "rank": 1, "detected_by": "keeper exit"})
+    h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    h.send(0, {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0})
+    h.send(0, report(0, 1, 1))
+    lost = {"t": "report", "rank": 1, "gen": 1, "data": [-2, -2], "undo": [-1, -1], "grad": -2}
+    out = h.send(0, lost)
+    assert out[0][1]["kind"] == "tier1"
+    for t in ("reconciled", "rebuilt"):
+        for r in range(2):
+            h.send(0, {"t": t, "rank": r, "gen": 1, "snapshot": None})
+    h.step(2, gen=1)
+    (init,) = h.events("core_init")
+    assert init == {**init, "nodes": [2], "chunks": CHUNKS, "k": 100, "shadows": "spawning"}
+    feeds = [e["feed"] for e in h.events("core") if "feed" in e]
+    # O(ranks) per step: one record for the votes, one per finished rank
+    assert [["Commit", 1]] in feeds and [["Apply", 1, 1]] in feeds and [["LoseMemory", 1]] in feeds
+    (adopted,) = [e["adopt"] for e in h.events("core") if "adopt" in e]
+    assert adopted["data"] == [[1, 1], [-2, -2]] and adopted["grad"] == [-1, -2]
+    rep = replay(enumerate(h.log.records, 1))
+    assert rep.ok and rep.checked >= 8, rep.line()
+
+
+def test_an_event_the_model_refuses_stops_the_job() -> None:
+    h = Harness()
+    h.step(1)
+    # rank 0 says it finished step 2, whose votes never came: no COMMIT(2) to apply
+    out = h.send(0, {"t": "finished", "rank": 0, "step": 2, "gen": 0, "loss": 1.0})
+    err = h.c.failed
+    assert err is not None and out == [(None, {"t": "fail", "error": err})]
+    assert "\n" not in err
+    assert err.startswith("the protocol model refused Apply(rank=0, step=2) (rank 0 finished")
+    assert "txn: event BeginChunk(rank=0, chunk=0) is illegal in state IDLE" in err
+    assert "model: phase running, generation 0, committed 1" in err
+    (failed,) = h.events("job_failed")
+    assert failed["feed"] == [["Apply", 0, 2]]
+    # its trace is refused at that record: the coordinator's refusal replays as one
+    rep = replay(enumerate(h.log.records, 1))
+    assert rep.divergence is not None and rep.divergence.event == "job_failed", rep.line()
+    assert rep.divergence.line == len(h.log.records)
+
+
+def test_a_finished_step_the_model_is_not_at_stops_the_job() -> None:
+    h = Harness()
+    h.step(1)
+    for r in range(2):
+        h.send(0, {"t": "vote", "rank": r, "step": 2, "gen": 0})
+    h.send(0, {"t": "finished", "rank": 1, "step": 3, "gen": 0, "loss": 1.0})
+    assert h.c.failed is not None and "rank 1 is at step 1" in h.c.failed, h.c.failed
+    # votes for a step other than the next one, once all are in, too
+    h = Harness()
+    h.step(1)
+    for r in range(2):
+        h.send(0, {"t": "vote", "rank": r, "step": 3, "gen": 0})
+    assert h.c.failed is not None and "Commit(step=3)" in h.c.failed, h.c.failed
+    assert "the model's next step is 2" in h.c.failed
+
+
+def test_a_report_of_memory_the_model_lost_stops_the_job() -> None:
+    h = Harness()
+    h.step(1)
+    h.send(0, {"t": "failure", "kind": "keeper_lost", "rank": 1, "detected_by": "keeper exit"})
+    h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    h.send(0, {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0})
+    h.send(0, report(0, 1, 1))
+    out = h.send(0, report(1, 1, 1))  # its keeper died, yet it reports intact chunks
+    err = h.c.failed
+    assert err is not None and out[-1] == (None, {"t": "fail", "error": err})
+    assert "Adopt(retained state of generation 1)" in err
+    assert "rank 1 chunk 0 is LOST in the model, reported 1" in err
+    assert "phase reconciling" in err
+    assert not [m for _, m in out if m["t"] == "reconcile"]
+    rep = replay(enumerate(h.log.records, 1))
+    assert rep.divergence is not None and rep.divergence.event == "job_failed"
+
+
+def test_not_strict_logs_the_refusal_and_carries_on() -> None:
+    h = Harness(strict=False)
+    h.step(1)
+    h.send(0, {"t": "finished", "rank": 0, "step": 2, "gen": 0, "loss": 1.0})
+    assert h.c.failed is None
+    (mismatch,) = h.events("model_mismatch")
+    assert "refused Apply(rank=0, step=2)" in mismatch["error"]
+    h.step(2)  # the model did not take the refused step: training goes on
+    rep = replay(enumerate(h.log.records, 1))
+    assert rep.divergence is not None and rep.divergence.event == "model_mismatch"

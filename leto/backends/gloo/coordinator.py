@@ -21,36 +21,57 @@ stale processes and fence the keepers; promotion waits for their answer),
 ``Promote`` per failed rank (warm or cold shadow), ``EndPromote``, then every
 trainer joins the communicator of the new generation and reports the *truth*
 of its retained state (chunk versions, undo copies, sealed gradients, its node's
-parity records), which replaces the model's data/undo/grad/par/gpar (a trainer
+parity records), which the model adopts as its picture of memory (a trainer
 that died between doing something and reporting it leaves the model one event
 behind; the retained headers never are) before the core computes the reconcile
-plan. ``Reconcile`` (or ``GoFallback`` + ``RestoreCheckpoint``) is carried out by
-every trainer, then ``Rebuild`` and ``Resume``. A failure during any of it feeds
+plan (:func:`leto.core_trace.adopt`, which refuses a report the model cannot have
+come to: another phase, another shape, memory the model lost found again).
+``Reconcile`` (or ``GoFallback`` + ``RestoreCheckpoint``) is carried out by every
+trainer, then ``Rebuild`` and ``Resume``. A failure during any of it feeds
 ``Detect`` again where the core allows it: recovery restarts at the next
 generation.
+
+The model judges. An event it refuses stops the job (``CoordinatorOptions.strict``,
+on by default) with one line naming what was refused, the error and the model's
+state; only messages of an old generation are dropped before it (the keeper's
+fence), and votes wait while a recovery runs. What the coordinator feeds the
+model and the retained state it adopts are written to the event log as ``core``
+records (:mod:`leto.core_trace`, O(ranks) per step), so that ``leto spec trace
+RUN_DIR`` replays the run through the model and checks it against the log.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import attrs
-
 from leto.core import events as ev
-from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState
+from leto.core.cluster import ClusterModel, ClusterState, Effect
 from leto.core.erasure import Topology
 from leto.core.errors import ProtocolError
 from leto.core.recovery import Kind, Phase
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
+from leto.core_trace import (
+    Apply,
+    Commit,
+    CoreSetup,
+    Item,
+    Retained,
+    Snapshot,
+    adopt,
+    describe,
+    encode,
+    run,
+)
 
 from .eventlog import EventLog
 
 __all__ = ["Coordinator", "CoordinatorOptions"]
 
 Out = tuple[int | None, dict[str, Any]]
-BIG = 10**12
 
 
 @dataclass
@@ -59,6 +80,16 @@ class CoordinatorOptions:
     recovery_timeout: float = 180.0  # one recovery phase waiting longer fails the job
     stopped_grace: float = 2.0  # a collective error with no failure reported: then blame it
     max_recoveries: int = 100
+    # an event the model refuses stops the job; off: logged as model_mismatch, carried on
+    strict: bool = True
+
+
+class ModelRefused(Exception):
+    """The model refused what the coordinator fed it (judged by ``Coordinator._judge``)."""
+
+    def __init__(self, what: str, source: str, error: ProtocolError, record: dict[str, Any]):
+        super().__init__(f"{what} ({source}): {error}")
+        self.what, self.source, self.error, self.record = what, source, error, record
 
 
 @dataclass
@@ -138,11 +169,39 @@ class Coordinator:
     def generation(self) -> int:
         return self.state.gen if self.state is not None else 0
 
-    def _feed(self, e: ev.Event) -> tuple[tuple[str, dict[str, Any]], ...]:
+    def _feed(self, e: ev.Event) -> tuple[Effect, ...]:
+        return self._run([e], "the recovery driver")
+
+    def _run(self, items: list[Item], source: str) -> tuple[Effect, ...]:
+        """Feed ``items`` to the model, all or nothing, and log them as one ``core`` record;
+        a refusal raises :class:`ModelRefused` and leaves the state as it was."""
         assert self.model is not None and self.state is not None
-        after, effects = self.model.step(self.state, e)
-        self.state = self._patched(after)
+        feed = [encode(i) for i in items]
+        try:
+            self.state, effects = run(self.model, self.state, items)
+        except ProtocolError as err:
+            what = ", ".join(repr(i) for i in items)
+            raise ModelRefused(what, source, err, {"feed": feed}) from None
+        self.log.write("core", feed=feed)
         return effects
+
+    @contextlib.contextmanager
+    def _judging(self) -> Iterator[None]:
+        try:
+            yield
+        except ModelRefused as refused:
+            self._judge(refused)
+
+    def _judge(self, refused: ModelRefused) -> None:
+        """The model refused an input: stop the job, naming it (strict), or log it."""
+        line = (
+            f"the protocol model refused {refused.what} ({refused.source}): {refused.error}; "
+            f"model: {describe(self.state)}"
+        )
+        if self.opt.strict:
+            self.fail(line, **refused.record)
+        else:
+            self.log.write("model_mismatch", error=line, **refused.record)
 
     def _try(self, e: ev.Event) -> bool:
         assert self.model is not None and self.state is not None
@@ -150,12 +209,6 @@ class Coordinator:
             return False
         self._feed(e)
         return True
-
-    def _patched(self, s: ClusterState) -> ClusterState:
-        if self.info.get("tier1", True):
-            return s
-        n = len(s.par)
-        return attrs.evolve(s, par=(None,) * n, gpar=(None,) * n)
 
     def fail(self, message: str, **fields: Any) -> None:
         if self.failed is not None:
@@ -173,9 +226,10 @@ class Coordinator:
         if handler is None:
             self.log.write("unknown_message", node=node, message=msg)
             return
-        handler(node, msg, now)
-        if self.model is not None and self.failed is None and not self.complete:
-            self._advance(now)
+        with self._judging():
+            handler(node, msg, now)
+            if self.model is not None and self.failed is None and not self.complete:
+                self._advance(now)
 
     def node_up(self, node: int, *, spare: bool, now: float) -> None:
         self.nodes_up.add(node)
@@ -192,8 +246,11 @@ class Coordinator:
             self.fail(f"node {node} was lost before training started ({why})")
             return
         self.nodes_lost_at[node] = now
-        self._failure({"kind": "node_lost", "node": node, "detected_by": why, "rank": None}, now)
-        self._advance(now)
+        with self._judging():
+            self._failure(
+                {"kind": "node_lost", "node": node, "detected_by": why, "rank": None}, now
+            )
+            self._advance(now)
 
     def tick(self, now: float) -> None:
         """Timers: a spare that does not come, a recovery stuck waiting."""
@@ -219,15 +276,16 @@ class Coordinator:
             if now - since > self.opt.stopped_grace:
                 del self.stopped_at[rank]
                 if s.phase is Phase.RUNNING and s.trainer[rank] is TrainerState.ALIVE:
-                    self._failure(
-                        {
-                            "kind": "collective_error",
-                            "rank": rank,
-                            "detected_by": "collective error with no failure reported",
-                        },
-                        now,
-                    )
-                    self._advance(now)
+                    with self._judging():
+                        self._failure(
+                            {
+                                "kind": "collective_error",
+                                "rank": rank,
+                                "detected_by": "collective error with no failure reported",
+                            },
+                            now,
+                        )
+                        self._advance(now)
 
     # --- start ---------------------------------------------------------------
 
@@ -254,24 +312,22 @@ class Coordinator:
                 )
                 return
         self.info = {k: infos[0].get(k) for k in keys}
-        tier2 = bool(self.info["tier2"]) and self.topology.nodes >= 1
-        cfg = ClusterConfig(
-            topology=self.topology,
+        setup = CoreSetup(
+            nodes=self.topology.node_sizes,
             chunks=int(self.info["n_chunks"]),
-            max_step=BIG,
-            max_faults=BIG,
-            k=int(self.info["tier2_interval"]) if tier2 else BIG,
+            k=int(self.info["tier2_interval"]) if self.info["tier2"] else None,
+            tier1=bool(self.info.get("tier1", True)),
+            # shadows are started with the trainers: spawning until they report warm
+            shadows=ShadowState.SPAWNING,
         )
-        self.model = ClusterModel(cfg)
-        s = self.model.initial()
-        # shadows are started with the trainers: spawning until they report warm
-        s = attrs.evolve(s, shadow=(ShadowState.SPAWNING,) * self.W)
-        self.state = self._patched(s)
+        self.model = setup.model()
+        self.state = setup.initial(self.model)
+        self.log.write("core_init", **setup.to_record())
         for r, i in self.ready.items():
             self.t2_meta[r] = i.get("snapshot")
         self.log.write(
             "training_started",
-            n_chunks=cfg.chunks,
+            n_chunks=setup.chunks,
             chunk_numel=self.info["chunk_numel"],
             tier1=self.info["tier1"],
             tier1_kind=self.info["tier1_kind"],
@@ -299,19 +355,9 @@ class Coordinator:
         step = int(msg["step"])
         votes = self.votes.setdefault(step, set())
         votes.add(int(msg["rank"]))
-        if len(votes) < self.W or s.phase is not Phase.RUNNING or step != s.committed + 1:
+        if len(votes) < self.W or s.phase is not Phase.RUNNING:
             return
-        try:
-            for e in (
-                *(ev.Compute(r) for r in range(self.W)),
-                *(ev.Reduce(r) for r in range(self.W)),
-                *(ev.Prepare(r) for r in range(self.W)),
-                ev.Decide(),
-            ):
-                self._feed(e)
-        except ProtocolError as err:
-            self.log.write("model_mismatch", step=step, error=str(err))
-            return
+        self._run([Commit(step)], f"the votes for step {step}")
         del self.votes[step]
         self._send(None, {"t": "commit", "step": step, "gen": s.gen})
 
@@ -319,16 +365,7 @@ class Coordinator:
         if not self._current(msg):
             return
         r, step = int(msg["rank"]), int(msg["step"])
-        assert self.model is not None
-        try:
-            for c in range(self.model.config.chunks):
-                self._feed(ev.BeginChunk(r, c))
-                self._feed(ev.EndChunk(r, c))
-                self._feed(ev.ParityChunk(r, c))
-            self._feed(ev.Finish(r))
-        except ProtocolError as err:
-            self.log.write("model_mismatch", step=step, rank=r, error=str(err))
-            return
+        self._run([Apply(r, step)], f"rank {r} finished step {step}")
         if msg.get("loss") is not None:
             fin = self.finished.setdefault(step, set())
             fin.add(r)
@@ -346,9 +383,7 @@ class Coordinator:
         if len(got) < self.W:
             return
         del self.snaps[step]
-        if not self._try(ev.Tier2Snapshot()):
-            self.log.write("model_mismatch", step=step, error="Tier2Snapshot not enabled")
-            return
+        self._run([Snapshot(step)], f"every rank took the tier-2 snapshot of step {step}")
         self.t2_step = step
         self.t2_meta = dict(got)
         self._send(None, {"t": "t2", "step": step, "gen": self.generation})
@@ -438,9 +473,9 @@ class Coordinator:
         record["phase"] = s.phase.value
         if why is not None:
             # e.g. a crash of a rank already dead, or of a process of an old generation
-            self.log.write("failure_ignored", **record, why=str(why))
+            self.log.write("failure_ignored", **record, why=str(why), refused=encode(fault))
             return
-        self._feed(fault)
+        self._run([fault], "a failure report")
         self.log.write("failure", **record, generation=s.gen)
         if isinstance(fault, ev.LoseNode):
             self.nodes_lost_at.setdefault(fault.node, now)
@@ -703,9 +738,11 @@ class Coordinator:
         self._wait("reconcile", set(range(self.W)), now)
 
     def _truth(self, s: ClusterState) -> ClusterState:
-        """The model's state with the retained state as the trainers found it."""
-        data, undo, grad = list(s.data), list(s.undo), list(s.grad)
-        par, gpar = list(s.par), list(s.gpar)
+        """The model's state with the retained state as the trainers found it: adopted
+        through :func:`leto.core_trace.adopt` (which refuses what the model cannot have
+        come to) and logged as a ``core`` record, so the trace replays it."""
+        assert self.model is not None
+        data, undo, grad = [], [], []
         notes = []
         for r in range(self.W):
             rep = self.reports[r]
@@ -716,7 +753,10 @@ class Coordinator:
                 notes.append(
                     f"rank {r}: model data={list(s.data[r])} undo={list(s.undo[r])} grad={s.grad[r]}, retained data={list(d)} undo={list(u)} grad={g}"
                 )
-            data[r], undo[r], grad[r] = d, u, g
+            data.append(d)
+            undo.append(u)
+            grad.append(g)
+        par, gpar = [], []
         for n in range(self.topology.nodes):
             head = self.reports[self.topology.ranks_of(n)[0]]
             p = head.get("node_par")
@@ -727,14 +767,10 @@ class Coordinator:
                 notes.append(
                     f"node {n}: model par={s.par[n]} gpar={s.gpar[n]}, retained par={newp} gpar={newg}"
                 )
-            par[n], gpar[n] = newp, newg
-        if self.rec is not None:
-            self.rec.truth_notes.extend(notes)
-        if notes:
-            self.log.write("retained_truth", generation=s.gen, differences=notes)
+            par.append(newp)
+            gpar.append(newg)
         t2lost = s.t2lost if self.info.get("tier2") else frozenset(range(self.topology.nodes))
-        return attrs.evolve(
-            s,
+        retained = Retained(
             data=tuple(data),
             undo=tuple(undo),
             grad=tuple(grad),
@@ -743,6 +779,18 @@ class Coordinator:
             t2=self.t2_step,
             t2lost=t2lost,
         )
+        try:
+            after = adopt(self.model, s, retained)
+        except ProtocolError as err:
+            what = "the retained state the trainers reported"
+            source = f"generation {s.gen}"
+            raise ModelRefused(what, source, err, {"adopt": retained.to_record()}) from None
+        self.log.write("core", adopt=retained.to_record())
+        if self.rec is not None:
+            self.rec.truth_notes.extend(notes)
+        if notes:
+            self.log.write("retained_truth", generation=s.gen, differences=notes)
+        return after
 
     def _log_reconciled(self, now: float) -> None:
         rec = self.rec
