@@ -49,6 +49,7 @@ from leto.backends.base import (
     Snapshot,
     Work,
 )
+from leto.core import effects as fx
 from leto.core import events as ev
 from leto.core import schedule
 from leto.core.chunk import LOST, NONE
@@ -69,7 +70,6 @@ from leto.retained.optim import RetainedOptimizer, is_chunkable, retain
 from leto.retained.parity import (
     add_delta_,
     as_bytes,
-    decode,
     decode_rotated,
     encode,
     encode_rotated,
@@ -412,15 +412,15 @@ class Engine:
         if isinstance(event, ev.Reconcile):
             self._reconcile(before, after, effects)
             return
-        for name, args in effects:
-            getattr(self, "_fx_" + name.replace("-", "_"))(args, before, after)
+        for effect in effects:
+            EXECUTORS[type(effect)](self, effect, before, after)
 
     # --- a step ---------------------------------------------------------------
 
     def _fx_forward_backward(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.ForwardBackward, before: ClusterState, after: ClusterState
     ) -> None:
-        r, step = a["rank"], a["step"]
+        r, step = a.rank, a.step
         p = self.procs[r]
         if self.step_fn is None:
             raise RuntimeError("no step function: pass one to train() / run_step()")
@@ -450,9 +450,9 @@ class Engine:
         p.loss = float(loss.detach())
 
     def _fx_all_reduce_gradients(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.AllReduceGradients, before: ClusterState, after: ClusterState
     ) -> None:
-        r = a["rank"]
+        r = a.rank
         p = self.procs[r]
         self.backend.check_writer(r, p.gen)
         assert p.work is not None and p.pwork is not None
@@ -476,9 +476,9 @@ class Engine:
         p.work = p.pwork = None
 
     def _fx_write_gradient_parity(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.WriteGradientParity, before: ClusterState, after: ClusterState
     ) -> None:
-        r, step = a["rank"], a["step"]
+        r, step = a.rank, a.step
         p = self.procs[r]
         self.backend.check_writer(r, p.gen)
         lay = p.layout
@@ -510,16 +510,16 @@ class Engine:
         )
         p.gdelta = None
 
-    def _fx_vote(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
+    def _fx_vote(self, a: fx.Vote, before: ClusterState, after: ClusterState) -> None:
         pass  # the vote is the coordinator's record (the core's ``prepared`` set)
 
     def _fx_record_commit(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.RecordCommit, before: ClusterState, after: ClusterState
     ) -> None:
-        self.coordinator.record_commit(a["step"])
+        self.coordinator.record_commit(a.step)
 
-    def _fx_save_undo(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
-        r, c = a["rank"], a["chunk"]
+    def _fx_save_undo(self, a: fx.SaveUndo, before: ClusterState, after: ClusterState) -> None:
+        r, c = a.rank, a.chunk
         p = self.procs[r]
         self.backend.check_writer(r, p.gen)
         assert p.ropt is not None
@@ -529,8 +529,8 @@ class Engine:
         p.ropt.save_undo(c)  # with verify: the chunk's checksum is checked first
         self._inside(r, step, "apply", c, "undo_saved", adopt=True)
 
-    def _fx_apply_chunk(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
-        r, c, step = a["rank"], a["chunk"], a["step"]
+    def _fx_apply_chunk(self, a: fx.ApplyChunk, before: ClusterState, after: ClusterState) -> None:
+        r, c, step = a.rank, a.chunk, a.step
         p = self.procs[r]
         assert p.ropt is not None
         ropt = p.ropt
@@ -547,17 +547,17 @@ class Engine:
         ropt.apply_chunk(c, seal=False)
 
     def _fx_chunk_written(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.ChunkWritten, before: ClusterState, after: ClusterState
     ) -> None:
-        r, c, step = a["rank"], a["chunk"], a["step"]
+        r, c, step = a.rank, a.chunk, a.step
         p = self.procs[r]
         self.backend.check_writer(r, p.gen)
         p.layout.seal_chunk(c, step)
 
     def _fx_update_parity(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.UpdateParity, before: ClusterState, after: ClusterState
     ) -> None:
-        r, c, step = a["rank"], a["chunk"], a["step"]
+        r, c, step = a.rank, a.chunk, a.step
         p = self.procs[r]
         self.backend.check_writer(r, p.gen)
         lay = p.layout
@@ -575,14 +575,14 @@ class Engine:
         self._inside(r, step, "parity", c, adopt=True)
 
     def _fx_release_undo(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.ReleaseUndo, before: ClusterState, after: ClusterState
     ) -> None:
-        p = self.procs[a["rank"]]
+        p = self.procs[a.rank]
         assert p.ropt is not None
-        p.ropt.finish_chunk(a["chunk"])
+        p.ropt.finish_chunk(a.chunk)
 
-    def _fx_step_done(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
-        r, step = a["rank"], a["step"]
+    def _fx_step_done(self, a: fx.StepDone, before: ClusterState, after: ClusterState) -> None:
+        r, step = a.rank, a.step
         p = self.procs[r]
         assert p.ropt is not None
         p.ropt.end()
@@ -600,35 +600,35 @@ class Engine:
             del hist[old]
 
     def _fx_tier2_snapshot(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.TakeSnapshot, before: ClusterState, after: ClusterState
     ) -> None:
-        self._take_snapshot(a["step"])
+        self._take_snapshot(a.step)
 
     # --- shadows, faults, fencing ------------------------------------------------
 
-    def _fx_warm_shadow(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
-        self.backend.spawn_shadow(a["rank"], self._shadow_factory)
+    def _fx_warm_shadow(self, a: fx.WarmShadow, before: ClusterState, after: ClusterState) -> None:
+        self.backend.spawn_shadow(a.rank, self._shadow_factory)
 
     def _fx_reclaim_shadow(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.ReclaimShadow, before: ClusterState, after: ClusterState
     ) -> None:
-        self.backend.reclaim_shadow(a["rank"])
+        self.backend.reclaim_shadow(a.rank)
 
-    def _fx_crash(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
-        self.backend.crash(a["rank"])  # type: ignore[attr-defined]
+    def _fx_crash(self, a: fx.Crash, before: ClusterState, after: ClusterState) -> None:
+        self.backend.crash(a.rank)  # type: ignore[attr-defined]
 
-    def _fx_hang(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
-        self.backend.hang(a["rank"])  # type: ignore[attr-defined]
+    def _fx_hang(self, a: fx.Hang, before: ClusterState, after: ClusterState) -> None:
+        self.backend.hang(a.rank)  # type: ignore[attr-defined]
 
-    def _fx_lose_memory(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
-        self.backend.lose_memory(a["rank"])  # type: ignore[attr-defined]
+    def _fx_lose_memory(self, a: fx.LoseMemory, before: ClusterState, after: ClusterState) -> None:
+        self.backend.lose_memory(a.rank)  # type: ignore[attr-defined]
 
-    def _fx_lose_node(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
-        self.backend.lose_node(a["node"])  # type: ignore[attr-defined]
-        for r in self.backend.ranks_of(a["node"]):
+    def _fx_lose_node(self, a: fx.LoseNode, before: ClusterState, after: ClusterState) -> None:
+        self.backend.lose_node(a.node)  # type: ignore[attr-defined]
+        for r in self.backend.ranks_of(a.node):
             self.stale.pop(r, None)  # its processes are gone with it
 
-    def _fx_detected(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
+    def _fx_detected(self, a: fx.Detected, before: ClusterState, after: ClusterState) -> None:
         if self._rec is None:
             self._rec = _Recovery(from_step=self._current_step, started=time.perf_counter())
             self._rec.integrity.extend(self._integrity_notes)
@@ -636,10 +636,10 @@ class Engine:
         else:
             self._rec.restarts += 1
             self.stats["recovery_restarts"] += 1
-        self._rec.failed = [f"rank {r} {after.trainer[r].name.lower()}" for r in a["ranks"]]
+        self._rec.failed = [f"rank {r} {after.trainer[r].name.lower()}" for r in a.ranks]
 
-    def _fx_fence(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
-        gen = a["generation"]
+    def _fx_fence(self, a: fx.Fence, before: ClusterState, after: ClusterState) -> None:
+        gen = a.generation
         self.backend.fence(gen)
         for r, t in enumerate(before.trainer):
             if t is TrainerState.HUNG:  # a stale process lives on, fenced out
@@ -649,16 +649,16 @@ class Engine:
             self._rec.generation = gen
 
     def _fx_abort_collectives(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.AbortCollectives, before: ClusterState, after: ClusterState
     ) -> None:
-        self.backend.abort(a["generation"])
+        self.backend.abort(a.generation)
         for p in self.procs:
             p.work = p.pwork = None
 
     def _fx_refuse_stale_write(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.RefuseStaleWrite, before: ClusterState, after: ClusterState
     ) -> None:
-        r = a["rank"]
+        r = a.rank
         stale = self.stale.get(r)
         gen = stale.gen if stale is not None else -1
         try:
@@ -670,47 +670,47 @@ class Engine:
         else:
             raise IntegrityError(f"rank {r}: the keeper accepted a write from generation {gen}")
 
-    def _fx_kill_stale(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
-        self.stale.pop(a["rank"], None)
-        self.backend.kill(a["rank"])
+    def _fx_kill_stale(self, a: fx.KillStale, before: ClusterState, after: ClusterState) -> None:
+        self.stale.pop(a.rank, None)
+        self.backend.kill(a.rank)
 
     def _fx_stale_write_accepted(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.StaleWriteAccepted, before: ClusterState, after: ClusterState
     ) -> None:
         raise IntegrityError("the no_fencing mutant cannot run on real tensors")
 
-    def _fx_promote(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
-        r, gen = a["rank"], a["generation"]
+    def _fx_promote(self, a: fx.Promote, before: ClusterState, after: ClusterState) -> None:
+        r, gen = a.rank, a.generation
         replica = self.backend.promote_shadow(r, gen)
         self.procs[r] = RankProc(r, gen, replica)
         if self._rec is not None:
             self._rec.promoted.append(r)
 
     def _fx_spawn_shadow(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.SpawnShadow, before: ClusterState, after: ClusterState
     ) -> None:
         pass  # a replacement starts spawning; it is warm at ShadowWarm
 
-    def _fx_fallback(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
+    def _fx_fallback(self, a: fx.Fallback, before: ClusterState, after: ClusterState) -> None:
         if self.checkpointer is None:
-            raise UnrecoverableError(self.lost_message(before, a["reason"]))
+            raise UnrecoverableError(self.lost_message(before, a.reason))
 
     def _fx_load_checkpoint(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.LoadCheckpoint, before: ClusterState, after: ClusterState
     ) -> None:
-        self._restore_checkpoint(before, a["step"])
-        self._note_recovered(after, Kind.CKPT.value, a["step"], before.committed - a["step"])
+        self._restore_checkpoint(before, a.step)
+        self._note_recovered(after, Kind.CKPT.value, a.step, before.committed - a.step)
         self.stats["checkpoint_restores"] += 1
 
     def _fx_rebuild_communicator(
-        self, a: dict[str, Any], before: ClusterState, after: ClusterState
+        self, a: fx.RebuildCommunicator, before: ClusterState, after: ClusterState
     ) -> None:
-        gen = a["generation"]
+        gen = a.generation
         self.backend.rebuild(gen)
         for p in self.procs:
             p.gen = gen
 
-    def _fx_resume(self, a: dict[str, Any], before: ClusterState, after: ClusterState) -> None:
+    def _fx_resume(self, a: fx.Resume, before: ClusterState, after: ClusterState) -> None:
         for p in self.procs:
             p.work = p.pwork = None
             p.gdelta = None
@@ -734,11 +734,11 @@ class Engine:
             ms = round((time.perf_counter() - rec.started) * 1e3, 3)
             entry = {
                 "from_step": rec.from_step,
-                "generation": a["generation"],
+                "generation": a.generation,
                 "failed": rec.failed,
                 "promoted": rec.promoted,
                 "kind": rec.kind,
-                "resumed_at": a["step"],
+                "resumed_at": a.step,
                 "steps_lost": rec.loss,
                 "chunks_repaired_from_parity": rec.tier1_chunks,
                 "grad_blocks_repaired_from_parity": rec.tier1_grads,
@@ -750,7 +750,7 @@ class Engine:
                 "ms": ms,
             }
             self.recoveries.append(entry)
-            self._log("recovered", step=a["step"], **entry)
+            self._log("recovered", step=a.step, **entry)
 
     # --- recovery plans on real tensors --------------------------------------------
 
@@ -768,20 +768,22 @@ class Engine:
         lost = {r for r in range(self.W) if all(d == LOST for d in before.data[r])}
         for r in range(self.W):
             self._ensure_layout(r, r in lost)
-        reason = next((a["reason"] for n, a in effects if n == "reconciled"), "")
+        reason = next((a.reason for a in effects if isinstance(a, fx.Reconciled)), "")
         rec = self._rec
         if kind is Kind.TIER2:
             self._restore_snapshot(target)
             self.stats["snapshot_restores"] += 1
         else:
-            for name, a in effects:
-                if name == "repair_tier1":
-                    self._decode_chunk(a["rank"], a["chunk"], a["step"])
+            for a in effects:
+                if not isinstance(a, fx.Repair):
+                    continue
+                if a.what == "tier1":
+                    self._decode_chunk(a.rank, a.chunk, a.step)
                     self.stats["chunks_repaired_from_parity"] += 1
                     if rec:
                         rec.tier1_chunks += 1
-                elif name == "repair_grad-tier1":
-                    self._decode_grads(a["rank"], a["step"])
+                elif a.what == "grad-tier1":
+                    self._decode_grads(a.rank, a.step)
                     self.stats["grad_blocks_repaired_from_parity"] += 1
                     if rec:
                         rec.tier1_grads += 1
@@ -812,69 +814,57 @@ class Engine:
             self._rec.reason = reason
 
     def _decode_chunk(self, r: int, c: int, version: int) -> None:
-        """Tier 1: rebuild rank ``r``'s chunk ``c`` at ``version`` from its node's parity."""
+        """Tier 1: rank ``r``'s chunk ``c`` at ``version`` from its node's parity
+        (:func:`leto.retained.recovery.decode_chunk` on every member of the node)."""
         members = self.backend.ranks_of(self.backend.node_of(r))
-        mi = members.index(r)
         store = self._store(r)
         if store.parity is None:
             raise IntegrityError(f"rank {r} chunk {c}: its node's tier-1 parity is gone")
-        if store.parity_versions[c][mi] != version:
-            raise IntegrityError(
-                f"rank {r} chunk {c}: the parity encodes version {store.parity_versions[c][mi]}, "
-                f"the plan expects {version}"
-            )
-        datas: list[list[torch.Tensor]] = []
-        for j, q in enumerate(members):
-            lay = self.procs[q].layout
-            datas.append(
-                lay.chunk_data(c) if q == r else rx.bytes_at(lay, c, store.parity_versions[c][j])
-            )
+        mi = members.index(r)
+        versions = list(store.parity_versions[c])
+        checksum = store.parity_checksums[c][mi]
         parity = store.parity[c]
 
         def program(coll: Any) -> None:
-            decode(coll, datas[coll.rank], mi, 0, parity if coll.rank == 0 else None)
-
-        self.backend.spmd(members, program)
-        lay = self.procs[r].layout
-        lay.seal_chunk(c, version)
-        if lay.stored_checksum(c) != store.parity_checksums[c][mi]:
-            raise IntegrityError(
-                f"rank {r} chunk {c}: the bytes rebuilt from tier-1 parity fail the checksum "
-                "recorded with the parity"
+            rx.decode_chunk(
+                coll,
+                self.procs[members[coll.rank]].layout,
+                c,
+                lost=mi,
+                version=version,
+                versions=versions,
+                checksum=checksum,
+                parity=parity,
+                who=f"rank {r}",
             )
 
+        self.backend.spmd(members, program)
+
     def _decode_grads(self, r: int, step: int) -> None:
-        """Tier 1: rebuild rank ``r``'s gradients of ``step`` from its node's gradient parity."""
+        """Tier 1: rank ``r``'s gradients of ``step`` from its node's gradient parity
+        (:func:`leto.retained.recovery.decode_grads` on every member of the node)."""
         members = self.backend.ranks_of(self.backend.node_of(r))
-        mi = members.index(r)
         store = self._store(r)
-        if store.gparity is None or r not in store.pending:
-            raise IntegrityError(f"rank {r}: no gradient parity or prepare record to rebuild from")
-        pend = json.loads(store.pending[r])
-        if pend["step"] != step or store.gparity_versions[mi] != step:
-            raise IntegrityError(f"rank {r}: the gradient parity is not of step {step}")
-        datas: list[torch.Tensor] = []
-        for j, q in enumerate(members):
-            lay = self.procs[q].layout
-            v = store.gparity_versions[j]
-            if q == r:
-                datas.append(lay.grad_buffer)
-            elif v == NONE:
-                datas.append(torch.zeros_like(lay.grad_buffer))
-            else:
-                if lay.prepared_step != v or lay.verify_grads(v):
-                    raise IntegrityError(f"rank {q}: its gradients of step {v} are not intact")
-                datas.append(lay.grad_buffer)
+        if store.gparity is None:
+            raise IntegrityError(f"rank {r}: its node's gradient parity is gone")
+        mi = members.index(r)
+        versions = list(store.gparity_versions)
+        pending = rx.load_pending(store.pending.get(r))
         gparity = store.gparity
 
         def program(coll: Any) -> None:
-            decode(coll, datas[coll.rank], mi, 0, gparity if coll.rank == 0 else None)
+            rx.decode_grads(
+                coll,
+                self.procs[members[coll.rank]].layout,
+                lost=mi,
+                step=step,
+                versions=versions,
+                parity=gparity,
+                pending=pending,
+                who=f"rank {r}",
+            )
 
         self.backend.spmd(members, program)
-        lay = self.procs[r].layout
-        lay.seal_grads(step, pend["present"])
-        if lay.grad_checksums() != pend["grad_checksums"]:
-            raise IntegrityError(f"rank {r}: gradients rebuilt from parity fail their checksums")
 
     def _settle(self, r: int, target: int) -> tuple[int, bool]:
         """Bring rank ``r`` to ``target`` (:func:`leto.retained.recovery.settle`).
@@ -1413,3 +1403,44 @@ class Engine:
         if self.injector is not None:
             self.injector.n_chunks = self.procs[0].layout.n_chunks
         self._log("attach", step=step, detail=self._describe())
+
+
+Executor = Callable[[Engine, Any, ClusterState, ClusterState], None]
+
+#: One executor per effect of the core (``tests/fake`` checks every effect has one).
+#: The reconcile plan's ``Repair`` and ``Reconciled`` are carried out together by
+#: :meth:`Engine._reconcile`, which ``execute`` calls for the ``Reconcile`` event.
+EXECUTORS: dict[type[fx.Effect], Executor] = {
+    fx.ForwardBackward: Engine._fx_forward_backward,
+    fx.AllReduceGradients: Engine._fx_all_reduce_gradients,
+    fx.WriteGradientParity: Engine._fx_write_gradient_parity,
+    fx.Vote: Engine._fx_vote,
+    fx.RecordCommit: Engine._fx_record_commit,
+    fx.SaveUndo: Engine._fx_save_undo,
+    fx.ApplyChunk: Engine._fx_apply_chunk,
+    fx.ChunkWritten: Engine._fx_chunk_written,
+    fx.UpdateParity: Engine._fx_update_parity,
+    fx.ReleaseUndo: Engine._fx_release_undo,
+    fx.StepDone: Engine._fx_step_done,
+    fx.TakeSnapshot: Engine._fx_tier2_snapshot,
+    fx.WarmShadow: Engine._fx_warm_shadow,
+    fx.ReclaimShadow: Engine._fx_reclaim_shadow,
+    fx.SpawnShadow: Engine._fx_spawn_shadow,
+    fx.Crash: Engine._fx_crash,
+    fx.Hang: Engine._fx_hang,
+    fx.LoseMemory: Engine._fx_lose_memory,
+    fx.LoseNode: Engine._fx_lose_node,
+    fx.StaleWriteAccepted: Engine._fx_stale_write_accepted,
+    fx.RefuseStaleWrite: Engine._fx_refuse_stale_write,
+    fx.KillStale: Engine._fx_kill_stale,
+    fx.Detected: Engine._fx_detected,
+    fx.Fence: Engine._fx_fence,
+    fx.AbortCollectives: Engine._fx_abort_collectives,
+    fx.Promote: Engine._fx_promote,
+    fx.Fallback: Engine._fx_fallback,
+    fx.LoadCheckpoint: Engine._fx_load_checkpoint,
+    fx.RebuildCommunicator: Engine._fx_rebuild_communicator,
+    fx.Resume: Engine._fx_resume,
+}
+#: carried out by Engine._reconcile as a whole
+RECONCILE_EFFECTS = (fx.Repair, fx.Reconciled)

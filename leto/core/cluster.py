@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from leto.core import effects as fx
 from leto.core import events as ev
 from leto.core.chunk import CHUNK, GARBAGE, LOST, NONE, TORN, ChunkState, classify
 from leto.core.erasure import Topology
@@ -133,7 +134,7 @@ class ClusterState:
     stale_writes: int = 0
 
 
-Effect = tuple[str, dict[str, Any]]
+Effect = fx.Effect
 
 
 def _set(t: tuple[Any, ...], i: int, v: Any) -> tuple[Any, ...]:
@@ -365,7 +366,7 @@ def _u_compute(
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
     r = e.rank
     return attrs.evolve(s, pc=_set(s.pc, r, TxnState.COMPUTED)), (
-        ("forward_backward", {"rank": r, "step": s.step[r] + 1}),
+        fx.ForwardBackward(r, s.step[r] + 1),
     )
 
 
@@ -396,7 +397,7 @@ def _u_reduce(
     r = e.rank
     nxt = s.step[r] + 1
     return attrs.evolve(s, pc=_set(s.pc, r, TxnState.REDUCED), grad=_set(s.grad, r, nxt)), (
-        ("all_reduce_gradients", {"rank": r, "step": nxt}),
+        fx.AllReduceGradients(r, nxt),
     )
 
 
@@ -418,8 +419,8 @@ def _u_prepare(
         prepared=s.prepared | {r},
         commit=COMMIT.next(s.commit, e),
     ), (
-        ("write_gradient_parity", {"rank": r, "step": s.grad[r]}),
-        ("vote", {"rank": r, "step": s.grad[r]}),
+        fx.WriteGradientParity(r, s.grad[r]),
+        fx.Vote(r, s.grad[r]),
     )
 
 
@@ -446,7 +447,7 @@ def _u_decide(
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
     return attrs.evolve(
         s, committed=s.committed + 1, prepared=frozenset(), commit=COMMIT.next(s.commit, e)
-    ), (("record_commit", {"step": s.committed + 1}),)
+    ), (fx.RecordCommit(s.committed + 1),)
 
 
 # BeginChunk / EndChunk / ParityChunk / Finish -----------------------------------------
@@ -480,8 +481,8 @@ def _u_begin(
         data=_set2(s.data, r, c, TORN),
         pc=_set(s.pc, r, TXN.next(s.pc[r], e)),
     ), (
-        ("save_undo", {"rank": r, "chunk": c, "step": s.data[r][c]}),
-        ("apply_chunk", {"rank": r, "chunk": c, "step": s.step[r] + 1}),
+        fx.SaveUndo(r, c, s.data[r][c]),
+        fx.ApplyChunk(r, c, s.step[r] + 1),
     )
 
 
@@ -501,7 +502,7 @@ def _u_end(
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
     r, c = e.rank, e.chunk
     return attrs.evolve(s, data=_set2(s.data, r, c, s.step[r] + 1)), (
-        ("chunk_written", {"rank": r, "chunk": c, "step": s.step[r] + 1}),
+        fx.ChunkWritten(r, c, s.step[r] + 1),
     )
 
 
@@ -531,9 +532,9 @@ def _u_parity(
     par = s.par if p is None else _set(s.par, n, _set2(p, c, m.member[r], new))
     torn = s.data[r][c] == TORN
     undo = s.undo if torn else _set2(s.undo, r, c, NONE)
-    effects: tuple[Effect, ...] = (("update_parity", {"rank": r, "chunk": c, "step": new}),)
+    effects: tuple[Effect, ...] = (fx.UpdateParity(r, c, new),)
     if not torn:
-        effects += (("release_undo", {"rank": r, "chunk": c}),)
+        effects += (fx.ReleaseUndo(r, c),)
     return attrs.evolve(s, par=par, undo=undo), effects
 
 
@@ -555,7 +556,7 @@ def _u_finish(
     r = e.rank
     return attrs.evolve(
         s, step=_set(s.step, r, s.step[r] + 1), pc=_set(s.pc, r, TXN.next(s.pc[r], e))
-    ), (("step_done", {"rank": r, "step": s.step[r] + 1}),)
+    ), (fx.StepDone(r, s.step[r] + 1),)
 
 
 # Tier2Snapshot ---------------------------------------------------------------------
@@ -577,9 +578,7 @@ def _g_t2(m: ClusterModel, s: ClusterState, e: ev.Tier2Snapshot) -> ProtocolErro
 def _u_t2(
     m: ClusterModel, s: ClusterState, e: ev.Tier2Snapshot
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
-    return attrs.evolve(s, t2=s.step[0], t2lost=frozenset()), (
-        ("tier2_snapshot", {"step": s.step[0]}),
-    )
+    return attrs.evolve(s, t2=s.step[0], t2lost=frozenset()), (fx.TakeSnapshot(s.step[0]),)
 
 
 # Shadows ---------------------------------------------------------------------------
@@ -599,8 +598,8 @@ def _shadow_guard(m: ClusterModel, s: ClusterState, e: Any) -> ProtocolError | N
 def _u_shadow(m: ClusterModel, s: ClusterState, e: Any) -> tuple[ClusterState, tuple[Effect, ...]]:
     r = e.rank
     new = SHADOW.next(s.shadow[r], e)
-    name = "warm_shadow" if new is ShadowState.WARM else "reclaim_shadow"
-    return attrs.evolve(s, shadow=_set(s.shadow, r, new)), ((name, {"rank": r}),)
+    effect = fx.WarmShadow(r) if new is ShadowState.WARM else fx.ReclaimShadow(r)
+    return attrs.evolve(s, shadow=_set(s.shadow, r, new)), (effect,)
 
 
 _handler(ev.ShadowWarm)(_shadow_guard)(_u_shadow)
@@ -635,7 +634,7 @@ def _u_trainer_fault(
     r = e.rank
     return attrs.evolve(
         s, trainer=_set(s.trainer, r, TRAINER.next(s.trainer[r], e)), faults=s.faults + 1
-    ), ((type(e).__name__.lower(), {"rank": r}),)
+    ), (fx.Crash(r) if isinstance(e, ev.Crash) else fx.Hang(r),)
 
 
 _handler(ev.Crash)(_g_trainer_fault)(_u_trainer_fault)
@@ -667,7 +666,7 @@ def _u_lose_memory(
     m: ClusterModel, s: ClusterState, e: ev.LoseMemory
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
     return attrs.evolve(s, faults=s.faults + 1, **_lose_rank_memory(s, e.rank, e)), (
-        ("lose_memory", {"rank": e.rank}),
+        fx.LoseMemory(e.rank),
     )
 
 
@@ -701,7 +700,7 @@ def _u_lose_node(
         t2lost=s.t2lost | {n},
         nlost=s.nlost | {n},
         faults=s.faults + 1,
-    ), (("lose_node", {"node": n}),)
+    ), (fx.LoseNode(n),)
 
 
 # Keeper fencing --------------------------------------------------------------------
@@ -730,10 +729,10 @@ def _u_stale(
             data=_set2(s.data, r, c, GARBAGE),
             undo=_set2(s.undo, r, c, NONE),
             stale_writes=s.stale_writes + 1,
-        ), (("stale_write_accepted", {"rank": r, "chunk": c}),)
+        ), (fx.StaleWriteAccepted(r, c),)
     return attrs.evolve(s, stale=stale), (
-        ("refuse_stale_write", {"rank": r, "chunk": c}),
-        ("kill_stale", {"rank": r}),
+        fx.RefuseStaleWrite(r, c),
+        fx.KillStale(r),
     )
 
 
@@ -773,7 +772,7 @@ def _u_detect(
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
     failed = [r for r, t in enumerate(s.trainer) if t is not TrainerState.ALIVE]
     return attrs.evolve(s, phase=RECOVERY.next(s.phase, e)), (
-        ("detected", {"ranks": failed, "during_recovery": s.phase is not Phase.RUNNING}),
+        fx.Detected(failed, s.phase is not Phase.RUNNING),
     )
 
 
@@ -796,7 +795,7 @@ def _u_fence(
         prepared=frozenset(),
         commit=COMMIT.next(s.commit, e),
         phase=RECOVERY.next(s.phase, e),
-    ), (("fence", {"generation": gen}), ("abort_collectives", {"generation": gen - 1}))
+    ), (fx.Fence(gen), fx.AbortCollectives(gen - 1))
 
 
 def _g_promote(m: ClusterModel, s: ClusterState, e: ev.Promote) -> ProtocolError | None:
@@ -824,7 +823,7 @@ def _u_promote(
         pc=_set(s.pc, r, TXN.next(s.pc[r], e)),
         shadow=_set(s.shadow, r, SHADOW.next(s.shadow[r], e)),
         promoted=s.promoted | {r},
-    ), (("promote", {"rank": r, "warm": warm, "generation": s.gen}), ("spawn_shadow", {"rank": r}))
+    ), (fx.Promote(r, warm, s.gen), fx.SpawnShadow(r))
 
 
 _handler(ev.EndPromote)(_all_alive)(
@@ -883,9 +882,8 @@ def _u_reconcile(
     p = m.plan(s)
     assert p.target is not None
     effects: tuple[Effect, ...] = tuple(
-        (f"repair_{x.what}", {"rank": x.rank, "chunk": x.chunk, "step": x.version})
-        for x in p.repairs
-    ) + (("reconciled", {"target": p.target, "kind": p.kind.value, "reason": p.reason}),)
+        fx.Repair(x.what, x.rank, x.chunk, x.version) for x in p.repairs
+    ) + (fx.Reconciled(p.target, p.kind.value, p.reason),)
     return _recovered(m, s, e, p.target, p.kind), effects
 
 
@@ -893,16 +891,14 @@ def _u_reconcile(
 def _u_fallback(
     m: ClusterModel, s: ClusterState, e: ev.GoFallback
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
-    return attrs.evolve(s, phase=RECOVERY.next(s.phase, e)), (
-        ("fallback", {"reason": m.plan(s).reason}),
-    )
+    return attrs.evolve(s, phase=RECOVERY.next(s.phase, e)), (fx.Fallback(m.plan(s).reason),)
 
 
 @_handler(ev.RestoreCheckpoint)(_phase_guard)
 def _u_restore(
     m: ClusterModel, s: ClusterState, e: ev.RestoreCheckpoint
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
-    return _recovered(m, s, e, 0, Kind.CKPT), (("load_checkpoint", {"step": 0}),)
+    return _recovered(m, s, e, 0, Kind.CKPT), (fx.LoadCheckpoint(0),)
 
 
 @_handler(ev.Rebuild)(_all_alive)
@@ -910,7 +906,7 @@ def _u_rebuild(
     m: ClusterModel, s: ClusterState, e: ev.Rebuild
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
     return attrs.evolve(s, tgen=(s.gen,) * m.config.ranks, phase=RECOVERY.next(s.phase, e)), (
-        ("rebuild_communicator", {"generation": s.gen}),
+        fx.RebuildCommunicator(s.gen),
     )
 
 
@@ -929,4 +925,4 @@ def _u_resume(
         mlost=frozenset(),
         nlost=frozenset(),
         phase=RECOVERY.next(s.phase, e),
-    ), (("resume", {"step": s.target, "generation": s.gen}),)
+    ), (fx.Resume(s.target, s.gen),)

@@ -17,7 +17,14 @@ The rules, each the executor's side of a rule of ``spec/PROTOCOL.md``:
   to its undo copy; undo a step beyond the target that had begun; roll every chunk
   behind the target forward with the retained gradients of the target and the
   process state of the step before it;
+* :func:`decode_chunk`, :func:`decode_grads` -- tier 1: one member's chunk (or its
+  gradients) rebuilt from the node's parity and the other members' bytes at the
+  versions the parity records, then checked against the checksums recorded with it;
 * :func:`bytes_at`, :func:`free_undo`, :func:`seal_checked`, :func:`check_resumable`.
+
+The tier-1 functions are SPMD: every member of the node calls them with its own
+``coll`` (its rank in the node group is ``coll.rank``), as a ``torch.distributed``
+group runs them on gloo and an in-process group runs them on the fake backend.
 """
 
 from __future__ import annotations
@@ -32,17 +39,20 @@ import torch
 from leto.core.chunk import LOST, NONE, TORN
 from leto.retained.layout import ChunkStatus, RetainedLayout
 from leto.retained.optim import RetainedOptimizer
-from leto.retained.parity import as_bytes
+from leto.retained.parity import Collective, as_bytes, decode
 
 __all__ = [
     "IntegrityError",
     "Settled",
     "bytes_at",
     "check_resumable",
+    "decode_chunk",
+    "decode_grads",
     "free_undo",
     "observe",
     "packed",
     "seal_checked",
+    "seal_rebuilt_grads",
     "settle",
     "unpack_into",
 ]
@@ -207,3 +217,84 @@ def check_resumable(
 def load_pending(text: str | None) -> dict[str, Any] | None:
     """A prepare record as stored (JSON text), or None."""
     return json.loads(text) if text else None
+
+
+def decode_chunk(
+    coll: Collective,
+    lay: RetainedLayout,
+    c: int,
+    *,
+    lost: int,
+    version: int,
+    versions: list[int],
+    checksum: int,
+    parity: torch.Tensor | None,
+    who: str,
+) -> None:
+    """Tier 1, on every member of a node: member ``lost``'s chunk ``c`` at ``version``.
+
+    ``versions``: the version of each member the parity encodes; ``checksum``: the one
+    recorded for member ``lost`` with it; ``parity``: the bytes, on the node's member 0.
+    """
+    me = coll.rank
+    if versions[lost] != version:
+        raise IntegrityError(
+            f"{who} chunk {c}: the parity encodes version {versions[lost]}, the plan "
+            f"expects {version}"
+        )
+    data = lay.chunk_data(c) if me == lost else bytes_at(lay, c, versions[me])
+    decode(coll, data, lost, 0, parity if me == 0 else None)
+    if me == lost:
+        lay.seal_chunk(c, version)
+        if lay.stored_checksum(c) != checksum:
+            raise IntegrityError(
+                f"{who} chunk {c}: the bytes rebuilt from tier-1 parity fail the checksum "
+                "recorded with the parity"
+            )
+
+
+def decode_grads(
+    coll: Collective,
+    lay: RetainedLayout,
+    *,
+    lost: int,
+    step: int,
+    versions: list[int],
+    parity: torch.Tensor | None,
+    pending: Mapping[str, Any] | None,
+    who: str,
+) -> None:
+    """Tier 1, on every member of a node: member ``lost``'s gradients of ``step``.
+
+    ``versions``: the step of each member's gradients the gradient parity encodes
+    (NONE: none); ``pending``: member ``lost``'s prepare record (its present mask and
+    gradient checksums), read on that member only.
+    """
+    me = coll.rank
+    if versions[lost] != step:
+        raise IntegrityError(f"{who}: the gradient parity is of step {versions[lost]}, not {step}")
+    if me == lost:
+        data = lay.grad_buffer
+    elif versions[me] == NONE:
+        data = torch.zeros_like(lay.grad_buffer)
+    else:
+        if lay.prepared_step != versions[me] or lay.verify_grads(versions[me]):
+            raise IntegrityError(
+                f"node member {me}: its gradients of step {versions[me]} are not intact"
+            )
+        data = lay.grad_buffer
+    decode(coll, data, lost, 0, parity if me == 0 else None)
+    if me == lost:
+        seal_rebuilt_grads(lay, step, pending, "rebuilt from parity", who)
+
+
+def seal_rebuilt_grads(
+    lay: RetainedLayout, step: int, pending: Mapping[str, Any] | None, how: str, who: str
+) -> None:
+    """Gradients of ``step`` rebuilt (from parity, or copied from a replica): sealed with
+    the present mask of the prepare record and checked against its checksums."""
+    if pending is None or int(pending["step"]) != step:
+        raise IntegrityError(f"{who}: no prepare record of step {step} to rebuild from")
+    lay.seal_grads(step, pending["present"])
+    if lay.grad_checksums() != pending["grad_checksums"]:
+        raise IntegrityError(f"{who}: gradients {how} fail their checksums")

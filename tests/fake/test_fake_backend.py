@@ -158,3 +158,24 @@ def test_the_backend_interface_and_the_core_do_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_effect_of_the_core_has_one_executor() -> None:
+    from leto.adapters.engine import EXECUTORS, RECONCILE_EFFECTS
+    from leto.core.effects import all_effect_types
+
+    kinds = set(all_effect_types())
+    assert len(kinds) >= 30
+    assert set(EXECUTORS) | set(RECONCILE_EFFECTS) == kinds
+    assert not set(EXECUTORS) & set(RECONCILE_EFFECTS)
+
+
+def test_effects_are_typed_values_that_validate() -> None:
+    import pytest
+
+    from leto.core import effects as fx
+
+    assert fx.SaveUndo(1, 2, 3) == fx.SaveUndo(rank=1, chunk=2, step=3)
+    assert hash(fx.Detected([0, 2], True)) == hash(fx.Detected((0, 2), True))
+    with pytest.raises(TypeError, match="rank must be an int"):
+        fx.ReleaseUndo("1", 0)  # type: ignore[arg-type]

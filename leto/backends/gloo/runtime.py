@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from leto.core.chunk import LOST, NONE, TORN
+from leto.core.chunk import LOST, NONE
+from leto.retained import recovery as rx
 from leto.retained.layout import (
     ChecksumError,
     ChunkStatus,
@@ -64,12 +65,20 @@ from leto.retained.optim import RetainedOptimizer, is_chunkable, retain
 from leto.retained.parity import (
     TorchDistCollective,
     as_bytes,
-    decode,
     decode_rotated,
     encode,
     encode_rotated,
     rotated_share_nbytes,
 )
+from leto.retained.process_state import (
+    BatchCursor,
+    capture_rng,
+    restore_rng,
+    scheduler_state,
+    shard,
+    step_scheduler,
+)
+from leto.retained.recovery import IntegrityError
 
 from . import bootstrap
 from .channel import Aborted, AgentChannel
@@ -81,10 +90,6 @@ __all__ = ["GlooSession", "IntegrityError", "finish", "wrap_gloo"]
 
 StepFn = Any
 _STATUS = "gloo.status"  # keeper segment: int64 [lost flag]
-
-
-class IntegrityError(RuntimeError):
-    """Retained state disagrees with what the protocol needs (a checksum, a version)."""
 
 
 class _Interrupted(Exception):
@@ -228,7 +233,6 @@ class GlooSession:
         config: Any,
         step_fn: StepFn | None,
     ) -> None:
-        from leto.retained.process_state import BatchCursor
 
         self.ch = ch
         self.spec = spec
@@ -345,7 +349,7 @@ class GlooSession:
         self.keeper = KeeperClient(self.spec["keeper_socket"], generation=self.gen)
         self._init_pg(self.gen)
         self._create_layout()
-        self.rng = _capture_rng()
+        self.rng = capture_rng()
         self.sampler_state = self.cursor.initial
         self._node_memory()
         self._send_ps(0)
@@ -616,14 +620,13 @@ class GlooSession:
         V = ropt.version + 1
         self._step_in_progress = V
         r, W = self.rank, self.W
-        from leto.retained.process_state import shard, step_scheduler
 
         # 1. compute
         self.ch.mark("forward", ropt.version)
         self._point("forward_start")
         batch = shard(self.cursor.batch(V), r, W)
         assert self.rng is not None
-        _restore_rng(self.rng)
+        restore_rng(self.rng)
         for prm in self.model.parameters():
             prm.grad = None
         assert self.step_fn is not None
@@ -632,7 +635,7 @@ class GlooSession:
         self.ch.mark("backward")
         loss.backward()
         self._point("backward")
-        rng_after = _capture_rng()
+        rng_after = capture_rng()
         # one buffer: the gradients, then a presence flag per parameter (small integers,
         # exact in floating point), so one collective is in flight, never two (a gloo
         # group torn down with a second operation pending waits for its timeout)
@@ -834,7 +837,6 @@ class GlooSession:
     # ================================================================ process state
 
     def _ps_json(self, step: int) -> str:
-        from leto.retained.process_state import scheduler_state
 
         assert self.ropt is not None
         return json.dumps(
@@ -934,22 +936,7 @@ class GlooSession:
         if lost:
             data, undo, grad = [LOST] * C, [NONE] * C, LOST
         else:
-            bad = set(lay.verify())
-            data, undo = [], []
-            for c in range(C):
-                st = lay.chunk_status(c)
-                if st is ChunkStatus.CLEAN:
-                    d, u = lay.chunk_version(c), NONE
-                elif st is ChunkStatus.TORN:
-                    d, u = TORN, lay.undo_version(c)
-                else:
-                    d, u = lay.chunk_version(c), lay.undo_version(c)
-                if st is not ChunkStatus.CLEAN and not lay.verify_undo(c):
-                    u = NONE
-                if c in bad:
-                    d = LOST
-                data.append(d)
-                undo.append(u)
+            data, undo = rx.observe(lay)
             ps = lay.prepared_step
             grad = ps if ps >= 0 and not lay.verify_grads(ps) else (NONE if ps < 0 else LOST)
         msg: dict[str, Any] = {
@@ -1070,68 +1057,42 @@ class GlooSession:
 
     # --- repairs ---------------------------------------------------------------
 
-    def _bytes_at(self, lay: RetainedLayout, c: int, version: int) -> list[torch.Tensor]:
-        st = lay.chunk_status(c)
-        if st is not ChunkStatus.TORN and lay.chunk_version(c) == version:
-            return lay.chunk_data(c)
-        if st is not ChunkStatus.CLEAN and lay.undo_version(c) == version:
-            return lay.undo_data(c)
-        raise IntegrityError(f"chunk {c} cannot produce version {version} (it is {st.value})")
-
     def _decode_chunk(self, r: int, c: int, version: int) -> None:
-        """Tier 1: rank ``r``'s chunk ``c`` at ``version`` from the node's parity (all members)."""
+        """Tier 1: rank ``r``'s chunk ``c`` at ``version`` from the node's parity (every
+        member runs :func:`leto.retained.recovery.decode_chunk`)."""
         block = self.parity[c]
         mi = r - self.node * self.nproc
-        vers = block.versions()
-        if vers[mi] != version:
-            raise IntegrityError(
-                f"rank {r} chunk {c}: the parity encodes version {vers[mi]}, the plan expects {version}"
-            )
-        lay = self.layout
-        data = lay.chunk_data(c) if r == self.rank else self._bytes_at(lay, c, vers[self.lr])
-        coll = TorchDistCollective(self.node_group)
-        decode(coll, data, mi, 0, block.parity() if self.lr == 0 else None)
-        if r == self.rank:
-            lay.seal_chunk(c, version)
-            if lay.stored_checksum(c) != block.checksums()[mi]:
-                raise IntegrityError(
-                    f"rank {r} chunk {c}: the bytes rebuilt from tier-1 parity fail the "
-                    "checksum recorded with the parity"
-                )
+        rx.decode_chunk(
+            TorchDistCollective(self.node_group),
+            self.layout,
+            c,
+            lost=mi,
+            version=version,
+            versions=block.versions(),
+            checksum=block.checksums()[mi],
+            parity=block.parity() if self.lr == 0 else None,
+            who=f"rank {r}",
+        )
 
     def _decode_grads(self, r: int, step: int) -> None:
+        """Tier 1: rank ``r``'s gradients of ``step`` from the node's gradient parity."""
         assert self.gparity is not None
-        mi = r - self.node * self.nproc
-        vers = self.gparity.versions()
-        if vers[mi] != step:
-            raise IntegrityError(f"rank {r}: the gradient parity is of step {vers[mi]}, not {step}")
-        lay = self.layout
-        if r == self.rank:
-            data = lay.grad_buffer
-        elif vers[self.lr] == NONE:
-            data = torch.zeros_like(lay.grad_buffer)
-        else:
-            if lay.prepared_step != vers[self.lr] or lay.verify_grads(vers[self.lr]):
-                raise IntegrityError(
-                    f"rank {self.rank}: its gradients of step {vers[self.lr]} are not intact"
-                )
-            data = lay.grad_buffer
-        coll = TorchDistCollective(self.node_group)
-        decode(coll, data, mi, 0, self.gparity.parity() if self.lr == 0 else None)
-        if r == self.rank:
-            self._seal_rebuilt_grads(step, "rebuilt from parity")
+        pending = self._node_state()[1] if r == self.rank else None
+        rx.decode_grads(
+            TorchDistCollective(self.node_group),
+            self.layout,
+            lost=r - self.node * self.nproc,
+            step=step,
+            versions=self.gparity.versions(),
+            parity=self.gparity.parity() if self.lr == 0 else None,
+            pending=pending,
+            who=f"rank {r}",
+        )
 
     def _seal_rebuilt_grads(self, step: int, how: str) -> None:
         """This rank's gradients of ``step``, rebuilt: sealed with the present mask of
         its prepare record and checked against that record's checksums."""
-        _, pend = self._node_state()
-        if pend is None or pend["step"] != step:
-            raise IntegrityError(
-                f"rank {self.rank}: no prepare record of step {step} to rebuild from"
-            )
-        self.layout.seal_grads(step, pend["present"])
-        if self.layout.grad_checksums() != pend["grad_checksums"]:
-            raise IntegrityError(f"rank {self.rank}: gradients {how} fail their checksums")
+        rx.seal_rebuilt_grads(self.layout, step, self._node_state()[1], how, f"rank {self.rank}")
 
     # --- tier 1 as replicas: a member's lost state copied from another member ------
 
@@ -1246,7 +1207,7 @@ class GlooSession:
                 )
             src, version = choice
             if self.lr == src:
-                for part in self._bytes_at(lay, c, version):
+                for part in rx.bytes_at(lay, c, version):
                     dist.send(part, dst=r)
             elif self.rank == r:
                 for part in lay.chunk_data(c):
@@ -1271,54 +1232,25 @@ class GlooSession:
         return [[int(x) for x in t] for t in out]
 
     def _settle(self, target: int) -> tuple[int, int]:
-        """Roll this rank to ``target``; (chunks rolled forward, chunks rolled back)."""
-        from leto.retained.process_state import step_scheduler
-
-        lay = self.layout
-        ropt = self.ropt
-        assert ropt is not None
+        """Roll this rank to ``target`` (:func:`leto.retained.recovery.settle`);
+        (chunks rolled forward, chunks rolled back)."""
+        assert self.ropt is not None
         hist, pend = self._node_state()
-        back = 0
-        for c in range(lay.n_chunks):
-            st = lay.chunk_status(c)
-            if st is ChunkStatus.APPLIED and lay.chunk_version(c) == target:
-                if lay.verify_chunk(c):
-                    lay.release_undo(c)  # parity written, undo not yet released: finish that
-                else:  # new bytes damaged since their seal: back to the undo copy, forward again
-                    lay.restore_undo(c)
-            elif st is not ChunkStatus.CLEAN and lay.undo_version(c) == target:
-                lay.restore_undo(c)  # a step beyond the target had begun: undo it
-                back += 1
-        behind = [
-            c
-            for c in range(lay.n_chunks)
-            if lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
-        ]
-        if not behind and target in hist:
-            self._load_ps(hist[target])
-        else:
-            if target - 1 not in hist or pend is None or pend["step"] != target:
-                raise IntegrityError(
-                    f"rank {self.rank}: no process state of step {target - 1} or prepare record "
-                    f"of step {target} to roll forward from"
-                )
-            if lay.prepared_step != target:
-                if behind:
-                    raise IntegrityError(
-                        f"rank {self.rank}: the gradients of step {target} are missing"
-                    )
-                lay.seal_grads(target, pend["present"])
-            self._load_ps(hist[target - 1])
-            if behind:
-                ropt.roll_forward(on_applied=lambda c: self._parity_follows(c, target))
-            else:
-                ropt.begin(target)
-                ropt.end()
-            step_scheduler(self.scheduler)
-            self.rng = pend["rng"]
-            self.sampler_state = pend["sampler"]
-        lay.clear_prepared()
-        return len(behind), back
+        done = rx.settle(
+            self.layout,
+            self.ropt,
+            target,
+            history=hist,
+            pending=pend,
+            load_ps=self._load_ps,
+            step_scheduler=lambda: step_scheduler(self.scheduler),
+            who=f"rank {self.rank}",
+            on_applied=lambda c: self._parity_follows(c, target),
+        )
+        if done.rng is not None:
+            self.rng = done.rng
+            self.sampler_state = done.sampler
+        return done.forward, done.back
 
     def _check_kept_parity(self, coll: TorchDistCollective, target: int) -> None:
         """Test aid (``LETO_CHECK_KEPT_PARITY=1``): the node's kept parity, byte for
@@ -1434,35 +1366,11 @@ class GlooSession:
             sh = None
         if missing_nodes:
             decode_rotated(TorchDistCollective(self.cross_group), data, missing_nodes[0], sh)
-        self._free_undo()
-        off = 0
-        with torch.no_grad():
-            for buf in lay.data_buffers():
-                b = as_bytes(buf)
-                b.copy_(data[off : off + b.numel()])
-                off += b.numel()
-        self._seal_checked(step, meta["checksums"], "tier-2 snapshot")
+        rx.free_undo(self.layout)
+        rx.unpack_into(lay, data)
+        rx.seal_checked(lay, step, meta["checksums"], "tier-2 snapshot", f"rank {self.rank}")
         lay.clear_prepared()
         self._load_ps(meta["ps"])
-
-    def _free_undo(self) -> None:
-        """Before overwriting every chunk: put torn chunks back, release applied ones."""
-        lay = self.layout
-        for c in range(lay.n_chunks):
-            st = lay.chunk_status(c)
-            if st is ChunkStatus.TORN:
-                lay.restore_undo(c)
-            elif st is ChunkStatus.APPLIED:
-                lay.release_undo(c)
-
-    def _seal_checked(self, step: int, expected: list[int], source: str) -> None:
-        lay = self.layout
-        for c in range(lay.n_chunks):
-            lay.seal_chunk(c, step)
-            if lay.stored_checksum(c) != int(expected[c]):
-                raise IntegrityError(
-                    f"rank {self.rank} chunk {c}: the bytes restored from the {source} fail their checksum"
-                )
 
     def _ckpt_dir(self) -> str:
         return os.path.join(str(self.cfg.checkpoint_dir), "step-0", f"rank{self.rank}")
@@ -1501,7 +1409,7 @@ class GlooSession:
         if not os.path.isfile(mfile):
             raise IntegrityError(f"no complete checkpoint of step 0 in {path}")
         lay = self.layout
-        self._free_undo()
+        rx.free_undo(self.layout)
         tensors = {name: buf for name, buf in _named_buffers(lay)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -1509,7 +1417,7 @@ class GlooSession:
                 dcp.load(tensors, checkpoint_id=path, no_dist=True)  # type: ignore[attr-defined]
         with open(mfile) as f:
             meta = json.load(f)
-        self._seal_checked(0, meta["checksums"], "disk checkpoint")
+        rx.seal_checked(lay, 0, meta["checksums"], "disk checkpoint", f"rank {self.rank}")
         lay.clear_prepared()
         self._load_ps(meta["ps"])
 
@@ -1517,14 +1425,9 @@ class GlooSession:
         """Verify, then rebuild the redundancy at ``target``: parity, gradient parity, and
         (``snapshot``: the coordinator says the tier-2 snapshot lost blocks) the snapshot."""
         lay = self.layout
-        lay.clear_prepared()
         self._reencoded = False
         self._parity_checked = False
-        why = lay.unresumable(target)
-        if why is None and (self.ropt is None or self.ropt.version != target):
-            why = f"the optimizer is not at step {target}"
-        if why is not None:
-            raise IntegrityError(f"rank {self.rank} would resume on wrong state: {why}")
+        rx.check_resumable(lay, self.ropt, target, f"rank {self.rank}")
         self.ch.send({"t": "pending", "rank": self.rank, "json": ""})
         self._send_ps(target)
         if self.cfg.tier1:
@@ -1580,18 +1483,3 @@ class GlooSession:
         meta = self._snapshot(target) if self.cfg.tier2 and snapshot else None
         dist.barrier()
         return meta
-
-
-# --- RNG (JSON, through leto.retained.process_state) -----------------------------------------
-
-
-def _capture_rng() -> dict[str, Any]:
-    from leto.retained.process_state import capture_rng
-
-    return capture_rng()
-
-
-def _restore_rng(state: dict[str, Any]) -> None:
-    from leto.retained.process_state import restore_rng
-
-    restore_rng(state)
