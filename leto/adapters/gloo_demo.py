@@ -19,7 +19,8 @@ summary has the fake demo's keys where they apply (``bitwise_equal``,
 ``every_failure_recovered``, ...), plus ``recovery_seconds``: one entry per failure,
 in order, the wall-clock seconds from its detection until training resumed (a
 failure during a recovery: until the restarted recovery ended; ``None`` for a
-failure never recovered).
+failure never recovered), and ``trace_ok``: both runs' event logs replay through the
+core's protocol model (``leto spec trace``; a run that does not is not ok).
 """
 
 from __future__ import annotations
@@ -253,6 +254,7 @@ def demo(
         if name != "param"
     )
     bitwise = bool(a) and a == b and res.ok and ref.ok
+    traces = [_trace(run.run_dir) for run in (res, ref)]
     recs = res.recoveries
     by_kind = s["recoveries_by_kind"]
     failure_events = res.of("failure")
@@ -309,6 +311,9 @@ def demo(
             "total": round(time.perf_counter() - t_all, 3),
         },
         "error": res.error or ref.error,
+        # both runs replayed through the core's model (leto spec trace): it agrees
+        "trace_ok": all(ok for ok, _ in traces),
+        "trace": [line for _, line in traces],
         "run_dirs": {"with_failures": str(res.run_dir), "failure_free": str(ref.run_dir)},
         "faults": plan,
     }
@@ -334,9 +339,22 @@ def demo(
         "bitwise equal to the failure-free run (every rank's parameters, optimizer state, "
         f"scheduler, RNG and sampler): {'YES' if bitwise else 'NO'}"
     )
+    for _, line in traces:
+        say(line)
     if result["error"]:
         say(f"error: {result['error']}")
     return result
+
+
+def _trace(run_dir: Path) -> tuple[bool, str]:
+    """Whether the run's event log replays through the core's model, and its line."""
+    from leto.core_trace import InputError, check
+
+    try:
+        report = check(run_dir)
+    except InputError as e:
+        return False, f"trace not checked: {e}"
+    return report.ok, report.line()
 
 
 def run_cli(args: Any, config: Any = None) -> int:
@@ -388,6 +406,7 @@ def run_cli(args: Any, config: Any = None) -> int:
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2))
     ok = result["bitwise_equal"] and (not result["faults"] or result["every_failure_recovered"])
+    ok = ok and result["trace_ok"]
     return 0 if ok else 1
 
 

@@ -4,7 +4,10 @@ Every process a test starts carries the test's unique tag (its tmp path) in its
 command line: keepers get ``--tag``, agents and launchers have it in ``--run-dir``,
 and trainers are forked from an agent (same command line). After the test the
 guard waits briefly, then fails if any such process is alive (and kills it, so one
-failure does not cascade) or if a new entry appeared in ``/dev/shm``.
+failure does not cascade) or if a new entry appeared in ``/dev/shm``. Then every run
+directory the test left under its tag is replayed through the core's model (``leto
+spec trace``): :func:`jobs.job` checks its own job at once, this catches the others
+(the demo's, a job started by hand).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pytest
 from leto.backends.gloo.procs import processes_with as tagged_pids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # jobs.py
+from jobs import assert_trace  # noqa: E402
 
 
 def shm_entries() -> set[str]:
@@ -53,6 +57,8 @@ def tag(tmp_path: Path) -> Iterator[str]:
     t = str(tmp_path)
     yield t
     _guard(t, before)
+    for log in sorted(tmp_path.rglob("events.jsonl")):
+        assert_trace(log.parent)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Shared by the real-process tests: run a job of scripts/train.py and check it cleaned up."""
+"""Shared by the real-process tests: run a job of scripts/train.py, check it cleaned up
+and that its event log replays through the core's model (``leto spec trace``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from leto.backends.gloo.harness import JobResult, run_local
+from leto.core_trace import InputError, check
 
 HERE = Path(__file__).resolve().parent
 TRAIN = str(HERE / "scripts" / "train.py")
@@ -36,7 +38,21 @@ def job(
         timeout=timeout,
     )
     assert not res.leftovers, f"processes left running after the job: {res.leftovers}"
+    assert_trace(res.run_dir)
     return res
+
+
+def assert_trace(run_dir: Path) -> None:
+    """The run's event log replays through the core's model with no divergence (a job
+    that stopped before training started has nothing to replay)."""
+    try:
+        report = check(run_dir)
+    except InputError as e:
+        log = run_dir / "events.jsonl"
+        started = log.exists() and '"event":"training_started"' in log.read_text()
+        assert not started, f"training started but the log has no trace: {e}"
+        return
+    assert report.ok, report.line()
 
 
 def explain(res: JobResult) -> str:

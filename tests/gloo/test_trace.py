@@ -1,0 +1,115 @@
+"""``leto spec trace`` on the log of a real gloo job with failures, and on doctored copies.
+
+The job (1 node x 2 ranks) has a SIGKILL mid-chunk (rolled forward), a keeper lost
+while its parity is updated (rebuilt from tier 1) and a hang in the all-reduce
+(fenced, killed, promoted). Its log replays through the core's model; each doctored
+copy (an event removed, a step renumbered, events reordered) is refused at the line
+it touches, with exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import explain, job
+
+from leto.backends.gloo.harness import JobResult
+from leto.cli import main
+
+FAULTS = [
+    {"kind": "crash", "rank": 1, "step": 3, "phase": "apply", "chunk": 2, "where": "mid_write"},
+    {"kind": "lose_memory", "rank": 0, "step": 5, "phase": "parity", "chunk": 1},
+    {"kind": "hang", "rank": 1, "step": 7, "phase": "allreduce"},
+]
+
+
+@pytest.fixture(scope="module")
+def faulted(session_dir: Path) -> JobResult:
+    res = job(session_dir / "trace-faults", steps=9, faults=FAULTS)
+    assert res.ok and len(res.recoveries) == len(FAULTS), explain(res)
+    return res
+
+
+def records(res: JobResult) -> list[dict[str, Any]]:
+    lines = (res.run_dir / "events.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines if x]
+
+
+def trace(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(["spec", "trace", str(path)])
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, out
+    return code, out
+
+
+def test_the_log_of_a_job_with_failures_replays(
+    faulted: JobResult, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = trace(faulted.run_dir, capsys)
+    assert code == 0 and out.startswith("trace OK: "), out
+    recs = records(faulted)
+    feeds = [x for r in recs if r["event"] == "core" for x in r.get("feed", [])]
+    names = {f[0] for f in feeds}
+    assert {"Commit", "Apply", "Crash", "LoseMemory", "Hang", "Reconcile", "Resume"} <= names
+    assert sum("adopt" in r for r in recs) == len(FAULTS)  # one adoption per recovery
+    # O(ranks) per step: a record for the votes and one per finished rank, no more
+    steps = sum(r["event"] == "step" for r in recs)
+    per_step = [f for f in feeds if f[0] in ("Commit", "Apply")]
+    assert len(per_step) <= 3 * (steps + len(FAULTS)), len(per_step)
+    report = json.loads(out_json(faulted.run_dir, capsys))
+    assert report["ok"] and report["checked"] >= steps + 4 * len(FAULTS), report
+
+
+def out_json(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["spec", "trace", str(path), "--json"]) == 0
+    return capsys.readouterr().out
+
+
+def _line(recs: list[dict[str, Any]], pred: Any) -> int:
+    """The 1-based line of the first record matching ``pred``."""
+    return next(n for n, r in enumerate(recs, 1) if pred(r))
+
+
+def _feed_is(name: str) -> Any:
+    return lambda r: r["event"] == "core" and r.get("feed", [[None]])[0][0] == name
+
+
+def _event_removed(recs: list[dict[str, Any]]) -> tuple[int, str]:
+    # the last rank's Apply of step 2: the step record moves up into its line
+    n = _line(recs, lambda r: r["event"] == "step" and r["step"] == 2)
+    assert recs[n - 2]["feed"][0][0] == "Apply", recs[n - 2]
+    del recs[n - 2]
+    return n - 1, "step"
+
+
+def _step_renumbered(recs: list[dict[str, Any]]) -> tuple[int, str]:
+    n = _line(recs, lambda r: r["event"] == "step" and r["step"] == 4)
+    recs[n - 1]["step"] = 5
+    return n, "step"
+
+
+def _events_reordered(recs: list[dict[str, Any]]) -> tuple[int, str]:
+    # the fence fed before the failure's Detect
+    n = _line(recs, _feed_is("Detect"))
+    m = _line(recs, _feed_is("Fence"))
+    recs[n - 1], recs[m - 1] = recs[m - 1], recs[n - 1]
+    return n, "core"
+
+
+@pytest.mark.parametrize(
+    "doctor", [_event_removed, _step_renumbered, _events_reordered], ids=lambda f: f.__name__[1:]
+)
+def test_a_doctored_copy_of_the_log_fails_naming_the_line(
+    faulted: JobResult, tmp_path: Path, capsys: pytest.CaptureFixture[str], doctor: Any
+) -> None:
+    recs = records(faulted)
+    line, event = doctor(recs)
+    path = tmp_path / "doctored.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    code, out = trace(path, capsys)
+    assert code == 1, out
+    assert out.startswith(f"trace DIVERGES at {path}:{line} ({event}): "), out
+    assert "[model: phase " in out, out
