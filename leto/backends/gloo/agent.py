@@ -37,6 +37,7 @@ the run directory is private (:mod:`.private`).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import secrets
@@ -117,6 +118,9 @@ class AgentOptions:
     faults: list[dict[str, Any]] = field(default_factory=list)
     echo: bool = True
     quiet: bool = False
+    # modules every trainer imports, imported once here so that the zygote's children
+    # inherit them (the launcher names its training API: this layer does not know it)
+    preload: tuple[str, ...] = ()
 
 
 @dataclass
@@ -209,7 +213,7 @@ class Agent:
         self.coord: Coordinator | None = None
         self.coord_conn: Conn | None = None
         self.links: dict[int, Conn] = {}
-        self.unproven: dict[int, Link] = {}  # by the connection's descriptor
+        self.unproven: dict[int, Link] = {}  # by id()
         self.refusals = 0
         self.secret: bytes | None = None  # the job's (auth); read by a node != 0 at rendezvous
         self.umask = 0o022  # the user's, given back to the trainers
@@ -241,7 +245,8 @@ class Agent:
         import torch._dynamo  # noqa: F401 - creating any torch optimizer imports it
         import torch.distributed  # noqa: F401 - paid once here; the zygote inherits it
 
-        import leto.adapters.api  # noqa: F401 - what every trainer imports, preloaded
+        for name in self.o.preload:
+            importlib.import_module(name)
         import leto.backends.gloo.runtime  # noqa: F401
         import leto.retained.process_state  # noqa: F401
 
@@ -996,12 +1001,12 @@ class Agent:
         if not _send_link(conn, {"t": "challenge", "nonce": link.challenge}):
             conn.close()
             return
-        self.unproven[conn.fileno()] = link
+        self.unproven[id(link)] = link
         self.sel.register(conn, selectors.EVENT_READ, ("link", link))
 
     def _refuse(self, link: Link, why: str, tell: str | None = None) -> None:
         """Close a connection that is not (or not yet) a node, saying why in the log."""
-        self.unproven.pop(link.conn.fileno(), None)
+        self.unproven.pop(id(link), None)
         if tell is not None:
             _send_link(link.conn, {"t": "reject", "why": tell})
         self._drop_conn(link.conn)
@@ -1042,7 +1047,7 @@ class Agent:
         if why is not None:
             self._refuse(link, why, tell=why)
             return False
-        del self.unproven[conn.fileno()]
+        del self.unproven[id(link)]
         conn.max_frame = MAX_FRAME
         conn.sock.settimeout(30.0)
         spare = self.started
