@@ -527,6 +527,7 @@ def _toml_value(v: Any) -> str:
 @given(config_case())
 def test_config_refuses_bad_settings(case: tuple[dict[str, Any], tuple[str, ...]]) -> None:
     data, names = case
+    CASES["n"] += 1
     # as a dict
     with workspace(), pytest.raises(ConfigError) as e:
         Config.from_dict(data)
@@ -569,6 +570,7 @@ def env_case(draw: st.DrawFn) -> tuple[dict[str, str], tuple[str, ...]]:
 @given(env_case())
 def test_environment_refuses_bad_variables(case: tuple[dict[str, str], tuple[str, ...]]) -> None:
     env, names = case
+    CASES["n"] += 1
     # the variables `leto launch` sets for its trainers are not settings, and pass
     env = {**env, "LETO_ROLE": "trainer", "LETO_INCARNATION": "3", "LETO_JOB": "j"}
     with workspace(), pytest.raises(ConfigError) as e:
