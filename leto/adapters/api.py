@@ -43,10 +43,10 @@ import torch
 from torch import nn
 
 from leto.backends.base import Backend
+from leto.backends.fake.engine import Engine, EngineOptions, Replica, StepFn
+from leto.retained.checkpoint import Checkpointer, DCPCheckpointer
 
-from .checkpoint import Checkpointer, DCPCheckpointer
 from .config import Config, ConfigError
-from .engine import Engine, EngineOptions, Replica, StepFn
 
 if TYPE_CHECKING:
     from leto.backends.gloo.runtime import GlooSession

@@ -56,6 +56,7 @@ import attrs
 
 from leto.argcheck import BadInput, Bound, dir_to_create, show
 from leto.core.erasure import Topology
+from leto.errors import ConfigError
 
 __all__ = ["BACKENDS", "TIER1_CODES", "Config", "ConfigError", "check_count"]
 
@@ -86,23 +87,6 @@ BOUNDS: dict[str, Bound] = {
     ),
     "tier2_interval": Bound(lo=1, hi=1_000_000, integer=True, unit="steps"),
 }
-
-
-class ConfigError(ValueError):
-    """A bad setting; ``field`` names it."""
-
-    def __init__(self, field: str, message: str, source: str | None = None) -> None:
-        self.field = field
-        self.source = source
-        self.message = message
-        where = f" ({_printable(source)})" if source else ""
-        super().__init__(f"leto config{where}: {_printable(field)}: {message}")
-
-
-def _printable(name: Any) -> str:
-    """A key or a path as it goes into a one-line message."""
-    text = str(name)
-    return text if text.isprintable() and len(text) <= 200 else show(name, 200)
 
 
 def check_count(field: str, value: Any) -> None:

@@ -315,7 +315,7 @@ def demo(
     the human-readable timeline (None: silent).
     """
     import leto
-    from leto.adapters.engine import UnrecoverableError
+    from leto.backends.fake.engine import UnrecoverableError
 
     def say(msg: str) -> None:
         if out is not None:
@@ -589,7 +589,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from leto.adapters.config import Config, ConfigError
-    from leto.adapters.engine import UnrecoverableError
+    from leto.backends.fake.engine import UnrecoverableError
 
     try:
         check_flags(args)

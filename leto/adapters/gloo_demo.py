@@ -408,14 +408,3 @@ def run_cli(args: Any, config: Any = None) -> int:
     ok = result["bitwise_equal"] and (not result["faults"] or result["every_failure_recovered"])
     ok = ok and result["trace_ok"]
     return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m leto.adapters.gloo_demo [flags]``: ``leto demo --backend gloo [flags]``."""
-    from leto.cli import main as leto_main
-
-    return leto_main(["demo", "--backend", "gloo", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

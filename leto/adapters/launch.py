@@ -282,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
         faults=faults,
         echo=not args.no_echo,
         quiet=args.quiet,
+        preload=("leto.adapters.api",),
     )
     code = Agent(opts).run()
     events = os.path.join(run_dir, "events.jsonl")

@@ -1,7 +1,7 @@
 """The backend interface: the few operations the core's effects need from a machine.
 
 The protocol core (:mod:`leto.core`) decides *what* happens; an engine
-(:mod:`leto.adapters.engine`) turns each of the core's effects into tensor work;
+(:mod:`leto.backends.fake.engine`) turns each of the core's effects into tensor work;
 a backend supplies the machine underneath:
 
 * **retained memory** (the keeper): per rank, named segments that outlive the

@@ -93,9 +93,10 @@ def test_demo_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path
 
 def _fake_gloo_demo(calls: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
     calls.append(kw)
-    failed = kw["steps"] < 0
+    failed = kw["seed"] == 7
     return {
         "bitwise_equal": not failed,
+        "trace_ok": True,
         "every_failure_recovered": True,
         "recovery_seconds": [0.25, 0.5],
         "faults": [{"kind": "crash"}, {"kind": "hang"}],
@@ -127,9 +128,9 @@ def test_demo_runs_on_gloo_by_default(
     # a gloo config file, overridden by flags; not bitwise equal: exit status 1
     cfg = tmp_path / "gloo.toml"
     cfg.write_text('[leto]\nbackend = "gloo"\ntopology = "3x2"\nchunk_size = 512\n')
-    assert main(["demo", "--config", str(cfg), "--chunk-size", "1024", "--steps", "-1"]) == 1
+    assert main(["demo", "--config", str(cfg), "--chunk-size", "1024", "--seed", "7"]) == 1
     kw = calls.pop()
-    assert (kw["nodes"], kw["ranks_per_node"], kw["chunk_size"], kw["steps"]) == (3, 2, 1024, -1)
+    assert (kw["nodes"], kw["ranks_per_node"], kw["chunk_size"], kw["seed"]) == (3, 2, 1024, 7)
     assert kw["out"] is sys.stdout
     # the file's tier-1 settings reach the demo; a tier the faults need, off: refused
     head = '[leto]\nbackend = "gloo"\ntopology = "2x2"\n'

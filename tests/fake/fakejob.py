@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leto.adapters.checkpoint import Checkpointer, MemoryCheckpointer
-from leto.adapters.engine import Engine, EngineOptions, Replica
 from leto.backends.fake import FakeBackend
+from leto.backends.fake.engine import Engine, EngineOptions, Replica
 from leto.core.cluster import ClusterConfig
 from leto.core.erasure import Topology
+from leto.retained.checkpoint import Checkpointer, MemoryCheckpointer
 from leto.retained.process_state import ResumableBatchSampler
 
 _DEFAULT = object()

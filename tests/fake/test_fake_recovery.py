@@ -14,10 +14,10 @@ import pytest
 import torch
 from fakejob import make_engine, same_state
 
-from leto.adapters.checkpoint import DCPCheckpointer
-from leto.adapters.engine import Engine, IntegrityError, UnrecoverableError
+from leto.backends.fake.engine import Engine, IntegrityError, UnrecoverableError
 from leto.core.erasure import Topology
 from leto.core.recovery import Phase
+from leto.retained.checkpoint import DCPCheckpointer
 
 STEPS = 7
 _ref: dict[tuple[object, ...], Engine] = {}
@@ -250,7 +250,7 @@ def test_several_faults_in_one_run_across_a_three_node_topology() -> None:
 def test_a_shadow_whose_model_does_not_fit_is_refused_and_modifies_nothing() -> None:
     from torch import nn
 
-    from leto.adapters.engine import copy_replica
+    from leto.backends.fake.engine import copy_replica
     from leto.retained.layout import ShapeMismatchError
 
     eng = make_engine()

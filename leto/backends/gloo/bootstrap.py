@@ -16,6 +16,7 @@ import os
 import runpy
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from .channel import AgentChannel, AgentGone
@@ -24,6 +25,9 @@ __all__ = ["CHANNEL", "SPEC", "child_main"]
 
 CHANNEL: AgentChannel | None = None
 SPEC: dict[str, Any] = {}
+# run after the script ended without an error (the session registers its completion
+# barrier here: this module imports nothing of the runtime)
+AT_EXIT: list[Callable[[AgentChannel], None]] = []
 
 
 def child_main(spec: dict[str, Any]) -> int:
@@ -71,10 +75,9 @@ def child_main(spec: dict[str, Any]) -> int:
         except AgentGone:
             pass
     if code == 0:
-        from . import runtime
-
         try:
-            runtime.finish(CHANNEL)
+            for at_exit in AT_EXIT:
+                at_exit(CHANNEL)
         except AgentGone:
             code = 1
         except BaseException:  # noqa: BLE001

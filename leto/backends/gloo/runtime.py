@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from leto.core.chunk import LOST, NONE
+from leto.errors import ConfigError
 from leto.retained import recovery as rx
 from leto.retained.layout import (
     ChecksumError,
@@ -172,8 +173,6 @@ def wrap_gloo(
     before training resumes.
     """
     del check
-    from leto.adapters.config import ConfigError
-
     ch = bootstrap.CHANNEL
     if ch is None:
         raise ConfigError(
@@ -203,6 +202,8 @@ def wrap_gloo(
     session.start()
     global _SESSION
     _SESSION = session
+    if finish not in bootstrap.AT_EXIT:
+        bootstrap.AT_EXIT.append(finish)
     return session
 
 

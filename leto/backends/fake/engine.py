@@ -58,7 +58,9 @@ from leto.core.recovery import Kind, Phase
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
 from leto.core.txn import TxnState
+from leto.errors import ConfigError
 from leto.retained import recovery as rx
+from leto.retained.checkpoint import Checkpointer
 from leto.retained.layout import (
     ChecksumError,
     ChunkStatus,
@@ -83,8 +85,6 @@ from leto.retained.process_state import (
     step_scheduler,
 )
 from leto.retained.recovery import IntegrityError
-
-from .checkpoint import Checkpointer
 
 __all__ = [
     "Engine",
@@ -1383,8 +1383,6 @@ class Engine:
             )
         meta = RetainedLayout.read_meta(self.backend.allocator(0))
         if meta["chunk_numel"] != self.options.chunk_numel:
-            from .config import ConfigError
-
             raise ConfigError(
                 "chunk_size",
                 f"{self.options.chunk_numel} elements, but the retained state is chunked by "

@@ -1,0 +1,32 @@
+"""The fake backend: simulated ranks in one process, deterministic faults.
+
+:mod:`.backend` is the machine (memory, collectives, processes, the fault injector);
+:mod:`.engine` drives the core over it with the one recovery executor
+(:mod:`leto.retained.recovery`).
+"""
+
+from __future__ import annotations
+
+from .backend import (
+    APPLY_WHERE,
+    DECIDE_WHERE,
+    FAULT_KINDS,
+    PHASES,
+    RECOVERY_WHERE,
+    FakeBackend,
+    FakeKeeper,
+    Fault,
+    FaultInjector,
+)
+
+__all__ = [
+    "APPLY_WHERE",
+    "DECIDE_WHERE",
+    "FAULT_KINDS",
+    "FakeBackend",
+    "FakeKeeper",
+    "Fault",
+    "FaultInjector",
+    "PHASES",
+    "RECOVERY_WHERE",
+]

@@ -1,0 +1,171 @@
+"""The architecture as a test: layers import only downwards, and nothing imports in a cycle.
+
+Every ``import`` in ``leto/`` counts, at module level or inside a function (an import
+hidden in a function body still couples the layers). Layers, lowest first::
+
+    core  <  retained  <  backends  <  adapters  <  bench, sim, testing, cli
+
+``leto/core`` imports no torch and nothing of leto outside the core.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "leto"
+
+# the layer of each top-level part of leto; a module imports only its own layer or lower
+LAYER = {
+    "core": 0,
+    "core_trace": 1,
+    "errors": 0,
+    "argcheck": 0,
+    "retained": 1,
+    "backends": 2,
+    "adapters": 3,
+    "tlc": 3,
+    "spec_cli": 4,
+    "bench": 4,
+    "sim": 4,
+    "testing": 4,
+    "cli": 5,
+    "__init__": 5,
+    "__main__": 5,
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def is_module(name: str) -> bool:
+    path = PKG.parent / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module of leto that ``path`` imports (absolute or relative, anywhere)."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "leto")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "leto":
+                continue
+            # `from leto.core import events` imports the submodule leto.core.events
+            subs = [mod + "." + a.name for a in node.names if is_module(mod + "." + a.name)]
+            out.update(subs)
+            if len(subs) < len(node.names):
+                out.add(mod)  # a name defined in mod itself
+    return out
+
+
+def graph() -> nx.DiGraph:
+    g = nx.DiGraph()
+    mods = {module_name(p): p for p in PKG.rglob("*.py")}
+    for name, path in mods.items():
+        g.add_node(name)
+        for dep in imports_of(path):
+            target = dep
+            while target not in mods and "." in target:
+                target = target.rpartition(".")[0]
+            if target in mods and target != name:
+                g.add_edge(name, target)
+    return g
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYER[parts[1] if len(parts) > 1 else "__init__"]
+
+
+def violations(g: nx.DiGraph) -> list[str]:
+    out = []
+    for a, b in g.edges:
+        parents = {b} | {b.rpartition(".")[0]}
+        if a in parents or b == "leto":
+            continue  # a package's own __init__
+        if layer(a) < layer(b):
+            out.append(f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})")
+    return sorted(out)
+
+
+def test_every_part_of_leto_has_a_layer() -> None:
+    parts = {p.name.removesuffix(".py") for p in PKG.iterdir() if p.suffix == ".py" or p.is_dir()}
+    parts.discard("__pycache__")
+    parts.discard("data")
+    assert parts <= set(LAYER), sorted(parts - set(LAYER))
+
+
+def test_layers_import_only_downwards() -> None:
+    assert violations(graph()) == []
+
+
+def test_no_import_cycles() -> None:
+    cycles = list(nx.simple_cycles(graph()))
+    assert cycles == [], cycles[:5]
+
+
+def test_the_core_imports_nothing_but_the_core() -> None:
+    for path in (PKG / "core").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            for n in names:
+                assert n.split(".")[0] not in ("torch", "numpy", "time", "random", "os"), (
+                    f"{path.name} imports {n}"
+                )
+                if n.startswith("leto"):
+                    assert n.startswith("leto.core"), f"{path.name} imports {n}"
+
+
+@pytest.mark.parametrize(
+    "source,edge",
+    [
+        ("from leto.adapters.config import ConfigError\n", "leto.adapters.config"),
+        ("def f():\n    import leto.adapters.api\n", "leto.adapters.api"),
+    ],
+)
+def test_the_walker_sees_a_backend_importing_an_adapter(
+    tmp_path: Path, source: str, edge: str
+) -> None:
+    # a checker's test includes a case it must reject: a planted upward import
+    fake_root = tmp_path / "repo"
+    pkg = fake_root / "leto"
+    (pkg / "backends").mkdir(parents=True)
+    (pkg / "adapters").mkdir()
+    for f in ("__init__.py", "backends/__init__.py", "adapters/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "adapters" / "config.py").write_text("")
+    (pkg / "adapters" / "api.py").write_text("")
+    (pkg / "backends" / "bad.py").write_text(source)
+    globals()["ROOT"], globals()["PKG"] = fake_root, pkg
+    try:
+        bad = violations(graph())
+    finally:
+        globals()["ROOT"], globals()["PKG"] = ROOT_REAL, PKG_REAL
+    assert bad == [f"leto.backends.bad (layer 2) imports {edge} (layer 3)"]
+
+
+ROOT_REAL, PKG_REAL = ROOT, PKG
