@@ -8,6 +8,7 @@ import pytest
 
 from leto.core.erasure import (
     Block,
+    BlockRepair,
     DataBlock,
     DecodePlan,
     Failure,
@@ -15,10 +16,9 @@ from leto.core.erasure import (
     NodeLoss,
     Placement,
     RankMemory,
-    Repair,
+    SnapshotBlock,
     Tier1Parity,
     Tier2Parity,
-    Tier2Snapshot,
     Topology,
     coverage,
     decode,
@@ -98,12 +98,12 @@ def test_blocks_validate_fields() -> None:
 
 
 def test_blocks_sort_across_kinds() -> None:
-    blocks = [Tier2Parity(0, 1), Tier2Snapshot(0), DataBlock(2), Tier1Parity(1), DataBlock(0)]
+    blocks = [Tier2Parity(0, 1), SnapshotBlock(0), DataBlock(2), Tier1Parity(1), DataBlock(0)]
     assert sorted(blocks) == [
         DataBlock(0),
         DataBlock(2),
         Tier1Parity(1),
-        Tier2Snapshot(0),
+        SnapshotBlock(0),
         Tier2Parity(0, 1),
     ]
     assert DataBlock(1) == DataBlock(1) and hash(DataBlock(1)) == hash(DataBlock(1))
@@ -127,12 +127,12 @@ def test_place_two_by_two() -> None:
         ("t1/n0", 1, (DataBlock(0), DataBlock(1)), (Tier1Parity(0),), 1),
         ("t1/n1", 1, (DataBlock(2), DataBlock(3)), (Tier1Parity(1),), 1),
         # two nodes, one parity: each node holds a copy of the other's snapshot
-        ("t2/s0", 2, (Tier2Snapshot(1),), (Tier2Parity(0, 0),), 1),
-        ("t2/s1", 2, (Tier2Snapshot(0),), (Tier2Parity(1, 1),), 1),
+        ("t2/s0", 2, (SnapshotBlock(1),), (Tier2Parity(0, 0),), 1),
+        ("t2/s1", 2, (SnapshotBlock(0),), (Tier2Parity(1, 1),), 1),
     ]
     assert p.holder(DataBlock(3)) == 1
     assert p.holder(Tier1Parity(0)) == 0
-    assert p.holder(Tier2Snapshot(1)) == 1
+    assert p.holder(SnapshotBlock(1)) == 1
     assert p.holder(Tier2Parity(0, 0)) == 0
 
 
@@ -154,7 +154,7 @@ def test_tier2_parity_never_on_a_protected_node() -> None:
         # balanced: every node holds `parity` parity blocks and is in nodes-parity stripes
         for n in range(nodes):
             assert sum(1 for g in t2 for b in g.parity if p.holder(b) == n) == parity
-            assert len(p.groups_of(Tier2Snapshot(n))) == nodes - parity
+            assert len(p.groups_of(SnapshotBlock(n))) == nodes - parity
 
 
 def test_place_validation() -> None:
@@ -178,7 +178,7 @@ def test_group_and_placement_validation() -> None:
     with pytest.raises(ValueError, match="members"):
         Group("g", 1, (), (Tier1Parity(0),))
     with pytest.raises(ValueError, match="members must be DataBlock"):
-        Group("g", 1, (Tier2Snapshot(0),), (Tier1Parity(0),))
+        Group("g", 1, (SnapshotBlock(0),), (Tier1Parity(0),))
     with pytest.raises(ValueError, match="twice"):
         Group("g", 1, (DataBlock(0), DataBlock(0)), (Tier1Parity(0),))
     topo = Topology.uniform(2, 1)
@@ -188,7 +188,7 @@ def test_group_and_placement_validation() -> None:
     with pytest.raises(ValueError, match="unknown rank"):
         Placement(topo, (Group("g", 1, (DataBlock(5),), (Tier1Parity(0),)),))
     with pytest.raises(ValueError, match="snapshots"):
-        Placement(topo, (Group("s", 2, (Tier2Snapshot(0),), (Tier2Parity(0, 1),)),))
+        Placement(topo, (Group("s", 2, (SnapshotBlock(0),), (Tier2Parity(0, 1),)),))
 
 
 def test_placement_graph_is_bipartite_with_holders() -> None:
@@ -214,7 +214,7 @@ def test_lost_blocks() -> None:
         DataBlock(2),
         DataBlock(3),
         Tier1Parity(1),
-        Tier2Snapshot(1),
+        SnapshotBlock(1),
         Tier2Parity(1, 1),
     }
     assert lost_blocks(p, []) == frozenset()
@@ -233,15 +233,15 @@ def test_nothing_lost_is_tier_0() -> None:
 def test_one_rank_memory_is_tier_1() -> None:
     result = plan(TWO_BY_TWO, RankMemory(0))
     assert result.tier == 1 and result.recoverable
-    assert result.order == (Repair(DataBlock(0), 1, "t1/n0", (DataBlock(1), Tier1Parity(0))),)
+    assert result.order == (BlockRepair(DataBlock(0), 1, "t1/n0", (DataBlock(1), Tier1Parity(0))),)
 
 
 def test_two_rank_memories_in_one_node_is_tier_2() -> None:
     result = plan(TWO_BY_TWO, RankMemory(0), RankMemory(1))
     assert result.tier == 2 and result.recoverable
     assert result.order == (
-        Repair(DataBlock(0), 2, "restore/n0", (Tier2Snapshot(0),)),
-        Repair(DataBlock(1), 2, "restore/n0", (Tier2Snapshot(0),)),
+        BlockRepair(DataBlock(0), 2, "restore/n0", (SnapshotBlock(0),)),
+        BlockRepair(DataBlock(1), 2, "restore/n0", (SnapshotBlock(0),)),
     )
     assert all(r.is_restore for r in result.order)
 
@@ -255,7 +255,7 @@ def test_node_loss_is_tier_2_and_rebuilds_everything() -> None:
     assert result.tier == 2 and result.recoverable and not result.unrecoverable
     assert [r.block for r in result.order] == [
         Tier2Parity(0, 0),  # re-encoded from node 1's snapshot
-        Tier2Snapshot(0),  # from node 1's copy
+        SnapshotBlock(0),  # from node 1's copy
         DataBlock(0),
         DataBlock(1),
         Tier1Parity(0),  # re-encoded from the restored data
@@ -321,10 +321,10 @@ def test_lost_redundancy_only_is_tier_1() -> None:
     # checksum failures can take a single parity or snapshot block
     result = decode(TWO_BY_TWO, frozenset({Tier1Parity(1)}))
     assert result.tier == 1
-    assert result.order == (Repair(Tier1Parity(1), 1, "t1/n1", (DataBlock(2), DataBlock(3))),)
-    result = decode(TWO_BY_TWO, frozenset({Tier2Snapshot(0), Tier2Parity(1, 1)}))
+    assert result.order == (BlockRepair(Tier1Parity(1), 1, "t1/n1", (DataBlock(2), DataBlock(3))),)
+    result = decode(TWO_BY_TWO, frozenset({SnapshotBlock(0), Tier2Parity(1, 1)}))
     assert result.tier == 1 and result.recoverable
-    assert result.unrecoverable == {Tier2Snapshot(0), Tier2Parity(1, 1)}
+    assert result.unrecoverable == {SnapshotBlock(0), Tier2Parity(1, 1)}
     assert result.order == ()
 
 
@@ -332,7 +332,7 @@ def test_rollback_needs_every_snapshot() -> None:
     # node 0 needs its snapshot; node 1's snapshot is corrupt and its copy too: every
     # rank must restore, so node 1 cannot follow node 0 back -> disk checkpoint
     lost: frozenset[Block] = frozenset(
-        {DataBlock(0), DataBlock(1), Tier2Snapshot(1), Tier2Parity(0, 0)}
+        {DataBlock(0), DataBlock(1), SnapshotBlock(1), Tier2Parity(0, 0)}
     )
     result = decode(TWO_BY_TWO, lost)
     assert result.tier == 3 and not result.recoverable
@@ -358,38 +358,38 @@ def test_replay_rejects_bad_orders() -> None:
         replay(
             TWO_BY_TWO,
             lost,
-            [Repair(DataBlock(0), 1, "t1/n0", (DataBlock(1), Tier1Parity(0)))],
+            [BlockRepair(DataBlock(0), 1, "t1/n0", (DataBlock(1), Tier1Parity(0)))],
         )
     # parity before the data it encodes
     with pytest.raises(ValueError, match="source"):
         replay(
             TWO_BY_TWO,
             lost,
-            [Repair(Tier1Parity(0), 1, "t1/n0", (DataBlock(0), DataBlock(1)))],
+            [BlockRepair(Tier1Parity(0), 1, "t1/n0", (DataBlock(0), DataBlock(1)))],
         )
     # too few sources for the code
     with pytest.raises(ValueError, match="needs 2"):
-        replay(TWO_BY_TWO, {DataBlock(0)}, [Repair(DataBlock(0), 1, "t1/n0", (DataBlock(1),))])
+        replay(TWO_BY_TWO, {DataBlock(0)}, [BlockRepair(DataBlock(0), 1, "t1/n0", (DataBlock(1),))])
     # a block that is not missing
     with pytest.raises(ValueError, match="not missing"):
         replay(
             TWO_BY_TWO,
             frozenset(),
-            [Repair(DataBlock(0), 1, "t1/n0", (DataBlock(1), Tier1Parity(0)))],
+            [BlockRepair(DataBlock(0), 1, "t1/n0", (DataBlock(1), Tier1Parity(0)))],
         )
     # a restore from a snapshot that is gone
     with pytest.raises(ValueError, match="snapshot"):
         replay(
             TWO_BY_TWO,
             lost_blocks(TWO_BY_TWO, [NodeLoss(0)]),
-            [Repair(DataBlock(0), 2, "restore/n0", (Tier2Snapshot(0),))],
+            [BlockRepair(DataBlock(0), 2, "restore/n0", (SnapshotBlock(0),))],
         )
     # a group that does not hold the block
     with pytest.raises(ValueError, match="group"):
         replay(
             TWO_BY_TWO,
             {DataBlock(0)},
-            [Repair(DataBlock(0), 1, "t1/n1", (DataBlock(2), Tier1Parity(1)))],
+            [BlockRepair(DataBlock(0), 1, "t1/n1", (DataBlock(2), Tier1Parity(1)))],
         )
 
 

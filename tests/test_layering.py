@@ -25,6 +25,7 @@ LAYER = {
     "core_trace": 1,
     "errors": 0,
     "argcheck": 0,
+    "private": 0,
     "retained": 1,
     "backends": 2,
     "adapters": 3,

@@ -22,7 +22,7 @@ a backend supplies the machine underneath:
 * **liveness**: ``alive(rank)``.
 
 The recovery coordinator's record (the core's state, with COMMIT records) lives
-in the backend too (:class:`Coordinator`), outside every trainer.
+in the backend too (:class:`ProtocolRecord`), outside every trainer.
 
 ``leto.backends.fake`` implements it for N simulated ranks in one process;
 gloo (processes, POSIX shared memory) and NCCL (CUDA IPC) backends implement the
@@ -52,7 +52,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "CollectiveError",
-    "Coordinator",
+    "ProtocolRecord",
     "FencedError",
     "NodeStore",
     "ProcState",
@@ -138,8 +138,9 @@ class NodeStore:
         self.gparity_versions = [NONE] * members
 
 
-class Coordinator:
-    """The recovery coordinator's record: the core model, its state, the COMMIT log.
+class ProtocolRecord:
+    """The protocol's record: the core model, its state, the COMMIT log (the gloo
+    backend keeps the same in its coordinator, :mod:`leto.backends.gloo.coordinator`).
 
     Held by the backend (in a real deployment: the agents' replicated store), never
     by a trainer, so the decision of a step survives any trainer's death.
@@ -170,7 +171,7 @@ class Backend(abc.ABC):
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self.generation = 0
-        self.coordinator: Coordinator | None = None
+        self.record: ProtocolRecord | None = None
 
     # --- topology -------------------------------------------------------------------
 

@@ -882,7 +882,7 @@ def _u_reconcile(
     p = m.plan(s)
     assert p.target is not None
     effects: tuple[Effect, ...] = tuple(
-        fx.Repair(x.what, x.rank, x.chunk, x.version) for x in p.repairs
+        fx.RunRepair(x.what, x.rank, x.chunk, x.version) for x in p.repairs
     ) + (fx.Reconciled(p.target, p.kind.value, p.reason),)
     return _recovered(m, s, e, p.target, p.kind), effects
 

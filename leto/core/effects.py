@@ -37,7 +37,7 @@ __all__ = [
     "RecordCommit",
     "RefuseStaleWrite",
     "ReleaseUndo",
-    "Repair",
+    "RunRepair",
     "Resume",
     "SaveUndo",
     "SpawnShadow",
@@ -252,7 +252,7 @@ class Promote(Effect):
 
 
 @attrs.frozen
-class Repair(Effect):
+class RunRepair(Effect):
     """One repair of the reconcile plan (:class:`leto.core.reconcile.Repair`):
     ``what`` is ``tier1``, ``grad-tier1``, ``forward``, ``snapshot`` or ``checkpoint``."""
 

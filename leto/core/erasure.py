@@ -15,7 +15,7 @@ checkpoint sits behind both.
   rank still gets its parity block: it is then a mirror in host memory. Tier 1 cannot
   survive a node loss (the parity dies with the node) nor two ranks of one node.
 * **Tier 2, across nodes, lagging.** Every node keeps a snapshot of its ranks' data
-  (:class:`Tier2Snapshot`) taken every few steps, off the critical path, and the
+  (:class:`SnapshotBlock`) taken every few steps, off the critical path, and the
   snapshots are erasure coded across nodes (:class:`Tier2Parity`) so that the loss of
   any ``tier2_parity`` whole nodes is survivable. Moving data between nodes every step
   would put the network on the training path, so tier 2 lags by up to K steps: using it
@@ -87,10 +87,10 @@ __all__ = [
     "PatternResult",
     "Placement",
     "RankMemory",
-    "Repair",
+    "BlockRepair",
     "Tier1Parity",
     "Tier2Parity",
-    "Tier2Snapshot",
+    "SnapshotBlock",
     "Topology",
     "coverage",
     "decode",
@@ -211,7 +211,7 @@ class Tier1Parity(_Ordered):
 
 
 @attrs.frozen(order=False)
-class Tier2Snapshot(_Ordered):
+class SnapshotBlock(_Ordered):
     """The node's lagging snapshot of its ranks' data, held on that node."""
 
     _KIND: ClassVar[int] = 2
@@ -227,8 +227,8 @@ class Tier2Parity(_Ordered):
     holder: int = attrs.field(validator=_check_index)
 
 
-Block = DataBlock | Tier1Parity | Tier2Snapshot | Tier2Parity
-_BLOCK_TYPES = (DataBlock, Tier1Parity, Tier2Snapshot, Tier2Parity)
+Block = DataBlock | Tier1Parity | SnapshotBlock | Tier2Parity
+_BLOCK_TYPES = (DataBlock, Tier1Parity, SnapshotBlock, Tier2Parity)
 
 
 def _block_tuple(value: Iterable[Block]) -> tuple[Block, ...]:
@@ -286,7 +286,7 @@ class Group:
         if not self.parity:
             raise ValueError(f"Group {self.name!r}: parity must not be empty")
         member_type, parity_type = (
-            (DataBlock, Tier1Parity) if self.tier == 1 else (Tier2Snapshot, Tier2Parity)
+            (DataBlock, Tier1Parity) if self.tier == 1 else (SnapshotBlock, Tier2Parity)
         )
         for role, blocks, kind in (
             ("members", self.members, member_type),
@@ -355,7 +355,7 @@ class Placement:
         topo = self.topology
         if isinstance(block, DataBlock):
             return topo.node_of(block.rank)
-        if isinstance(block, Tier1Parity | Tier2Snapshot):
+        if isinstance(block, Tier1Parity | SnapshotBlock):
             topo._check_node(block.node)
             return block.node
         if isinstance(block, Tier2Parity):
@@ -367,7 +367,7 @@ class Placement:
         """Every block of this placement, sorted."""
         out: set[Block] = {DataBlock(r) for r in range(self.topology.world_size)}
         if self.snapshots:
-            out.update(Tier2Snapshot(n) for n in range(self.topology.nodes))
+            out.update(SnapshotBlock(n) for n in range(self.topology.nodes))
         for group in self.groups:
             out.update(group.blocks)
         return tuple(sorted(out))
@@ -420,7 +420,7 @@ def place(
                 Group(
                     name=f"t2/s{s}",
                     tier=2,
-                    members=tuple(Tier2Snapshot(n) for n in range(nodes) if n not in holders),
+                    members=tuple(SnapshotBlock(n) for n in range(nodes) if n not in holders),
                     parity=tuple(Tier2Parity(s, h) for h in holders),
                 )
             )
@@ -472,12 +472,12 @@ def _restore_group(node: int) -> str:
 
 
 @attrs.frozen
-class Repair:
+class BlockRepair:
     """Rebuild ``block`` (its share in ``group``) from ``sources`` (their shares in it).
 
     A tier-2 repair of a :class:`DataBlock` is a *restore*: ``group`` is
     ``"restore/n<node>"`` and the only source is the node's whole (rebuilt)
-    :class:`Tier2Snapshot`.
+    :class:`SnapshotBlock`.
     """
 
     block: Block
@@ -505,13 +505,13 @@ class DecodePlan:
     """
 
     recoverable: bool
-    order: tuple[Repair, ...]
+    order: tuple[BlockRepair, ...]
     tier: int
     unrecoverable: frozenset[Block]
 
 
 def _repair_groups(
-    groups: Iterable[Group], lost: frozenset[Block], out: list[Repair]
+    groups: Iterable[Group], lost: frozenset[Block], out: list[BlockRepair]
 ) -> set[Block]:
     """Repairs of every decodable group (members first, then parity re-encoded from the
     members). Returns the blocks left with a missing share."""
@@ -527,10 +527,10 @@ def _repair_groups(
         sources = tuple(b for b in group.blocks if b not in lost)[:k]
         for block in group.members:
             if block in lost:
-                out.append(Repair(block, group.tier, group.name, sources))
+                out.append(BlockRepair(block, group.tier, group.name, sources))
         for block in group.parity:
             if block in lost:
-                out.append(Repair(block, group.tier, group.name, group.members))
+                out.append(BlockRepair(block, group.tier, group.name, group.members))
     return broken
 
 
@@ -549,17 +549,17 @@ def decode(placement: Placement, lost: frozenset[Block]) -> DecodePlan:
     tier1_groups = [g for g in placement.groups if g.tier == 1]
     tier2_groups = [g for g in placement.groups if g.tier == 2]
 
-    order: list[Repair] = []
+    order: list[BlockRepair] = []
     t1_broken = _repair_groups(tier1_groups, lost, order)
     in_tier1 = {b for g in tier1_groups for b in g.members}
     lost_data = sorted(b for b in lost if isinstance(b, DataBlock))
     need_tier2 = [b for b in lost_data if b not in in_tier1 or b in t1_broken]
 
-    t2_order: list[Repair] = []
+    t2_order: list[BlockRepair] = []
     t2_broken = _repair_groups(tier2_groups, lost, t2_order)
 
     def snapshot_ok(node: int) -> bool:
-        snap = Tier2Snapshot(node)
+        snap = SnapshotBlock(node)
         if snap not in lost:
             return True
         # A lost snapshot comes back only if it has stripes, and every stripe's group
@@ -575,11 +575,11 @@ def decode(placement: Placement, lost: frozenset[Block]) -> DecodePlan:
         order = list(t2_order)
         for block in lost_data:
             node = placement.holder(block)
-            order.append(Repair(block, 2, _restore_group(node), (Tier2Snapshot(node),)))
+            order.append(BlockRepair(block, 2, _restore_group(node), (SnapshotBlock(node),)))
         for group in tier1_groups:
             for block in group.parity:
                 if block in lost:
-                    order.append(Repair(block, 1, group.name, group.members))
+                    order.append(BlockRepair(block, 1, group.name, group.members))
         tier = 2
     else:
         order.extend(t2_order)
@@ -596,7 +596,7 @@ def decode(placement: Placement, lost: frozenset[Block]) -> DecodePlan:
 
 
 def replay(
-    placement: Placement, lost: Iterable[Block], order: Iterable[Repair]
+    placement: Placement, lost: Iterable[Block], order: Iterable[BlockRepair]
 ) -> frozenset[Block]:
     """Execute ``order`` symbolically after losing ``lost``; return the blocks whole at
     the end. Raises ``ValueError`` naming the first repair that cannot run: a source (its
@@ -623,9 +623,9 @@ def replay(
             raise ValueError(f"{where}: block is not part of this placement")
         if repair.is_restore:
             node = placement.holder(block)
-            if repair.group != _restore_group(node) or repair.sources != (Tier2Snapshot(node),):
+            if repair.group != _restore_group(node) or repair.sources != (SnapshotBlock(node),):
                 raise ValueError(f"{where}: a restore reads its own node's snapshot")
-            if not placement.snapshots or not whole(Tier2Snapshot(node)):
+            if not placement.snapshots or not whole(SnapshotBlock(node)):
                 raise ValueError(f"{where}: snapshot of node {node} is not available")
             if whole(block):
                 raise ValueError(f"{where}: block is not missing")

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
+from leto.private import InsecurePathError, check_tree, private_dir
+
 __all__ = ["Checkpointer", "CheckpointError", "DCPCheckpointer", "MemoryCheckpointer"]
 
 
@@ -75,8 +77,10 @@ class DCPCheckpointer:
     def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp
 
-        path = self._path(step)
-        path.mkdir(parents=True, exist_ok=True)
+        # read back with dcp.load, which unpickles its metadata: only a directory no
+        # other user can write to (docs/security.md)
+        private_dir(self.directory, "checkpoint directory")
+        path = private_dir(self._path(step), "checkpoint")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             warnings.filterwarnings("ignore", message=".*existing checkpoint.*overwriting.*")
@@ -94,6 +98,11 @@ class DCPCheckpointer:
         meta_file = path / "leto.json"
         if not meta_file.is_file():
             raise CheckpointError(f"no complete checkpoint of step {step} in {path}")
+        try:
+            private_dir(self.directory, "checkpoint directory")
+            check_tree(path, "checkpoint")  # before dcp.load unpickles anything in it
+        except InsecurePathError as e:
+            raise CheckpointError(str(e)) from None
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:

@@ -74,7 +74,7 @@ class RealCluster(ClusterMachine):
 
     def execute(self, event: ev.Event, effects: tuple[Effect, ...], state: ClusterState) -> None:
         self.engine.execute(event, effects, self.last, state)
-        self.engine.coordinator.adopt(state)
+        self.engine.record.adopt(state)
         self.last = state
 
     @invariant()
@@ -112,7 +112,7 @@ class RealCluster(ClusterMachine):
         super().teardown()
         for rec in self.engine.recoveries:  # --hypothesis-show-statistics
             event(f"recovered: {rec['kind']}")
-        self.engine.coordinator.adopt(self.state)
+        self.engine.record.adopt(self.state)
         finish_training(self.engine)
         diff = same_state(self.engine, reference(self.config))
         assert not diff, f"not bitwise equal to the failure-free run: {diff}"

@@ -29,9 +29,9 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # imported
 
 from leto.backends.gloo import auth
 from leto.backends.gloo.harness import JobResult, run_local
-from leto.backends.gloo.private import InsecurePathError, check_tree, private_dir
 from leto.backends.gloo.procs import free_port, parent_of, processes_with
 from leto.backends.gloo.wire import MAX_DEPTH, Conn, WireError, too_deep
+from leto.private import InsecurePathError, check_tree, private_dir
 
 STEPS = 300  # 15-30 ms a step here: the attacks (about half a second) land mid-training
 EXTRA = ["--quiet", "--hang-timeout", "3", "--heartbeat", "0.25"]

@@ -19,7 +19,7 @@ Two halves:
   RestoreCheckpoint, Rebuild, Resume) through the core.
 
 The core's state and COMMIT records live in the backend's
-:class:`~leto.backends.base.Coordinator`, never in a trainer. The Hypothesis
+:class:`~leto.backends.base.ProtocolRecord`, never in a trainer. The Hypothesis
 machine in ``tests/fake`` drives the executor alone, with events it picks.
 
 Per rank ("process"): a model, its torch optimizer and LR scheduler (one deep copy
@@ -43,9 +43,9 @@ from torch import nn
 
 from leto.backends.base import (
     Backend,
-    Coordinator,
     FencedError,
     NodeStore,
+    ProtocolRecord,
     Snapshot,
     Work,
 )
@@ -276,7 +276,7 @@ class Engine:
                 f"{n_chunks} chunks on {backend.topology}"
             )
         model = ClusterModel(cfg)
-        backend.coordinator = Coordinator(model, model.initial())
+        backend.record = ProtocolRecord(model, model.initial())
         rng0 = capture_rng()
         for p in self.procs:
             p.rng = rng0
@@ -292,18 +292,18 @@ class Engine:
     # ------------------------------------------------------------------ basics
 
     @property
-    def coordinator(self) -> Coordinator:
-        c = self.backend.coordinator
+    def record(self) -> ProtocolRecord:
+        c = self.backend.record
         assert c is not None
         return c
 
     @property
     def state(self) -> ClusterState:
-        return self.coordinator.state
+        return self.record.state
 
     @property
     def model(self) -> ClusterModel:
-        return self.coordinator.model
+        return self.record.model
 
     @property
     def n_chunks(self) -> int:
@@ -516,7 +516,7 @@ class Engine:
     def _fx_record_commit(
         self, a: fx.RecordCommit, before: ClusterState, after: ClusterState
     ) -> None:
-        self.coordinator.record_commit(a.step)
+        self.record.record_commit(a.step)
 
     def _fx_save_undo(self, a: fx.SaveUndo, before: ClusterState, after: ClusterState) -> None:
         r, c = a.rank, a.chunk
@@ -775,7 +775,7 @@ class Engine:
             self.stats["snapshot_restores"] += 1
         else:
             for a in effects:
-                if not isinstance(a, fx.Repair):
+                if not isinstance(a, fx.RunRepair):
                     continue
                 if a.what == "tier1":
                     self._decode_chunk(a.rank, a.chunk, a.step)
@@ -1133,7 +1133,7 @@ class Engine:
 
     def feed(self, e: ev.Event) -> None:
         """Step the core with ``e``, carry out its effects, adopt the new state."""
-        coord = self.coordinator
+        coord = self.record
         before = coord.state
         after, effects = coord.step(e)
         try:
@@ -1368,7 +1368,7 @@ class Engine:
     # --- attach to retained state left by an earlier engine ------------------------
 
     def _attach_all(self) -> None:
-        coord = self.backend.coordinator
+        coord = self.backend.record
         if coord is None:
             raise LayoutError("the backend holds no retained job to attach to")
         s = coord.state
@@ -1441,4 +1441,4 @@ EXECUTORS: dict[type[fx.Effect], Executor] = {
     fx.Resume: Engine._fx_resume,
 }
 #: carried out by Engine._reconcile as a whole
-RECONCILE_EFFECTS = (fx.Repair, fx.Reconciled)
+RECONCILE_EFFECTS = (fx.RunRepair, fx.Reconciled)

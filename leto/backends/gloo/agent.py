@@ -50,13 +50,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from leto.private import InsecurePathError, private_dir
+
 from . import auth, segments
 from . import procs as P
 from .board import StatusBoard
 from .coordinator import Coordinator, CoordinatorOptions
 from .eventlog import EventLog
 from .keeper import KeeperHandle, spawn_keeper
-from .private import InsecurePathError, private_dir
 from .wire import MAX_FRAME, Conn, WireError, abstract_name, check_peer, listen_unix
 
 __all__ = ["Agent", "AgentOptions", "LaunchError"]

@@ -37,7 +37,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from .private import InsecurePathError, check_private_file
+from leto.private import InsecurePathError, check_private_file
 
 __all__ = [
     "ENV",

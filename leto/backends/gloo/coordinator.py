@@ -47,7 +47,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from leto.core import effects as fx
 from leto.core import events as ev
+from leto.core import schedule
 from leto.core.cluster import ClusterModel, ClusterState, Effect
 from leto.core.erasure import Topology
 from leto.core.errors import ProtocolError
@@ -539,45 +541,50 @@ class Coordinator:
         self.wait = _Wait(what, self.generation, set(pending), now)
 
     def _advance(self, now: float) -> None:
+        """Carry out the recovery the core schedules (:mod:`leto.core.schedule`).
+
+        The core picks the next event; this driver only waits for what an event needs
+        from the world (the trainers' acknowledgements, their reports, a warm shadow).
+        """
         for _ in range(1000):
             if self.failed is not None or self.complete:
                 return
             s = self.state
             assert s is not None and self.model is not None
-            alive = all(t is TrainerState.ALIVE for t in s.trainer)
-            if s.phase is Phase.RUNNING and alive:
+            nxt = schedule.next_events(self.model, s)
+            if not nxt:
                 return
-            restart = not alive and s.phase not in (Phase.FENCING, Phase.PROMOTING)
-            restart = restart or (s.phase is Phase.PROMOTING and TrainerState.HUNG in s.trainer)
-            if restart:
+            first = nxt[0]
+            if isinstance(first, ev.Detect):
                 self._detect(now)
                 continue
             if self.wait is not None and self.wait.pending:
                 return
-            if s.phase is Phase.FENCING:
+            if isinstance(first, ev.Fence):
                 self._fence(now)
                 return
-            if s.phase is Phase.PROMOTING:
-                if not self._promote(now):
+            if isinstance(first, (ev.Promote, ev.ShadowWarm, ev.EndPromote)):
+                if not self._promote(nxt, now):
                     return
                 continue
-            if s.phase is Phase.RECONCILING:
+            if isinstance(first, (ev.Reconcile, ev.GoFallback)):
                 if not self._reconcile(now):
                     return
                 continue
-            if s.phase is Phase.FALLBACK:
+            if isinstance(first, ev.RestoreCheckpoint):
                 self._restore_checkpoint(now)
                 return
-            if s.phase is Phase.REBUILDING:
+            if isinstance(first, ev.Rebuild):
                 self._log_reconciled(now)
                 self._phase("rebuild", now)
-                self._feed(ev.Rebuild())
+                self._feed(first)
                 self._send(None, {"t": "rebuild", "gen": s.gen})
                 self._wait("rebuild", set(range(self.W)), now)
                 return
-            if s.phase is Phase.RESUMING:
+            if isinstance(first, ev.Resume):
                 self._resume(now)
                 return
+            raise AssertionError(f"no executor for the scheduled {first!r}")  # pragma: no cover
         raise RuntimeError("recovery driver did not settle")  # pragma: no cover
 
     def _detect(self, now: float) -> None:
@@ -619,8 +626,8 @@ class Coordinator:
         self._wait("fence", set(self.nodes_up), now)
         self.log.write("fence", generation=gen, stale_killed=hung)
 
-    def _promote(self, now: float) -> bool:
-        """Promote what can be; True once EndPromote was fed."""
+    def _promote(self, nxt: tuple[ev.Event, ...], now: float) -> bool:
+        """Carry out the scheduled promotions; True once EndPromote was fed."""
         s = self.state
         assert s is not None and self.model is not None
         if self.wait is not None and self.wait.what == "fence":
@@ -629,25 +636,27 @@ class Coordinator:
                     self._try(ev.StaleWrite(r, 0))
             self.wait = None
             self._phase("promote", now)
-        s = self.state
-        assert s is not None
-        dead = [r for r, t in enumerate(s.trainer) if t is TrainerState.DEAD]
-        if not dead:
+            s = self.state
+            assert s is not None
+            nxt = schedule.next_events(self.model, s)
+        if any(isinstance(e, ev.EndPromote) for e in nxt):
             self._feed(ev.EndPromote())
             self._phase("rejoin", now)  # the new generation's communicator + retained truth
             return True
         sent = set()
-        for r in dead:
+        for e in nxt:
+            r = e.rank  # type: ignore[attr-defined]
             if self._node_of(r) not in self.nodes_up:
                 continue  # its node is being replaced
-            if s.shadow[r] is ShadowState.SPAWNING:
+            if isinstance(e, ev.ShadowWarm):
                 # its replacement shadow must be warm first: make sure one is coming
+                # (the shadow's warm report feeds ShadowWarm)
                 if (r, s.gen) not in self.asked_shadow:
                     self.asked_shadow.add((r, s.gen))
                     self._send(self._node_of(r), {"t": "need_shadow", "rank": r})
                 continue
             warm = s.shadow[r] is ShadowState.WARM
-            self._feed(ev.Promote(r))
+            self._feed(e)
             self._send(self._node_of(r), {"t": "promote", "rank": r, "gen": s.gen, "warm": warm})
             sent.add(r)
         if sent:
@@ -670,8 +679,9 @@ class Coordinator:
         self.state = self._truth(s)
         s = self.state
         plan = self.model.plan(s)
+        fallback = isinstance(schedule.next_event(self.model, s), ev.GoFallback)
         self.wait = None
-        if plan.fallback and not self.info.get("checkpoint"):
+        if fallback and not self.info.get("checkpoint"):
             self.fail(
                 "cannot recover in place: "
                 + plan.reason
@@ -681,7 +691,7 @@ class Coordinator:
             )
             return False
         assert self.rec is not None
-        if plan.fallback:
+        if fallback:
             self._feed(ev.GoFallback())
             self.rec.plan = {
                 "kind": "ckpt",
@@ -694,9 +704,9 @@ class Coordinator:
             return True
         effects = self._feed(ev.Reconcile())
         repairs = [
-            {"what": name[len("repair_") :], **args}
-            for name, args in effects
-            if name.startswith("repair_")
+            {"what": x.what, "rank": x.rank, "chunk": x.chunk, "step": x.step}
+            for x in effects
+            if isinstance(x, fx.RunRepair)
         ]
         after = self.state
         assert after is not None

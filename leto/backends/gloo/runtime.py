@@ -45,6 +45,7 @@ import signal
 import sys
 import time
 import traceback
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -52,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from leto import private
 from leto.core.chunk import LOST, NONE
 from leto.errors import ConfigError
 from leto.retained import recovery as rx
@@ -137,21 +139,40 @@ def _named_buffers(lay: RetainedLayout) -> list[tuple[str, torch.Tensor]]:
 
 
 def _to_meta(model: nn.Module) -> None:
-    """Release the parameters' memory: the shadow keeps a meta-device skeleton."""
+    """Release the parameters' memory: the shadow keeps a skeleton of the same objects.
+
+    A parameter is swapped for a meta-device one in place (``swap_tensors``: the
+    optimizer and the module keep the same object). ``swap_tensors`` refuses a tensor
+    that has weak references (RNN modules keep them in ``_flat_weight_refs``): such a
+    parameter keeps its object and its device, and its ``.data`` becomes one element
+    broadcast to its shape, so its storage is released all the same and attaching the
+    retained state later rebinds ``.data`` (the module sees the same object).
+    """
     for p in model.parameters():
-        if p.device.type != "meta":
+        if p.device.type == "meta" or _is_placeholder(p):
+            continue
+        if weakref.getweakrefcount(p):
+            p.data = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
+        else:
             torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
                 p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
             )
 
 
+def _is_placeholder(p: torch.Tensor) -> bool:
+    """A skeleton parameter of :func:`_to_meta` that kept its device (no storage of its own)."""
+    return p.numel() > 1 and p.untyped_storage().nbytes() < p.numel() * p.element_size()
+
+
 def _materialize(model: nn.Module) -> None:
-    """Give meta parameters (uninitialised) CPU memory; buffers are left alone."""
+    """Give skeleton parameters (uninitialised) CPU memory; buffers are left alone."""
     for p in model.parameters():
         if p.device.type == "meta":
             torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
                 p, nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
             )
+        elif _is_placeholder(p):
+            p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
 
 
 def wrap_gloo(
@@ -1383,8 +1404,10 @@ class GlooSession:
 
         import torch.distributed.checkpoint as dcp
 
-        path = self._ckpt_dir()
-        os.makedirs(path, exist_ok=True)
+        # the checkpoint is read back with dcp.load, which unpickles its metadata: only
+        # a directory no other user can write to (docs/security.md)
+        private.private_dir(str(self.cfg.checkpoint_dir), "checkpoint directory")
+        path = str(private.private_dir(self._ckpt_dir(), "checkpoint"))
         tensors = {name: buf.detach() for name, buf in _named_buffers(self.layout)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -1409,6 +1432,8 @@ class GlooSession:
         mfile = os.path.join(path, "leto.json")
         if not os.path.isfile(mfile):
             raise IntegrityError(f"no complete checkpoint of step 0 in {path}")
+        private.private_dir(str(self.cfg.checkpoint_dir), "checkpoint directory")
+        private.check_tree(path, "checkpoint")  # before dcp.load unpickles anything in it
         lay = self.layout
         rx.free_undo(self.layout)
         tensors = {name: buf for name, buf in _named_buffers(lay)}
