@@ -151,6 +151,7 @@ class Proc:
     promote_gen: int | None = None
     promote_started: float = 0.0
     promote_warm: bool = True
+    cold_start: bool = False  # a shadow started to be promoted: no skeleton, never warm
     done: bool = False
 
 
@@ -190,6 +191,9 @@ class Agent:
         self.shadow: dict[int, Proc | None] = dict.fromkeys(self.local_ranks)
         self.shadow_state: dict[int, str] = dict.fromkeys(self.local_ranks, "none")
         self.shadow_failures: dict[int, int] = dict.fromkeys(self.local_ranks, 0)
+        # ranks whose shadow could not be built (the reason): replaced by cold starts only
+        self.degraded: dict[int, str] = {}
+        self.asked: set[int] = set()  # ranks the coordinator needs a shadow of (need_shadow)
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[int, dict[str, Any]] = {}
         self.unclaimed: dict[int, ProcConn] = {}
@@ -472,7 +476,12 @@ class Agent:
 
     # ================================================================== processes
 
-    def _spawn(self, lr: int, role: str, promote_gen: int | None = None) -> None:
+    def _spawn(
+        self, lr: int, role: str, promote_gen: int | None = None, *, cold: bool = False
+    ) -> None:
+        """Fork a trainer or a shadow of ``lr``; a *cold* shadow (one to be promoted at
+        once) keeps its parameters instead of building a skeleton."""
+        cold = role == "shadow" and (cold or promote_gen is not None)
         self.incarnation += 1
         rank = self._rank(lr)
         inc = self.incarnation
@@ -498,6 +507,7 @@ class Agent:
         }
         spec = {
             "role": role,
+            "skeleton": not cold,
             "rank": rank,
             "local_rank": lr,
             "node": self.node,
@@ -533,6 +543,7 @@ class Agent:
             "inc": inc,
             "log": log_path,
             "promote_gen": promote_gen,
+            "cold": cold,
         }
         self.sel.register(
             rfd, selectors.EVENT_READ, ("log", {"fd": rfd, "file": logf, "rank": rank, "pid": None})
@@ -561,6 +572,7 @@ class Agent:
                     progress_t=now,
                 )
                 p.promote_gen = sp["promote_gen"]
+                p.cold_start = sp["cold"]
                 if p.promote_gen is not None:
                     p.promote_started = now
                     p.promote_warm = False
@@ -660,15 +672,35 @@ class Agent:
                 return
             self.shadow_failures[lr] += 1
             self.shadow_state[lr] = "failed" if p.error else "none"
+            why = _last_line(p.error) or how
+            if p.status == "starting" and not p.cold_start and lr not in self.degraded:
+                self._degrade(lr, p.rank, why)  # it died building its skeleton
             reason = f"the shadow of rank {p.rank} exited ({how})"
             if p.error:
                 reason += ":\n" + p.error
-            self._to_coord({"t": "shadow", "rank": p.rank, "state": "failed", "reason": reason})
-            if self.shadow_failures[lr] < 3 and not self.complete:
-                self._spawn(lr, "shadow", promote_gen=p.promote_gen)
-            elif p.promote_gen is not None:
+            self._to_coord(
+                {
+                    "t": "shadow",
+                    "rank": p.rank,
+                    "state": "failed",
+                    "reason": reason,
+                    "degraded": self.degraded.get(lr),
+                }
+            )
+            if self.complete:
+                return
+            # a promotion or the coordinator waits for this rank's replacement
+            needed = p.promote_gen is not None or p.cold_start or lr in self.asked
+            on_demand = lr in self.degraded or not self.o.shadows
+            if self.shadow_failures[lr] < 3 and (needed or not on_demand):
+                self._spawn(lr, "shadow", promote_gen=p.promote_gen, cold=on_demand)
+            elif needed:
                 self._to_coord(
-                    {"t": "fatal", "rank": p.rank, "error": f"cannot promote a shadow: {reason}"}
+                    {
+                        "t": "fatal",
+                        "rank": p.rank,
+                        "error": f"cannot start a replacement process: it exited ({how}): {why}",
+                    }
                 )
 
     def _kill(self, p: Proc, *, wait: float = 5.0) -> None:
@@ -855,6 +887,7 @@ class Agent:
                 return
             self.shadow_state[lr] = "warm"
             self.shadow_failures[lr] = 0
+            self.asked.discard(lr)
             self._to_coord(
                 {
                     "t": "shadow",
@@ -1142,7 +1175,13 @@ class Agent:
             self._promote(int(msg["rank"]) - self.node * self.nproc, int(msg["gen"]))
             return
         if t == "need_shadow":
-            self._ensure_shadow(int(msg["rank"]) - self.node * self.nproc, force=True)
+            lr = int(msg["rank"]) - self.node * self.nproc
+            sh = self.shadow.get(lr)
+            if sh is not None and sh.status == "warm":  # (its report may have been refused)
+                self._to_coord({"t": "shadow", "rank": sh.rank, "state": "warm"})
+                return
+            self.asked.add(lr)
+            self._ensure_shadow(lr, force=True)
             return
         if t == "complete":
             self.complete = True
@@ -1174,7 +1213,7 @@ class Agent:
         self._keeper(lr, "fence", max(gen, self.generation))
         self.generation = max(gen, self.generation)
         if sh is not None and sh.status == "warm" and sh.conn is not None:
-            self._promote_now(sh, gen, warm=True)
+            self._promote_now(sh, gen, warm=not sh.cold_start)
             return
         if sh is not None:  # still starting: promote it the moment it is warm
             sh.promote_gen = gen
@@ -1210,17 +1249,29 @@ class Agent:
 
     def _ensure_shadow(self, lr: int, *, force: bool = False) -> None:
         """A shadow for ``lr`` if it has none (not while shadows are reclaimed, unless the
-        coordinator needs one to promote: ``force``)."""
+        coordinator needs one to promote: ``force``). Without shadows (``--no-shadows``,
+        or a rank whose skeleton could not be built) only ``force`` starts one, cold."""
         starting = any(sp["lr"] == lr and sp["role"] == "shadow" for sp in self.spawns.values())
+        on_demand = not self.o.shadows or lr in self.degraded
         if (
-            self.o.shadows
-            and self.shadow.get(lr) is None
+            self.shadow.get(lr) is None
             and not starting
             and not self.complete
             and not self.stop
-            and (force or not self.reclaimed)
+            and (force or not (self.reclaimed or on_demand))
         ):
-            self._spawn(lr, "shadow")
+            self._spawn(lr, "shadow", cold=on_demand)
+
+    def _degrade(self, lr: int, rank: int, why: str) -> None:
+        """The shadow of ``lr`` could not be built: say so now; its rank runs without one."""
+        self.degraded[lr] = why
+        print(
+            f"leto[node {self.node}]: warning: the shadow of rank {rank} could not be built "
+            f"({why}); the job runs degraded: a failure of rank {rank} is recovered by a "
+            "cold start",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _reclaim(self, lr: int, reason: str) -> None:
         sh = self.shadow.get(lr)
@@ -1462,6 +1513,11 @@ class Agent:
         if self.listener is not None:
             self.listener.close()
         self.store = None
+
+
+def _last_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[-1].strip() if lines else ""
 
 
 def _send_link(conn: Conn, msg: dict[str, Any]) -> bool:

@@ -396,8 +396,14 @@ class GlooSession:
         self.ch.mark("idle", 0)
 
     def _as_shadow(self) -> None:
-        """Wait, warm, until promoted; then recover into the job."""
-        _to_meta(self.model)
+        """Wait, warm, until promoted; then recover into the job.
+
+        A shadow releases its parameters' memory (a skeleton); a cold start (a process
+        started to be promoted at once, or where no skeleton could be built) keeps them:
+        attaching the retained state rebinds them all the same.
+        """
+        if self.spec.get("skeleton", True):
+            _to_meta(self.model)
         self.keeper = KeeperClient(self.spec["keeper_socket"], generation=self.gen, role="shadow")
         self.ch.mark("shadow", 0)
         self.ch.send({"t": "warm"})
