@@ -17,7 +17,7 @@ from typing import NoReturn
 
 # (name, module, one-line help)
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("spec", "leto.spec_cli", "check the protocol: TLC on spec/, the core's checker, mutants"),
+    ("spec", "leto.spec.cli", "check the protocol: TLC on spec/, the core's checker, mutants"),
     ("demo", "leto.adapters.demo", "train, inject failures, recover in place, compare bitwise"),
     ("launch", "leto.adapters.launch", "start training with in-place recovery (torchrun-shaped)"),
     ("report", "leto.adapters.report", "print a run's failure/recovery timeline and plot it"),

@@ -59,7 +59,7 @@ TRIPWIRES = (
     "leto.adapters.gloo_demo.run_cli",
     "leto.core.verify.check_core",
     "leto.core.verify.check_mutant",
-    "leto.spec_cli._tlc",
+    "leto.spec.cli._tlc",
 )
 
 

@@ -22,15 +22,15 @@ PKG = ROOT / "leto"
 # the layer of each top-level part of leto; a module imports only its own layer or lower
 LAYER = {
     "core": 0,
-    "core_trace": 1,
     "errors": 0,
     "argcheck": 0,
     "private": 0,
     "retained": 1,
     "backends": 2,
     "adapters": 3,
-    "tlc": 3,
-    "spec_cli": 4,
+    "spec.trace": 1,  # the core model over an event log: no torch, no backend
+    "spec.tlc": 3,
+    "spec": 4,
     "bench": 4,
     "sim": 4,
     "testing": 4,
@@ -94,6 +94,8 @@ def graph() -> nx.DiGraph:
 
 def layer(module: str) -> int:
     parts = module.split(".")
+    if ".".join(parts[1:3]) in LAYER:
+        return LAYER[".".join(parts[1:3])]
     return LAYER[parts[1] if len(parts) > 1 else "__init__"]
 
 

@@ -1,4 +1,4 @@
-"""Trace validation (``leto.core_trace``, ``leto spec trace``) on logs written by hand.
+"""Trace validation (``leto.spec.trace``, ``leto spec trace``) on logs written by hand.
 
 A log the coordinator would write for a 1-node, 2-rank job with a crash and its
 recovery replays; each way of doctoring it is refused at the line it touches; bad
@@ -21,7 +21,7 @@ from leto.core import events as ev
 from leto.core.chunk import LOST, NONE
 from leto.core.errors import ProtocolError
 from leto.core.recovery import Phase
-from leto.core_trace import (
+from leto.spec.trace import (
     Apply,
     Commit,
     CoreSetup,

@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from leto import tlc
-from leto.tlc import SPEC_DIR, TLCNotAvailable, TLCResult, config_properties, parse_output, run_tlc
+from leto.spec import tlc
+from leto.spec.tlc import (
+    SPEC_DIR,
+    TLCNotAvailable,
+    TLCResult,
+    config_properties,
+    parse_output,
+    run_tlc,
+)
 
 needs_java = pytest.mark.skipif(
     shutil.which("java") is None,

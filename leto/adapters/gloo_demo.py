@@ -348,7 +348,7 @@ def demo(
 
 def _trace(run_dir: Path) -> tuple[bool, str]:
     """Whether the run's event log replays through the core's model, and its line."""
-    from leto.core_trace import InputError, check
+    from leto.spec.trace import InputError, check
 
     try:
         report = check(run_dir)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from leto.backends.gloo.harness import JobResult, run_local
-from leto.core_trace import InputError, check
+from leto.spec.trace import InputError, check
 
 HERE = Path(__file__).resolve().parent
 TRAIN = str(HERE / "scripts" / "train.py")

@@ -8,7 +8,7 @@ import pytest
 
 from leto.backends.gloo.coordinator import Coordinator, CoordinatorOptions
 from leto.backends.gloo.eventlog import EventLog
-from leto.core_trace import replay
+from leto.spec.trace import replay
 
 CHUNKS = 2
 

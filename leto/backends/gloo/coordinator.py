@@ -24,7 +24,7 @@ of its retained state (chunk versions, undo copies, sealed gradients, its node's
 parity records), which the model adopts as its picture of memory (a trainer
 that died between doing something and reporting it leaves the model one event
 behind; the retained headers never are) before the core computes the reconcile
-plan (:func:`leto.core_trace.adopt`, which refuses a report the model cannot have
+plan (:func:`leto.spec.trace.adopt`, which refuses a report the model cannot have
 come to: another phase, another shape, memory the model lost found again).
 ``Reconcile`` (or ``GoFallback`` + ``RestoreCheckpoint``) is carried out by every
 trainer, then ``Rebuild`` and ``Resume``. A failure during any of it feeds
@@ -36,7 +36,7 @@ on by default) with one line naming what was refused, the error and the model's
 state; only messages of an old generation are dropped before it (the keeper's
 fence), and votes wait while a recovery runs. What the coordinator feeds the
 model and the retained state it adopts are written to the event log as ``core``
-records (:mod:`leto.core_trace`, O(ranks) per step), so that ``leto spec trace
+records (:mod:`leto.spec.trace`, O(ranks) per step), so that ``leto spec trace
 RUN_DIR`` replays the run through the model and checks it against the log.
 """
 
@@ -56,7 +56,7 @@ from leto.core.errors import ProtocolError
 from leto.core.recovery import Kind, Phase
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
-from leto.core_trace import (
+from leto.spec.trace import (
     Apply,
     Commit,
     CoreSetup,
@@ -749,7 +749,7 @@ class Coordinator:
 
     def _truth(self, s: ClusterState) -> ClusterState:
         """The model's state with the retained state as the trainers found it: adopted
-        through :func:`leto.core_trace.adopt` (which refuses what the model cannot have
+        through :func:`leto.spec.trace.adopt` (which refuses what the model cannot have
         come to) and logged as a ``core`` record, so the trace replays it."""
         assert self.model is not None
         data, undo, grad = [], [], []

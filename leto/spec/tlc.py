@@ -9,8 +9,8 @@ malformed or missing configs are reported in the result); it raises
 
 Usage::
 
-    python -m leto.tlc MCLetoSmall.cfg            # spec/MCLetoSmall.cfg on spec/MCLeto.tla
-    python -m leto.tlc MCLeto_no_undo.cfg --workers 1
+    python -m leto.spec.tlc MCLetoSmall.cfg            # spec/MCLetoSmall.cfg on spec/MCLeto.tla
+    python -m leto.spec.tlc MCLeto_no_undo.cfg --workers 1
 
 No torch import here: this module only needs the standard library and attrs.
 """
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: The repository's ``spec/`` directory (Leto.tla, MCLeto.tla, the .cfg files).
-SPEC_DIR = Path(__file__).resolve().parent.parent / "spec"
+SPEC_DIR = Path(__file__).resolve().parent / "files"  # leto/spec/files: the spec, as package data
 
 #: Environment variable that overrides where ``tla2tools.jar`` is looked for.
 JAR_ENV = "LETO_TLA2TOOLS"
@@ -308,8 +308,8 @@ def run_tlc(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m leto.tlc CONFIG``: run TLC, print a summary, exit 0 iff ok."""
-    parser = argparse.ArgumentParser(prog="python -m leto.tlc", description=main.__doc__)
+    """``python -m leto.spec.tlc CONFIG``: run TLC, print a summary, exit 0 iff ok."""
+    parser = argparse.ArgumentParser(prog="python -m leto.spec.tlc", description=main.__doc__)
     parser.add_argument("config", help="configuration file, relative to spec/ unless absolute")
     parser.add_argument("--spec", default="MCLeto.tla", help="TLA+ module (default MCLeto.tla)")
     parser.add_argument("--workers", type=int, default=2)

@@ -20,7 +20,7 @@ from typing import Any
 from leto import argcheck
 from leto.argcheck import BadInput, Bound, positive_int, refuse, seconds, show
 
-SPEC_DIR = Path(__file__).resolve().parent.parent / "spec"
+SPEC_DIR = Path(__file__).resolve().parent / "files"  # leto/spec/files: the spec, as package data
 MAIN_CONFIG = "MCLeto.cfg"
 
 _CFG_KEYWORDS = {
@@ -42,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--config",
         action="append",
         metavar="CFG",
-        help=f"TLC config(s) to check (default: {MAIN_CONFIG} in the spec directory)",
+        help=f"TLC config(s): a path, or a name in the spec directory (default: {MAIN_CONFIG})",
     )
     p.add_argument("--spec-dir", type=Path, default=SPEC_DIR, help="directory of Leto.tla")
     p.add_argument("--skip-tlc", action="store_true", help="do not run TLC")
@@ -68,7 +68,7 @@ BOUNDS: dict[str, Bound] = {"workers": positive_int(256), "timeout": seconds()}
 def check_args(args: argparse.Namespace) -> bool:
     """Refuse bad flags, a missing spec directory and (unless ``--skip-tlc``) a machine
     where TLC cannot run, before any check starts; whether TLC will run."""
-    from leto import tlc
+    from leto.spec import tlc
 
     try:
         argcheck.check_args(args, BOUNDS)
@@ -112,7 +112,7 @@ def validate_cfg(path: Path) -> None:
 
 
 def _tlc(cfg: Path, spec_dir: Path, workers: int, timeout: float) -> dict[str, Any]:
-    from leto import tlc
+    from leto.spec import tlc
 
     try:
         res = tlc.run_tlc(cfg, spec_dir=spec_dir, workers=workers, timeout=timeout)
@@ -137,7 +137,11 @@ def run_checks(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     run_tlc = check_args(args)
     # Configs named on the command line are always validated; the default one only
     # when TLC is going to read it.
-    configs = [Path(c) for c in (args.config or [str(spec_dir / MAIN_CONFIG)])]
+    # a config named without a directory that is not here is one of the spec's own
+    configs = [
+        spec_dir / c if not Path(c).exists() and Path(c).name == c else Path(c)
+        for c in (args.config or [MAIN_CONFIG])
+    ]
     for cfg in configs if (args.config or run_tlc) else []:
         validate_cfg(cfg)
     out: dict[str, Any] = {
@@ -229,7 +233,7 @@ def _summary(out: dict[str, Any]) -> str:
 
 def run_trace(args: argparse.Namespace) -> int:
     """``leto spec trace RUN_DIR``: one line (or JSON); 0 agrees, 1 diverges, 2 bad input."""
-    from leto.core_trace import InputError, check
+    from leto.spec.trace import InputError, check
 
     try:
         report = check(args.run_dir)
