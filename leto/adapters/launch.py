@@ -236,6 +236,9 @@ def _error(msg: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from leto.backends.gloo.procs import die_with_starter
+
+    die_with_starter()  # started by another leto command (the demo): nothing outlives it
     # the cheap checks first: nothing is imported or started for a launch that cannot work
     try:
         checked = _check(args)

@@ -84,7 +84,7 @@ class GlooJob:
         self.events: list[dict[str, Any]] = []
 
     def start(self) -> None:
-        from leto.backends.gloo.procs import free_port
+        from leto.backends.gloo.procs import free_port, tie_to_parent
 
         port = free_port()
         nproc = self.wl.world // self.nodes
@@ -105,7 +105,13 @@ class GlooJob:
             # benchmark's session; so do the nodes of a real machine's `leto launch`.
             with open(self.run_dir / f"agent{n}.out", "wb") as out:
                 self.procs.append(
-                    subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, process_group=0)
+                    subprocess.Popen(
+                        cmd,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        process_group=0,
+                        env=tie_to_parent(dict(os.environ)),  # the agents die with the bench
+                    )
                 )
             if n == 0:
                 time.sleep(0.2)  # node 0 serves the rendezvous

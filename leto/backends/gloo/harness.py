@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .eventlog import read_events
-from .procs import free_port, processes_with
+from .procs import free_port, processes_with, tie_to_parent
 
 __all__ = ["JobResult", "run_local"]
 
@@ -109,7 +109,7 @@ def run_local(
     run = Path(run_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    full_env = {**os.environ, **(env or {})}
+    full_env = tie_to_parent({**os.environ, **(env or {})})  # agents die with this process
     procs: dict[int, subprocess.Popen[str]] = {}
     codes: dict[int, list[int]] = {n: [] for n in range(nnodes)}
     output: dict[int, list[str]] = {n: [] for n in range(nnodes)}

@@ -3,6 +3,9 @@
 * :func:`die_with_parent`: ``PR_SET_PDEATHSIG(SIGKILL)``, so every leto process
   dies with the process that started it (a SIGKILLed launcher takes its keepers,
   zygote, trainers and shadows with it; their memfd memory is then freed);
+  :func:`tie_to_parent` / :func:`die_with_starter`: the same for a ``leto launch``
+  that another leto process started (``leto demo``, the harness, ``leto bench``),
+  through the environment;
 * :func:`pidfd`: a process handle (``pidfd_open``) that becomes readable the
   moment the process exits, for a selector loop;
 * :func:`rss_bytes`: resident memory of a process (``/proc/PID/status``);
@@ -22,12 +25,14 @@ import socket
 __all__ = [
     "describe_status",
     "die_with_parent",
+    "die_with_starter",
     "free_port",
     "listen_tcp",
     "parent_of",
     "pidfd",
     "port_in_use",
     "rss_bytes",
+    "tie_to_parent",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -42,6 +47,26 @@ def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKIL
         return
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(1)  # the parent died before the request took effect
+
+
+PARENT_ENV = "LETO_PARENT_PID"
+
+
+def tie_to_parent(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a child that must die with this process (see :func:`die_with_starter`)."""
+    return {**env, PARENT_ENV: str(os.getpid())}
+
+
+def die_with_starter() -> None:
+    """Die with the process that started this one, if it asked to (``LETO_PARENT_PID``).
+
+    Called first thing by ``leto launch``: an agent that ``leto demo`` started is then
+    SIGKILLed with it, and its own processes die with the agent. The variable is taken
+    out of the environment, so nothing this process starts inherits it.
+    """
+    value = os.environ.pop(PARENT_ENV, "")
+    if value.isdigit():
+        die_with_parent(int(value))
 
 
 def pidfd(pid: int) -> int:
