@@ -21,6 +21,7 @@ import ctypes
 import os
 import signal
 import socket
+import sys
 
 __all__ = [
     "describe_status",
@@ -65,8 +66,14 @@ def die_with_starter() -> None:
     out of the environment, so nothing this process starts inherits it.
     """
     value = os.environ.pop(PARENT_ENV, "")
-    if value.isdigit():
-        die_with_parent(int(value))
+    if not value.isdigit():
+        return
+    if os.getppid() != int(value):
+        sys.stderr.write(
+            f"leto: the process that started this one ({PARENT_ENV}={value}) is gone\n"
+        )
+        os._exit(1)
+    die_with_parent(int(value))
 
 
 def pidfd(pid: int) -> int:
