@@ -32,7 +32,7 @@ def ready(r: int, **kw: Any) -> dict[str, Any]:
 
 
 class Harness:
-    def __init__(self, nodes: int = 1, per_node: int = 2, **opts: Any) -> None:
+    def __init__(self, nodes: int = 1, per_node: int = 2, warm: bool = True, **opts: Any) -> None:
         self.log = EventLog(None)
         self.c = Coordinator(nodes, per_node, log=self.log, options=CoordinatorOptions(**opts))
         self.W = nodes * per_node
@@ -41,7 +41,8 @@ class Harness:
             self.c.node_up(n, spare=False, now=self.now)
         for r in range(self.W):
             self.send(r // per_node, ready(r))
-            self.send(r // per_node, {"t": "shadow", "rank": r, "state": "warm"})
+            if warm:
+                self.send(r // per_node, {"t": "shadow", "rank": r, "state": "warm"})
         self.per_node = per_node
 
     def send(self, node: int, msg: dict[str, Any]) -> list[tuple[int | None, dict[str, Any]]]:
@@ -318,3 +319,55 @@ def test_not_strict_logs_the_refusal_and_carries_on() -> None:
     h.step(2)  # the model did not take the refused step: training goes on
     rep = replay(enumerate(h.log.records, 1))
     assert rep.divergence is not None and rep.divergence.event == "model_mismatch"
+
+
+def test_a_shadow_that_never_comes_fails_the_job_within_the_recovery_timeout() -> None:
+    h = Harness(warm=False, recovery_timeout=5.0)  # no shadow ever reports warm
+    h.step(1)
+    h.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
+    out = h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    assert (0, {"t": "need_shadow", "rank": 1}) in out
+    assert h.c.wait is not None and h.c.wait.what == "shadow"
+    h.c.tick(h.now + 4.9)
+    assert h.c.failed is None
+    h.c.tick(h.now + 5.0)
+    assert h.c.failed == (
+        "the recovery from the failure of rank 1 did not end within 5 s: still waiting for "
+        "a shadow of rank(s) [1] (phase promoting, generation 1)"
+    )
+    assert h.c.outbox[-1] == (None, {"t": "fail", "error": h.c.failed})
+
+
+def test_a_shadow_warm_while_the_recovery_waits_is_promoted() -> None:
+    h = Harness(warm=False, recovery_timeout=5.0)
+    h.step(1)
+    h.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
+    h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    out = h.send(0, {"t": "shadow", "rank": 1, "state": "warm"})
+    assert out == [(0, {"t": "promote", "rank": 1, "gen": 1, "warm": True})]
+    assert h.c.wait is not None and h.c.wait.what == "promote"
+
+
+def test_a_shadow_that_cannot_be_built_marks_the_job_degraded() -> None:
+    h = Harness()
+    h.send(0, {"t": "shadow", "rank": 1, "state": "failed", "reason": "x", "degraded": "why"})
+    h.send(0, {"t": "shadow", "rank": 1, "state": "failed", "reason": "x", "degraded": "why"})
+    assert [(e["rank"], e["reason"]) for e in h.events("degraded")] == [(1, "why")]
+    for r in range(2):
+        h.send(0, {"t": "done", "rank": r, "gen": 0, "step": 0, "digest": "d"})
+    (done,) = h.events("training_done")
+    assert done["degraded"] == [1]
+
+
+def test_a_rank_done_before_every_rank_is_ready_is_kept() -> None:
+    log = EventLog(None)
+    c = Coordinator(1, 2, log=log, options=CoordinatorOptions())
+    c.node_up(0, spare=False, now=0.0)
+    c.handle(0, ready(0), 0.001)
+    c.handle(0, {"t": "done", "rank": 0, "gen": 0, "step": 0, "digest": "a"}, 0.002)
+    c.handle(0, ready(1), 0.003)
+    assert not c.complete
+    c.handle(0, {"t": "done", "rank": 1, "gen": 0, "step": 0, "digest": "a"}, 0.004)
+    assert c.complete
+    (done,) = [e for e in log.records if e["event"] == "training_done"]
+    assert done["step"] == 0 and set(done["digests"]) == {"0", "1"}

@@ -79,7 +79,9 @@ Out = tuple[int | None, dict[str, Any]]
 @dataclass
 class CoordinatorOptions:
     spare_timeout: float = 60.0  # a lost node's replacement must join within this
-    recovery_timeout: float = 180.0  # one recovery phase waiting longer fails the job
+    # a recovery not ended this long after its failure fails the job, in one line (the
+    # clock stops while a lost node's replacement is awaited: spare_timeout bounds that)
+    recovery_timeout: float = 180.0
     stopped_grace: float = 2.0  # a collective error with no failure reported: then blame it
     max_recoveries: int = 100
     # an event the model refuses stops the job; off: logged as model_mismatch, carried on
@@ -113,10 +115,20 @@ class _Recovery:
 
 @dataclass
 class _Wait:
-    what: str  # "fence" | "promote" | "report" | "reconcile" | "rebuild"
+    what: str  # "fence" | "shadow" | "promote" | "report" | "reconcile" | "rebuild"
     generation: int
     pending: set[int]  # nodes (fence) or ranks
     since: float
+
+
+def _failed_what(rec: _Recovery) -> str:
+    """The failures a recovery is for, in words: "rank 1", "node 1", "rank 0, rank 2"."""
+    names = []
+    for f in rec.failures:
+        name = f"node {f['node']}" if f.get("rank") is None else f"rank {f['rank']}"
+        if name not in names:
+            names.append(name)
+    return ", ".join(names) or "a process"
 
 
 class Coordinator:
@@ -146,6 +158,8 @@ class Coordinator:
         self.t2_meta: dict[int, Any] = {}  # rank -> {checksums, ps} of the confirmed snapshot
         self.nodes_up: set[int] = set()
         self.nodes_lost_at: dict[int, float] = {}
+        self.node_back_at = 0.0  # when the last lost node's replacement joined
+        self.degraded: dict[int, str] = {}  # ranks whose shadow could not be built: why
         self.shadow_pending: list[tuple[int, str]] = []
         self.asked_shadow: set[tuple[int, int]] = set()  # shadow reports before the model exists
         self.rec: _Recovery | None = None
@@ -235,7 +249,8 @@ class Coordinator:
 
     def node_up(self, node: int, *, spare: bool, now: float) -> None:
         self.nodes_up.add(node)
-        self.nodes_lost_at.pop(node, None)
+        if self.nodes_lost_at.pop(node, None) is not None:
+            self.node_back_at = now
         self.log.write("node_joined", node=node, spare=spare)
 
     def node_down(self, node: int, now: float, why: str = "agent link closed") -> None:
@@ -266,12 +281,14 @@ class Coordinator:
                     "on a spare node (same arguments) to recover in place"
                 )
                 return
-        if self.wait is not None and now - self.wait.since > self.opt.recovery_timeout:
-            self.fail(
-                f"recovery stuck: waited {now - self.wait.since:.1f} s for {self.wait.what} "
-                f"of generation {self.wait.generation} from {sorted(self.wait.pending)}"
-            )
-            return
+        rec = self.rec
+        if rec is not None and not self.nodes_lost_at:
+            if now - max(rec.started, self.node_back_at) > self.opt.recovery_timeout:
+                self.fail(
+                    f"the recovery from the failure of {_failed_what(rec)} did not end within "
+                    f"{self.opt.recovery_timeout:g} s: {self._waiting_for()}"
+                )
+                return
         s = self.state
         assert s is not None
         for rank, since in list(self.stopped_at.items()):
@@ -343,6 +360,7 @@ class Coordinator:
             self._shadow(r, st)
         self.shadow_pending.clear()
         self._send(None, {"t": "t2", "step": 0, "gen": 0})  # the step-0 snapshot is current
+        self._all_done()
 
     # --- training path ---------------------------------------------------------
 
@@ -392,9 +410,16 @@ class Coordinator:
         self.log.write("tier2_snapshot", step=step)
 
     def _on_done(self, node: int, msg: dict[str, Any], now: float) -> None:
+        if self.model is None and int(msg.get("gen", -1)) == 0:
+            # done before every rank was ready (a job of no step): kept until it starts
+            self.done[int(msg["rank"])] = msg
+            return
         if not self._current(msg):
             return
         self.done[int(msg["rank"])] = msg
+        self._all_done()
+
+    def _all_done(self) -> None:
         if len(self.done) < self.W:
             return
         steps = {int(m["step"]) for m in self.done.values()}
@@ -407,6 +432,7 @@ class Coordinator:
             step=steps.pop(),
             digests={str(r): m.get("digest") for r, m in sorted(self.done.items())},
             recoveries=len(self.recoveries),
+            degraded=sorted(self.degraded),
         )
         self._send(None, {"t": "complete"})
 
@@ -418,6 +444,10 @@ class Coordinator:
     def _on_shadow(self, node: int, msg: dict[str, Any], now: float) -> None:
         r, st = int(msg["rank"]), str(msg["state"])
         self.log.write("shadow", rank=r, state=st, reason=msg.get("reason", ""))
+        why = msg.get("degraded")
+        if why and r not in self.degraded:  # its agent said so on its console, at once
+            self.degraded[r] = str(why)
+            self.log.write("degraded", rank=r, reason=str(why))
         if self.model is None:
             self.shadow_pending.append((r, st))
             return
@@ -425,7 +455,8 @@ class Coordinator:
 
     def _shadow(self, r: int, st: str) -> None:
         if st == "warm":
-            self._try(ev.ShadowWarm(r))
+            if self._try(ev.ShadowWarm(r)) and self.wait is not None and self.wait.what == "shadow":
+                self.wait.pending.discard(r)
         elif st == "cold":
             self._try(ev.ShadowReclaim(r))
 
@@ -643,7 +674,7 @@ class Coordinator:
             self._feed(ev.EndPromote())
             self._phase("rejoin", now)  # the new generation's communicator + retained truth
             return True
-        sent = set()
+        sent, needed = set(), set()
         for e in nxt:
             r = e.rank  # type: ignore[attr-defined]
             if self._node_of(r) not in self.nodes_up:
@@ -654,6 +685,7 @@ class Coordinator:
                 if (r, s.gen) not in self.asked_shadow:
                     self.asked_shadow.add((r, s.gen))
                     self._send(self._node_of(r), {"t": "need_shadow", "rank": r})
+                needed.add(r)
                 continue
             warm = s.shadow[r] is ShadowState.WARM
             self._feed(e)
@@ -664,6 +696,8 @@ class Coordinator:
             if self.wait is not None and self.wait.what == "promote":
                 pending |= self.wait.pending
             self._wait("promote", pending, now)
+        elif needed:
+            self._wait("shadow", needed, now)  # until their warm reports
         return False
 
     def _reconcile(self, now: float) -> bool:
@@ -874,6 +908,24 @@ class Coordinator:
             entry["truth_notes"] = rec.truth_notes
         self.recoveries.append(entry)
         self.log.write("recovery_end", **entry)
+
+    def _waiting_for(self) -> str:
+        """What a recovery is waiting for, in words (its timeout's message)."""
+        s = self.state
+        assert s is not None
+        w = self.wait
+        where = f"phase {s.phase.value}, generation {s.gen}"
+        if w is None or not w.pending:
+            return f"it made no progress ({where})"
+        who = {
+            "fence": "the fence of node(s)",
+            "shadow": "a shadow of rank(s)",
+            "promote": "the promotion of rank(s)",
+            "report": "the retained-state report of rank(s)",
+            "reconcile": "the reconcile of rank(s)",
+            "rebuild": "the rebuild of rank(s)",
+        }.get(w.what, w.what + " of")
+        return f"still waiting for {who} {sorted(w.pending)} ({where})"
 
     # ------------------------------------------------------------------ queries
 
