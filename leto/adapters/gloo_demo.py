@@ -112,7 +112,7 @@ def fault_plan(
     step += 2
     plan.append({"kind": "crash", "rank": 3 % W, "step": step, "phase": "backward"})
     plan.append(
-        {"kind": "crash", "rank": 1 % W, "step": step, "phase": "recovery", "where": "reconcile"}
+        {"kind": "crash", "rank": 1 % W, "step": step, "phase": "recovery", "where": "Reconcile"}
     )
     step += 2
     if node_loss and nodes >= 2:

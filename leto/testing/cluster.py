@@ -24,6 +24,7 @@ from leto.core.chunk import NONE, TORN
 from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Effect
 from leto.core.erasure import Failure, NodeLoss, RankMemory, decode, lost_blocks, place
 from leto.core.errors import ProtocolError
+from leto.core.faultpoints import PHASES
 from leto.core.properties import violated
 from leto.core.recovery import Phase
 from leto.core.trainer import TrainerState
@@ -77,21 +78,24 @@ _TRAINING_EVENTS = (
     ev.ParityChunk, ev.Finish, ev.Tier2Snapshot,
 )  # fmt: skip
 
-# Points of a step at which fault_at_phase strikes a rank.
+# Points of a step at which fault_at_phase strikes a rank, named in leto's one
+# vocabulary (leto.core.faultpoints: "phase" or "phase/where"), each by the model
+# state a rank is in there.
 _POINTS: dict[str, Callable[[ClusterState, int], bool]] = {
-    "forward-backward": lambda s, r: s.pc[r] is TxnState.COMPUTED,
-    "all-reduce": lambda s, r: s.pc[r] is TxnState.REDUCED,
-    "prepared": lambda s, r: s.pc[r] is TxnState.PREPARED and s.committed == s.step[r],
-    "decided": lambda s, r: s.pc[r] is TxnState.PREPARED and s.committed == s.step[r] + 1,
-    "mid-chunk": lambda s, r: TORN in s.data[r],
-    "chunk-written": lambda s, r: any(
+    "backward": lambda s, r: s.pc[r] is TxnState.COMPUTED,
+    "allreduce": lambda s, r: s.pc[r] is TxnState.REDUCED,
+    "decide/before": lambda s, r: s.pc[r] is TxnState.PREPARED and s.committed == s.step[r],
+    "decide/after": lambda s, r: s.pc[r] is TxnState.PREPARED and s.committed == s.step[r] + 1,
+    "apply/mid_write": lambda s, r: TORN in s.data[r],
+    "apply/written": lambda s, r: any(
         d == s.step[r] + 1 and u != NONE for d, u in zip(s.data[r], s.undo[r], strict=True)
     ),
-    "between-chunks": lambda s, r: (
+    "parity": lambda s, r: (
         s.pc[r] is TxnState.APPLYING and TORN not in s.data[r] and all(u == NONE for u in s.undo[r])
     ),
-    "step-done": lambda s, r: s.pc[r] is TxnState.IDLE and s.step[r] > 0,
+    "forward": lambda s, r: s.pc[r] is TxnState.IDLE and s.step[r] > 0,
 }
+assert all(p.split("/")[0] in PHASES for p in _POINTS)
 
 _RECOVERY_EVENTS = (
     ev.Detect, ev.Fence, ev.Promote, ev.EndPromote, ev.Reconcile, ev.GoFallback,

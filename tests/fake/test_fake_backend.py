@@ -23,7 +23,7 @@ def test_injector_is_fluent_and_validates_every_argument() -> None:
     inj = FaultInjector(TOPO, n_chunks=3)
     assert inj.fail_at(rank=0, step=1, phase="forward").lose_node(node=1, step=2) is inj
     bad = [
-        (dict(rank=0, step=1, phase="fly"), "phase: unknown phase 'fly'"),
+        (dict(rank=0, step=1, phase="fly"), "phase: 'fly' is not a phase"),
         (dict(rank=4, step=1, phase="forward"), "rank: 4 is not a rank of 0..3"),
         (dict(rank=0, step=0, phase="forward"), "step: must be an int >= 1"),
         (dict(rank=0, step=1, phase="apply"), "chunk: phase 'apply' needs a chunk"),
@@ -32,6 +32,8 @@ def test_injector_is_fluent_and_validates_every_argument() -> None:
         (dict(rank=0, step=1, phase="forward", chunk=0), "chunk: phase 'forward' takes no chunk"),
         (dict(rank=0, step=1, phase="forward", where="x"), "where: phase 'forward' has no"),
         (dict(rank=0, step=1, phase="forward", kind="explode"), "kind: fail_at takes"),
+        # the one vocabulary's "Report" is a gloo point: simulated ranks report nothing
+        (dict(rank=0, step=1, phase="recovery", where="Report"), "where: 'Report' is not"),
     ]
     for kwargs, msg in bad:
         with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):

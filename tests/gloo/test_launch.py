@@ -30,7 +30,7 @@ def test_missing_script_bad_endpoint_bad_fault_plan(
     for fault, why in [
         ('"kind": "melt", "phase": "forward"', "kind 'melt'"),
         ('"kind": "crash", "phase": "forward", "chunk": 1', "phase 'forward' takes no chunk"),
-        ('"kind": "corrupt", "phase": "forward", "chunk": -1', "chunk -1 is not a chunk index"),
+        ('"kind": "corrupt", "phase": "forward", "chunk": -1', "chunk: -1 is not a chunk index"),
         (
             '"kind": "corrupt", "phase": "prepare", "chunk": 1',
             "at phase 'prepare' would be sealed unseen",

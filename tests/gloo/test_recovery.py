@@ -118,7 +118,7 @@ def two_nodes(session_dir: Path) -> JobResult:
         {"kind": "exception", "rank": 0, "step": 5, "phase": "forward"},
         # a crash, then another during the recovery's reconcile: restart at the next generation
         {"kind": "crash", "rank": 3, "step": 6, "phase": "backward"},
-        {"kind": "crash", "rank": 1, "step": 6, "phase": "recovery", "where": "reconcile"},
+        {"kind": "crash", "rank": 1, "step": 6, "phase": "recovery", "where": "Reconcile"},
         # a whole node's agent SIGKILLed: a replacement joins, tier-2 snapshot restored
         {"kind": "lose_node", "rank": 2, "step": 8, "phase": "prepare"},
     ]

@@ -41,7 +41,9 @@ from leto.backends.base import (
     ProcState,
     T,
 )
+from leto.core import faultpoints as fp
 from leto.core.erasure import Topology
+from leto.core.faultpoints import APPLY_WHERE, DECIDE_WHERE, PHASES
 from leto.retained.layout import LayoutError
 from leto.retained.parity import Collective, InProcessGroup
 
@@ -59,22 +61,11 @@ __all__ = [
 
 GARBAGE_BYTE = 0xA5
 
-# Points of a step at which a fault can strike (``phase``), and where inside it.
-PHASES = (
-    "forward",  # during the forward pass (before backward)
-    "backward",  # after backward, before the gradients enter the all-reduce
-    "allreduce",  # inside the gradient all-reduce (this rank's part deposited, not received)
-    "prepare",  # gradients sealed in retained memory, gradient parity and vote not written
-    "decide",  # where="before": voted, COMMIT not recorded; "after": recorded, no chunk applied
-    "apply",  # chunk ``chunk``: where = "undo_saved" | "mid_write" | "written"
-    "parity",  # chunk ``chunk``: tier-1 parity updated, undo copy not yet released
-    "finish",  # every chunk applied, the step not yet finished on this rank
-    "recovery",  # during a recovery, before the coordinator event named by ``where``
-)
-APPLY_WHERE = ("undo_saved", "mid_write", "written")
-DECIDE_WHERE = ("before", "after")
-RECOVERY_WHERE = ("Fence", "Promote", "EndPromote", "Reconcile", "Rebuild", "Resume")
-FAULT_KINDS = ("crash", "hang", "lose_memory", "lose_node", "corrupt")
+# The fault points are leto's one vocabulary (leto.core.faultpoints); the fake backend
+# strikes every one but "Report" (its ranks report nothing: the engine reads their
+# memory) and every kind but "exception" (a simulated rank raises nothing).
+RECOVERY_WHERE = tuple(w for w in fp.RECOVERY_WHERE if w != "Report")
+FAULT_KINDS = tuple(k for k in fp.FAULT_KINDS if k != "exception")
 
 
 @dataclass
@@ -157,8 +148,6 @@ class FaultInjector:
     def _check(
         self, rank: int, step: int, phase: str, chunk: int | None, where: str | None
     ) -> str | None:
-        if phase not in PHASES:
-            raise ValueError(f"phase: unknown phase {phase!r}; known: {', '.join(PHASES)}")
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise ValueError(f"step: must be an int >= 1 (the step being computed), got {step!r}")
         if (
@@ -167,25 +156,7 @@ class FaultInjector:
             or not 0 <= rank < self.topology.world_size
         ):
             raise ValueError(f"rank: {rank!r} is not a rank of 0..{self.topology.world_size - 1}")
-        if phase in ("apply", "parity"):
-            if chunk is None:
-                raise ValueError(f"chunk: phase {phase!r} needs a chunk index")
-            if self.n_chunks is not None and not 0 <= chunk < self.n_chunks:
-                raise ValueError(f"chunk: {chunk} is not a chunk of 0..{self.n_chunks - 1}")
-        elif chunk is not None:
-            raise ValueError(f"chunk: phase {phase!r} takes no chunk")
-        allowed = {"apply": APPLY_WHERE, "decide": DECIDE_WHERE, "recovery": RECOVERY_WHERE}
-        default = {"apply": "mid_write", "decide": "before", "recovery": "Reconcile"}
-        if phase in allowed:
-            where = default[phase] if where is None else where
-            if where not in allowed[phase]:
-                raise ValueError(
-                    f"where: {where!r} is not a point of phase {phase!r}; "
-                    f"known: {', '.join(allowed[phase])}"
-                )
-        elif where is not None:
-            raise ValueError(f"where: phase {phase!r} has no sub-points")
-        return where
+        return fp.check_point(phase, chunk, where, n_chunks=self.n_chunks, recovery=RECOVERY_WHERE)
 
     def _add(self, fault: Fault) -> FaultInjector:
         self.faults.append(fault)

@@ -8,7 +8,7 @@ JSON)::
      {"kind": "hang", "rank": 0, "step": 7, "phase": "allreduce"},
      {"kind": "lose_memory", "rank": 3, "step": 9, "phase": "finish"},
      {"kind": "lose_node", "rank": 2, "step": 11, "phase": "prepare"},
-     {"kind": "crash", "rank": 1, "step": 13, "phase": "recovery", "where": "reconcile"}]
+     {"kind": "crash", "rank": 1, "step": 13, "phase": "recovery", "where": "Reconcile"}]
 
 The phases are those of the fake backend's injector (``forward``, ``backward``,
 ``allreduce``, ``prepare``, ``decide``, ``apply``, ``parity``, ``finish``, and
@@ -43,23 +43,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+from leto.core import faultpoints as fp
+from leto.core.faultpoints import FAULT_KINDS, PHASES
+
 __all__ = ["CORRUPT_PHASES", "FAULT_KINDS", "PHASES", "FaultPlanError", "load_plan", "validate"]
 
-PHASES = (
-    "forward",
-    "backward",
-    "allreduce",
-    "prepare",
-    "decide",
-    "apply",
-    "parity",
-    "finish",
-    "recovery",
-)
-APPLY_WHERE = ("undo_saved", "mid_write", "written")
-DECIDE_WHERE = ("before", "after")
-RECOVERY_WHERE = ("report", "reconcile", "rebuild", "resume")
-FAULT_KINDS = ("crash", "hang", "exception", "lose_memory", "lose_node", "corrupt")
+# The fault points are leto's one vocabulary (leto.core.faultpoints). A trainer strikes
+# the recovery's steps it carries out itself (Fence, Promote and EndPromote happen in
+# the agents): before it reports its memory, and before each command of the coordinator.
+RECOVERY_WHERE = ("Report", "Reconcile", "Rebuild", "Resume")
+# the coordinator's command a trainer carries out -> the recovery point it is
+COMMAND_POINT = {
+    "report": "Report",
+    "reconcile": "Reconcile",
+    "rebuild": "Rebuild",
+    "resume": "Resume",
+}
 CORRUPT_PHASES = ("forward", "backward", "allreduce", "parity", "finish")
 
 
@@ -94,24 +93,12 @@ def validate(plan: Any, *, world_size: int | None = None) -> list[dict[str, Any]
                 f"(corrupt strikes at {', '.join(CORRUPT_PHASES)})"
             )
         chunk, at = f.get("chunk"), f.get("where")
-        if phase in ("apply", "parity"):
-            if not isinstance(chunk, int) or chunk < 0:
-                raise FaultPlanError(f"{where}: phase {phase!r} needs a chunk index")
-        elif chunk is not None and kind != "corrupt":
-            raise FaultPlanError(f"{where}: phase {phase!r} takes no chunk")
-        elif chunk is not None and (not isinstance(chunk, int) or chunk < 0):
-            raise FaultPlanError(f"{where}: chunk {chunk!r} is not a chunk index")
-        allowed = {"apply": APPLY_WHERE, "decide": DECIDE_WHERE, "recovery": RECOVERY_WHERE}
-        default = {"apply": "mid_write", "decide": "before", "recovery": "reconcile"}
-        if phase in allowed:
-            at = default[phase] if at is None else at
-            if at not in allowed[phase]:
-                raise FaultPlanError(
-                    f"{where}: where {at!r} is not a point of {phase!r} "
-                    f"(known: {', '.join(allowed[phase])})"
-                )
-        elif at is not None:
-            raise FaultPlanError(f"{where}: phase {phase!r} has no sub-points")
+        try:
+            at = fp.check_point(
+                phase, chunk, at, recovery=RECOVERY_WHERE, chunk_anywhere=kind == "corrupt"
+            )
+        except fp.FaultPointError as e:
+            raise FaultPlanError(f"{where}: {e}") from None
         out.append(
             {
                 "id": i,

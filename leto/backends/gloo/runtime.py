@@ -85,6 +85,7 @@ from leto.retained.recovery import IntegrityError
 
 from . import bootstrap
 from .channel import Aborted, AgentChannel
+from .faults import COMMAND_POINT
 from .faults import label as fault_label
 from .keeper_client import FencedError, KeeperClient
 from .parity_block import ParityBlock, block_bytes
@@ -913,7 +914,7 @@ class GlooSession:
             if gen < self.gen or self.ch.aborted_since(gen):
                 continue  # a command of a generation that has been aborted since
             self.ch.mark(t)
-            self._point("recovery", where=t)
+            self._point("recovery", where=COMMAND_POINT.get(t, t))
             try:
                 if t == "report":
                     self._report(gen)
