@@ -49,6 +49,7 @@ __all__ = [
     "decode_chunk",
     "decode_grads",
     "free_undo",
+    "layout_of",
     "observe",
     "packed",
     "seal_checked",
@@ -60,6 +61,13 @@ __all__ = [
 
 class IntegrityError(RuntimeError):
     """Real state disagrees with the protocol's (a checksum, a version, a record)."""
+
+
+def layout_of(ropt: RetainedOptimizer | None, who: str) -> RetainedLayout:
+    """The retained layout a rank's optimizer is bound to (an error if none is)."""
+    if ropt is None:
+        raise IntegrityError(f"{who} has no retained state bound")
+    return ropt.layout
 
 
 def observe(lay: RetainedLayout, bad: set[int] | None = None) -> tuple[list[int], list[int]]:

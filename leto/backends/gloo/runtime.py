@@ -319,9 +319,7 @@ class GlooSession:
 
     @property
     def layout(self) -> RetainedLayout:
-        if self.ropt is None:
-            raise IntegrityError(f"rank {self.rank} has no retained state bound")
-        return self.ropt.layout
+        return rx.layout_of(self.ropt, f"rank {self.rank}")
 
     @property
     def optimizer(self) -> RetainedOptimizer:
