@@ -30,7 +30,10 @@
 (* Promote (warm or cold shadows take the dead ranks) -> Reconcile (roll   *)
 (* forward/back, repair from tier 1, else restore tier 2) or GoFallback -> *)
 (* RestoreCheckpoint -> Rebuild (new process group) -> Resume.  A failure  *)
-(* during recovery restarts it at a new generation.                        *)
+(* during recovery restarts it at a new generation.  Every recovery ends:  *)
+(* it resumes or, when what it waits for never comes (a shadow), the       *)
+(* recovery deadline fails the job (GiveUp, phase FAILED; BoundedSpec and  *)
+(* Liveness).                                                              *)
 (*                                                                         *)
 (* Constant Mutant switches in one deliberately broken variant (see the    *)
 (* table at the end of PROTOCOL.md); "none" is the protocol itself.        *)
@@ -49,7 +52,7 @@ CONSTANTS
     NONE, TORN, LOST, GARBAGE   \* model values
 
 Mutants == {"none", "no_undo", "early_commit", "no_fencing", "parity_first",
-            "stale_shadow"}
+            "stale_shadow", "no_timeout"}
 
 ASSUME /\ Ranks # {} /\ Nodes # {}
        /\ NodeOf \in [Ranks -> Nodes]
@@ -94,7 +97,7 @@ Chunks == 1..NChunks
 Ckpt == 0
 RanksOf(n) == {r \in Ranks : NodeOf[r] = n}
 Phases == {"RUNNING", "FENCING", "PROMOTING", "RECONCILING", "FALLBACK",
-           "REBUILDING", "RESUMING"}
+           "REBUILDING", "RESUMING", "FAILED"}
 Kinds == {"INPLACE", "FORWARD", "BACK", "TIER1", "TIER2", "CKPT"}
 
 \* The keeper's fence: only the current generation's live trainer may act.
@@ -581,6 +584,38 @@ RecoveryFairness ==
 RecoverySpec == Init /\ [][Next]_vars /\ RecoveryFairness
 
 -----------------------------------------------------------------------------
+(* Bounded recovery: what the implementation guarantees when a shadow      *)
+(* never comes (its build fails, it hangs) or anything else a recovery     *)
+(* waits for does not.                                                     *)
+
+\* The recovery deadline (--recovery-timeout) passes: the job stops, exit 1,
+\* one line naming what the recovery still waits for.  Not an event of the
+\* protocol (the core's model has none: the driver stops feeding it), so not
+\* in Next.  It may pass at any moment of a recovery.  (Mutant no_timeout:
+\* the deadline does not cover promotion, which waits for shadows: the bug of
+\* a coordinator whose timer ran only while it waited for acknowledgements.)
+GiveUp ==
+    /\ phase \notin {"RUNNING", "FAILED"}
+    /\ ~(Mutant = "no_timeout" /\ phase = "PROMOTING")
+    /\ phase' = "FAILED"
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+                   par, gpar, gen, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+
+BoundedNext == Next \/ GiveUp
+
+\* The recovery actions are fair as in RecoveryFairness, and so is the
+\* deadline; a shadow is not: it may never become warm.
+BoundedFairness ==
+    /\ \A r \in Ranks : WF_vars(Promote(r))
+    /\ WF_vars(Detect) /\ WF_vars(Fence) /\ WF_vars(EndPromote)
+    /\ WF_vars(Reconcile) /\ WF_vars(GoFallback) /\ WF_vars(RestoreCheckpoint)
+    /\ WF_vars(Rebuild) /\ WF_vars(Resume)
+    /\ WF_vars(GiveUp)
+
+BoundedSpec == Init /\ [][BoundedNext]_vars /\ BoundedFairness
+
+-----------------------------------------------------------------------------
 (* Invariants (plain words in spec/README.md).                             *)
 
 StepVals == Steps
@@ -679,5 +714,11 @@ Integrity ==
             /\ data[r][c] = LOST => trainer[r] = "DEAD"
 
 Progress == (phase # "RUNNING") ~> (phase = "RUNNING")
+
+\* Every failure leads to training with every trainer alive, or to the job
+\* stopped (checked on BoundedSpec: MCLetoLiveness.cfg).
+Liveness ==
+    (\E r \in Ranks : trainer[r] # "ALIVE")
+        ~> (phase = "FAILED" \/ (phase = "RUNNING" /\ \A r \in Ranks : trainer[r] = "ALIVE"))
 
 =============================================================================

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from leto.spec import tlc
+from leto.spec.cli import SPEC_MUTANTS
 from leto.spec.tlc import (
     SPEC_DIR,
     TLCNotAvailable,
@@ -110,6 +111,37 @@ def test_mutant_is_caught_by_its_invariant(mutant: str, invariant: str) -> None:
     last = res.counterexample.rsplit("\nState ", 1)[-1]
     assert re.match(r"\d+: <\w+ line", last), last[:80]
     assert res.distinct_states > 0
+
+
+# --- liveness: every failure leads to training or to the job stopped --------------------
+
+
+@needs_java
+def test_liveness_config_passes() -> None:
+    assert config_properties((SPEC_DIR / "MCLetoLiveness.cfg").read_text()) == ["Liveness"]
+    assert "SPECIFICATION BoundedSpec" in (SPEC_DIR / "MCLetoLiveness.cfg").read_text()
+    res = run_tlc("MCLetoLiveness.cfg")
+    assert res.error is None, res.error
+    assert res.ok and res.violations == []
+    assert res.distinct_states > 5_000
+    assert "Checking temporal properties for the complete state space" in res.output
+
+
+@needs_java
+@pytest.mark.parametrize(("mutant", "prop"), sorted(SPEC_MUTANTS.items()))
+def test_spec_only_mutant_is_caught_by_its_property(mutant: str, prop: str) -> None:
+    cfg = f"MCLeto_{mutant}.cfg"
+    assert constants(cfg)["Mutant"] == f'"{mutant}"'
+    assert config_properties((SPEC_DIR / cfg).read_text()) == [prop]
+    res = run_tlc(cfg)
+    assert res.error is None, res.error
+    assert not res.ok and res.violations == [prop]
+    # no_timeout: a behaviour that stays in PROMOTING with a dead rank, for ever (it ends
+    # stuttering, or loops back, e.g. through shadows reclaimed)
+    ce = res.counterexample.rstrip()
+    assert ce.endswith("Stuttering") or "\nBack to state " in ce, ce[-300:]
+    last = [b for b in ce.split("\nState ") if "/\\ phase = " in b][-1]
+    assert 'phase = "PROMOTING"' in last and '|-> "DEAD"' in last, last
 
 
 # --- configurations TLC cannot use ----------------------------------------------------
