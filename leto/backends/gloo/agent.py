@@ -1398,7 +1398,8 @@ class Agent:
                 )
         # memory: shadows go cold while the trainers need the memory
         if o.shadow_memory_budget is not None and self.started:
-            used = sum(P.rss_bytes(p.pid) for p in self.trainer.values() if p is not None)
+            each = [P.rss_bytes(p.pid) for p in self.trainer.values() if p is not None]
+            used = sum(each)
             if not self.reclaimed and used > o.shadow_memory_budget:
                 self.reclaimed = True
                 why = f"trainers use {used >> 20} MiB > budget {o.shadow_memory_budget >> 20} MiB"
@@ -1409,6 +1410,9 @@ class Agent:
                 self.reclaimed
                 and not self.recovering
                 and all(p is not None and p.dead_at is None for p in self.trainer.values())
+                # a trainer killed but not yet reaped reads as 0 (a zombie has no RSS):
+                # its memory is not free for a shadow, its exit is about to be handled
+                and all(b > 0 for b in each)
                 and used < 0.9 * o.shadow_memory_budget
             ):
                 self.reclaimed = False

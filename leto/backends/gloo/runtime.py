@@ -44,7 +44,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 import weakref
 from datetime import timedelta
 from typing import Any
@@ -54,13 +53,10 @@ import torch.distributed as dist
 from torch import nn
 
 from leto import private
-from leto.core.chunk import LOST, NONE
+from leto.core.chunk import NONE
 from leto.errors import ConfigError
 from leto.retained import recovery as rx
 from leto.retained.layout import (
-    ChecksumError,
-    ChunkStatus,
-    LayoutError,
     RetainedLayout,
     ShapeMismatchError,
 )
@@ -68,8 +64,6 @@ from leto.retained.optim import RetainedOptimizer, is_chunkable, retain
 from leto.retained.parity import (
     TorchDistCollective,
     as_bytes,
-    decode_rotated,
-    encode,
     encode_rotated,
     rotated_share_nbytes,
 )
@@ -85,8 +79,11 @@ from leto.retained.recovery import IntegrityError
 
 from . import bootstrap
 from .channel import Aborted, AgentChannel
-from .faults import COMMAND_POINT
+from .collective import CollectiveFailed as _CollectiveFailed
+from .collective import coll as _coll
+from .collective import named_buffers as _named_buffers
 from .faults import label as fault_label
+from .follow import Follower
 from .keeper_client import FencedError, KeeperClient
 from .parity_block import ParityBlock, block_bytes
 
@@ -98,45 +95,6 @@ _STATUS = "gloo.status"  # keeper segment: int64 [lost flag]
 
 class _Interrupted(Exception):
     """The step was interrupted by a recovery (abort or a failed collective)."""
-
-
-class _CollectiveFailed(Exception):
-    """A collective did not complete (a peer died or the group was torn down)."""
-
-
-# test aid: verify a kept (not re-encoded) tier-1 parity byte for byte after a recovery
-_CHECK_KEPT_PARITY = os.environ.get("LETO_CHECK_KEPT_PARITY") == "1"
-
-
-def _coll(fn: Any, *args: Any, **kw: Any) -> Any:
-    """Run a collective; its failure becomes :class:`_CollectiveFailed`."""
-    try:
-        return fn(*args, **kw)
-    except (IntegrityError, ChecksumError, LayoutError):
-        raise
-    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistError
-        raise _CollectiveFailed(
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        ) from e
-
-
-def _comm_error(e: BaseException) -> bool:
-    if isinstance(e, (_CollectiveFailed, Aborted)):
-        return True
-    if isinstance(e, (IntegrityError, ChecksumError, LayoutError)):
-        return False
-    dist_error = getattr(dist, "DistError", ())
-    if dist_error and isinstance(e, dist_error):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        k in text
-        for k in ("gloo", "Gloo", "Connection closed", "Connection reset", "timed out", "Timed out")
-    )
-
-
-def _named_buffers(lay: RetainedLayout) -> list[tuple[str, torch.Tensor]]:
-    return [("param", lay.param_buffer)] + [("state." + s, lay.state_buffer(s)) for s in lay.states]
 
 
 def _to_meta(model: nn.Module) -> None:
@@ -314,6 +272,7 @@ class GlooSession:
         }
         self.keeper_pid: int = spec.get("keeper_pid", 0)
         self._step_in_progress = 0
+        self.follower = Follower(self)  # carries out recoveries (follow.py)
 
     # ================================================================ properties
 
@@ -374,7 +333,7 @@ class GlooSession:
         self.sampler_state = self.cursor.initial
         self._node_memory()
         self._send_ps(0)
-        meta = self._after_recovery_state(0)
+        meta = self.follower._after_recovery_state(0)
         self._save_checkpoint()
         self.status_lost(False)
         self.ch.send(
@@ -418,7 +377,7 @@ class GlooSession:
         self.keeper = KeeperClient(str(msg["keeper_socket"]), generation=self.gen)
         self.ch.send({"t": "promoted", "rank": self.rank, "gen": self.gen})
         self._log("promoted", generation=self.gen)
-        self._follow()
+        self.follower._follow()
 
     # ================================================================ memory
 
@@ -631,7 +590,7 @@ class GlooSession:
             self._stopped("")
         except _CollectiveFailed as e:
             self._stopped(f"collective failed: {e}")
-        self._follow()
+        self.follower._follow()
         return None
 
     def _stopped(self, reason: str) -> None:
@@ -844,7 +803,7 @@ class GlooSession:
             if msg["t"] == "abort":
                 break
         self._stopped("")
-        self._follow()
+        self.follower._follow()
         return False
 
     def digest(self) -> dict[str, str]:
@@ -896,421 +855,9 @@ class GlooSession:
 
     # ================================================================ recovery
 
-    def _follow(self) -> None:
-        """Carry out the coordinator's recovery commands until ``resume``."""
-        self._destroy_pg()
-        while True:
-            msg = self.ch.next_command()
-            t = msg["t"]
-            gen = int(msg.get("gen", self.gen))
-            if t == "abort":
-                self._destroy_pg()
-                continue
-            if t == "complete":
-                self.completed = True
-                continue
-            if gen < self.gen or self.ch.aborted_since(gen):
-                continue  # a command of a generation that has been aborted since
-            self.ch.mark(t)
-            self._point("recovery", where=COMMAND_POINT.get(t, t))
-            try:
-                if t == "report":
-                    self._report(gen)
-                elif t == "reconcile":
-                    self._reconcile(msg)
-                elif t == "rebuild":
-                    self.ch.mark("rebuild")
-                    _coll(dist.barrier)
-                    self.ch.send({"t": "rebuilt", "rank": self.rank, "gen": gen})
-                elif t == "resume":
-                    self._resume(msg)
-                    return
-            except FencedError as e:
-                # fenced: either a newer generation overtook this command (its abort is on
-                # the way: wait for the next command), or this process is stale: it must go
-                deadline = time.monotonic() + 3.0
-                while time.monotonic() < deadline and not self.ch.aborted_since(gen):
-                    time.sleep(0.01)
-                if self.ch.aborted_since(gen):
-                    self._stopped(f"generation {gen} was overtaken")
-                    continue
-                sys.stderr.write(f"leto: rank {self.rank}: fenced off ({e}); exiting\n")
-                os._exit(4)
-            except Exception as e:  # noqa: BLE001
-                if not _comm_error(e):
-                    self._fatal(
-                        f"recovery ({t}, generation {gen}) failed: {type(e).__name__}: {e}\n"
-                        + traceback.format_exc()
-                    )
-                # a collective of the recovery failed (another failure): wait for the restart
-                self._stopped(
-                    f"recovery step {t} failed: {str(e).splitlines()[0] if str(e) else e}"
-                )
-
-    def _report(self, gen: int) -> None:
-        self.ch.mark("report")
-        self.gen = gen
-        assert self.keeper is not None
-        self.keeper.readmit(gen)
-        t0 = time.perf_counter()
-        self._init_pg(gen)
-        pg_ms = round((time.perf_counter() - t0) * 1e3, 3)
-        lost = self._ensure_layout()
-        if not self.parity and self.cfg.tier1:
-            self._node_memory()
-        lay = self.layout
-        C = lay.n_chunks
-        if lost:
-            data, undo, grad = [LOST] * C, [NONE] * C, LOST
-        else:
-            data, undo = rx.observe(lay)
-            ps = lay.prepared_step
-            grad = ps if ps >= 0 and not lay.verify_grads(ps) else (NONE if ps < 0 else LOST)
-        msg: dict[str, Any] = {
-            "t": "report",
-            "rank": self.rank,
-            "gen": gen,
-            "data": data,
-            "undo": undo,
-            "grad": grad,
-            "lost": lost,
-            "pg_ms": pg_ms,
-        }
-        if self.lr == 0:
-            if self.cfg.tier1 and self.parity and all(b.valid for b in self.parity):
-                msg["node_par"] = [b.versions() for b in self.parity]
-                assert self.gparity is not None
-                msg["node_gpar"] = self.gparity.versions() if self.gparity.valid else None
-            else:
-                msg["node_par"] = None
-                msg["node_gpar"] = None
-        self.ch.send(msg)
-
-    def _reconcile(self, msg: dict[str, Any]) -> None:
-        self.ch.mark("reconcile")
-        gen, kind, target = int(msg["gen"]), str(msg["kind"]), int(msg["target"])
-        self._init_pg(gen)
-        t0 = time.perf_counter()
-        summary: dict[str, Any] = {
-            "chunks_repaired_tier1": 0,
-            "grads_repaired_tier1": 0,
-            "chunks_rolled_forward": 0,
-            "chunks_rolled_back": 0,
-            "chunks_restored": 0,
-            "tier1_from_replicas": 0,
-        }
-        if kind == "tier2":
-            self._restore_snapshot(target, msg["snapshot"])
-            summary["chunks_restored"] = self.layout.n_chunks
-            self.stats["snapshot_restores"] += 1
-        elif kind == "ckpt":
-            self._restore_checkpoint()
-            summary["chunks_restored"] = self.layout.n_chunks
-            self.stats["checkpoint_restores"] += 1
-        elif self.replica:
-            # 1. the gradients the plan asks for; 2. the members that lost no chunk
-            # settle at the target; 3. every lost chunk is copied, from one of them if
-            # there is one (_replica_chunks), then the gradients a member whose chunks
-            # are still behind lacks; 4. the members that lost chunks settle
-            repairs = [rep for rep in msg["repairs"] if rep["rank"] // self.nproc == self.node]
-            chunks = [
-                (int(x["rank"]), int(x["chunk"]), int(x["step"]))
-                for x in repairs
-                if x["what"] == "tier1"
-            ]
-            lost = {r for r, _, _ in chunks}
-            for rep in repairs:
-                if rep["what"] == "grad-tier1":
-                    r = int(rep["rank"])
-                    if self._replica_grads(r, int(rep["step"])) and r == self.rank:
-                        summary["grads_repaired_tier1"] += 1
-                        summary["tier1_from_replicas"] += 1
-            fwd = back = 0
-            if self.rank not in lost:
-                fwd, back = self._settle(target)
-            if chunks:
-                self._replica_chunks(chunks, target, lost)
-                summary["chunks_repaired_tier1"] = sum(r == self.rank for r, _, _ in chunks)
-                summary["tier1_from_replicas"] += summary["chunks_repaired_tier1"]
-                self._replica_grads_behind(target, lost)
-            if self.rank in lost:
-                fwd, back = self._settle(target)
-            summary["chunks_rolled_forward"] = fwd
-            summary["chunks_rolled_back"] = back
-        else:
-            for rep in msg["repairs"]:
-                what = rep["what"]
-                if rep["rank"] // self.nproc != self.node:
-                    continue
-                if what == "tier1":
-                    self._decode_chunk(int(rep["rank"]), int(rep["chunk"]), int(rep["step"]))
-                    if rep["rank"] == self.rank:
-                        summary["chunks_repaired_tier1"] += 1
-                elif what == "grad-tier1":
-                    self._decode_grads(int(rep["rank"]), int(rep["step"]))
-                    if rep["rank"] == self.rank:
-                        summary["grads_repaired_tier1"] += 1
-            fwd, back = self._settle(target)
-            summary["chunks_rolled_forward"] = fwd
-            summary["chunks_rolled_back"] = back
-        how = "copied_from_replicas" if self.replica else "repaired_from_parity"
-        self.stats[f"chunks_{how}"] += summary["chunks_repaired_tier1"]
-        self.stats[f"grad_blocks_{how}"] += summary["grads_repaired_tier1"]
-        self.stats["chunks_rolled_forward"] += summary["chunks_rolled_forward"]
-        t1 = time.perf_counter()
-        meta = self._after_recovery_state(target, snapshot=bool(msg.get("retake_t2", True)))
-        summary["repair_ms"] = round((t1 - t0) * 1e3, 3)
-        summary["redundancy_ms"] = round((time.perf_counter() - t1) * 1e3, 3)
-        summary["parity_reencoded"] = int(self._reencoded)
-        summary["parity_checked"] = int(self._parity_checked)
-        self.status_lost(False)
-        self.ch.send(
-            {"t": "reconciled", "rank": self.rank, "gen": gen, "summary": summary, "snapshot": meta}
-        )
-
-    def _resume(self, msg: dict[str, Any]) -> None:
-        self.ch.mark("resume")
-        step = int(msg["step"])
-        assert self.ropt is not None
-        if self.ropt.version != step:
-            self._fatal(f"resume at step {step}, but this rank's state is at {self.ropt.version}")
-        self.t2 = int(msg.get("t2", step))
-        self._t2_pending = None
-        assert self.sampler_state is not None
-        self.cursor.restore(self.sampler_state)
-        self.stats["recoveries"] += 1
-        self._log("resumed", step=step, generation=self.gen)
-        self.ch.mark("idle", step)
-
     # --- repairs ---------------------------------------------------------------
 
-    def _decode_chunk(self, r: int, c: int, version: int) -> None:
-        """Tier 1: rank ``r``'s chunk ``c`` at ``version`` from the node's parity (every
-        member runs :func:`leto.retained.recovery.decode_chunk`)."""
-        block = self.parity[c]
-        mi = r - self.node * self.nproc
-        rx.decode_chunk(
-            TorchDistCollective(self.node_group),
-            self.layout,
-            c,
-            lost=mi,
-            version=version,
-            versions=block.versions(),
-            checksum=block.checksums()[mi],
-            parity=block.parity() if self.lr == 0 else None,
-            who=f"rank {r}",
-        )
-
-    def _decode_grads(self, r: int, step: int) -> None:
-        """Tier 1: rank ``r``'s gradients of ``step`` from the node's gradient parity."""
-        assert self.gparity is not None
-        pending = self._node_state()[1] if r == self.rank else None
-        rx.decode_grads(
-            TorchDistCollective(self.node_group),
-            self.layout,
-            lost=r - self.node * self.nproc,
-            step=step,
-            versions=self.gparity.versions(),
-            parity=self.gparity.parity() if self.lr == 0 else None,
-            pending=pending,
-            who=f"rank {r}",
-        )
-
-    def _seal_rebuilt_grads(self, step: int, how: str) -> None:
-        """This rank's gradients of ``step``, rebuilt: sealed with the present mask of
-        its prepare record and checked against that record's checksums."""
-        rx.seal_rebuilt_grads(self.layout, step, self._node_state()[1], how, f"rank {self.rank}")
-
     # --- tier 1 as replicas: a member's lost state copied from another member ------
-
-    def _grads_intact(self, step: int) -> bool:
-        lay = self.layout
-        return lay.prepared_step == step and not lay.verify_grads(step)
-
-    def _replica_grads(self, r: int, step: int) -> bool:
-        """Rank ``r``'s gradients of ``step`` from a member of the node that holds them
-        (every member of a data-parallel node reduces the same gradients); False if
-        none does. The plan asks for them where rolling ``r`` forward may need them."""
-        have = r != self.rank and self._grads_intact(step)
-        holders = self._node_gather([int(have)])
-        src = next((i for i, h in enumerate(holders) if h[0]), None)
-        if src is None:
-            return False
-        self._copy_grads(src, r, step)
-        return True
-
-    def _replica_grads_behind(self, target: int, lost: set[int]) -> None:
-        """After the copies: a member that lost chunks and still has some behind the
-        target (a copy of ``target - 1``) without its gradients of ``target`` gets
-        them from a member that holds them (one that has not settled yet); if none
-        does, its settle says what is missing."""
-        lay = self.layout
-        intact = self._grads_intact(target)
-        behind = self.rank in lost and any(
-            lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
-            for c in range(lay.n_chunks)
-        )
-        rows = self._node_gather([int(behind and not intact), int(intact)])
-        src = next((i for i, row in enumerate(rows) if row[1]), None)
-        if src is None:
-            return
-        base = self.node * self.nproc
-        for i, row in enumerate(rows):
-            if row[0]:
-                self._copy_grads(src, base + i, target)
-
-    def _copy_grads(self, src: int, r: int, step: int) -> None:
-        """Local member ``src`` sends its gradients of ``step`` to rank ``r``, which seals
-        and checks them against its prepare record."""
-        lay = self.layout
-        base = self.node * self.nproc
-        if self.lr == src:
-            dist.send(lay.grad_buffer, dst=r)
-        elif self.rank == r:
-            dist.recv(lay.grad_buffer, src=base + src)
-            self._seal_rebuilt_grads(step, f"copied from rank {base + src}")
-
-    def _replica_chunks(
-        self, chunks: list[tuple[int, int, int]], target: int, lost: set[int]
-    ) -> None:
-        """Each ``(rank, chunk, version)`` of the plan from another member of the node.
-
-        The version is the one the tier-1 record holds for that member, which the
-        parity would decode. The copy is, by preference: of ``target`` from a member
-        that lost no chunk (it has settled there); of that version from a member that
-        can produce it (its bytes or its undo copy), as the parity would decode it;
-        of ``target`` from any member; of ``target - 1`` (the receiver then rolls it
-        forward with its gradients of ``target``). The receiver checks the bytes
-        against the source's checksum of them and, where the record holds the
-        member at the same version, against the record's (the same on every replica).
-        """
-        lay = self.layout
-        missing = {(r, c) for r, c, _ in chunks}
-        wanted = {c for _, c, _ in chunks}
-        mine = []
-        for c in range(lay.n_chunks):
-            st = lay.chunk_status(c)
-            dv = lay.chunk_version(c) if st is not ChunkStatus.TORN else NONE
-            uv = lay.undo_version(c) if st is not ChunkStatus.CLEAN else NONE
-            if (self.rank, c) in missing or (
-                c in wanted and dv != NONE and not lay.verify_chunk(c)
-            ):
-                dv = NONE  # lost, or its bytes fail their checksum: not a source
-            if (self.rank, c) in missing:
-                uv = NONE
-            elif uv != NONE and (c not in wanted or not lay.verify_undo(c)):
-                uv = NONE  # not asked for (no need to read it), or not intact
-            mine += [
-                dv,
-                lay.stored_checksum(c) if dv != NONE else 0,
-                uv,
-                lay.undo_checksum(c) if uv != NONE else 0,
-            ]
-        table = self._node_gather(mine)
-        base = self.node * self.nproc
-        for r, c, v in chunks:
-            cands = [(i, t[4 * c : 4 * c + 4]) for i, t in enumerate(table)]
-            cands = [(i, t) for i, t in cands if (base + i, c) not in missing]
-            choice = next(
-                (
-                    (i, u)
-                    for whole_only, u in (
-                        (True, target),
-                        (False, v),
-                        (False, target),
-                        (False, target - 1),
-                    )
-                    for i, t in cands
-                    if u >= 0
-                    and u in (t[0], t[2])
-                    and not (whole_only and (base + i in lost or t[0] != u))
-                ),
-                None,
-            )
-            if choice is None:
-                raise IntegrityError(
-                    f"rank {r} chunk {c}: no member of node {self.node} holds it at step "
-                    f"{target - 1}, {v} or {target}"
-                )
-            src, version = choice
-            if self.lr == src:
-                for part in rx.bytes_at(lay, c, version):
-                    dist.send(part, dst=r)
-            elif self.rank == r:
-                for part in lay.chunk_data(c):
-                    dist.recv(part, src=base + src)
-                lay.seal_chunk(c, version)
-                t = table[src][4 * c : 4 * c + 4]
-                want = {t[1] if t[0] == version else t[3]}
-                rec = self.parity[c]
-                if rec.versions()[self.lr] == version:
-                    want.add(rec.checksums()[self.lr])
-                if want != {lay.stored_checksum(c)}:
-                    raise IntegrityError(
-                        f"rank {r} chunk {c}: the bytes copied from rank {base + src} fail "
-                        f"the checksum of step {version}"
-                    )
-
-    def _node_gather(self, values: list[int]) -> list[list[int]]:
-        """Every node member's ``values`` (int64), in local-rank order."""
-        mine = torch.tensor(values, dtype=torch.int64)
-        out = [torch.zeros_like(mine) for _ in range(self.nproc)]
-        dist.all_gather(out, mine, group=self.node_group)
-        return [[int(x) for x in t] for t in out]
-
-    def _settle(self, target: int) -> tuple[int, int]:
-        """Roll this rank to ``target`` (:func:`leto.retained.recovery.settle`);
-        (chunks rolled forward, chunks rolled back)."""
-        assert self.ropt is not None
-        hist, pend = self._node_state()
-        done = rx.settle(
-            self.layout,
-            self.ropt,
-            target,
-            history=hist,
-            pending=pend,
-            load_ps=self._load_ps,
-            step_scheduler=lambda: step_scheduler(self.scheduler),
-            who=f"rank {self.rank}",
-            on_applied=lambda c: self._parity_follows(c, target),
-        )
-        if done.rng is not None:
-            self.rng = done.rng
-            self.sampler_state = done.sampler
-        return done.forward, done.back
-
-    def _check_kept_parity(self, coll: TorchDistCollective, target: int) -> None:
-        """Test aid (``LETO_CHECK_KEPT_PARITY=1``): the node's kept parity, byte for
-        byte, against a fresh encoding of every member's chunks at ``target``."""
-        lay = self.layout
-        par = encode(coll, [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)], 0)
-        self._parity_checked = True
-        if self.lr == 0:
-            assert par is not None
-            cb = par.numel() // lay.n_chunks
-            bad = [
-                c
-                for c in range(lay.n_chunks)
-                if not torch.equal(par[c * cb : (c + 1) * cb], self.parity[c].parity())
-            ]
-            if bad:
-                raise IntegrityError(
-                    f"node {self.node}: the kept parity of chunks {bad} is not the encoding "
-                    f"of its members at step {target}"
-                )
-
-    def _parity_follows(self, c: int, step: int) -> None:
-        """A rolled-forward chunk's change into the node's parity, as a step's APPLY does.
-
-        Only where the parity holds this member's chunk one step back (a death between
-        seal and parity update leaves it there; after the update it is already at
-        ``step``); otherwise the recovery re-encodes the node's parity as a whole.
-        """
-        if not self.parity:
-            return
-        block = self.parity[c]
-        if block.valid and block.versions()[self.lr] == step - 1:
-            self._tier1_chunk(c, step)
 
     def _tier1_chunk(self, c: int, step: int) -> None:
         """Chunk ``c``'s new bytes (its undo copy holds the old) into the node's tier 1:
@@ -1367,38 +914,6 @@ class GlooSession:
             "ps": self._ps_json(step),
         }
 
-    def _restore_snapshot(self, step: int, snap: dict[str, Any]) -> None:
-        meta = snap["meta"][str(self.rank)]
-        if int(snap["step"]) != step or meta is None or int(meta["step"]) != step:
-            raise IntegrityError(f"rank {self.rank}: no tier-2 snapshot record of step {step}")
-        reply, _ = self.ch.request({"t": "snapshot_slot", "step": -1})
-        have = reply.get("active") is not None and reply.get("active_step") == step
-        flags = torch.zeros(self.W, dtype=torch.int64)
-        flags[self.rank] = 1 if have else 0
-        dist.all_reduce(flags)
-        missing_nodes = sorted({q // self.nproc for q in range(self.W) if not flags[q]})
-        if len(missing_nodes) > 1:
-            raise IntegrityError(
-                f"tier-2 snapshots of nodes {missing_nodes} are gone: beyond tier 2"
-            )
-        nb, share = self._snapshot_layout()
-        lay = self.layout
-        if have:
-            seg = self._snap_seg(int(reply["active"]))
-            data = seg[self.lr * nb : (self.lr + 1) * nb].clone()
-            base = self.nproc * nb
-            sh = seg[base + self.lr * share : base + (self.lr + 1) * share]
-        else:
-            data = torch.zeros(nb, dtype=torch.uint8)
-            sh = None
-        if missing_nodes:
-            decode_rotated(TorchDistCollective(self.cross_group), data, missing_nodes[0], sh)
-        rx.free_undo(self.layout)
-        rx.unpack_into(lay, data)
-        rx.seal_checked(lay, step, meta["checksums"], "tier-2 snapshot", f"rank {self.rank}")
-        lay.clear_prepared()
-        self._load_ps(meta["ps"])
-
     def _ckpt_dir(self) -> str:
         return os.path.join(str(self.cfg.checkpoint_dir), "step-0", f"rank{self.rank}")
 
@@ -1427,90 +942,3 @@ class GlooSession:
         with open(tmp, "w") as f:
             json.dump(meta, f)
         os.replace(tmp, os.path.join(path, "leto.json"))
-
-    def _restore_checkpoint(self) -> None:
-        import warnings
-
-        import torch.distributed.checkpoint as dcp
-
-        path = self._ckpt_dir()
-        mfile = os.path.join(path, "leto.json")
-        if not os.path.isfile(mfile):
-            raise IntegrityError(f"no complete checkpoint of step 0 in {path}")
-        private.private_dir(str(self.cfg.checkpoint_dir), "checkpoint directory")
-        private.check_tree(path, "checkpoint")  # before dcp.load unpickles anything in it
-        lay = self.layout
-        rx.free_undo(self.layout)
-        tensors = {name: buf for name, buf in _named_buffers(lay)}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.no_grad():
-                dcp.load(tensors, checkpoint_id=path, no_dist=True)  # type: ignore[attr-defined]
-        with open(mfile) as f:
-            meta = json.load(f)
-        rx.seal_checked(lay, 0, meta["checksums"], "disk checkpoint", f"rank {self.rank}")
-        lay.clear_prepared()
-        self._load_ps(meta["ps"])
-
-    def _after_recovery_state(self, target: int, *, snapshot: bool = True) -> dict[str, Any] | None:
-        """Verify, then rebuild the redundancy at ``target``: parity, gradient parity, and
-        (``snapshot``: the coordinator says the tier-2 snapshot lost blocks) the snapshot."""
-        lay = self.layout
-        self._reencoded = False
-        self._parity_checked = False
-        rx.check_resumable(lay, self.ropt, target, f"rank {self.rank}")
-        self.ch.send({"t": "pending", "rank": self.rank, "json": ""})
-        self._send_ps(target)
-        if self.cfg.tier1:
-            if not self.parity:
-                self._node_memory()
-            coll = TorchDistCollective(self.node_group)
-            sums = torch.tensor(
-                [lay.stored_checksum(c) for c in range(lay.n_chunks)], dtype=torch.int64
-            )
-            allsums = [torch.zeros_like(sums) for _ in range(self.nproc)]
-            dist.all_gather(allsums, sums, group=self.node_group)
-            want = [[int(s[c]) for s in allsums] for c in range(lay.n_chunks)]
-            # The node's parity already encodes every member at ``target`` (a recovery
-            # that changed no byte: a crash before PREPARE, a hang): it is, byte for
-            # byte, what re-encoding would write. Every rank of the node reads the same
-            # shared blocks and the same gathered checksums, so all decide alike.
-            current = all(
-                b.valid and b.versions() == [target] * self.nproc and b.checksums() == want[c]
-                for c, b in enumerate(self.parity)
-            )
-            self.stats["parity_reencodes_skipped"] += int(current)
-            self._reencoded = not current
-            if self.replica:
-                # no bytes to encode: the replicas must agree, then the records say so
-                split = [c for c in range(lay.n_chunks) if len(set(want[c])) != 1]
-                if split:
-                    raise IntegrityError(
-                        f"node {self.node}: its ranks' chunks {split} differ at step {target}; "
-                        f"tier1_code {self.cfg.tier1_code!r} keeps tier 1 as replicas, which "
-                        "needs every rank of a node to hold the same state (data-parallel "
-                        "training): set tier1_code = 'parity'"
-                    )
-                if not current and self.lr == 0:
-                    for c in range(lay.n_chunks):
-                        self.parity[c].write_full(None, [target] * self.nproc, want[c])
-            elif current and _CHECK_KEPT_PARITY:
-                self._check_kept_parity(coll, target)
-            elif not current:
-                # one reduce for every chunk: chunk c's parity is bytes [c*cb, (c+1)*cb)
-                parts = [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)]
-                par = encode(coll, parts, 0)
-                if self.lr == 0:
-                    assert par is not None
-                    cb = par.numel() // lay.n_chunks
-                    for c in range(lay.n_chunks):
-                        self.parity[c].write_full(
-                            par[c * cb : (c + 1) * cb], [target] * self.nproc, want[c]
-                        )
-            if self.lr == 0:
-                assert self.gparity is not None
-                self.gparity.write_full(None, [NONE] * self.nproc, [0] * self.nproc)
-            dist.barrier(group=self.node_group)
-        meta = self._snapshot(target) if self.cfg.tier2 and snapshot else None
-        dist.barrier()
-        return meta

@@ -1,0 +1,56 @@
+"""What the training step and a recovery share on gloo: collectives whose failure is a
+recovery, not a crash, and the retained buffers by name (the checkpoint's keys)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from leto.retained.layout import ChecksumError, LayoutError, RetainedLayout
+from leto.retained.recovery import IntegrityError
+
+from .channel import Aborted
+
+__all__ = ["CHECK_KEPT_PARITY", "CollectiveFailed", "coll", "comm_error", "named_buffers"]
+
+
+class CollectiveFailed(Exception):
+    """A collective did not complete (a peer died or the group was torn down)."""
+
+
+# test aid: verify a kept (not re-encoded) tier-1 parity byte for byte after a recovery
+CHECK_KEPT_PARITY = os.environ.get("LETO_CHECK_KEPT_PARITY") == "1"
+
+
+def coll(fn: Any, *args: Any, **kw: Any) -> Any:
+    """Run a collective; its failure becomes :class:`CollectiveFailed`."""
+    try:
+        return fn(*args, **kw)
+    except (IntegrityError, ChecksumError, LayoutError):
+        raise
+    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistError
+        raise CollectiveFailed(
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
+
+
+def comm_error(e: BaseException) -> bool:
+    if isinstance(e, (CollectiveFailed, Aborted)):
+        return True
+    if isinstance(e, (IntegrityError, ChecksumError, LayoutError)):
+        return False
+    dist_error = getattr(dist, "DistError", ())
+    if dist_error and isinstance(e, dist_error):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        k in text
+        for k in ("gloo", "Gloo", "Connection closed", "Connection reset", "timed out", "Timed out")
+    )
+
+
+def named_buffers(lay: RetainedLayout) -> list[tuple[str, torch.Tensor]]:
+    return [("param", lay.param_buffer)] + [("state." + s, lay.state_buffer(s)) for s in lay.states]

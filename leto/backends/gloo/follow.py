@@ -1,0 +1,587 @@
+"""A trainer's side of a recovery: the coordinator's commands, carried out on this rank.
+
+:class:`Follower` is the seam between the training step (:mod:`.runtime`'s
+:class:`~.runtime.GlooSession`) and a recovery: once a step is interrupted, the session
+hands over to :meth:`Follower._follow`, which reports this rank's retained memory,
+carries out the core's reconcile plan through the one executor
+(:mod:`leto.retained.recovery`: settle, tier-1 decodes, snapshot and checkpoint
+restores) and the gloo-specific copies between replicas, rebuilds the redundancy and
+resumes. It holds no state of its own: everything lives in the session (``self.s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from leto import private
+from leto.core.chunk import LOST, NONE
+from leto.retained import recovery as rx
+from leto.retained.layout import ChunkStatus
+from leto.retained.parity import TorchDistCollective, decode_rotated, encode
+from leto.retained.process_state import step_scheduler
+from leto.retained.recovery import IntegrityError
+
+from .collective import CHECK_KEPT_PARITY, coll, comm_error, named_buffers
+from .faults import COMMAND_POINT
+from .keeper_client import FencedError
+
+if TYPE_CHECKING:
+    from .runtime import GlooSession
+
+__all__ = ["Follower"]
+
+
+class Follower:
+    """Carries out recoveries for one rank's session (see the module docstring)."""
+
+    def __init__(self, session: GlooSession) -> None:
+        self.s = session
+
+    def _follow(self) -> None:
+        """Carry out the coordinator's recovery commands until ``resume``."""
+        self.s._destroy_pg()
+        while True:
+            msg = self.s.ch.next_command()
+            t = msg["t"]
+            gen = int(msg.get("gen", self.s.gen))
+            if t == "abort":
+                self.s._destroy_pg()
+                continue
+            if t == "complete":
+                self.s.completed = True
+                continue
+            if gen < self.s.gen or self.s.ch.aborted_since(gen):
+                continue  # a command of a generation that has been aborted since
+            self.s.ch.mark(t)
+            self.s._point("recovery", where=COMMAND_POINT.get(t, t))
+            try:
+                if t == "report":
+                    self._report(gen)
+                elif t == "reconcile":
+                    self._reconcile(msg)
+                elif t == "rebuild":
+                    self.s.ch.mark("rebuild")
+                    coll(dist.barrier)
+                    self.s.ch.send({"t": "rebuilt", "rank": self.s.rank, "gen": gen})
+                elif t == "resume":
+                    self._resume(msg)
+                    return
+            except FencedError as e:
+                # fenced: either a newer generation overtook this command (its abort is on
+                # the way: wait for the next command), or this process is stale: it must go
+                deadline = time.monotonic() + 3.0
+                while time.monotonic() < deadline and not self.s.ch.aborted_since(gen):
+                    time.sleep(0.01)
+                if self.s.ch.aborted_since(gen):
+                    self.s._stopped(f"generation {gen} was overtaken")
+                    continue
+                sys.stderr.write(f"leto: rank {self.s.rank}: fenced off ({e}); exiting\n")
+                os._exit(4)
+            except Exception as e:  # noqa: BLE001
+                if not comm_error(e):
+                    self.s._fatal(
+                        f"recovery ({t}, generation {gen}) failed: {type(e).__name__}: {e}\n"
+                        + traceback.format_exc()
+                    )
+                # a collective of the recovery failed (another failure): wait for the restart
+                self.s._stopped(
+                    f"recovery step {t} failed: {str(e).splitlines()[0] if str(e) else e}"
+                )
+
+    def _report(self, gen: int) -> None:
+        self.s.ch.mark("report")
+        self.s.gen = gen
+        assert self.s.keeper is not None
+        self.s.keeper.readmit(gen)
+        t0 = time.perf_counter()
+        self.s._init_pg(gen)
+        pg_ms = round((time.perf_counter() - t0) * 1e3, 3)
+        lost = self.s._ensure_layout()
+        if not self.s.parity and self.s.cfg.tier1:
+            self.s._node_memory()
+        lay = self.s.layout
+        C = lay.n_chunks
+        if lost:
+            data, undo, grad = [LOST] * C, [NONE] * C, LOST
+        else:
+            data, undo = rx.observe(lay)
+            ps = lay.prepared_step
+            grad = ps if ps >= 0 and not lay.verify_grads(ps) else (NONE if ps < 0 else LOST)
+        msg: dict[str, Any] = {
+            "t": "report",
+            "rank": self.s.rank,
+            "gen": gen,
+            "data": data,
+            "undo": undo,
+            "grad": grad,
+            "lost": lost,
+            "pg_ms": pg_ms,
+        }
+        if self.s.lr == 0:
+            if self.s.cfg.tier1 and self.s.parity and all(b.valid for b in self.s.parity):
+                msg["node_par"] = [b.versions() for b in self.s.parity]
+                assert self.s.gparity is not None
+                msg["node_gpar"] = self.s.gparity.versions() if self.s.gparity.valid else None
+            else:
+                msg["node_par"] = None
+                msg["node_gpar"] = None
+        self.s.ch.send(msg)
+
+    def _reconcile(self, msg: dict[str, Any]) -> None:
+        self.s.ch.mark("reconcile")
+        gen, kind, target = int(msg["gen"]), str(msg["kind"]), int(msg["target"])
+        self.s._init_pg(gen)
+        t0 = time.perf_counter()
+        summary: dict[str, Any] = {
+            "chunks_repaired_tier1": 0,
+            "grads_repaired_tier1": 0,
+            "chunks_rolled_forward": 0,
+            "chunks_rolled_back": 0,
+            "chunks_restored": 0,
+            "tier1_from_replicas": 0,
+        }
+        if kind == "tier2":
+            self._restore_snapshot(target, msg["snapshot"])
+            summary["chunks_restored"] = self.s.layout.n_chunks
+            self.s.stats["snapshot_restores"] += 1
+        elif kind == "ckpt":
+            self._restore_checkpoint()
+            summary["chunks_restored"] = self.s.layout.n_chunks
+            self.s.stats["checkpoint_restores"] += 1
+        elif self.s.replica:
+            # 1. the gradients the plan asks for; 2. the members that lost no chunk
+            # settle at the target; 3. every lost chunk is copied, from one of them if
+            # there is one (_replica_chunks), then the gradients a member whose chunks
+            # are still behind lacks; 4. the members that lost chunks settle
+            repairs = [rep for rep in msg["repairs"] if rep["rank"] // self.s.nproc == self.s.node]
+            chunks = [
+                (int(x["rank"]), int(x["chunk"]), int(x["step"]))
+                for x in repairs
+                if x["what"] == "tier1"
+            ]
+            lost = {r for r, _, _ in chunks}
+            for rep in repairs:
+                if rep["what"] == "grad-tier1":
+                    r = int(rep["rank"])
+                    if self._replica_grads(r, int(rep["step"])) and r == self.s.rank:
+                        summary["grads_repaired_tier1"] += 1
+                        summary["tier1_from_replicas"] += 1
+            fwd = back = 0
+            if self.s.rank not in lost:
+                fwd, back = self._settle(target)
+            if chunks:
+                self._replica_chunks(chunks, target, lost)
+                summary["chunks_repaired_tier1"] = sum(r == self.s.rank for r, _, _ in chunks)
+                summary["tier1_from_replicas"] += summary["chunks_repaired_tier1"]
+                self._replica_grads_behind(target, lost)
+            if self.s.rank in lost:
+                fwd, back = self._settle(target)
+            summary["chunks_rolled_forward"] = fwd
+            summary["chunks_rolled_back"] = back
+        else:
+            for rep in msg["repairs"]:
+                what = rep["what"]
+                if rep["rank"] // self.s.nproc != self.s.node:
+                    continue
+                if what == "tier1":
+                    self._decode_chunk(int(rep["rank"]), int(rep["chunk"]), int(rep["step"]))
+                    if rep["rank"] == self.s.rank:
+                        summary["chunks_repaired_tier1"] += 1
+                elif what == "grad-tier1":
+                    self._decode_grads(int(rep["rank"]), int(rep["step"]))
+                    if rep["rank"] == self.s.rank:
+                        summary["grads_repaired_tier1"] += 1
+            fwd, back = self._settle(target)
+            summary["chunks_rolled_forward"] = fwd
+            summary["chunks_rolled_back"] = back
+        how = "copied_from_replicas" if self.s.replica else "repaired_from_parity"
+        self.s.stats[f"chunks_{how}"] += summary["chunks_repaired_tier1"]
+        self.s.stats[f"grad_blocks_{how}"] += summary["grads_repaired_tier1"]
+        self.s.stats["chunks_rolled_forward"] += summary["chunks_rolled_forward"]
+        t1 = time.perf_counter()
+        meta = self._after_recovery_state(target, snapshot=bool(msg.get("retake_t2", True)))
+        summary["repair_ms"] = round((t1 - t0) * 1e3, 3)
+        summary["redundancy_ms"] = round((time.perf_counter() - t1) * 1e3, 3)
+        summary["parity_reencoded"] = int(self.s._reencoded)
+        summary["parity_checked"] = int(self.s._parity_checked)
+        self.s.status_lost(False)
+        self.s.ch.send(
+            {
+                "t": "reconciled",
+                "rank": self.s.rank,
+                "gen": gen,
+                "summary": summary,
+                "snapshot": meta,
+            }
+        )
+
+    def _resume(self, msg: dict[str, Any]) -> None:
+        self.s.ch.mark("resume")
+        step = int(msg["step"])
+        assert self.s.ropt is not None
+        if self.s.ropt.version != step:
+            self.s._fatal(
+                f"resume at step {step}, but this rank's state is at {self.s.ropt.version}"
+            )
+        self.s.t2 = int(msg.get("t2", step))
+        self.s._t2_pending = None
+        assert self.s.sampler_state is not None
+        self.s.cursor.restore(self.s.sampler_state)
+        self.s.stats["recoveries"] += 1
+        self.s._log("resumed", step=step, generation=self.s.gen)
+        self.s.ch.mark("idle", step)
+
+    def _decode_chunk(self, r: int, c: int, version: int) -> None:
+        """Tier 1: rank ``r``'s chunk ``c`` at ``version`` from the node's parity (every
+        member runs :func:`leto.retained.recovery.decode_chunk`)."""
+        block = self.s.parity[c]
+        mi = r - self.s.node * self.s.nproc
+        rx.decode_chunk(
+            TorchDistCollective(self.s.node_group),
+            self.s.layout,
+            c,
+            lost=mi,
+            version=version,
+            versions=block.versions(),
+            checksum=block.checksums()[mi],
+            parity=block.parity() if self.s.lr == 0 else None,
+            who=f"rank {r}",
+        )
+
+    def _decode_grads(self, r: int, step: int) -> None:
+        """Tier 1: rank ``r``'s gradients of ``step`` from the node's gradient parity."""
+        assert self.s.gparity is not None
+        pending = self.s._node_state()[1] if r == self.s.rank else None
+        rx.decode_grads(
+            TorchDistCollective(self.s.node_group),
+            self.s.layout,
+            lost=r - self.s.node * self.s.nproc,
+            step=step,
+            versions=self.s.gparity.versions(),
+            parity=self.s.gparity.parity() if self.s.lr == 0 else None,
+            pending=pending,
+            who=f"rank {r}",
+        )
+
+    def _seal_rebuilt_grads(self, step: int, how: str) -> None:
+        """This rank's gradients of ``step``, rebuilt: sealed with the present mask of
+        its prepare record and checked against that record's checksums."""
+        rx.seal_rebuilt_grads(
+            self.s.layout, step, self.s._node_state()[1], how, f"rank {self.s.rank}"
+        )
+
+    def _grads_intact(self, step: int) -> bool:
+        lay = self.s.layout
+        return lay.prepared_step == step and not lay.verify_grads(step)
+
+    def _replica_grads(self, r: int, step: int) -> bool:
+        """Rank ``r``'s gradients of ``step`` from a member of the node that holds them
+        (every member of a data-parallel node reduces the same gradients); False if
+        none does. The plan asks for them where rolling ``r`` forward may need them."""
+        have = r != self.s.rank and self._grads_intact(step)
+        holders = self._node_gather([int(have)])
+        src = next((i for i, h in enumerate(holders) if h[0]), None)
+        if src is None:
+            return False
+        self._copy_grads(src, r, step)
+        return True
+
+    def _replica_grads_behind(self, target: int, lost: set[int]) -> None:
+        """After the copies: a member that lost chunks and still has some behind the
+        target (a copy of ``target - 1``) without its gradients of ``target`` gets
+        them from a member that holds them (one that has not settled yet); if none
+        does, its settle says what is missing."""
+        lay = self.s.layout
+        intact = self._grads_intact(target)
+        behind = self.s.rank in lost and any(
+            lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
+            for c in range(lay.n_chunks)
+        )
+        rows = self._node_gather([int(behind and not intact), int(intact)])
+        src = next((i for i, row in enumerate(rows) if row[1]), None)
+        if src is None:
+            return
+        base = self.s.node * self.s.nproc
+        for i, row in enumerate(rows):
+            if row[0]:
+                self._copy_grads(src, base + i, target)
+
+    def _copy_grads(self, src: int, r: int, step: int) -> None:
+        """Local member ``src`` sends its gradients of ``step`` to rank ``r``, which seals
+        and checks them against its prepare record."""
+        lay = self.s.layout
+        base = self.s.node * self.s.nproc
+        if self.s.lr == src:
+            dist.send(lay.grad_buffer, dst=r)
+        elif self.s.rank == r:
+            dist.recv(lay.grad_buffer, src=base + src)
+            self._seal_rebuilt_grads(step, f"copied from rank {base + src}")
+
+    def _replica_chunks(
+        self, chunks: list[tuple[int, int, int]], target: int, lost: set[int]
+    ) -> None:
+        """Each ``(rank, chunk, version)`` of the plan from another member of the node.
+
+        The version is the one the tier-1 record holds for that member, which the
+        parity would decode. The copy is, by preference: of ``target`` from a member
+        that lost no chunk (it has settled there); of that version from a member that
+        can produce it (its bytes or its undo copy), as the parity would decode it;
+        of ``target`` from any member; of ``target - 1`` (the receiver then rolls it
+        forward with its gradients of ``target``). The receiver checks the bytes
+        against the source's checksum of them and, where the record holds the
+        member at the same version, against the record's (the same on every replica).
+        """
+        lay = self.s.layout
+        missing = {(r, c) for r, c, _ in chunks}
+        wanted = {c for _, c, _ in chunks}
+        mine = []
+        for c in range(lay.n_chunks):
+            st = lay.chunk_status(c)
+            dv = lay.chunk_version(c) if st is not ChunkStatus.TORN else NONE
+            uv = lay.undo_version(c) if st is not ChunkStatus.CLEAN else NONE
+            if (self.s.rank, c) in missing or (
+                c in wanted and dv != NONE and not lay.verify_chunk(c)
+            ):
+                dv = NONE  # lost, or its bytes fail their checksum: not a source
+            if (self.s.rank, c) in missing:
+                uv = NONE
+            elif uv != NONE and (c not in wanted or not lay.verify_undo(c)):
+                uv = NONE  # not asked for (no need to read it), or not intact
+            mine += [
+                dv,
+                lay.stored_checksum(c) if dv != NONE else 0,
+                uv,
+                lay.undo_checksum(c) if uv != NONE else 0,
+            ]
+        table = self._node_gather(mine)
+        base = self.s.node * self.s.nproc
+        for r, c, v in chunks:
+            cands = [(i, t[4 * c : 4 * c + 4]) for i, t in enumerate(table)]
+            cands = [(i, t) for i, t in cands if (base + i, c) not in missing]
+            choice = next(
+                (
+                    (i, u)
+                    for whole_only, u in (
+                        (True, target),
+                        (False, v),
+                        (False, target),
+                        (False, target - 1),
+                    )
+                    for i, t in cands
+                    if u >= 0
+                    and u in (t[0], t[2])
+                    and not (whole_only and (base + i in lost or t[0] != u))
+                ),
+                None,
+            )
+            if choice is None:
+                raise IntegrityError(
+                    f"rank {r} chunk {c}: no member of node {self.s.node} holds it at step "
+                    f"{target - 1}, {v} or {target}"
+                )
+            src, version = choice
+            if self.s.lr == src:
+                for part in rx.bytes_at(lay, c, version):
+                    dist.send(part, dst=r)
+            elif self.s.rank == r:
+                for part in lay.chunk_data(c):
+                    dist.recv(part, src=base + src)
+                lay.seal_chunk(c, version)
+                t = table[src][4 * c : 4 * c + 4]
+                want = {t[1] if t[0] == version else t[3]}
+                rec = self.s.parity[c]
+                if rec.versions()[self.s.lr] == version:
+                    want.add(rec.checksums()[self.s.lr])
+                if want != {lay.stored_checksum(c)}:
+                    raise IntegrityError(
+                        f"rank {r} chunk {c}: the bytes copied from rank {base + src} fail "
+                        f"the checksum of step {version}"
+                    )
+
+    def _node_gather(self, values: list[int]) -> list[list[int]]:
+        """Every node member's ``values`` (int64), in local-rank order."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.zeros_like(mine) for _ in range(self.s.nproc)]
+        dist.all_gather(out, mine, group=self.s.node_group)
+        return [[int(x) for x in t] for t in out]
+
+    def _settle(self, target: int) -> tuple[int, int]:
+        """Roll this rank to ``target`` (:func:`leto.retained.recovery.settle`);
+        (chunks rolled forward, chunks rolled back)."""
+        assert self.s.ropt is not None
+        hist, pend = self.s._node_state()
+        done = rx.settle(
+            self.s.layout,
+            self.s.ropt,
+            target,
+            history=hist,
+            pending=pend,
+            load_ps=self.s._load_ps,
+            step_scheduler=lambda: step_scheduler(self.s.scheduler),
+            who=f"rank {self.s.rank}",
+            on_applied=lambda c: self._parity_follows(c, target),
+        )
+        if done.rng is not None:
+            self.s.rng = done.rng
+            self.s.sampler_state = done.sampler
+        return done.forward, done.back
+
+    def _check_kept_parity(self, coll: TorchDistCollective, target: int) -> None:
+        """Test aid (``LETOCHECK_KEPT_PARITY=1``): the node's kept parity, byte for
+        byte, against a fresh encoding of every member's chunks at ``target``."""
+        lay = self.s.layout
+        par = encode(coll, [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)], 0)
+        self.s._parity_checked = True
+        if self.s.lr == 0:
+            assert par is not None
+            cb = par.numel() // lay.n_chunks
+            bad = [
+                c
+                for c in range(lay.n_chunks)
+                if not torch.equal(par[c * cb : (c + 1) * cb], self.s.parity[c].parity())
+            ]
+            if bad:
+                raise IntegrityError(
+                    f"node {self.s.node}: the kept parity of chunks {bad} is not the encoding "
+                    f"of its members at step {target}"
+                )
+
+    def _parity_follows(self, c: int, step: int) -> None:
+        """A rolled-forward chunk's change into the node's parity, as a step's APPLY does.
+
+        Only where the parity holds this member's chunk one step back (a death between
+        seal and parity update leaves it there; after the update it is already at
+        ``step``); otherwise the recovery re-encodes the node's parity as a whole.
+        """
+        if not self.s.parity:
+            return
+        block = self.s.parity[c]
+        if block.valid and block.versions()[self.s.lr] == step - 1:
+            self.s._tier1_chunk(c, step)
+
+    def _restore_snapshot(self, step: int, snap: dict[str, Any]) -> None:
+        meta = snap["meta"][str(self.s.rank)]
+        if int(snap["step"]) != step or meta is None or int(meta["step"]) != step:
+            raise IntegrityError(f"rank {self.s.rank}: no tier-2 snapshot record of step {step}")
+        reply, _ = self.s.ch.request({"t": "snapshot_slot", "step": -1})
+        have = reply.get("active") is not None and reply.get("active_step") == step
+        flags = torch.zeros(self.s.W, dtype=torch.int64)
+        flags[self.s.rank] = 1 if have else 0
+        dist.all_reduce(flags)
+        missing_nodes = sorted({q // self.s.nproc for q in range(self.s.W) if not flags[q]})
+        if len(missing_nodes) > 1:
+            raise IntegrityError(
+                f"tier-2 snapshots of nodes {missing_nodes} are gone: beyond tier 2"
+            )
+        nb, share = self.s._snapshot_layout()
+        lay = self.s.layout
+        if have:
+            seg = self.s._snap_seg(int(reply["active"]))
+            data = seg[self.s.lr * nb : (self.s.lr + 1) * nb].clone()
+            base = self.s.nproc * nb
+            sh = seg[base + self.s.lr * share : base + (self.s.lr + 1) * share]
+        else:
+            data = torch.zeros(nb, dtype=torch.uint8)
+            sh = None
+        if missing_nodes:
+            decode_rotated(TorchDistCollective(self.s.cross_group), data, missing_nodes[0], sh)
+        rx.free_undo(self.s.layout)
+        rx.unpack_into(lay, data)
+        rx.seal_checked(lay, step, meta["checksums"], "tier-2 snapshot", f"rank {self.s.rank}")
+        lay.clear_prepared()
+        self.s._load_ps(meta["ps"])
+
+    def _restore_checkpoint(self) -> None:
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        path = self.s._ckpt_dir()
+        mfile = os.path.join(path, "leto.json")
+        if not os.path.isfile(mfile):
+            raise IntegrityError(f"no complete checkpoint of step 0 in {path}")
+        private.private_dir(str(self.s.cfg.checkpoint_dir), "checkpoint directory")
+        private.check_tree(path, "checkpoint")  # before dcp.load unpickles anything in it
+        lay = self.s.layout
+        rx.free_undo(self.s.layout)
+        tensors = {name: buf for name, buf in named_buffers(lay)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.no_grad():
+                dcp.load(tensors, checkpoint_id=path, no_dist=True)  # type: ignore[attr-defined]
+        with open(mfile) as f:
+            meta = json.load(f)
+        rx.seal_checked(lay, 0, meta["checksums"], "disk checkpoint", f"rank {self.s.rank}")
+        lay.clear_prepared()
+        self.s._load_ps(meta["ps"])
+
+    def _after_recovery_state(self, target: int, *, snapshot: bool = True) -> dict[str, Any] | None:
+        """Verify, then rebuild the redundancy at ``target``: parity, gradient parity, and
+        (``snapshot``: the coordinator says the tier-2 snapshot lost blocks) the snapshot."""
+        lay = self.s.layout
+        self.s._reencoded = False
+        self.s._parity_checked = False
+        rx.check_resumable(lay, self.s.ropt, target, f"rank {self.s.rank}")
+        self.s.ch.send({"t": "pending", "rank": self.s.rank, "json": ""})
+        self.s._send_ps(target)
+        if self.s.cfg.tier1:
+            if not self.s.parity:
+                self.s._node_memory()
+            coll = TorchDistCollective(self.s.node_group)
+            sums = torch.tensor(
+                [lay.stored_checksum(c) for c in range(lay.n_chunks)], dtype=torch.int64
+            )
+            allsums = [torch.zeros_like(sums) for _ in range(self.s.nproc)]
+            dist.all_gather(allsums, sums, group=self.s.node_group)
+            want = [[int(s[c]) for s in allsums] for c in range(lay.n_chunks)]
+            # The node's parity already encodes every member at ``target`` (a recovery
+            # that changed no byte: a crash before PREPARE, a hang): it is, byte for
+            # byte, what re-encoding would write. Every rank of the node reads the same
+            # shared blocks and the same gathered checksums, so all decide alike.
+            current = all(
+                b.valid and b.versions() == [target] * self.s.nproc and b.checksums() == want[c]
+                for c, b in enumerate(self.s.parity)
+            )
+            self.s.stats["parity_reencodes_skipped"] += int(current)
+            self.s._reencoded = not current
+            if self.s.replica:
+                # no bytes to encode: the replicas must agree, then the records say so
+                split = [c for c in range(lay.n_chunks) if len(set(want[c])) != 1]
+                if split:
+                    raise IntegrityError(
+                        f"node {self.s.node}: its ranks' chunks {split} differ at step {target}; "
+                        f"tier1_code {self.s.cfg.tier1_code!r} keeps tier 1 as replicas, which "
+                        "needs every rank of a node to hold the same state (data-parallel "
+                        "training): set tier1_code = 'parity'"
+                    )
+                if not current and self.s.lr == 0:
+                    for c in range(lay.n_chunks):
+                        self.s.parity[c].write_full(None, [target] * self.s.nproc, want[c])
+            elif current and CHECK_KEPT_PARITY:
+                self._check_kept_parity(coll, target)
+            elif not current:
+                # one reduce for every chunk: chunk c's parity is bytes [c*cb, (c+1)*cb)
+                parts = [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)]
+                par = encode(coll, parts, 0)
+                if self.s.lr == 0:
+                    assert par is not None
+                    cb = par.numel() // lay.n_chunks
+                    for c in range(lay.n_chunks):
+                        self.s.parity[c].write_full(
+                            par[c * cb : (c + 1) * cb], [target] * self.s.nproc, want[c]
+                        )
+            if self.s.lr == 0:
+                assert self.s.gparity is not None
+                self.s.gparity.write_full(None, [NONE] * self.s.nproc, [0] * self.s.nproc)
+            dist.barrier(group=self.s.node_group)
+        meta = self.s._snapshot(target) if self.s.cfg.tier2 and snapshot else None
+        dist.barrier()
+        return meta
