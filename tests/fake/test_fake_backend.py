@@ -163,7 +163,7 @@ def test_the_backend_interface_and_the_core_do_not_import_torch() -> None:
 
 
 def test_every_effect_of_the_core_has_one_executor() -> None:
-    from leto.backends.fake.engine import EXECUTORS, RECONCILE_EFFECTS
+    from leto.backends.fake.executors import EXECUTORS, RECONCILE_EFFECTS
     from leto.core.effects import all_effect_types
 
     kinds = set(all_effect_types())

@@ -31,23 +31,18 @@ state: it survives a rank's memory loss) and in the tier-2 snapshot.
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from leto.backends.base import (
     Backend,
-    FencedError,
     NodeStore,
     ProtocolRecord,
     Snapshot,
-    Work,
 )
 from leto.core import effects as fx
 from leto.core import events as ev
@@ -68,9 +63,8 @@ from leto.retained.layout import (
     RetainedLayout,
     ShapeMismatchError,
 )
-from leto.retained.optim import RetainedOptimizer, is_chunkable, retain
+from leto.retained.optim import is_chunkable, retain
 from leto.retained.parity import (
-    add_delta_,
     as_bytes,
     decode_rotated,
     encode,
@@ -79,12 +73,25 @@ from leto.retained.parity import (
 from leto.retained.process_state import (
     BatchCursor,
     capture_rng,
-    restore_rng,
     scheduler_state,
-    shard,
     step_scheduler,
 )
 from leto.retained.recovery import IntegrityError
+
+from .executors import EXECUTORS
+from .rank import (
+    RECOVERY_EVENTS,
+    EngineOptions,
+    InjectedFault,
+    RankProc,
+    RecoveryRecord,
+    Replica,
+    StepFn,
+    UnrecoverableError,
+    _Interrupted,
+    copy_replica,
+)
+from .rank import named_buffers as _named_buffers
 
 __all__ = [
     "Engine",
@@ -95,102 +102,6 @@ __all__ = [
     "Replica",
     "UnrecoverableError",
 ]
-
-StepFn = Callable[[nn.Module, Any], torch.Tensor]
-RECOVERY_EVENTS = ("Fence", "Promote", "EndPromote", "Reconcile", "Rebuild", "Resume")
-
-
-class UnrecoverableError(RuntimeError):
-    """The loss is beyond both tiers and no checkpoint is configured: training stops."""
-
-
-class InjectedFault(Exception):
-    """A planned fault struck inside an event's effects (carried out by the driver)."""
-
-    def __init__(self, faults: list[Any], adopt: bool) -> None:
-        super().__init__(", ".join(f.label for f in faults))
-        self.faults = faults
-        self.adopt = adopt  # does the event's transition count as done?
-
-
-class _Interrupted(Exception):
-    """A step was interrupted by a failure: recover."""
-
-
-@dataclass
-class Replica:
-    """One trainer's torch objects: model, its optimizer, its scheduler."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any = None
-
-
-@dataclass
-class RankProc:
-    """One rank's trainer process (simulated): its objects and per-step scratch."""
-
-    rank: int
-    gen: int
-    replica: Replica
-    ropt: RetainedOptimizer | None = None
-    rng: dict[str, Any] | None = None
-    sampler_state: dict[str, Any] | None = None
-    work: Work | None = None
-    pwork: Work | None = None
-    present: list[bool] | None = None
-    gdelta: torch.Tensor | None = None
-    loss: float | None = None
-
-    @property
-    def layout(self) -> RetainedLayout:
-        return rx.layout_of(self.ropt, f"rank {self.rank}")
-
-
-@dataclass
-class EngineOptions:
-    chunk_numel: int
-    tier1: bool = True
-    tier2: bool = True
-    tier2_interval: int = 10
-    verify: bool = True
-    align_bytes: int = 256
-    max_steps: int = 10**9
-    check: bool = False  # after each recovery: real state vs the core's, parity bytes exact
-
-
-def copy_replica(rep: Replica, *, clear_state: bool = False) -> Replica:
-    """A deep copy of model, optimizer and scheduler that keeps their links."""
-    model, opt, sched = copy.deepcopy((rep.model, rep.optimizer, rep.scheduler))
-    if clear_state:
-        opt.state.clear()
-    return Replica(model, opt, sched)
-
-
-def _named_buffers(lay: RetainedLayout) -> list[tuple[str, torch.Tensor]]:
-    return [("param", lay.param_buffer)] + [("state." + s, lay.state_buffer(s)) for s in lay.states]
-
-
-@dataclass
-class _Recovery:
-    """What one recovery did (for the timeline and the counters)."""
-
-    from_step: int
-    started: float
-    generation: int = 0
-    restarts: int = 0
-    failed: list[str] = field(default_factory=list)
-    promoted: list[int] = field(default_factory=list)
-    kind: str = ""
-    target: int = -1
-    loss: int = 0
-    tier1_chunks: int = 0
-    tier1_grads: int = 0
-    forward_chunks: int = 0
-    dropped: bool = False
-    integrity: list[str] = field(default_factory=list)
-    stale_refused: int = 0
-    reason: str = ""
 
 
 class Engine:
@@ -241,7 +152,7 @@ class Engine:
             "snapshots_taken": 0,
         }
         self._open: list[Any] = []  # faults fired since the last resume
-        self._rec: _Recovery | None = None
+        self._rec: RecoveryRecord | None = None
         self._current_step = 0
         self.stale: dict[int, RankProc] = {}
         self._integrity_notes: list[str] = []
@@ -415,340 +326,7 @@ class Engine:
 
     # --- a step ---------------------------------------------------------------
 
-    def _fx_forward_backward(
-        self, a: fx.ForwardBackward, before: ClusterState, after: ClusterState
-    ) -> None:
-        r, step = a.rank, a.step
-        p = self.procs[r]
-        if self.step_fn is None:
-            raise RuntimeError("no step function: pass one to train() / run_step()")
-        batch = shard(self.cursor.batch(step), r, self.W)
-        model = p.replica.model
-        assert p.rng is not None
-        restore_rng(p.rng)
-        for prm in model.parameters():
-            prm.grad = None
-        loss = self.step_fn(model, batch)
-        self._inside(r, step, "forward", adopt=False)
-        loss.backward()  # type: ignore[no-untyped-call]
-        self._inside(r, step, "backward", adopt=False)
-        p.rng = capture_rng()
-        lay = p.layout
-        flat = torch.zeros(lay.numel, dtype=lay.dtype)
-        present = torch.zeros(len(lay.params), dtype=torch.int64)
-        for i, prm in enumerate(lay.params):
-            g = prm.grad
-            if g is not None:
-                s = lay.slots[i]
-                flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
-                present[i] = 1
-            prm.grad = None
-        p.work = self.backend.all_reduce(r, flat, tag=("grad", p.gen, step))
-        p.pwork = self.backend.all_reduce(r, present, tag=("present", p.gen, step))
-        p.loss = float(loss.detach())
-
-    def _fx_all_reduce_gradients(
-        self, a: fx.AllReduceGradients, before: ClusterState, after: ClusterState
-    ) -> None:
-        r = a.rank
-        p = self.procs[r]
-        self.backend.check_writer(r, p.gen)
-        assert p.work is not None and p.pwork is not None
-        total = p.work.wait()
-        counts = p.pwork.wait()
-        total.div_(self.W)
-        lay = p.layout
-        store = self._store(r)
-        keep = self.options.tier1 and store.gparity is not None
-        old = None
-        if keep:
-            comp = store.gparity_versions[self._member(r)]
-            gb = as_bytes(lay.grad_buffer)
-            old = gb.clone() if comp != NONE else torch.zeros_like(gb)
-        lay.clear_prepared()  # the old gradients are being overwritten
-        with torch.no_grad():
-            lay.grad_buffer.copy_(total)
-        if old is not None:
-            p.gdelta = as_bytes(lay.grad_buffer).clone().sub_(old)
-        p.present = [bool(c > 0) for c in counts.tolist()]
-        p.work = p.pwork = None
-
-    def _fx_write_gradient_parity(
-        self, a: fx.WriteGradientParity, before: ClusterState, after: ClusterState
-    ) -> None:
-        r, step = a.rank, a.step
-        p = self.procs[r]
-        self.backend.check_writer(r, p.gen)
-        lay = p.layout
-        assert p.ropt is not None and p.present is not None
-        if step != p.ropt.version + 1:
-            raise IntegrityError(
-                f"rank {r}: prepare({step}) but the optimizer is at {p.ropt.version}"
-            )
-        if self.options.verify:
-            # The step's gradients were computed from these bytes: a chunk that fails its
-            # checksum now must not get a vote (the step is rolled back and recomputed).
-            bad = lay.verify()
-            if bad:
-                raise ChecksumError(f"chunks {bad} fail their checksums at PREPARE of step {step}")
-        lay.seal_grads(step, p.present)
-        self._inside(r, step, "prepare", adopt=False)
-        store = self._store(r)
-        if self.options.tier1 and store.gparity is not None and p.gdelta is not None:
-            store.gparity.add_(p.gdelta)
-            store.gparity_versions[self._member(r)] = step
-        store.pending[r] = json.dumps(
-            {
-                "step": step,
-                "rng": p.rng,
-                "sampler": self.cursor.state_after(step),
-                "present": p.present,
-                "grad_checksums": lay.grad_checksums(),
-            }
-        )
-        p.gdelta = None
-
-    def _fx_vote(self, a: fx.Vote, before: ClusterState, after: ClusterState) -> None:
-        pass  # the vote is the coordinator's record (the core's ``prepared`` set)
-
-    def _fx_record_commit(
-        self, a: fx.RecordCommit, before: ClusterState, after: ClusterState
-    ) -> None:
-        self.record.record_commit(a.step)
-
-    def _fx_save_undo(self, a: fx.SaveUndo, before: ClusterState, after: ClusterState) -> None:
-        r, c = a.rank, a.chunk
-        p = self.procs[r]
-        self.backend.check_writer(r, p.gen)
-        assert p.ropt is not None
-        step = before.step[r] + 1
-        if before.pc[r] is TxnState.PREPARED:
-            p.ropt.begin(step)
-        p.ropt.save_undo(c)  # with verify: the chunk's checksum is checked first
-        self._inside(r, step, "apply", c, "undo_saved", adopt=True)
-
-    def _fx_apply_chunk(self, a: fx.ApplyChunk, before: ClusterState, after: ClusterState) -> None:
-        r, c, step = a.rank, a.chunk, a.step
-        p = self.procs[r]
-        assert p.ropt is not None
-        ropt = p.ropt
-
-        def tear() -> None:  # the trainer dies half way through writing the chunk
-            ropt.apply_chunk(c, seal=False)
-            lay = ropt.layout
-            with torch.no_grad():
-                for dst, src in zip(lay.chunk_data(c), lay.undo_data(c), strict=True):
-                    h = dst.numel() // 2
-                    dst[h:].copy_(src[h:])
-
-        self._inside(r, step, "apply", c, "mid_write", adopt=True, tear=tear)
-        ropt.apply_chunk(c, seal=False)
-
-    def _fx_chunk_written(
-        self, a: fx.ChunkWritten, before: ClusterState, after: ClusterState
-    ) -> None:
-        r, c, step = a.rank, a.chunk, a.step
-        p = self.procs[r]
-        self.backend.check_writer(r, p.gen)
-        p.layout.seal_chunk(c, step)
-
-    def _fx_update_parity(
-        self, a: fx.UpdateParity, before: ClusterState, after: ClusterState
-    ) -> None:
-        r, c, step = a.rank, a.chunk, a.step
-        p = self.procs[r]
-        self.backend.check_writer(r, p.gen)
-        lay = p.layout
-        store = self._store(r)
-        if self.options.tier1 and store.parity is not None:
-            m = self._member(r)
-            if store.parity_versions[c][m] != step - 1:
-                raise IntegrityError(
-                    f"rank {r} chunk {c}: the parity encodes version {store.parity_versions[c][m]}, "
-                    f"the undo copy is {step - 1}"
-                )
-            add_delta_(store.parity[c], lay.undo_data(c), lay.chunk_data(c))
-            store.parity_versions[c][m] = step
-            store.parity_checksums[c][m] = lay.stored_checksum(c)
-        self._inside(r, step, "parity", c, adopt=True)
-
-    def _fx_release_undo(
-        self, a: fx.ReleaseUndo, before: ClusterState, after: ClusterState
-    ) -> None:
-        p = self.procs[a.rank]
-        assert p.ropt is not None
-        p.ropt.finish_chunk(a.chunk)
-
-    def _fx_step_done(self, a: fx.StepDone, before: ClusterState, after: ClusterState) -> None:
-        r, step = a.rank, a.step
-        p = self.procs[r]
-        assert p.ropt is not None
-        p.ropt.end()
-        step_scheduler(p.replica.scheduler)
-        store = self._store(r)
-        pend = json.loads(store.pending[r])  # kept: a tier-1 gradient rebuild may read it
-        if pend["step"] != step:
-            raise IntegrityError(
-                f"rank {r}: the prepare record is of step {pend['step']}, not {step}"
-            )
-        p.sampler_state = pend["sampler"]
-        hist = store.process_states.setdefault(r, {})
-        hist[step] = self._ps_json(p, step)
-        for old in [s for s in hist if s < step - 2]:
-            del hist[old]
-
-    def _fx_tier2_snapshot(
-        self, a: fx.TakeSnapshot, before: ClusterState, after: ClusterState
-    ) -> None:
-        self._take_snapshot(a.step)
-
     # --- shadows, faults, fencing ------------------------------------------------
-
-    def _fx_warm_shadow(self, a: fx.WarmShadow, before: ClusterState, after: ClusterState) -> None:
-        self.backend.spawn_shadow(a.rank, self._shadow_factory)
-
-    def _fx_reclaim_shadow(
-        self, a: fx.ReclaimShadow, before: ClusterState, after: ClusterState
-    ) -> None:
-        self.backend.reclaim_shadow(a.rank)
-
-    def _fx_crash(self, a: fx.Crash, before: ClusterState, after: ClusterState) -> None:
-        self.backend.crash(a.rank)  # type: ignore[attr-defined]
-
-    def _fx_hang(self, a: fx.Hang, before: ClusterState, after: ClusterState) -> None:
-        self.backend.hang(a.rank)  # type: ignore[attr-defined]
-
-    def _fx_lose_memory(self, a: fx.LoseMemory, before: ClusterState, after: ClusterState) -> None:
-        self.backend.lose_memory(a.rank)  # type: ignore[attr-defined]
-
-    def _fx_lose_node(self, a: fx.LoseNode, before: ClusterState, after: ClusterState) -> None:
-        self.backend.lose_node(a.node)  # type: ignore[attr-defined]
-        for r in self.backend.ranks_of(a.node):
-            self.stale.pop(r, None)  # its processes are gone with it
-
-    def _fx_detected(self, a: fx.Detected, before: ClusterState, after: ClusterState) -> None:
-        if self._rec is None:
-            self._rec = _Recovery(from_step=self._current_step, started=time.perf_counter())
-            self._rec.integrity.extend(self._integrity_notes)
-            self._integrity_notes.clear()
-        else:
-            self._rec.restarts += 1
-            self.stats["recovery_restarts"] += 1
-        self._rec.failed = [f"rank {r} {after.trainer[r].name.lower()}" for r in a.ranks]
-
-    def _fx_fence(self, a: fx.Fence, before: ClusterState, after: ClusterState) -> None:
-        gen = a.generation
-        self.backend.fence(gen)
-        for r, t in enumerate(before.trainer):
-            if t is TrainerState.HUNG:  # a stale process lives on, fenced out
-                self.stale[r] = self.procs[r]
-                self.backend.crash(r)  # type: ignore[attr-defined]
-        if self._rec is not None:
-            self._rec.generation = gen
-
-    def _fx_abort_collectives(
-        self, a: fx.AbortCollectives, before: ClusterState, after: ClusterState
-    ) -> None:
-        self.backend.abort(a.generation)
-        for p in self.procs:
-            p.work = p.pwork = None
-
-    def _fx_refuse_stale_write(
-        self, a: fx.RefuseStaleWrite, before: ClusterState, after: ClusterState
-    ) -> None:
-        r = a.rank
-        stale = self.stale.get(r)
-        gen = stale.gen if stale is not None else -1
-        try:
-            self.backend.check_writer(r, gen)
-        except FencedError:
-            self.stats["stale_writes_refused"] += 1
-            if self._rec is not None:
-                self._rec.stale_refused += 1
-        else:
-            raise IntegrityError(f"rank {r}: the keeper accepted a write from generation {gen}")
-
-    def _fx_kill_stale(self, a: fx.KillStale, before: ClusterState, after: ClusterState) -> None:
-        self.stale.pop(a.rank, None)
-        self.backend.kill(a.rank)
-
-    def _fx_stale_write_accepted(
-        self, a: fx.StaleWriteAccepted, before: ClusterState, after: ClusterState
-    ) -> None:
-        raise IntegrityError("the no_fencing mutant cannot run on real tensors")
-
-    def _fx_promote(self, a: fx.Promote, before: ClusterState, after: ClusterState) -> None:
-        r, gen = a.rank, a.generation
-        replica = self.backend.promote_shadow(r, gen)
-        self.procs[r] = RankProc(r, gen, replica)
-        if self._rec is not None:
-            self._rec.promoted.append(r)
-
-    def _fx_spawn_shadow(
-        self, a: fx.SpawnShadow, before: ClusterState, after: ClusterState
-    ) -> None:
-        pass  # a replacement starts spawning; it is warm at ShadowWarm
-
-    def _fx_fallback(self, a: fx.Fallback, before: ClusterState, after: ClusterState) -> None:
-        if self.checkpointer is None:
-            raise UnrecoverableError(self.lost_message(before, a.reason))
-
-    def _fx_load_checkpoint(
-        self, a: fx.LoadCheckpoint, before: ClusterState, after: ClusterState
-    ) -> None:
-        self._restore_checkpoint(before, a.step)
-        self._note_recovered(after, Kind.CKPT.value, a.step, before.committed - a.step)
-        self.stats["checkpoint_restores"] += 1
-
-    def _fx_rebuild_communicator(
-        self, a: fx.RebuildCommunicator, before: ClusterState, after: ClusterState
-    ) -> None:
-        gen = a.generation
-        self.backend.rebuild(gen)
-        for p in self.procs:
-            p.gen = gen
-
-    def _fx_resume(self, a: fx.Resume, before: ClusterState, after: ClusterState) -> None:
-        for p in self.procs:
-            p.work = p.pwork = None
-            p.gdelta = None
-            p.present = None
-        sampler = self.procs[0].sampler_state
-        assert sampler is not None
-        self.cursor.restore(sampler)
-        if self.options.check:
-            wrong = self.mismatches(after) + self.parity_exact()
-            if wrong:
-                raise IntegrityError(
-                    f"after recovery the real state differs from the core's: {wrong}"
-                )
-        for f in self._open:
-            f.recovered += 1
-        self._open.clear()
-        rec = self._rec
-        self._rec = None
-        self.stats["recoveries"] += 1
-        if rec is not None:
-            ms = round((time.perf_counter() - rec.started) * 1e3, 3)
-            entry = {
-                "from_step": rec.from_step,
-                "generation": a.generation,
-                "failed": rec.failed,
-                "promoted": rec.promoted,
-                "kind": rec.kind,
-                "resumed_at": a.step,
-                "steps_lost": rec.loss,
-                "chunks_repaired_from_parity": rec.tier1_chunks,
-                "grad_blocks_repaired_from_parity": rec.tier1_grads,
-                "chunks_rolled_forward": rec.forward_chunks,
-                "rolled_back": rec.dropped,
-                "integrity_failures": rec.integrity,
-                "stale_writes_refused": rec.stale_refused,
-                "restarts": rec.restarts,
-                "ms": ms,
-            }
-            self.recoveries.append(entry)
-            self._log("recovered", step=a.step, **entry)
 
     # --- recovery plans on real tensors --------------------------------------------
 
@@ -1399,44 +977,3 @@ class Engine:
         if self.injector is not None:
             self.injector.n_chunks = self.procs[0].layout.n_chunks
         self._log("attach", step=step, detail=self._describe())
-
-
-Executor = Callable[[Engine, Any, ClusterState, ClusterState], None]
-
-#: One executor per effect of the core (``tests/fake`` checks every effect has one).
-#: The reconcile plan's ``Repair`` and ``Reconciled`` are carried out together by
-#: :meth:`Engine._reconcile`, which ``execute`` calls for the ``Reconcile`` event.
-EXECUTORS: dict[type[fx.Effect], Executor] = {
-    fx.ForwardBackward: Engine._fx_forward_backward,
-    fx.AllReduceGradients: Engine._fx_all_reduce_gradients,
-    fx.WriteGradientParity: Engine._fx_write_gradient_parity,
-    fx.Vote: Engine._fx_vote,
-    fx.RecordCommit: Engine._fx_record_commit,
-    fx.SaveUndo: Engine._fx_save_undo,
-    fx.ApplyChunk: Engine._fx_apply_chunk,
-    fx.ChunkWritten: Engine._fx_chunk_written,
-    fx.UpdateParity: Engine._fx_update_parity,
-    fx.ReleaseUndo: Engine._fx_release_undo,
-    fx.StepDone: Engine._fx_step_done,
-    fx.TakeSnapshot: Engine._fx_tier2_snapshot,
-    fx.WarmShadow: Engine._fx_warm_shadow,
-    fx.ReclaimShadow: Engine._fx_reclaim_shadow,
-    fx.SpawnShadow: Engine._fx_spawn_shadow,
-    fx.Crash: Engine._fx_crash,
-    fx.Hang: Engine._fx_hang,
-    fx.LoseMemory: Engine._fx_lose_memory,
-    fx.LoseNode: Engine._fx_lose_node,
-    fx.StaleWriteAccepted: Engine._fx_stale_write_accepted,
-    fx.RefuseStaleWrite: Engine._fx_refuse_stale_write,
-    fx.KillStale: Engine._fx_kill_stale,
-    fx.Detected: Engine._fx_detected,
-    fx.Fence: Engine._fx_fence,
-    fx.AbortCollectives: Engine._fx_abort_collectives,
-    fx.Promote: Engine._fx_promote,
-    fx.Fallback: Engine._fx_fallback,
-    fx.LoadCheckpoint: Engine._fx_load_checkpoint,
-    fx.RebuildCommunicator: Engine._fx_rebuild_communicator,
-    fx.Resume: Engine._fx_resume,
-}
-#: carried out by Engine._reconcile as a whole
-RECONCILE_EFFECTS = (fx.RunRepair, fx.Reconciled)

@@ -1,0 +1,430 @@
+"""The fake engine's executors: one function per effect of the core.
+
+``EXECUTORS`` maps every effect class (:mod:`leto.core.effects`) to the function that
+carries it out on the simulated ranks' real tensors; ``tests/fake`` checks that every
+effect has exactly one. The reconcile plan's ``RunRepair`` and ``Reconciled`` are
+carried out together by the engine's ``_reconcile`` (the ``Reconcile`` event), through
+the one recovery executor (:mod:`leto.retained.recovery`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from leto.backends.base import FencedError
+from leto.core import effects as fx
+from leto.core.chunk import NONE
+from leto.core.cluster import ClusterState
+from leto.core.recovery import Kind
+from leto.core.trainer import TrainerState
+from leto.core.txn import TxnState
+from leto.retained.layout import ChecksumError
+from leto.retained.parity import add_delta_, as_bytes
+from leto.retained.process_state import capture_rng, restore_rng, shard, step_scheduler
+from leto.retained.recovery import IntegrityError
+
+from .rank import RankProc, RecoveryRecord, UnrecoverableError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["EXECUTORS", "RECONCILE_EFFECTS"]
+
+
+def forward_backward(
+    eng: Engine, a: fx.ForwardBackward, before: ClusterState, after: ClusterState
+) -> None:
+    r, step = a.rank, a.step
+    p = eng.procs[r]
+    if eng.step_fn is None:
+        raise RuntimeError("no step function: pass one to train() / run_step()")
+    batch = shard(eng.cursor.batch(step), r, eng.W)
+    model = p.replica.model
+    assert p.rng is not None
+    restore_rng(p.rng)
+    for prm in model.parameters():
+        prm.grad = None
+    loss = eng.step_fn(model, batch)
+    eng._inside(r, step, "forward", adopt=False)
+    loss.backward()  # type: ignore[no-untyped-call]
+    eng._inside(r, step, "backward", adopt=False)
+    p.rng = capture_rng()
+    lay = p.layout
+    flat = torch.zeros(lay.numel, dtype=lay.dtype)
+    present = torch.zeros(len(lay.params), dtype=torch.int64)
+    for i, prm in enumerate(lay.params):
+        g = prm.grad
+        if g is not None:
+            s = lay.slots[i]
+            flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
+            present[i] = 1
+        prm.grad = None
+    p.work = eng.backend.all_reduce(r, flat, tag=("grad", p.gen, step))
+    p.pwork = eng.backend.all_reduce(r, present, tag=("present", p.gen, step))
+    p.loss = float(loss.detach())
+
+
+def all_reduce_gradients(
+    eng: Engine, a: fx.AllReduceGradients, before: ClusterState, after: ClusterState
+) -> None:
+    r = a.rank
+    p = eng.procs[r]
+    eng.backend.check_writer(r, p.gen)
+    assert p.work is not None and p.pwork is not None
+    total = p.work.wait()
+    counts = p.pwork.wait()
+    total.div_(eng.W)
+    lay = p.layout
+    store = eng._store(r)
+    keep = eng.options.tier1 and store.gparity is not None
+    old = None
+    if keep:
+        comp = store.gparity_versions[eng._member(r)]
+        gb = as_bytes(lay.grad_buffer)
+        old = gb.clone() if comp != NONE else torch.zeros_like(gb)
+    lay.clear_prepared()  # the old gradients are being overwritten
+    with torch.no_grad():
+        lay.grad_buffer.copy_(total)
+    if old is not None:
+        p.gdelta = as_bytes(lay.grad_buffer).clone().sub_(old)
+    p.present = [bool(c > 0) for c in counts.tolist()]
+    p.work = p.pwork = None
+
+
+def write_gradient_parity(
+    eng: Engine, a: fx.WriteGradientParity, before: ClusterState, after: ClusterState
+) -> None:
+    r, step = a.rank, a.step
+    p = eng.procs[r]
+    eng.backend.check_writer(r, p.gen)
+    lay = p.layout
+    assert p.ropt is not None and p.present is not None
+    if step != p.ropt.version + 1:
+        raise IntegrityError(f"rank {r}: prepare({step}) but the optimizer is at {p.ropt.version}")
+    if eng.options.verify:
+        # The step's gradients were computed from these bytes: a chunk that fails its
+        # checksum now must not get a vote (the step is rolled back and recomputed).
+        bad = lay.verify()
+        if bad:
+            raise ChecksumError(f"chunks {bad} fail their checksums at PREPARE of step {step}")
+    lay.seal_grads(step, p.present)
+    eng._inside(r, step, "prepare", adopt=False)
+    store = eng._store(r)
+    if eng.options.tier1 and store.gparity is not None and p.gdelta is not None:
+        store.gparity.add_(p.gdelta)
+        store.gparity_versions[eng._member(r)] = step
+    store.pending[r] = json.dumps(
+        {
+            "step": step,
+            "rng": p.rng,
+            "sampler": eng.cursor.state_after(step),
+            "present": p.present,
+            "grad_checksums": lay.grad_checksums(),
+        }
+    )
+    p.gdelta = None
+
+
+def vote(eng: Engine, a: fx.Vote, before: ClusterState, after: ClusterState) -> None:
+    pass  # the vote is the coordinator's record (the core's ``prepared`` set)
+
+
+def record_commit(
+    eng: Engine, a: fx.RecordCommit, before: ClusterState, after: ClusterState
+) -> None:
+    eng.record.record_commit(a.step)
+
+
+def save_undo(eng: Engine, a: fx.SaveUndo, before: ClusterState, after: ClusterState) -> None:
+    r, c = a.rank, a.chunk
+    p = eng.procs[r]
+    eng.backend.check_writer(r, p.gen)
+    assert p.ropt is not None
+    step = before.step[r] + 1
+    if before.pc[r] is TxnState.PREPARED:
+        p.ropt.begin(step)
+    p.ropt.save_undo(c)  # with verify: the chunk's checksum is checked first
+    eng._inside(r, step, "apply", c, "undo_saved", adopt=True)
+
+
+def apply_chunk(eng: Engine, a: fx.ApplyChunk, before: ClusterState, after: ClusterState) -> None:
+    r, c, step = a.rank, a.chunk, a.step
+    p = eng.procs[r]
+    assert p.ropt is not None
+    ropt = p.ropt
+
+    def tear() -> None:  # the trainer dies half way through writing the chunk
+        ropt.apply_chunk(c, seal=False)
+        lay = ropt.layout
+        with torch.no_grad():
+            for dst, src in zip(lay.chunk_data(c), lay.undo_data(c), strict=True):
+                h = dst.numel() // 2
+                dst[h:].copy_(src[h:])
+
+    eng._inside(r, step, "apply", c, "mid_write", adopt=True, tear=tear)
+    ropt.apply_chunk(c, seal=False)
+
+
+def chunk_written(
+    eng: Engine, a: fx.ChunkWritten, before: ClusterState, after: ClusterState
+) -> None:
+    r, c, step = a.rank, a.chunk, a.step
+    p = eng.procs[r]
+    eng.backend.check_writer(r, p.gen)
+    p.layout.seal_chunk(c, step)
+
+
+def update_parity(
+    eng: Engine, a: fx.UpdateParity, before: ClusterState, after: ClusterState
+) -> None:
+    r, c, step = a.rank, a.chunk, a.step
+    p = eng.procs[r]
+    eng.backend.check_writer(r, p.gen)
+    lay = p.layout
+    store = eng._store(r)
+    if eng.options.tier1 and store.parity is not None:
+        m = eng._member(r)
+        if store.parity_versions[c][m] != step - 1:
+            raise IntegrityError(
+                f"rank {r} chunk {c}: the parity encodes version {store.parity_versions[c][m]}, "
+                f"the undo copy is {step - 1}"
+            )
+        add_delta_(store.parity[c], lay.undo_data(c), lay.chunk_data(c))
+        store.parity_versions[c][m] = step
+        store.parity_checksums[c][m] = lay.stored_checksum(c)
+    eng._inside(r, step, "parity", c, adopt=True)
+
+
+def release_undo(eng: Engine, a: fx.ReleaseUndo, before: ClusterState, after: ClusterState) -> None:
+    p = eng.procs[a.rank]
+    assert p.ropt is not None
+    p.ropt.finish_chunk(a.chunk)
+
+
+def step_done(eng: Engine, a: fx.StepDone, before: ClusterState, after: ClusterState) -> None:
+    r, step = a.rank, a.step
+    p = eng.procs[r]
+    assert p.ropt is not None
+    p.ropt.end()
+    step_scheduler(p.replica.scheduler)
+    store = eng._store(r)
+    pend = json.loads(store.pending[r])  # kept: a tier-1 gradient rebuild may read it
+    if pend["step"] != step:
+        raise IntegrityError(f"rank {r}: the prepare record is of step {pend['step']}, not {step}")
+    p.sampler_state = pend["sampler"]
+    hist = store.process_states.setdefault(r, {})
+    hist[step] = eng._ps_json(p, step)
+    for old in [s for s in hist if s < step - 2]:
+        del hist[old]
+
+
+def tier2_snapshot(
+    eng: Engine, a: fx.TakeSnapshot, before: ClusterState, after: ClusterState
+) -> None:
+    eng._take_snapshot(a.step)
+
+
+def warm_shadow(eng: Engine, a: fx.WarmShadow, before: ClusterState, after: ClusterState) -> None:
+    eng.backend.spawn_shadow(a.rank, eng._shadow_factory)
+
+
+def reclaim_shadow(
+    eng: Engine, a: fx.ReclaimShadow, before: ClusterState, after: ClusterState
+) -> None:
+    eng.backend.reclaim_shadow(a.rank)
+
+
+def crash(eng: Engine, a: fx.Crash, before: ClusterState, after: ClusterState) -> None:
+    eng.backend.crash(a.rank)  # type: ignore[attr-defined]
+
+
+def hang(eng: Engine, a: fx.Hang, before: ClusterState, after: ClusterState) -> None:
+    eng.backend.hang(a.rank)  # type: ignore[attr-defined]
+
+
+def lose_memory(eng: Engine, a: fx.LoseMemory, before: ClusterState, after: ClusterState) -> None:
+    eng.backend.lose_memory(a.rank)  # type: ignore[attr-defined]
+
+
+def lose_node(eng: Engine, a: fx.LoseNode, before: ClusterState, after: ClusterState) -> None:
+    eng.backend.lose_node(a.node)  # type: ignore[attr-defined]
+    for r in eng.backend.ranks_of(a.node):
+        eng.stale.pop(r, None)  # its processes are gone with it
+
+
+def detected(eng: Engine, a: fx.Detected, before: ClusterState, after: ClusterState) -> None:
+    if eng._rec is None:
+        eng._rec = RecoveryRecord(from_step=eng._current_step, started=time.perf_counter())
+        eng._rec.integrity.extend(eng._integrity_notes)
+        eng._integrity_notes.clear()
+    else:
+        eng._rec.restarts += 1
+        eng.stats["recovery_restarts"] += 1
+    eng._rec.failed = [f"rank {r} {after.trainer[r].name.lower()}" for r in a.ranks]
+
+
+def fence(eng: Engine, a: fx.Fence, before: ClusterState, after: ClusterState) -> None:
+    gen = a.generation
+    eng.backend.fence(gen)
+    for r, t in enumerate(before.trainer):
+        if t is TrainerState.HUNG:  # a stale process lives on, fenced out
+            eng.stale[r] = eng.procs[r]
+            eng.backend.crash(r)  # type: ignore[attr-defined]
+    if eng._rec is not None:
+        eng._rec.generation = gen
+
+
+def abort_collectives(
+    eng: Engine, a: fx.AbortCollectives, before: ClusterState, after: ClusterState
+) -> None:
+    eng.backend.abort(a.generation)
+    for p in eng.procs:
+        p.work = p.pwork = None
+
+
+def refuse_stale_write(
+    eng: Engine, a: fx.RefuseStaleWrite, before: ClusterState, after: ClusterState
+) -> None:
+    r = a.rank
+    stale = eng.stale.get(r)
+    gen = stale.gen if stale is not None else -1
+    try:
+        eng.backend.check_writer(r, gen)
+    except FencedError:
+        eng.stats["stale_writes_refused"] += 1
+        if eng._rec is not None:
+            eng._rec.stale_refused += 1
+    else:
+        raise IntegrityError(f"rank {r}: the keeper accepted a write from generation {gen}")
+
+
+def kill_stale(eng: Engine, a: fx.KillStale, before: ClusterState, after: ClusterState) -> None:
+    eng.stale.pop(a.rank, None)
+    eng.backend.kill(a.rank)
+
+
+def stale_write_accepted(
+    eng: Engine, a: fx.StaleWriteAccepted, before: ClusterState, after: ClusterState
+) -> None:
+    raise IntegrityError("the no_fencing mutant cannot run on real tensors")
+
+
+def promote(eng: Engine, a: fx.Promote, before: ClusterState, after: ClusterState) -> None:
+    r, gen = a.rank, a.generation
+    replica = eng.backend.promote_shadow(r, gen)
+    eng.procs[r] = RankProc(r, gen, replica)
+    if eng._rec is not None:
+        eng._rec.promoted.append(r)
+
+
+def spawn_shadow(eng: Engine, a: fx.SpawnShadow, before: ClusterState, after: ClusterState) -> None:
+    pass  # a replacement starts spawning; it is warm at ShadowWarm
+
+
+def fallback(eng: Engine, a: fx.Fallback, before: ClusterState, after: ClusterState) -> None:
+    if eng.checkpointer is None:
+        raise UnrecoverableError(eng.lost_message(before, a.reason))
+
+
+def load_checkpoint(
+    eng: Engine, a: fx.LoadCheckpoint, before: ClusterState, after: ClusterState
+) -> None:
+    eng._restore_checkpoint(before, a.step)
+    eng._note_recovered(after, Kind.CKPT.value, a.step, before.committed - a.step)
+    eng.stats["checkpoint_restores"] += 1
+
+
+def rebuild_communicator(
+    eng: Engine, a: fx.RebuildCommunicator, before: ClusterState, after: ClusterState
+) -> None:
+    gen = a.generation
+    eng.backend.rebuild(gen)
+    for p in eng.procs:
+        p.gen = gen
+
+
+def resume(eng: Engine, a: fx.Resume, before: ClusterState, after: ClusterState) -> None:
+    for p in eng.procs:
+        p.work = p.pwork = None
+        p.gdelta = None
+        p.present = None
+    sampler = eng.procs[0].sampler_state
+    assert sampler is not None
+    eng.cursor.restore(sampler)
+    if eng.options.check:
+        wrong = eng.mismatches(after) + eng.parity_exact()
+        if wrong:
+            raise IntegrityError(f"after recovery the real state differs from the core's: {wrong}")
+    for f in eng._open:
+        f.recovered += 1
+    eng._open.clear()
+    rec = eng._rec
+    eng._rec = None
+    eng.stats["recoveries"] += 1
+    if rec is not None:
+        ms = round((time.perf_counter() - rec.started) * 1e3, 3)
+        entry = {
+            "from_step": rec.from_step,
+            "generation": a.generation,
+            "failed": rec.failed,
+            "promoted": rec.promoted,
+            "kind": rec.kind,
+            "resumed_at": a.step,
+            "steps_lost": rec.loss,
+            "chunks_repaired_from_parity": rec.tier1_chunks,
+            "grad_blocks_repaired_from_parity": rec.tier1_grads,
+            "chunks_rolled_forward": rec.forward_chunks,
+            "rolled_back": rec.dropped,
+            "integrity_failures": rec.integrity,
+            "stale_writes_refused": rec.stale_refused,
+            "restarts": rec.restarts,
+            "ms": ms,
+        }
+        eng.recoveries.append(entry)
+        eng._log("recovered", step=a.step, **entry)
+
+
+Executor = Callable[["Engine", Any, ClusterState, ClusterState], None]
+
+#: One executor per effect of the core (``tests/fake`` checks every effect has one).
+#: The reconcile plan's ``Repair`` and ``Reconciled`` are carried out together by
+#: :meth:`Engine._reconcile`, which ``execute`` calls for the ``Reconcile`` event.
+EXECUTORS: dict[type[fx.Effect], Executor] = {
+    fx.ForwardBackward: forward_backward,
+    fx.AllReduceGradients: all_reduce_gradients,
+    fx.WriteGradientParity: write_gradient_parity,
+    fx.Vote: vote,
+    fx.RecordCommit: record_commit,
+    fx.SaveUndo: save_undo,
+    fx.ApplyChunk: apply_chunk,
+    fx.ChunkWritten: chunk_written,
+    fx.UpdateParity: update_parity,
+    fx.ReleaseUndo: release_undo,
+    fx.StepDone: step_done,
+    fx.TakeSnapshot: tier2_snapshot,
+    fx.WarmShadow: warm_shadow,
+    fx.ReclaimShadow: reclaim_shadow,
+    fx.SpawnShadow: spawn_shadow,
+    fx.Crash: crash,
+    fx.Hang: hang,
+    fx.LoseMemory: lose_memory,
+    fx.LoseNode: lose_node,
+    fx.StaleWriteAccepted: stale_write_accepted,
+    fx.RefuseStaleWrite: refuse_stale_write,
+    fx.KillStale: kill_stale,
+    fx.Detected: detected,
+    fx.Fence: fence,
+    fx.AbortCollectives: abort_collectives,
+    fx.Promote: promote,
+    fx.Fallback: fallback,
+    fx.LoadCheckpoint: load_checkpoint,
+    fx.RebuildCommunicator: rebuild_communicator,
+    fx.Resume: resume,
+}
+#: carried out by Engine._reconcile as a whole
+RECONCILE_EFFECTS = (fx.RunRepair, fx.Reconciled)

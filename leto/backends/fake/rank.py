@@ -1,0 +1,117 @@
+"""One simulated rank of the fake backend, and what the engine and its executors share.
+
+A :class:`RankProc` is a simulated trainer process (its torch objects, its retained
+state once bound, its per-step scratch); :class:`RecoveryRecord` is what one recovery
+did, for the timeline.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from leto.backends.base import Work
+from leto.retained import recovery as rx
+from leto.retained.layout import RetainedLayout
+from leto.retained.optim import RetainedOptimizer
+
+StepFn = Callable[[nn.Module, Any], torch.Tensor]
+RECOVERY_EVENTS = ("Fence", "Promote", "EndPromote", "Reconcile", "Rebuild", "Resume")
+
+
+class UnrecoverableError(RuntimeError):
+    """The loss is beyond both tiers and no checkpoint is configured: training stops."""
+
+
+class InjectedFault(Exception):
+    """A planned fault struck inside an event's effects (carried out by the driver)."""
+
+    def __init__(self, faults: list[Any], adopt: bool) -> None:
+        super().__init__(", ".join(f.label for f in faults))
+        self.faults = faults
+        self.adopt = adopt  # does the event's transition count as done?
+
+
+class _Interrupted(Exception):
+    """A step was interrupted by a failure: recover."""
+
+
+@dataclass
+class Replica:
+    """One trainer's torch objects: model, its optimizer, its scheduler."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+
+
+@dataclass
+class RankProc:
+    """One rank's trainer process (simulated): its objects and per-step scratch."""
+
+    rank: int
+    gen: int
+    replica: Replica
+    ropt: RetainedOptimizer | None = None
+    rng: dict[str, Any] | None = None
+    sampler_state: dict[str, Any] | None = None
+    work: Work | None = None
+    pwork: Work | None = None
+    present: list[bool] | None = None
+    gdelta: torch.Tensor | None = None
+    loss: float | None = None
+
+    @property
+    def layout(self) -> RetainedLayout:
+        return rx.layout_of(self.ropt, f"rank {self.rank}")
+
+
+@dataclass
+class EngineOptions:
+    chunk_numel: int
+    tier1: bool = True
+    tier2: bool = True
+    tier2_interval: int = 10
+    verify: bool = True
+    align_bytes: int = 256
+    max_steps: int = 10**9
+    check: bool = False  # after each recovery: real state vs the core's, parity bytes exact
+
+
+def copy_replica(rep: Replica, *, clear_state: bool = False) -> Replica:
+    """A deep copy of model, optimizer and scheduler that keeps their links."""
+    model, opt, sched = copy.deepcopy((rep.model, rep.optimizer, rep.scheduler))
+    if clear_state:
+        opt.state.clear()
+    return Replica(model, opt, sched)
+
+
+def named_buffers(lay: RetainedLayout) -> list[tuple[str, torch.Tensor]]:
+    return [("param", lay.param_buffer)] + [("state." + s, lay.state_buffer(s)) for s in lay.states]
+
+
+@dataclass
+class RecoveryRecord:
+    """What one recovery did (for the timeline and the counters)."""
+
+    from_step: int
+    started: float
+    generation: int = 0
+    restarts: int = 0
+    failed: list[str] = field(default_factory=list)
+    promoted: list[int] = field(default_factory=list)
+    kind: str = ""
+    target: int = -1
+    loss: int = 0
+    tier1_chunks: int = 0
+    tier1_grads: int = 0
+    forward_chunks: int = 0
+    dropped: bool = False
+    integrity: list[str] = field(default_factory=list)
+    stale_refused: int = 0
+    reason: str = ""
