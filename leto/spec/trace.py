@@ -46,13 +46,12 @@ from typing import Any, TypeGuard, cast
 import attrs
 
 from leto.core import events as ev
-from leto.core.chunk import LOST, NONE, TORN
+from leto.core.adopt import Retained, adopt
 from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Effect
 from leto.core.erasure import Topology
 from leto.core.errors import ProtocolError
 from leto.core.recovery import Phase
 from leto.core.shadow import ShadowState
-from leto.core.trainer import TrainerState
 
 __all__ = [
     "UNBOUNDED",
@@ -272,147 +271,7 @@ def _nat(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-# --- adopting the retained state the trainers report ----------------------------------
-
-Par = tuple[tuple[int, ...], ...] | None
-
-
-@attrs.frozen
-class Retained:
-    """The retained state as the trainers found it, read during a recovery, and the
-    tier-2 snapshot the coordinator holds confirmed. The model's data/undo/grad/par/gpar
-    are its picture of memory; a trainer that died between doing something and
-    reporting it leaves that picture one event behind, the retained headers never are."""
-
-    data: tuple[tuple[int, ...], ...]
-    undo: tuple[tuple[int, ...], ...]
-    grad: tuple[int, ...]
-    par: tuple[Par, ...]
-    gpar: tuple[tuple[int, ...] | None, ...]
-    t2: int
-    t2lost: frozenset[int]
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "data": [list(d) for d in self.data],
-            "undo": [list(u) for u in self.undo],
-            "grad": list(self.grad),
-            "par": [None if p is None else [list(row) for row in p] for p in self.par],
-            "gpar": [None if g is None else list(g) for g in self.gpar],
-            "t2": self.t2,
-            "t2lost": sorted(self.t2lost),
-        }
-
-    @classmethod
-    def from_record(cls, rec: Any) -> Retained:
-        if not isinstance(rec, dict):
-            raise TraceError(f"adopt must be an object, got {rec!r}")
-        try:
-            return cls(
-                data=_ints2(rec["data"]),
-                undo=_ints2(rec["undo"]),
-                grad=_ints(rec["grad"]),
-                par=tuple(None if p is None else _ints2(p) for p in rec["par"]),
-                gpar=tuple(None if g is None else _ints(g) for g in rec["gpar"]),
-                t2=_int(rec["t2"]),
-                t2lost=frozenset(_ints(rec["t2lost"])),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise TraceError(f"adopt: malformed retained state ({type(e).__name__}: {e})") from None
-
-
-def _int(v: Any) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise TypeError(f"not an int: {v!r}")
-    return v
-
-
-def _ints(v: Any) -> tuple[int, ...]:
-    if not isinstance(v, list):
-        raise TypeError(f"not a list: {v!r}")
-    return tuple(_int(x) for x in v)
-
-
-def _ints2(v: Any) -> tuple[tuple[int, ...], ...]:
-    if not isinstance(v, list):
-        raise TypeError(f"not a list: {v!r}")
-    return tuple(_ints(x) for x in v)
-
-
-@attrs.frozen
-class Adopt:
-    """The adoption, named in a refusal."""
-
-    generation: int
-
-    def __repr__(self) -> str:
-        return f"Adopt(retained state of generation {self.generation})"
-
-
-def adoption_refusal(model: ClusterModel, s: ClusterState, r: Retained) -> str | None:
-    """Why ``r`` cannot replace ``s``'s picture of memory; None if it can.
-
-    Only while reconciling (every trainer alive after EndPromote, before Reconcile:
-    the plan is computed from it next); shapes of this topology; values a header can
-    hold (a step, TORN, LOST; undo NONE or a step; gradients NONE, LOST or a step;
-    parity versions NONE or a step); and nothing the model lost comes back (a chunk or
-    gradient block LOST in the model is LOST in the report: memory a fault took is not
-    found again; the reverse, a chunk failing its checksum, is what reports are for).
-    """
-    cfg = model.config
-    R, C = cfg.ranks, cfg.chunks
-    if s.phase is not Phase.RECONCILING:
-        return "the retained state is adopted only while reconciling"
-    for q, t in enumerate(s.trainer):
-        if t is not TrainerState.ALIVE:
-            return f"rank {q}'s trainer is {t.value}"
-    if len(r.data) != R or len(r.undo) != R or len(r.grad) != R:
-        return f"{R} ranks expected, got data {len(r.data)}, undo {len(r.undo)}, grad {len(r.grad)}"
-    for q in range(R):
-        if len(r.data[q]) != C or len(r.undo[q]) != C:
-            return (
-                f"rank {q}: {C} chunks expected, got data {list(r.data[q])} undo {list(r.undo[q])}"
-            )
-        for c in range(C):
-            d, u = r.data[q][c], r.undo[q][c]
-            if d < 0 and d not in (TORN, LOST):
-                return f"rank {q} chunk {c}: no chunk value {d}"
-            if u < 0 and u != NONE:
-                return f"rank {q} chunk {c}: no undo value {u}"
-            if s.data[q][c] == LOST and d != LOST:
-                return f"rank {q} chunk {c} is LOST in the model, reported {d}"
-        g = r.grad[q]
-        if g < 0 and g not in (NONE, LOST):
-            return f"rank {q}: no gradient value {g}"
-        if s.grad[q] == LOST and g != LOST:
-            return f"rank {q}'s gradients are LOST in the model, reported {g}"
-    groups = cfg.groups
-    if len(r.par) != len(groups) or len(r.gpar) != len(groups):
-        return f"{len(groups)} nodes expected, got par {len(r.par)}, gpar {len(r.gpar)}"
-    for n, members in enumerate(groups):
-        p, gp = r.par[n], r.gpar[n]
-        if p is not None and (len(p) != C or any(len(row) != len(members) for row in p)):
-            return f"node {n}: parity of {C} chunks x {len(members)} members expected, got {p}"
-        if gp is not None and len(gp) != len(members):
-            return f"node {n}: gradient parity of {len(members)} members expected, got {gp}"
-        if any(v < NONE for row in p or () for v in row) or any(v < NONE for v in gp or ()):
-            return f"node {n}: no parity version in {p} / {gp}"
-    if r.t2 < 0 or not r.t2lost <= set(range(len(groups))):
-        return f"tier 2: snapshot step {r.t2}, lost blocks of nodes {sorted(r.t2lost)}"
-    return None
-
-
-def adopt(model: ClusterModel, s: ClusterState, r: Retained) -> ClusterState:
-    """``s`` with the retained state ``r`` as its picture of memory (checked by
-    :func:`adoption_refusal`; a refusal raises :class:`ProtocolError`, ``s`` unchanged)."""
-    why = adoption_refusal(model, s, r)
-    if why is not None:
-        raise ProtocolError("cluster", s.phase, Adopt(s.gen), why)
-    par = r.par if model.config.tier1 else (None,) * len(r.par)
-    gpar = r.gpar if model.config.tier1 else (None,) * len(r.gpar)
-    return attrs.evolve(
-        s, data=r.data, undo=r.undo, grad=r.grad, par=par, gpar=gpar, t2=r.t2, t2lost=r.t2lost
-    )
+# --- adopting the retained state the trainers report: a rule of the core ----------------
 
 
 def describe(s: ClusterState | None) -> str:
@@ -505,7 +364,7 @@ class _Replay:
         model, s = self.live()
         try:
             self.state = adopt(model, s, Retained.from_record(raw))
-        except (TraceError, ProtocolError) as e:
+        except (ValueError, ProtocolError) as e:  # TraceError, a malformed retained state
             raise _Diverged(f"the model refuses the adoption: {e}") from None
         self.last = None
 

@@ -24,7 +24,7 @@ of its retained state (chunk versions, undo copies, sealed gradients, its node's
 parity records), which the model adopts as its picture of memory (a trainer
 that died between doing something and reporting it leaves the model one event
 behind; the retained headers never are) before the core computes the reconcile
-plan (:func:`leto.spec.trace.adopt`, which refuses a report the model cannot have
+plan (:func:`leto.core.adopt.adopt`, which refuses a report the model cannot have
 come to: another phase, another shape, memory the model lost found again).
 ``Reconcile`` (or ``GoFallback`` + ``RestoreCheckpoint``) is carried out by every
 trainer, then ``Rebuild`` and ``Resume``. A failure during any of it feeds
@@ -50,6 +50,7 @@ from typing import Any
 from leto.core import effects as fx
 from leto.core import events as ev
 from leto.core import schedule
+from leto.core.adopt import Retained, adopt
 from leto.core.cluster import ClusterModel, ClusterState, Effect
 from leto.core.erasure import Topology
 from leto.core.errors import ProtocolError
@@ -61,9 +62,7 @@ from leto.spec.trace import (
     Commit,
     CoreSetup,
     Item,
-    Retained,
     Snapshot,
-    adopt,
     describe,
     encode,
     run,
@@ -783,7 +782,7 @@ class Coordinator:
 
     def _truth(self, s: ClusterState) -> ClusterState:
         """The model's state with the retained state as the trainers found it: adopted
-        through :func:`leto.spec.trace.adopt` (which refuses what the model cannot have
+        through :func:`leto.core.adopt.adopt` (which refuses what the model cannot have
         come to) and logged as a ``core`` record, so the trace replays it."""
         assert self.model is not None
         data, undo, grad = [], [], []
