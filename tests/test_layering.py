@@ -28,6 +28,7 @@ LAYER = {
     "retained": 1,
     "backends": 2,
     "adapters": 3,
+    "spec.location": 0,  # a path, nothing else
     "spec.trace": 1,  # the core model over an event log: no torch, no backend
     "spec.tlc": 3,
     "spec": 4,

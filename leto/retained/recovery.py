@@ -50,6 +50,7 @@ __all__ = [
     "decode_grads",
     "free_undo",
     "layout_of",
+    "named_buffers",
     "observe",
     "packed",
     "seal_checked",
@@ -123,6 +124,11 @@ def seal_checked(
             raise IntegrityError(
                 f"{who} chunk {c}: the bytes restored from the {source} fail their checksum"
             )
+
+
+def named_buffers(lay: RetainedLayout) -> list[tuple[str, torch.Tensor]]:
+    """The data buffers by name (``param``, ``state.<name>``): a checkpoint's keys."""
+    return [("param", lay.param_buffer)] + [("state." + s, lay.state_buffer(s)) for s in lay.states]
 
 
 def packed(lay: RetainedLayout) -> torch.Tensor:

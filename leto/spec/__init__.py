@@ -10,7 +10,6 @@ The TLA+ spec, its TLC configurations and its prose ship inside the package
 
 from __future__ import annotations
 
-from pathlib import Path
+from leto.spec.location import SPEC_DIR
 
-SPEC_DIR = Path(__file__).resolve().parent / "files"
-"""The directory of ``Leto.tla``, its ``MCLeto*.cfg`` files and ``PROTOCOL.md``."""
+__all__ = ["SPEC_DIR"]

@@ -19,8 +19,8 @@ from typing import Any
 
 from leto import argcheck
 from leto.argcheck import BadInput, Bound, positive_int, refuse, seconds, show
+from leto.spec.location import SPEC_DIR
 
-SPEC_DIR = Path(__file__).resolve().parent / "files"  # leto/spec/files: the spec, as package data
 MAIN_CONFIG = "MCLeto.cfg"
 # every failure leads to training or to the job stopped: BoundedSpec, its own fairness
 LIVENESS_CONFIG = "MCLetoLiveness.cfg"

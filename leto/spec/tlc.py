@@ -33,6 +33,7 @@ from pathlib import Path
 import attrs
 
 from leto.argcheck import BadInput, check_args, positive_int, seconds
+from leto.spec.location import SPEC_DIR
 
 __all__ = [
     "SPEC_DIR",
@@ -45,7 +46,6 @@ __all__ = [
 ]
 
 #: The repository's ``spec/`` directory (Leto.tla, MCLeto.tla, the .cfg files).
-SPEC_DIR = Path(__file__).resolve().parent / "files"  # leto/spec/files: the spec, as package data
 
 #: Environment variable that overrides where ``tla2tools.jar`` is looked for.
 JAR_ENV = "LETO_TLA2TOOLS"

@@ -78,9 +78,9 @@ from leto.retained.process_state import (
 )
 from leto.retained.recovery import IntegrityError
 
+from .backend import RECOVERY_WHERE
 from .executors import EXECUTORS
 from .rank import (
-    RECOVERY_EVENTS,
     EngineOptions,
     InjectedFault,
     RankProc,
@@ -91,7 +91,6 @@ from .rank import (
     _Interrupted,
     copy_replica,
 )
-from .rank import named_buffers as _named_buffers
 
 __all__ = [
     "Engine",
@@ -507,7 +506,7 @@ class Engine:
         return {
             f"rank{p.rank}.{name}": buf
             for p in self.procs
-            for name, buf in _named_buffers(p.layout)
+            for name, buf in rx.named_buffers(p.layout)
         }
 
     def _save_checkpoint(self) -> None:
@@ -668,7 +667,7 @@ class Engine:
 
     def retained_state(self) -> list[dict[str, torch.Tensor]]:
         """Every rank's params and optimizer state buffers (copies), for bitwise checks."""
-        return [{name: buf.clone() for name, buf in _named_buffers(p.layout)} for p in self.procs]
+        return [{name: buf.clone() for name, buf in rx.named_buffers(p.layout)} for p in self.procs]
 
     def process_states(self) -> list[dict[str, Any]]:
         """Every rank's optimizer and scheduler process state (JSON-able)."""
@@ -888,7 +887,7 @@ class Engine:
                 self._log("unrecoverable", step=V, detail=reason)
                 raise UnrecoverableError(self.lost_message(s, reason))
             name = type(e).__name__
-            if self.injector is not None and name in RECOVERY_EVENTS:
+            if self.injector is not None and name in RECOVERY_WHERE:
                 hits = [
                     f
                     for r in range(self.W)

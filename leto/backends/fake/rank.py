@@ -21,7 +21,6 @@ from leto.retained.layout import RetainedLayout
 from leto.retained.optim import RetainedOptimizer
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
-RECOVERY_EVENTS = ("Fence", "Promote", "EndPromote", "Reconcile", "Rebuild", "Resume")
 
 
 class UnrecoverableError(RuntimeError):
@@ -89,10 +88,6 @@ def copy_replica(rep: Replica, *, clear_state: bool = False) -> Replica:
     if clear_state:
         opt.state.clear()
     return Replica(model, opt, sched)
-
-
-def named_buffers(lay: RetainedLayout) -> list[tuple[str, torch.Tensor]]:
-    return [("param", lay.param_buffer)] + [("state." + s, lay.state_buffer(s)) for s in lay.states]
 
 
 @dataclass

@@ -6,15 +6,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from leto.retained.layout import ChecksumError, LayoutError, RetainedLayout
+from leto.retained.layout import ChecksumError, LayoutError
 from leto.retained.recovery import IntegrityError
 
 from .channel import Aborted
 
-__all__ = ["CHECK_KEPT_PARITY", "CollectiveFailed", "coll", "comm_error", "named_buffers"]
+__all__ = ["CHECK_KEPT_PARITY", "CollectiveFailed", "coll", "comm_error"]
 
 
 class CollectiveFailed(Exception):
@@ -50,7 +49,3 @@ def comm_error(e: BaseException) -> bool:
         k in text
         for k in ("gloo", "Gloo", "Connection closed", "Connection reset", "timed out", "Timed out")
     )
-
-
-def named_buffers(lay: RetainedLayout) -> list[tuple[str, torch.Tensor]]:
-    return [("param", lay.param_buffer)] + [("state." + s, lay.state_buffer(s)) for s in lay.states]

@@ -29,7 +29,7 @@ from leto.retained.parity import TorchDistCollective, decode_rotated, encode
 from leto.retained.process_state import step_scheduler
 from leto.retained.recovery import IntegrityError
 
-from .collective import CHECK_KEPT_PARITY, coll, comm_error, named_buffers
+from .collective import CHECK_KEPT_PARITY, coll, comm_error
 from .faults import COMMAND_POINT
 from .keeper_client import FencedError
 
@@ -512,7 +512,7 @@ class Follower:
         private.check_tree(path, "checkpoint")  # before dcp.load unpickles anything in it
         lay = self.s.layout
         rx.free_undo(self.s.layout)
-        tensors = {name: buf for name, buf in named_buffers(lay)}
+        tensors = {name: buf for name, buf in rx.named_buffers(lay)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.no_grad():

@@ -81,7 +81,6 @@ from . import bootstrap
 from .channel import Aborted, AgentChannel
 from .collective import CollectiveFailed as _CollectiveFailed
 from .collective import coll as _coll
-from .collective import named_buffers as _named_buffers
 from .faults import label as fault_label
 from .follow import Follower
 from .keeper_client import FencedError, KeeperClient
@@ -811,14 +810,14 @@ class GlooSession:
         state (optimizer scalars, LR scheduler, sampler position, RNG)."""
         out = {
             name: hashlib.sha256(as_bytes(buf).numpy().tobytes()).hexdigest()
-            for name, buf in _named_buffers(self.layout)
+            for name, buf in rx.named_buffers(self.layout)
         }
         out["process_state"] = hashlib.sha256(self._ps_json(self.step).encode()).hexdigest()
         return out
 
     def retained_state(self) -> list[dict[str, torch.Tensor]]:
         """This rank's params and optimizer state (copies), as a one-element list."""
-        return [{name: buf.clone() for name, buf in _named_buffers(self.layout)}]
+        return [{name: buf.clone() for name, buf in rx.named_buffers(self.layout)}]
 
     # ================================================================ process state
 
@@ -928,7 +927,7 @@ class GlooSession:
         # a directory no other user can write to (docs/security.md)
         private.private_dir(str(self.cfg.checkpoint_dir), "checkpoint directory")
         path = str(private.private_dir(self._ckpt_dir(), "checkpoint"))
-        tensors = {name: buf.detach() for name, buf in _named_buffers(self.layout)}
+        tensors = {name: buf.detach() for name, buf in rx.named_buffers(self.layout)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.save(tensors, checkpoint_id=path, no_dist=True)  # type: ignore[attr-defined]
