@@ -8,8 +8,8 @@ import struct
 import pytest
 
 from leto.backends.gloo import segments
-from leto.backends.gloo.agent import Proc, _look, _note
 from leto.backends.gloo.board import PHASES, SIZE, StatusBoard
+from leto.backends.gloo.records import Proc, look, note
 
 
 def _pair() -> tuple[StatusBoard, StatusBoard]:
@@ -70,15 +70,15 @@ def test_the_agent_takes_only_newer_news() -> None:
         log_path="",
     )
     w, p.board = _pair()
-    _look(p, 1.0)  # nothing written yet: nothing changes
+    look(p, 1.0)  # nothing written yet: nothing changes
     assert (p.phase, p.step, p.progress) == ("startup", 0, -1)
     w.write("forward", 4, 20)
-    _look(p, 2.0)
+    look(p, 2.0)
     assert (p.phase, p.step, p.progress, p.progress_t) == ("forward", 4, 20, 2.0)
-    _look(p, 3.0)  # no progress since: the stuck clock keeps running
+    look(p, 3.0)  # no progress since: the stuck clock keeps running
     assert p.progress_t == 2.0
-    _note(p, "idle", 3, 19, 4.0)  # a heartbeat sent before the board's write
+    note(p, "idle", 3, 19, 4.0)  # a heartbeat sent before the board's write
     assert (p.phase, p.step, p.progress_t) == ("forward", 4, 2.0)
-    _note(p, "promote", 4, 21, 5.0)  # a phase the board cannot hold, sent as a message
-    _look(p, 6.0)
+    note(p, "promote", 4, 21, 5.0)  # a phase the board cannot hold, sent as a message
+    look(p, 6.0)
     assert (p.phase, p.progress) == ("promote", 21)

@@ -497,20 +497,21 @@ def test_unproven_connections_are_bounded_in_number_and_time() -> None:
     """A flood of silent connections to the coordinator: at most UNPROVEN_MAX wait for
     their proof (the oldest is closed for a newer one), none longer than UNPROVEN_SECONDS."""
     from leto.backends.gloo import agent as A
+    from leto.backends.gloo import routing as R
 
     ag = A.Agent(A.AgentOptions(script="x.py", script_args=[], quiet=True))
     ag.listener = socket.create_server(("127.0.0.1", 0))
     clients = [
-        socket.create_connection(ag.listener.getsockname()) for _ in range(A.UNPROVEN_MAX + 1)
+        socket.create_connection(ag.listener.getsockname()) for _ in range(R.UNPROVEN_MAX + 1)
     ]
     try:
         for _ in clients:
-            ag._accept_link()
-        assert len(ag.unproven) == A.UNPROVEN_MAX
+            ag.routing.accept_link()
+        assert len(ag.unproven) == R.UNPROVEN_MAX
         first, _ = _until_closed(clients[0], timeout=2)
         assert first, "the oldest waiting connection was not closed"
-        ag._expire_unproven(time.monotonic() + A.UNPROVEN_SECONDS + 1)
-        assert ag.unproven == {} and ag.refusals == A.UNPROVEN_MAX + 1
+        ag.routing.expire_unproven(time.monotonic() + R.UNPROVEN_SECONDS + 1)
+        assert ag.unproven == {} and ag.refusals == R.UNPROVEN_MAX + 1
         for c in clients[1:]:
             closed, frames = _until_closed(c, timeout=2)
             assert closed and [f["t"] for f in frames] == ["challenge"]

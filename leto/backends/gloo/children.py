@@ -1,0 +1,347 @@
+"""The processes a node agent starts and reaps: one keeper per local rank, and the
+trainers and shadows forked by the zygote. A death is seen on the process's pidfd
+the moment it happens, its status comes from the zygote; a trainer's death or a
+keeper's becomes a failure report to the coordinator, a shadow's a shadow report
+(and a retry, up to three times). Fencing a generation kills the stale processes
+and fences every keeper."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import time
+from typing import TYPE_CHECKING
+
+from . import procs as P
+from .keeper import spawn_keeper
+from .records import LaunchError, Proc, look
+from .wire import WireError
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+__all__ = ["Children"]
+
+
+class Children:
+    """Spawning, reaping and fencing the node's processes and keepers."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.a = agent
+
+    def start_keeper(self, lr: int) -> None:
+        a = self.a
+        h = spawn_keeper(a.rank(lr), a.job, tag=str(a.run_dir))
+        if a.generation:
+            h.fence(a.generation)
+        a.keepers[lr] = h
+        a.sel.register(h.pidfd, selectors.EVENT_READ, ("keeper_dead", lr))
+
+    def spawn(
+        self, lr: int, role: str, promote_gen: int | None = None, *, cold: bool = False
+    ) -> None:
+        """Fork a trainer or a shadow of ``lr``; a *cold* shadow (one to be promoted at
+        once) keeps its parameters instead of building a skeleton."""
+        a = self.a
+        cold = role == "shadow" and (cold or promote_gen is not None)
+        a.incarnation += 1
+        rank = a.rank(lr)
+        inc = a.incarnation
+        log_path = str(a.run_dir / "logs" / f"node{a.node}-{role}{rank}-{inc}.log")
+        rfd, wfd = os.pipe()
+        o = a.o
+        env = {
+            "RANK": rank,
+            "WORLD_SIZE": a.W,
+            "LOCAL_RANK": lr,
+            "LOCAL_WORLD_SIZE": a.nproc,
+            "GROUP_RANK": a.node,
+            "NODE_RANK": a.node,
+            "ROLE_RANK": rank,
+            "MASTER_ADDR": o.rdzv_host,
+            "MASTER_PORT": o.rdzv_port,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "OMP_NUM_THREADS": o.threads,
+            "LETO_ROLE": role,
+            "LETO_INCARNATION": inc,
+            "LETO_RUN_DIR": str(a.run_dir),
+            "LETO_JOB": a.job,
+        }
+        spec = {
+            "role": role,
+            "skeleton": not cold,
+            "rank": rank,
+            "local_rank": lr,
+            "node": a.node,
+            "nnodes": o.nnodes,
+            "nproc": a.nproc,
+            "world": a.W,
+            "incarnation": inc,
+            "env": env,
+            "script": o.script,
+            "args": o.script_args,
+            "cwd": os.getcwd(),
+            "agent_socket": a.agent_socket[1:],
+            "keeper_socket": a.keepers[lr].socket_name,
+            "keeper_pid": a.keepers[lr].pid,
+            "agent_pid": os.getpid(),
+            "job": a.job,
+            "threads": o.threads,
+            "heartbeat": o.heartbeat,
+            "collective_timeout": o.collective_timeout,
+            "umask": a.umask,
+            "store_host": o.rdzv_host,
+            "store_port": o.rdzv_port,
+            "faults": [f for f in o.faults if f["rank"] == rank],
+            "generation": a.generation,
+        }
+        rid = a.zygote.spawn(spec, wfd)
+        os.close(wfd)
+        os.set_blocking(rfd, False)
+        logf = open(log_path, "ab")  # noqa: SIM115 - closed when the pipe closes
+        a.spawns[rid] = {
+            "lr": lr,
+            "role": role,
+            "inc": inc,
+            "log": log_path,
+            "promote_gen": promote_gen,
+            "cold": cold,
+        }
+        a.sel.register(
+            rfd, selectors.EVENT_READ, ("log", {"fd": rfd, "file": logf, "rank": rank, "pid": None})
+        )
+        a.spawns[rid]["logkey"] = rfd
+        if role == "shadow":
+            a.shadow_state[lr] = "spawning"
+
+    def on_zygote(self) -> None:
+        a = self.a
+        alive = a.zygote.conn.feed()
+        for msg, fds in a.zygote.conn.messages():
+            op = msg.get("op")
+            if op == "spawned":
+                sp = a.spawns.pop(int(msg["id"]))
+                now = time.monotonic()
+                p = Proc(
+                    pid=int(msg["pid"]),
+                    pidfd=fds[0],
+                    role=sp["role"],
+                    local_rank=sp["lr"],
+                    rank=a.rank(sp["lr"]),
+                    incarnation=sp["inc"],
+                    spawned=now,
+                    log_path=sp["log"],
+                    hb=now,
+                    progress_t=now,
+                )
+                p.promote_gen = sp["promote_gen"]
+                p.cold_start = sp["cold"]
+                if p.promote_gen is not None:
+                    p.promote_started = now
+                    p.promote_warm = False
+                a.by_pid[p.pid] = p
+                key = a.sel.get_key(sp["logkey"])
+                key.data[1]["pid"] = p.pid
+                key.data[1]["proc"] = p
+                a.sel.register(p.pidfd, selectors.EVENT_READ, ("pidfd", p))
+                if p.role == "trainer":
+                    a.trainer[p.local_rank] = p
+                    self.keeper(p.local_rank, "admit", a.generation, p.pid)
+                else:
+                    a.shadow[p.local_rank] = p
+                a.routing.claim(p)
+            elif op == "exited":
+                p2 = a.by_pid.get(int(msg["pid"]))
+                if p2 is not None:
+                    p2.exited = int(msg["code"])
+                    if p2.dead_at is not None:
+                        self.finalize_exit(p2)
+            else:
+                for fd in fds:
+                    os.close(fd)
+        if not alive and not a.stop:
+            raise LaunchError("the zygote (fork server) died")
+
+    def on_pidfd(self, p: Proc) -> None:
+        a = self.a
+        a.sel.unregister(p.pidfd)
+        p.dead_at = time.monotonic()
+        if a.trainer.get(p.local_rank) is p and not p.expected_exit:
+            a.recovering = True  # its memory is going away: that is no reason to re-warm
+        if p.exited is not None:
+            self.finalize_exit(p)
+
+    def finalize_exit(self, p: Proc) -> None:
+        a = self.a
+        if p.pid not in a.by_pid:
+            return
+        del a.by_pid[p.pid]
+        look(p, time.monotonic())  # where it was when it died
+        if p.board is not None:
+            p.board.close()
+            p.board = None
+        stale = a.unclaimed_boards.pop(p.pid, None)
+        if stale is not None:
+            stale.close()
+        try:
+            os.close(p.pidfd)
+        except OSError:
+            pass
+        if p.conn is not None:
+            a.routing.drop_conn(p.conn)
+        lr = p.local_rank
+        code = p.exited
+        how = P.describe_status(code)
+        if a.trainer.get(lr) is p:
+            a.trainer[lr] = None
+            if p.expected_exit or a.stop:
+                return
+            if a.complete and code == 0:
+                p.done = True
+                a.supervisor.check_node_finished()
+                return
+            kind = "exception" if p.error else "crash"
+            detected = "exception reported by the trainer" if p.error else "process exit (pidfd)"
+            if code == 0 and p.status == "starting":
+                how = (
+                    "the script ended (exit code 0) without calling leto.wrap with "
+                    "backend='gloo': `leto launch` runs scripts wrapped by leto"
+                )
+            latency = None if p.dead_at is None else round((p.dead_at - p.hb) * 1e3, 1)
+            where = {"idle": "between steps", "startup": "during startup"}.get(
+                p.phase, f"in {p.phase} of step {p.step + 1}"
+            )
+            a.say(f"rank {p.rank} {'raised an exception' if p.error else 'died'} ({how}) {where}")
+            a.shadows.ensure(lr)
+            a.recovering = True  # (the abort follows) no re-warming on the freed memory
+            a.routing.to_coord(
+                {
+                    "t": "failure",
+                    "kind": kind,
+                    "rank": p.rank,
+                    "detected_by": detected,
+                    "detail": how,
+                    "traceback": p.error,
+                    "in_phase": p.phase,
+                    "at_step": p.step,
+                    "ms_since_heartbeat": latency,
+                    "pid": p.pid,
+                }
+            )
+        elif a.shadow.get(lr) is p:
+            a.shadow[lr] = None
+            if p.expected_exit or a.stop:
+                return
+            a.shadow_failures[lr] += 1
+            a.shadow_state[lr] = "failed" if p.error else "none"
+            why = _last_line(p.error) or how
+            if p.status == "starting" and not p.cold_start and lr not in a.degraded:
+                a.shadows.degrade(lr, p.rank, why)  # it died building its skeleton
+            reason = f"the shadow of rank {p.rank} exited ({how})"
+            if p.error:
+                reason += ":\n" + p.error
+            a.routing.to_coord(
+                {
+                    "t": "shadow",
+                    "rank": p.rank,
+                    "state": "failed",
+                    "reason": reason,
+                    "degraded": a.degraded.get(lr),
+                }
+            )
+            if a.complete:
+                return
+            # a promotion or the coordinator waits for this rank's replacement
+            needed = p.promote_gen is not None or p.cold_start or lr in a.asked
+            on_demand = lr in a.degraded or not a.o.shadows
+            if a.shadow_failures[lr] < 3 and (needed or not on_demand):
+                self.spawn(lr, "shadow", promote_gen=p.promote_gen, cold=on_demand)
+            elif needed:
+                a.routing.to_coord(
+                    {
+                        "t": "fatal",
+                        "rank": p.rank,
+                        "error": f"cannot start a replacement process: it exited ({how}): {why}",
+                    }
+                )
+
+    def kill(self, p: Proc, *, wait: float = 5.0) -> None:
+        """SIGKILL ``p`` and wait until it is gone (its handle readable)."""
+        p.expected_exit = True
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        import select
+
+        try:
+            select.select([p.pidfd], [], [], wait)
+        except (OSError, ValueError):
+            pass
+
+    def keeper(self, lr: int, op: str, *args: int) -> None:
+        """``fence``/``admit`` on the keeper of ``lr``; a keeper found dead is handled now."""
+        a = self.a
+        for _ in range(3):
+            h = a.keepers[lr]
+            try:
+                getattr(h, op)(*args)
+                return
+            except (WireError, TimeoutError, RuntimeError, OSError):
+                try:
+                    h.proc.wait(2.0)
+                except Exception:  # noqa: BLE001
+                    raise LaunchError(f"the keeper of rank {a.rank(lr)} does not answer") from None
+                self.on_keeper_dead(lr)
+        raise LaunchError(f"the keeper of rank {a.rank(lr)} keeps failing")
+
+    def on_keeper_dead(self, lr: int) -> None:
+        a = self.a
+        h = a.keepers[lr]
+        a.sel.unregister(h.pidfd)
+        code = h.proc.wait()
+        h.close()
+        rank = a.rank(lr)
+        if a.stop:
+            return
+        a.say(
+            f"the keeper of rank {rank} died ({P.describe_status(code)}): its retained memory is lost"
+        )
+        t = a.trainer.get(lr)
+        if t is not None:
+            self.kill(t)  # the last holder of a mapping: now the memory is really gone
+        self.start_keeper(lr)
+        a.routing.to_coord(
+            {
+                "t": "failure",
+                "kind": "keeper_lost",
+                "rank": rank,
+                "detected_by": "keeper process exit (pidfd)",
+                "detail": P.describe_status(code),
+            }
+        )
+
+    def fence(self, gen: int, kill: list[int]) -> None:
+        a = self.a
+        a.generation = gen
+        killed = []
+        for r in kill:
+            lr = r - a.node * a.nproc
+            if lr in a.local_ranks:
+                p = a.trainer.get(lr)
+                if p is not None:
+                    self.kill(p)
+                    killed.append({"rank": r, "pid": p.pid})
+                    a.trainer[lr] = None
+        for lr in a.local_ranks:
+            self.keeper(lr, "fence", gen)
+            p = a.trainer.get(lr)
+            if p is not None and p.dead_at is None:
+                self.keeper(lr, "admit", gen, p.pid)
+        a.routing.to_coord({"t": "fenced", "node": a.node, "gen": gen, "killed": killed})
+
+
+def _last_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[-1].strip() if lines else ""

@@ -1,0 +1,122 @@
+"""What a node agent keeps about its job and its children: the launch options
+(:class:`AgentOptions`), one record per process it started (:class:`Proc`), per TCP
+connection to the coordinator (:class:`Link`) and per connection on its Unix socket
+(:class:`ProcConn`), and how a process's whereabouts are noted (:func:`note`,
+:func:`look`). Plain records, no behaviour: the agent's parts (:mod:`.supervisor`,
+:mod:`.children`, :mod:`.shadows`, :mod:`.routing`, :mod:`.host_memory`) act on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .board import StatusBoard
+from .wire import Conn
+
+__all__ = ["AgentOptions", "LaunchError", "Link", "Proc", "ProcConn", "look", "note"]
+
+
+class LaunchError(RuntimeError):
+    """A launch that cannot proceed (bad input, rendezvous failure); a clear message."""
+
+
+@dataclass
+class AgentOptions:
+    script: str
+    script_args: list[str]
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int = 0
+    rdzv_host: str = "127.0.0.1"
+    rdzv_port: int = 29400
+    run_dir: str = "leto-run"
+    hang_timeout: float = 10.0
+    heartbeat: float = 0.5
+    collective_timeout: float = 30.0
+    rdzv_timeout: float = 60.0
+    spare_timeout: float = 60.0
+    recovery_timeout: float = 180.0
+    shadow_memory_budget: int | None = None  # bytes of trainer RSS on this node
+    shadows: bool = True
+    threads: int = 1
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    echo: bool = True
+    quiet: bool = False
+    # modules every trainer imports, imported once here so that the zygote's children
+    # inherit them (the launcher names its training API: this layer does not know it)
+    preload: tuple[str, ...] = ()
+
+
+@dataclass
+class Proc:
+    pid: int
+    pidfd: int
+    role: str  # "trainer" | "shadow"
+    local_rank: int
+    rank: int
+    incarnation: int
+    spawned: float
+    log_path: str
+    conn: Conn | None = None
+    board: StatusBoard | None = None  # its phase, step and progress (shared memory)
+    status: str = "starting"  # starting | warm | running | promoting
+    hb: float = 0.0
+    phase: str = "startup"
+    step: int = 0
+    progress: int = -1
+    progress_t: float = 0.0
+    error: str | None = None
+    expected_exit: bool = False
+    exit_reported: int | None = None
+    exited: int | None = None
+    dead_at: float | None = None
+    hang_reported: bool = False
+    promote_gen: int | None = None
+    promote_started: float = 0.0
+    promote_warm: bool = True
+    cold_start: bool = False  # a shadow started to be promoted: no skeleton, never warm
+    done: bool = False
+
+
+@dataclass(eq=False)
+class Link:
+    """A TCP connection to the coordinator: a node once its hello proved the secret."""
+
+    conn: Conn
+    peer: str
+    challenge: str
+    since: float
+    node: int | None = None
+
+
+@dataclass(eq=False)
+class ProcConn:
+    """A connection on the agent's Unix socket, from the process the kernel names."""
+
+    conn: Conn
+    pid: int  # SO_PEERCRED: who connected, whatever its hello says
+    proc: Proc | None = None
+    hello: bool = False
+    held: list[dict[str, Any]] = field(default_factory=list)
+
+
+def note(p: Proc, phase: str, step: int, progress: int, now: float) -> None:
+    """What a process said (a heartbeat) or wrote (its board) about where it is.
+
+    The counter only grows: a heartbeat sent before a phase change that the board
+    already shows, or a board behind a phase sent as a message, is older news."""
+    if progress < p.progress:
+        return
+    if progress != p.progress:
+        p.progress = progress
+        p.progress_t = now
+    p.phase = phase
+    p.step = step
+
+
+def look(p: Proc, now: float) -> None:
+    """Read the process's status board, if it has one and has written it."""
+    seen = p.board.read() if p.board is not None else None
+    if seen is not None:
+        note(p, *seen, now)

@@ -1,0 +1,449 @@
+"""A node agent's messages: from its trainers and shadows (the Unix socket: who
+connected comes from the kernel, its hello is taken only from a child of this node's
+zygote), to and from the coordinator (in process on node 0, over TCP elsewhere), and,
+on node 0, the other nodes' links (a TCP connection is a node only once its hello has
+proven the job's secret, see :mod:`.auth`). A bad frame, or a first message that is
+not such a hello, closes that one connection, never the agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import socket
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import auth
+from . import procs as P
+from .board import StatusBoard
+from .records import LaunchError, Link, Proc, ProcConn, note
+from .wire import MAX_FRAME, Conn, WireError, check_peer
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+__all__ = ["Routing"]
+
+TO_COORDINATOR = {
+    "ready",
+    "vote",
+    "finished",
+    "snapshot_done",
+    "stopped",
+    "report",
+    "reconciled",
+    "rebuilt",
+    "done",
+    "fatal",
+}
+TO_TRAINERS = {
+    "commit",
+    "t2",
+    "abort",
+    "report",
+    "reconcile",
+    "rebuild",
+    "resume",
+    "complete",
+    "start",
+}
+UNPROVEN_FRAME = 4096  # bytes a TCP peer may send before it has proven the job's secret
+UNPROVEN_SECONDS = 10.0  # and how long it has to do so
+UNPROVEN_MAX = 16  # connections waiting to prove it at once (the oldest is closed)
+HELD_MAX = 256  # messages held for a process whose spawn report has not been read yet
+REFUSALS_LOGGED = 100
+
+
+class Routing:
+    """Messages between the trainers, the coordinator and the other nodes."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.a = agent
+
+    def accept_proc(self) -> None:
+        a = self.a
+        got = _accept(a.agent_listener)
+        if got is None:
+            return
+        sock, _ = got
+        try:
+            pid = check_peer(sock)
+        except OSError:  # PeerError: another user
+            sock.close()
+            return
+        conn = Conn(sock, send_timeout=30.0)
+        a.sel.register(conn, selectors.EVENT_READ, ("pconn", ProcConn(conn, pid)))
+
+    def drop_conn(self, conn: Conn) -> None:
+        a = self.a
+        try:
+            a.sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def on_pconn(self, pc: ProcConn) -> None:
+        """Messages from a process on the agent's socket. Which process it is comes from
+        the kernel: its hello is taken only from a process this agent's zygote forked
+        (its spawn report may not have been read yet: its messages wait for it). Once
+        it is known, it is this node's trainer or shadow and speaks the protocol; a bad
+        frame from anyone closes its connection."""
+        a = self.a
+        conn = pc.conn
+        alive = conn.feed()
+        got, bad = conn.drain()
+        for i, (msg, fds) in enumerate(got):
+            if not pc.hello:
+                bad = self.proc_hello(pc, msg, fds)
+            else:
+                for fd in fds:
+                    os.close(fd)
+                if pc.proc is not None:
+                    self.on_proc_msg(pc.proc, msg)
+                elif len(pc.held) < HELD_MAX:
+                    pc.held.append(msg)  # until the process is known
+                else:
+                    bad = WireError(f"{HELD_MAX} messages before its spawn was reported")
+            if bad is not None:
+                for _, rest in got[i + 1 :]:
+                    for fd in rest:
+                        os.close(fd)
+                break
+        if bad is not None:
+            a.say(f"closed the connection of pid {pc.pid}: {bad}")
+            alive = False
+        if not alive:
+            if pc.proc is not None and pc.proc.conn is conn:
+                pc.proc.conn = None
+            if a.unclaimed.get(pc.pid) is pc:
+                del a.unclaimed[pc.pid]
+                stale = a.unclaimed_boards.pop(pc.pid, None)
+                if stale is not None:
+                    stale.close()
+            self.drop_conn(conn)
+
+    def proc_hello(self, pc: ProcConn, msg: dict[str, Any], fds: list[int]) -> WireError | None:
+        """Take the first message of a connection; why not, if it is refused."""
+        a = self.a
+        p = a.by_pid.get(pc.pid)
+        claimed = msg.get("pid", pc.pid)
+        why = None
+        if msg.get("t") != "hello":
+            why = f"its first message is {str(msg.get('t'))[:40]!r}, not a hello"
+        elif claimed != pc.pid:
+            why = f"its hello claims pid {str(claimed)[:40]}, the kernel says {pc.pid}"
+        elif p is None and P.parent_of(pc.pid) != a.zygote.pid:
+            why = f"pid {pc.pid} is not a process this agent started"
+        board = _board_of(fds) if why is None else None
+        for fd in fds:
+            os.close(fd)
+        if why is not None:
+            return WireError(why)
+        pc.hello = True
+        if p is None:  # the zygote's "spawned" has not been read yet
+            a.unclaimed[pc.pid] = pc
+            a.unclaimed_boards[pc.pid] = board
+            return None
+        p.conn, p.board = pc.conn, board
+        pc.proc = p
+        return None
+
+    def claim(self, p: Proc) -> None:
+        a = self.a
+        pc = a.unclaimed.pop(p.pid, None)
+        if pc is None:
+            return
+        p.conn = pc.conn
+        p.board = a.unclaimed_boards.pop(p.pid, None)
+        pc.proc = p
+        held, pc.held = pc.held, []
+        for msg in held:
+            self.on_proc_msg(p, msg)
+
+    def send_proc(self, p: Proc, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+        if p.conn is None:
+            return
+        try:
+            p.conn.send(msg, fds or [])
+        except WireError:
+            pass
+
+    def on_proc_msg(self, p: Proc, msg: dict[str, Any]) -> None:
+        a = self.a
+        t = msg.get("t")
+        now = time.monotonic()
+        if t == "hb":
+            p.hb = now
+            note(
+                p,
+                str(msg.get("phase", p.phase)),
+                int(msg.get("step", p.step)),
+                int(msg.get("progress", 0)),
+                now,
+            )
+            return
+        if t == "warm":
+            a.shadows.on_warm(p, now)
+            return
+        if t == "promoted":
+            a.shadows.on_promoted(p, now)
+            return
+        if t == "error":
+            p.error = str(msg.get("traceback"))
+            return
+        if t == "exit":
+            p.exit_reported = int(msg.get("code", 1))
+            return
+        if t == "ps":
+            a.memory.keep_ps(int(msg["rank"]), int(msg["step"]), str(msg["json"]))
+            return
+        if t == "pending":
+            a.memory.pending[int(msg["rank"])] = str(msg["json"])
+            return
+        # a step's vote carries its pending process state, its "finished" the state
+        # after it: kept here (for a recovery), not sent on to the coordinator
+        if t == "vote" and "pending" in msg:
+            a.memory.pending[int(msg["rank"])] = str(msg.pop("pending"))
+        if t == "finished" and "ps" in msg:
+            a.memory.keep_ps(int(msg["rank"]), int(msg["step"]), str(msg.pop("ps")))
+        if t == "get_state":
+            self.send_proc(p, {"re": msg["id"], **a.memory.state_of(int(msg["rank"]))})
+            return
+        if t == "node_segment":
+            reply, fds = a.memory.node_segment(str(msg["name"]), int(msg["nbytes"]))
+            self.send_proc(p, {"re": msg["id"], **reply}, fds)
+            return
+        if t == "snapshot_slot":
+            self.send_proc(p, {"re": msg["id"], **a.memory.snapshot_slot(int(msg["step"]))})
+            return
+        if t == "ready":
+            p.status = "running"
+        if t in TO_COORDINATOR:
+            self.to_coord(msg)
+            return
+
+    def to_coord(self, msg: dict[str, Any]) -> None:
+        a = self.a
+        if a.coord is not None:
+            a.coord.handle(0, msg, time.monotonic())
+            self.flush_coord()
+        elif a.coord_conn is not None:
+            try:
+                a.coord_conn.send(msg)
+            except WireError:
+                pass
+
+    def flush_coord(self) -> None:
+        a = self.a
+        assert a.coord is not None
+        while a.coord.outbox:
+            node, msg = a.coord.outbox.pop(0)
+            targets = sorted(a.joined) if node is None else [node]
+            for n in targets:
+                if n == 0:
+                    a.local_inbox.append(msg)  # delivered by the loop: no re-entrance
+                elif n in a.links:
+                    try:
+                        a.links[n].send(msg)
+                    except WireError:
+                        pass
+
+    def accept_link(self) -> None:
+        """A TCP connection to the coordinator: challenged at once (:mod:`.auth`); it
+        may send a few bytes, for a few seconds, until its hello proves the secret."""
+        a = self.a
+        got = _accept(a.listener)
+        if got is None:
+            return
+        sock, addr = got
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Conn(sock, send_timeout=1.0, max_frame=UNPROVEN_FRAME)
+        link = Link(conn, f"{addr[0]}:{addr[1]}", auth.new_nonce(), time.monotonic())
+        if len(a.unproven) >= UNPROVEN_MAX:
+            oldest = min(a.unproven.values(), key=lambda k: k.since)
+            self.refuse(oldest, "too many connections waiting to prove the job's secret")
+        if not _send_link(conn, {"t": "challenge", "nonce": link.challenge}):
+            conn.close()
+            return
+        a.unproven[id(link)] = link
+        a.sel.register(conn, selectors.EVENT_READ, ("link", link))
+
+    def refuse(self, link: Link, why: str, tell: str | None = None) -> None:
+        """Close a connection that is not (or not yet) a node, saying why in the log."""
+        a = self.a
+        a.unproven.pop(id(link), None)
+        if tell is not None:
+            _send_link(link.conn, {"t": "reject", "why": tell})
+        self.drop_conn(link.conn)
+        a.refusals += 1
+        if a.refusals <= REFUSALS_LOGGED:
+            a.say(f"refused a connection from {link.peer}: {why}")
+            if a.log is not None:
+                a.log.write("connection_refused", peer=link.peer, why=why)
+
+    def expire_unproven(self, now: float) -> None:
+        a = self.a
+        for link in list(a.unproven.values()):
+            if now - link.since > UNPROVEN_SECONDS:
+                self.refuse(link, f"no proof of the job's secret within {UNPROVEN_SECONDS:g} s")
+
+    def prove(self, link: Link, msg: dict[str, Any], now: float) -> bool:
+        """A connection's first message: a node's hello with its proof, or it is closed."""
+        a = self.a
+        assert a.coord is not None and a.secret is not None
+        conn = link.conn
+        n, nonce = msg.get("node"), msg.get("nonce")
+        if msg.get("t") != "hello" or type(n) is not int:
+            self.refuse(link, f"not a leto node's hello: {json.dumps(msg)[:80]}")
+            return False
+        if not auth.verify(a.secret, "node", n, link.challenge, nonce, msg.get("proof")):
+            self.refuse(
+                link,
+                f"node {n} did not prove the job's secret",
+                tell="authentication failed: this node does not hold the job's secret "
+                f"(node 0's RUN_DIR/{auth.FILE}, or {auth.ENV})",
+            )
+            return False
+        why = None
+        if not 0 < n < a.o.nnodes:
+            why = f"node rank {n} is not in 1..{a.o.nnodes - 1}"
+        elif n in a.links:
+            why = f"node {n} has already joined this job (use another --node-rank)"
+        elif a.started and a.coord.model is None:
+            why = "the job is starting up; cannot take a spare node yet"
+        if why is not None:
+            self.refuse(link, why, tell=why)
+            return False
+        del a.unproven[id(link)]
+        conn.max_frame = MAX_FRAME
+        conn.sock.settimeout(30.0)
+        spare = a.started
+        link.node = n
+        a.links[n] = conn
+        a.joined.add(n)
+        proof = auth.proof(a.secret, "coordinator", n, link.challenge, str(nonce))
+        welcome = {"t": "welcome", "spare": spare, "gen": a.coord.generation, "proof": proof}
+        _send_link(conn, welcome)
+        a.coord.node_up(n, spare=spare, now=now)
+        if spare:
+            _send_link(conn, {"t": "go", "spare": True})
+        elif len(a.joined) == a.o.nnodes:
+            a.say(f"all {a.o.nnodes} nodes joined: starting {a.W} trainers")
+            for m in a.links:
+                _send_link(a.links[m], {"t": "go", "spare": False})
+            a.supervisor.go()
+        return True
+
+    def on_link(self, link: Link) -> None:
+        a = self.a
+        conn = link.conn
+        assert a.coord is not None
+        alive = conn.feed()
+        got, bad = conn.drain()
+        now = time.monotonic()
+        for msg, _fds in got:
+            if link.node is None:
+                if not self.prove(link, msg, now):
+                    return
+                continue
+            a.coord.handle(link.node, msg, now)
+        if link.node is None:
+            if bad is not None or not alive:
+                self.refuse(link, str(bad) if bad else "closed before its hello")
+            return
+        if bad is not None:
+            a.say(f"node {link.node} sent a bad frame ({bad}): closing its link")
+            alive = False
+        if not alive:
+            n = link.node
+            self.drop_conn(conn)
+            a.links.pop(n, None)
+            a.joined.discard(n)
+            if not a.stop and not a.coord.complete:
+                a.say(f"lost node {n} (its agent's link closed)")
+            a.coord.node_down(n, now)
+        self.flush_coord()
+
+    def on_coord(self) -> None:
+        a = self.a
+        assert a.coord_conn is not None
+        alive = a.coord_conn.feed()
+        self.coord_messages()
+        if not alive and not a.stop:
+            if a.complete:
+                a.stop = True
+                return
+            raise LaunchError("lost the coordinator (node 0's agent)")
+
+    def coord_messages(self) -> None:
+        a = self.a
+        assert a.coord_conn is not None
+        got, bad = a.coord_conn.drain()
+        for msg, _fds in got:
+            self.from_coord(msg)
+        if bad is not None and not a.stop:
+            raise LaunchError(f"the coordinator sent a bad frame: {bad}")
+
+    def from_coord(self, msg: dict[str, Any]) -> None:
+        a = self.a
+        t = msg.get("t")
+        if t == "go":
+            a.supervisor.go(spare=bool(msg.get("spare")))
+            return
+        if t == "fail":
+            a.failed = str(msg.get("error"))
+            print(f"leto[node {a.node}]: job failed: {a.failed}", file=sys.stderr, flush=True)
+            a.stop = True
+            return
+        if t == "abort":
+            a.generation = max(a.generation, int(msg["gen"]))
+            a.recovering = True
+        if t == "resume":
+            a.recovering = False
+        if t == "t2":
+            a.memory.snapshot_current(int(msg["step"]))
+        if t == "fence":
+            a.children.fence(int(msg["gen"]), [int(r) for r in msg.get("kill", [])])
+            return
+        if t == "promote":
+            a.shadows.promote(int(msg["rank"]) - a.node * a.nproc, int(msg["gen"]))
+            return
+        if t == "need_shadow":
+            a.shadows.needed(int(msg["rank"]) - a.node * a.nproc)
+            return
+        if t == "complete":
+            a.complete = True
+        if t in TO_TRAINERS:
+            for p in list(a.trainer.values()):
+                if p is not None:
+                    self.send_proc(p, msg)
+
+
+def _accept(listener: socket.socket | None) -> tuple[socket.socket, Any] | None:
+    """A new connection on ``listener``; None if there is none to take."""
+    assert listener is not None
+    try:
+        return listener.accept()
+    except OSError:  # out of descriptors, or the peer gave up
+        return None
+
+
+def _send_link(conn: Conn, msg: dict[str, Any]) -> bool:
+    """Send on a TCP link; False if it is gone (its closing is handled where it is read)."""
+    try:
+        conn.send(msg)
+    except WireError:
+        return False
+    return True
+
+
+def _board_of(fds: list[int]) -> StatusBoard | None:
+    """The status board a process sent with its hello (the descriptors stay open)."""
+    if len(fds) != 1:
+        return None
+    try:
+        return StatusBoard(fds[0])
+    except (ValueError, OSError):
+        return None

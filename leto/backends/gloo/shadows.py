@@ -1,0 +1,186 @@
+"""A node's shadows: one per local rank, the script run up to ``leto.wrap`` with a
+meta-device skeleton, connected and waiting (warm), so that a failed trainer is
+replaced by promoting it in milliseconds. A promoted shadow is replaced in the
+background; a rank whose skeleton cannot be built runs degraded (its replacement
+starts cold, on demand); while the trainers' memory is over
+``shadow_memory_budget`` the shadows are killed (cold) and re-warmed under 90 % of
+it."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from . import procs as P
+from .records import Proc
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+__all__ = ["Shadows"]
+
+
+class Shadows:
+    """Ensure, promote, degrade and reclaim the node's shadows."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.a = agent
+
+    def promote(self, lr: int, gen: int) -> None:
+        a = self.a
+        sh = a.shadow.get(lr)
+        a.children.keeper(lr, "fence", max(gen, a.generation))
+        a.generation = max(gen, a.generation)
+        if sh is not None and sh.status == "warm" and sh.conn is not None:
+            self.promote_now(sh, gen, warm=not sh.cold_start)
+            return
+        if sh is not None:  # still starting: promote it the moment it is warm
+            sh.promote_gen = gen
+            sh.promote_started = time.monotonic()
+            sh.promote_warm = False
+            return
+        a.children.spawn(lr, "shadow", promote_gen=gen)
+
+    def promote_now(self, sh: Proc, gen: int, *, warm: bool) -> None:
+        a = self.a
+        lr = sh.local_rank
+        if not warm and sh.promote_started == 0.0:
+            sh.promote_started = time.monotonic()
+        if warm:
+            sh.promote_started = time.monotonic()
+        sh.promote_gen = gen
+        sh.promote_warm = warm
+        a.shadow[lr] = None
+        a.shadow_state[lr] = "spawning"
+        old = a.trainer.get(lr)
+        if old is not None and old is not sh:
+            a.children.kill(old)
+        a.trainer[lr] = sh
+        sh.role = "trainer"
+        sh.status = "promoting"
+        sh.hb = time.monotonic()
+        sh.progress_t = sh.hb
+        a.children.keeper(lr, "admit", gen, sh.pid)
+        h = a.keepers[lr]
+        a.routing.send_proc(
+            sh, {"t": "promote", "gen": gen, "keeper_pid": h.pid, "keeper_socket": h.socket_name}
+        )
+        self.ensure(lr)  # the replacement warms in the background
+
+    def ensure(self, lr: int, *, force: bool = False) -> None:
+        """A shadow for ``lr`` if it has none (not while shadows are reclaimed, unless the
+        coordinator needs one to promote: ``force``). Without shadows (``--no-shadows``,
+        or a rank whose skeleton could not be built) only ``force`` starts one, cold."""
+        a = self.a
+        starting = any(sp["lr"] == lr and sp["role"] == "shadow" for sp in a.spawns.values())
+        on_demand = not a.o.shadows or lr in a.degraded
+        if (
+            a.shadow.get(lr) is None
+            and not starting
+            and not a.complete
+            and not a.stop
+            and (force or not (a.reclaimed or on_demand))
+        ):
+            a.children.spawn(lr, "shadow", cold=on_demand)
+
+    def degrade(self, lr: int, rank: int, why: str) -> None:
+        """The shadow of ``lr`` could not be built: say so now; its rank runs without one."""
+        a = self.a
+        a.degraded[lr] = why
+        print(
+            f"leto[node {a.node}]: warning: the shadow of rank {rank} could not be built "
+            f"({why}); the job runs degraded: a failure of rank {rank} is recovered by a "
+            "cold start",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def reclaim(self, lr: int, reason: str) -> None:
+        a = self.a
+        sh = a.shadow.get(lr)
+        if sh is None or sh.promote_gen is not None:
+            return
+        a.children.kill(sh, wait=2.0)
+        a.shadow[lr] = None
+        a.shadow_state[lr] = "cold"
+        a.routing.to_coord({"t": "shadow", "rank": a.rank(lr), "state": "cold", "reason": reason})
+
+    def needed(self, lr: int) -> None:
+        """The coordinator needs a shadow of ``lr`` (to promote it): one, even cold."""
+        a = self.a
+        sh = a.shadow.get(lr)
+        if sh is not None and sh.status == "warm":  # (its report may have been refused)
+            a.routing.to_coord({"t": "shadow", "rank": sh.rank, "state": "warm"})
+            return
+        a.asked.add(lr)
+        self.ensure(lr, force=True)
+
+    def on_warm(self, p: Proc, now: float) -> None:
+        """A shadow is warm: promote it if it was started for that, else report it."""
+        a = self.a
+        p.status = "warm"
+        p.hb = now
+        lr = p.local_rank
+        if p.promote_gen is not None:
+            self.promote_now(p, p.promote_gen, warm=False)
+            return
+        a.shadow_state[lr] = "warm"
+        a.shadow_failures[lr] = 0
+        a.asked.discard(lr)
+        a.routing.to_coord(
+            {
+                "t": "shadow",
+                "rank": p.rank,
+                "state": "warm",
+                "ms": round((now - p.spawned) * 1e3, 1),
+            }
+        )
+        if a.reclaimed:
+            self.reclaim(lr, "trainer memory still above the budget")
+
+    def on_promoted(self, p: Proc, now: float) -> None:
+        """A promoted shadow runs as the trainer of its rank."""
+        a = self.a
+        p.status = "running"
+        ms = round((now - p.promote_started) * 1e3, 1)
+        a.say(
+            f"rank {p.rank}: {'warm' if p.promote_warm else 'cold'} shadow promoted in {ms:.0f} ms"
+        )
+        a.routing.to_coord(
+            {
+                "t": "promoted",
+                "rank": p.rank,
+                "gen": p.promote_gen,
+                "warm": p.promote_warm,
+                "ms": ms,
+            }
+        )
+
+    def budget(self, budget: int) -> None:
+        """Shadows go cold while the trainers' memory is over ``budget`` bytes, and warm
+        again once it is under 90 % of it (and no recovery is under way)."""
+        a = self.a
+        each = [P.rss_bytes(p.pid) for p in a.trainer.values() if p is not None]
+        used = sum(each)
+        if not a.reclaimed and used > budget:
+            a.reclaimed = True
+            why = f"trainers use {used >> 20} MiB > budget {budget >> 20} MiB"
+            a.say(f"shadows go cold: {why}")
+            for lr in a.local_ranks:
+                self.reclaim(lr, why)
+        elif (
+            a.reclaimed
+            and not a.recovering
+            and all(p is not None and p.dead_at is None for p in a.trainer.values())
+            # a trainer killed but not yet reaped reads as 0 (a zombie has no RSS):
+            # its memory is not free for a shadow, its exit is about to be handled
+            and all(b > 0 for b in each)
+            and used < 0.9 * budget
+        ):
+            a.reclaimed = False
+            a.say(f"shadows re-warm: trainers use {used >> 20} MiB")
+            for lr in a.local_ranks:
+                # not a second shadow where one is already starting (e.g. the one
+                # the coordinator asked for, to promote)
+                self.ensure(lr)

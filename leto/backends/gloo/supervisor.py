@@ -1,0 +1,485 @@
+"""The node agent's supervisor: startup (the private run directory, the job's
+secret, the zygote), the rendezvous (node 0 serves the TCPStore and the coordinator,
+the others join it and prove the job's secret), the selector loop and its timers
+(exits not yet reported, hangs, shadow memory, the end of the job) and cleanup.
+
+One thread runs it all; what each event means is the business of the agent's other
+parts (:mod:`.children`, :mod:`.shadows`, :mod:`.routing`)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import secrets
+import selectors
+import signal
+import socket
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from leto.private import InsecurePathError, private_dir
+
+from . import auth
+from . import procs as P
+from .coordinator import Coordinator, CoordinatorOptions
+from .eventlog import EventLog
+from .records import LaunchError, look
+from .wire import Conn, WireError, abstract_name, listen_unix
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+__all__ = ["Supervisor"]
+
+COMPUTE_PHASES = {"forward", "backward", "step"}
+
+
+class Supervisor:
+    """The agent's life: start, rendezvous, loop, timers, cleanup."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.a = agent
+
+    def run(self) -> int:
+        """Start, run the loop, clean up; the process exit code."""
+        a = self.a
+        try:
+            self.private()
+        except (InsecurePathError, auth.SecretError, OSError) as e:
+            print(f"leto[node {a.node}]: error: {e}", file=sys.stderr, flush=True)
+            return 1
+        import torch._dynamo  # noqa: F401 - creating any torch optimizer imports it
+        import torch.distributed  # noqa: F401 - paid once here; the zygote inherits it
+
+        for name in a.o.preload:
+            importlib.import_module(name)
+        import leto.backends.gloo.runtime  # noqa: F401
+        import leto.retained.process_state  # noqa: F401
+
+        from .zygote import start_zygote
+
+        a.zygote = start_zygote()  # before any thread exists in this process
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.on_signal)
+        try:
+            self.rendezvous()
+            self.start_node()
+            self.loop()
+        except LaunchError as e:
+            a.failed = str(e)
+            print(f"leto[node {a.node}]: error: {e}", file=sys.stderr, flush=True)
+            if a.log is not None:
+                a.log.write("job_failed", error=str(e))
+        except KeyboardInterrupt:
+            a.failed = "interrupted"
+            if a.log is not None:
+                a.log.write("job_failed", error="interrupted by a signal")
+        except Exception as e:  # noqa: BLE001 - a bug here must still clean up and say so
+            import traceback
+
+            tb = traceback.format_exc()
+            a.failed = f"internal error in the agent: {type(e).__name__}: {e}"
+            print(f"leto[node {a.node}]: {a.failed}\n{tb}", file=sys.stderr, flush=True)
+            if a.log is not None:
+                a.log.write("job_failed", error=a.failed, traceback=tb)
+        finally:
+            self.cleanup()
+        if a.failed is None and a.complete:
+            return 0
+        return 130 if a.failed == "interrupted" else 1
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    def private(self) -> None:
+        """The run directory (0700, ours), files in it 0600, and the job's secret: from
+        the environment, or on node 0 a new one written to RUN_DIR/secret (before the
+        store exists, so a node that reached the store finds it written)."""
+        a = self.a
+        a.umask = os.umask(0o077)
+        a.run_dir = private_dir(a.run_dir, "run directory")
+        private_dir(a.run_dir / "logs", "log directory")
+        a.secret = auth.from_environment()
+        if a.node == 0 and a.secret is None:
+            a.secret = auth.new_secret()
+            auth.write_secret(a.run_dir, a.secret)
+
+    def rendezvous(self) -> None:
+        a = self.a
+        from datetime import timedelta
+
+        import torch
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        o = a.o
+        timeout = timedelta(seconds=o.rdzv_timeout)
+        endpoint = f"{o.rdzv_host}:{o.rdzv_port}"
+        if a.node == 0:
+            if P.port_in_use(o.rdzv_host, o.rdzv_port):
+                raise LaunchError(
+                    f"the rendezvous endpoint {endpoint} is in use by another process "
+                    "(pick a free port with --rdzv-endpoint HOST:PORT)"
+                )
+            try:
+                # bound here, to the address given: left to itself, the store listens on
+                # every interface whatever host it is given. torch's libuv server takes a
+                # listening socket from 2.8 on (pytorch#150215); before, the classic one
+                old = torch.__version__ < (2, 8)  # type: ignore[operator]
+                bound = P.listen_tcp(o.rdzv_host, o.rdzv_port)
+                a.store = TCPStore(
+                    o.rdzv_host,
+                    o.rdzv_port,
+                    None,
+                    True,
+                    timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=bound.detach(),  # the store owns it now
+                    **({"use_libuv": False} if old else {}),
+                )
+            except Exception as e:  # noqa: BLE001 - DistNetworkError, RuntimeError, OSError
+                raise LaunchError(f"cannot serve the rendezvous at {endpoint}: {e}") from None
+            a.job = secrets.token_hex(8)
+            a.listener = socket.create_server((o.rdzv_host, 0))
+            cport = a.listener.getsockname()[1]
+            a.store.set(
+                "leto/job",
+                json.dumps(
+                    {
+                        "job": a.job,
+                        "nnodes": o.nnodes,
+                        "nproc_per_node": o.nproc_per_node,
+                        "coordinator": f"{o.rdzv_host}:{cport}",
+                    }
+                ),
+            )
+            a.log = EventLog(a.run_dir / "events.jsonl")
+            a.log.write(
+                "job_start",
+                job=a.job,
+                nodes=o.nnodes,
+                nproc_per_node=o.nproc_per_node,
+                world_size=a.W,
+                script=o.script,
+                args=o.script_args,
+                rdzv=endpoint,
+                hang_timeout=o.hang_timeout,
+                shadow_memory_budget=o.shadow_memory_budget,
+                faults=o.faults,
+            )
+            a.coord = Coordinator(
+                o.nnodes,
+                o.nproc_per_node,
+                log=a.log,
+                options=CoordinatorOptions(
+                    spare_timeout=o.spare_timeout, recovery_timeout=o.recovery_timeout
+                ),
+            )
+            a.sel.register(a.listener, selectors.EVENT_READ, ("agent_listener", None))
+            a.joined.add(0)
+            a.coord.node_up(0, spare=False, now=time.monotonic())
+            a.say(f"job {a.job}: rendezvous at {endpoint}, waiting for {o.nnodes} node(s)")
+        else:
+            try:
+                a.store = TCPStore(o.rdzv_host, o.rdzv_port, None, False, timeout)
+                info = json.loads(a.store.get("leto/job"))
+            except Exception as e:  # noqa: BLE001
+                raise LaunchError(
+                    f"cannot reach the rendezvous endpoint {endpoint} within {o.rdzv_timeout:g} s "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is node 0's "
+                    "`leto launch` running there with the same --rdzv-endpoint?"
+                ) from None
+            if info["nnodes"] != o.nnodes or info["nproc_per_node"] != o.nproc_per_node:
+                raise LaunchError(
+                    f"this node was started with --nnodes {o.nnodes} --nproc-per-node "
+                    f"{o.nproc_per_node}, node 0 with --nnodes {info['nnodes']} "
+                    f"--nproc-per-node {info['nproc_per_node']}"
+                )
+            a.job = info["job"]
+            host, port = info["coordinator"].rsplit(":", 1)
+            welcome = self.join(host, int(port))
+            assert a.coord_conn is not None
+            a.spare = bool(welcome.get("spare"))
+            a.generation = int(welcome.get("gen", 0))
+            a.sel.register(a.coord_conn, selectors.EVENT_READ, ("coord", None))
+            a.say(
+                f"joined job {a.job} at {endpoint}"
+                + (" as a replacement (spare) node" if a.spare else "")
+            )
+
+    def join(self, host: str, port: int) -> dict[str, Any]:
+        """Connect to the coordinator, prove the job's secret and check its proof (see
+        :mod:`.auth`); the welcome."""
+        a = self.a
+        o = a.o
+        if a.secret is None:
+            try:
+                a.secret = auth.read_secret(a.run_dir)
+            except auth.SecretError as e:
+                raise LaunchError(str(e)) from None
+        if a.secret is None:
+            raise LaunchError(
+                f"no job secret: node 0 writes it to RUN_DIR/{auth.FILE}, and {a.run_dir} "
+                f"has none; give every node the same --run-dir (a shared directory), or "
+                f"export {auth.ENV} with the same value on every node (docs/security.md)"
+            )
+        try:
+            sock = socket.create_connection((host, port), timeout=o.rdzv_timeout)
+        except OSError as e:
+            raise LaunchError(f"cannot reach the coordinator at {host}:{port}: {e}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        a.coord_conn = Conn(sock, send_timeout=30.0)
+        nonce = auth.new_nonce()
+        try:
+            challenge, _ = a.coord_conn.recv(timeout=o.rdzv_timeout)
+            ns = challenge.get("nonce")
+            if challenge.get("t") != "challenge" or not isinstance(ns, str):
+                raise WireError(f"expected a challenge, got {str(challenge)[:80]}")
+            proof = auth.proof(a.secret, "node", a.node, ns, nonce)
+            a.coord_conn.send({"t": "hello", "node": a.node, "nonce": nonce, "proof": proof})
+            welcome, _ = a.coord_conn.recv(timeout=o.rdzv_timeout)
+        except (WireError, TimeoutError) as e:
+            raise LaunchError(f"the coordinator at {host}:{port} did not answer: {e}") from None
+        if welcome.get("t") == "reject":
+            raise LaunchError(str(welcome.get("why")))
+        if not auth.verify(a.secret, "coordinator", a.node, ns, nonce, welcome.get("proof")):
+            raise LaunchError(
+                f"the coordinator at {host}:{port} did not prove the job's secret: "
+                "not this job's node 0 (or a different secret)"
+            )
+        return welcome
+
+    def start_node(self) -> None:
+        a = self.a
+        a.agent_socket = abstract_name(f"{a.job}-agent{a.node}")
+        a.agent_listener = listen_unix(a.agent_socket)
+        a.sel.register(a.agent_listener, selectors.EVENT_READ, ("listener", None))
+        a.sel.register(a.zygote.conn, selectors.EVENT_READ, ("zygote", None))
+        a.sel.register(a.zygote.pidfd, selectors.EVENT_READ, ("zygote_dead", None))
+        for lr in a.local_ranks:
+            a.children.start_keeper(lr)
+        if a.node == 0 and a.o.nnodes == 1:
+            self.go()
+
+    def go(self, spare: bool = False) -> None:
+        """Every node has joined (or this is a spare): start the processes."""
+        a = self.a
+        a.started = True
+        for lr in a.local_ranks:
+            if not spare:
+                a.children.spawn(lr, "trainer")
+            if a.o.shadows:
+                a.children.spawn(lr, "shadow")
+
+    def loop(self) -> None:
+        a = self.a
+        last_tick = 0.0
+        if a.coord_conn is not None:  # messages that arrived with the welcome
+            a.routing.coord_messages()
+        while not a.stop:
+            period = self.tick_period()
+            for key, _ in a.sel.select(timeout=period):
+                kind, obj = key.data
+                if kind == "zygote":
+                    a.children.on_zygote()
+                elif kind == "zygote_dead":
+                    if not a.stop:
+                        raise LaunchError("the zygote (fork server) died")
+                elif kind == "listener":
+                    a.routing.accept_proc()
+                elif kind == "pconn":
+                    a.routing.on_pconn(obj)
+                elif kind == "pidfd":
+                    a.children.on_pidfd(obj)
+                elif kind == "keeper_dead":
+                    a.children.on_keeper_dead(obj)
+                elif kind == "log":
+                    self.on_log(obj)
+                elif kind == "agent_listener":
+                    a.routing.accept_link()
+                elif kind == "link":
+                    a.routing.on_link(obj)
+                elif kind == "coord":
+                    a.routing.on_coord()
+                if a.stop:
+                    break
+            now = time.monotonic()
+            if now - last_tick >= period:
+                last_tick = now
+                self.tick(now)
+            if a.coord is not None:
+                a.routing.flush_coord()
+                while a.local_inbox and not a.stop:
+                    a.routing.from_coord(a.local_inbox.pop(0))
+                    a.routing.flush_coord()
+                if a.coord.failed is not None and not a.stop:
+                    a.failed = a.coord.failed
+                    a.stop = True
+                if (
+                    a.coord.complete
+                    and self.node_done()
+                    and a.coord.finished_nodes >= set(range(1, a.o.nnodes)) - set()
+                ):
+                    a.stop = True
+
+    def tick_period(self) -> float:
+        """Seconds between timer checks: 50 ms while an exit is being settled or a
+        recovery runs; in steady training a twentieth of the hang timeout, at most 0.25
+        s (each tick wakes the agent on cores the trainers share; the coordinator's
+        other timers are seconds long)."""
+        a = self.a
+        if a.recovering or any(p.dead_at is not None for p in a.by_pid.values()):
+            return 0.05
+        return max(0.05, min(0.25, a.o.hang_timeout / 20))
+
+    def node_done(self) -> bool:
+        a = self.a
+        return a.complete and all(p is None for p in a.trainer.values())
+
+    def check_node_finished(self) -> None:
+        a = self.a
+        if self.node_done() and not a._finished_sent:
+            a._finished_sent = True
+            a.routing.to_coord({"t": "node_finished", "node": a.node})
+            if a.coord is None:
+                a.stop = True
+
+    def tick(self, now: float) -> None:
+        a = self.a
+        o = a.o
+        # exits whose status the zygote did not send in time
+        for p in list(a.by_pid.values()):
+            if p.dead_at is not None and now - p.dead_at > 0.2:
+                a.children.finalize_exit(p)
+        if a.coord is not None:
+            a.routing.expire_unproven(now)
+            a.coord.tick(now)
+            if not a.started and now - a.t_start > o.rdzv_timeout:
+                raise LaunchError(
+                    f"only node(s) {sorted(a.joined)} of {o.nnodes} joined within "
+                    f"{o.rdzv_timeout:g} s; start `leto launch` on every node with the same "
+                    "--rdzv-endpoint and --nnodes"
+                )
+        # hangs: a silent heartbeat, or no progress inside the training computation
+        for tp in a.trainer.values():
+            if tp is None or tp.conn is None or tp.hang_reported or tp.status != "running":
+                continue
+            p = tp
+            look(p, now)
+            silent = now - p.hb
+            stuck = now - p.progress_t if p.phase in COMPUTE_PHASES else 0.0
+            if silent > o.hang_timeout or stuck > o.hang_timeout:
+                p.hang_reported = True
+                how = (
+                    f"no heartbeat for {silent:.1f} s"
+                    if silent > o.hang_timeout
+                    else f"no progress in {p.phase} for {stuck:.1f} s"
+                )
+                a.say(f"rank {p.rank} hangs ({how})")
+                a.routing.to_coord(
+                    {
+                        "t": "failure",
+                        "kind": "hang",
+                        "rank": p.rank,
+                        "detected_by": "heartbeat timeout",
+                        "detail": how,
+                        "in_phase": p.phase,
+                        "at_step": p.step,
+                        "pid": p.pid,
+                    }
+                )
+        # memory: shadows go cold while the trainers need the memory
+        if o.shadow_memory_budget is not None and a.started:
+            a.shadows.budget(o.shadow_memory_budget)
+        if a.complete:
+            self.check_node_finished()
+
+    def on_log(self, info: dict[str, Any]) -> None:
+        a = self.a
+        fd = info["fd"]
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            a.sel.unregister(fd)
+            os.close(fd)
+            info["file"].close()
+            return
+        info["file"].write(data)
+        info["file"].flush()
+        p = info.get("proc")
+        if a.o.echo and p is not None and p.role == "trainer":
+            text = info.get("partial", "") + data.decode(errors="replace")
+            lines = text.split("\n")
+            info["partial"] = lines.pop()
+            prefix = f"[rank {p.rank}] "
+            if lines:
+                sys.stdout.write("".join(prefix + line + "\n" for line in lines))
+                sys.stdout.flush()
+
+    def cleanup(self) -> None:
+        a = self.a
+        a.stop = True
+        for p in list(a.by_pid.values()):
+            p.expected_exit = True
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if a.zygote is not None:
+            try:
+                os.kill(a.zygote.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                os.waitpid(a.zygote.pid, 0)
+            except ChildProcessError:
+                pass
+        import select
+
+        for p in list(a.by_pid.values()):
+            try:
+                select.select([p.pidfd], [], [], 5.0)
+                os.close(p.pidfd)
+            except (OSError, ValueError):
+                pass
+        for h in a.keepers.values():
+            try:
+                h.proc.kill()
+                h.proc.wait(5)
+            except Exception:  # noqa: BLE001
+                pass
+            h.close()
+        a.memory.close()
+        if a.zygote is not None:
+            a.zygote.close()
+        for key in list(a.sel.get_map().values()):
+            if key.data[0] == "log":
+                try:
+                    key.data[1]["file"].close()
+                    os.close(key.data[1]["fd"])
+                except OSError:
+                    pass
+        if a.log is not None:
+            if a.failed is None and a.complete:
+                a.log.write(
+                    "job_end",
+                    status="ok",
+                    recoveries=len(a.coord.recoveries) if a.coord else 0,
+                )
+            else:
+                a.log.write("job_end", status="failed", error=a.failed)
+            a.log.close()
+        for c in list(a.links.values()):
+            c.close()
+        for link in list(a.unproven.values()):
+            link.conn.close()
+        if a.coord_conn is not None:
+            a.coord_conn.close()
+        if a.listener is not None:
+            a.listener.close()
+        a.store = None
