@@ -146,7 +146,9 @@ def adoption_refusal(model: ClusterModel, s: ClusterState, r: Retained) -> str |
             return f"node {n}: parity of {C} chunks x {len(members)} members expected, got {p}"
         if gp is not None and len(gp) != len(members):
             return f"node {n}: gradient parity of {len(members)} members expected, got {gp}"
-        if any(v < NONE for row in p or () for v in row) or any(v < NONE for v in gp or ()):
+        if any(v < 0 and v != NONE for row in p or () for v in row) or any(
+            v < 0 and v != NONE for v in gp or ()
+        ):
             return f"node {n}: no parity version in {p} / {gp}"
     if r.t2 < 0 or not r.t2lost <= set(range(len(groups))):
         return f"tier 2: snapshot step {r.t2}, lost blocks of nodes {sorted(r.t2lost)}"

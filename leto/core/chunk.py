@@ -17,11 +17,15 @@ import enum
 from leto.core import events as ev
 from leto.core.table import Table
 
-# Values of a chunk in the abstract model: a step number, or one of these.
+# Values in the abstract model: a step number (>= 0), or one of these sentinels, each
+# with its own value (as the TLA+ spec's model values are distinct): TORN, LOST and
+# GARBAGE are what a chunk's data can be instead of a step; NONE is the absence of an
+# undo copy, of gradients, of an encoded parity, of a recovery target.
 TORN = -1
 LOST = -2
 GARBAGE = -3
-NONE = -1  # "no undo copy" / "no gradients"
+NONE = -4
+SENTINELS: frozenset[int] = frozenset((TORN, LOST, GARBAGE, NONE))
 
 
 class ChunkState(enum.Enum):

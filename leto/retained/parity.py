@@ -540,3 +540,15 @@ class TorchDistCollective:
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self._dist.broadcast(tensor, src=self._global(src), group=self._group)
+
+    def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        mine = torch.tensor(list(values), dtype=torch.int64)
+        out = [torch.zeros_like(mine) for _ in range(self._size)]
+        self._dist.all_gather(out, mine, group=self._group)
+        return [[int(x) for x in t.tolist()] for t in out]
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._dist.send(tensor, dst=self._global(dst), group=self._group)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self._dist.recv(tensor, src=self._global(src), group=self._group)

@@ -47,7 +47,7 @@ from leto.backends.base import (
 from leto.core import effects as fx
 from leto.core import events as ev
 from leto.core import schedule
-from leto.core.chunk import LOST, NONE
+from leto.core.chunk import LOST, NONE, TORN
 from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Effect
 from leto.core.recovery import Kind, Phase
 from leto.core.shadow import ShadowState
@@ -621,7 +621,7 @@ class Engine:
                 st, v = lay.chunk_status(c), lay.chunk_version(c)
                 if u == NONE:
                     ok = st is ChunkStatus.CLEAN and v == d
-                elif d == -1:  # TORN
+                elif d == TORN:
                     ok = st is ChunkStatus.TORN and lay.undo_version(c) == u
                 else:
                     ok = st is ChunkStatus.APPLIED and v == d and lay.undo_version(c) == u

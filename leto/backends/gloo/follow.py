@@ -24,7 +24,7 @@ import torch.distributed as dist
 from leto import private
 from leto.core.chunk import LOST, NONE
 from leto.retained import recovery as rx
-from leto.retained.layout import ChunkStatus
+from leto.retained import replicas as rpl
 from leto.retained.parity import TorchDistCollective, decode_rotated, encode
 from leto.retained.process_state import step_scheduler
 from leto.retained.recovery import IntegrityError
@@ -159,29 +159,57 @@ class Follower:
         elif self.s.replica:
             # 1. the gradients the plan asks for; 2. the members that lost no chunk
             # settle at the target; 3. every lost chunk is copied, from one of them if
-            # there is one (_replica_chunks), then the gradients a member whose chunks
+            # there is one (leto.retained.replicas), then the gradients a member whose chunks
             # are still behind lacks; 4. the members that lost chunks settle
             repairs = [rep for rep in msg["repairs"] if rep["rank"] // self.s.nproc == self.s.node]
+            base = self.s.node * self.s.nproc
             chunks = [
-                (int(x["rank"]), int(x["chunk"]), int(x["step"]))
+                (int(x["rank"]) - base, int(x["chunk"]), int(x["step"]))
                 for x in repairs
                 if x["what"] == "tier1"
             ]
-            lost = {r for r, _, _ in chunks}
+            lost = {base + m for m, _, _ in chunks}
+            ex = TorchDistCollective(self.s.node_group)
             for rep in repairs:
                 if rep["what"] == "grad-tier1":
                     r = int(rep["rank"])
-                    if self._replica_grads(r, int(rep["step"])) and r == self.s.rank:
+                    if (
+                        rpl.copy_grads(
+                            ex,
+                            self.s.layout,
+                            r - base,
+                            int(rep["step"]),
+                            pending=lambda: self.s._node_state()[1],
+                            who=self._who,
+                        )
+                        and r == self.s.rank
+                    ):
                         summary["grads_repaired_tier1"] += 1
                         summary["tier1_from_replicas"] += 1
             fwd = back = 0
             if self.s.rank not in lost:
                 fwd, back = self._settle(target)
             if chunks:
-                self._replica_chunks(chunks, target, lost)
-                summary["chunks_repaired_tier1"] = sum(r == self.s.rank for r, _, _ in chunks)
+                summary["chunks_repaired_tier1"] = rpl.copy_chunks(
+                    ex,
+                    self.s.layout,
+                    chunks,
+                    target=target,
+                    record=lambda c: (
+                        self.s.parity[c].versions()[self.s.lr],
+                        self.s.parity[c].checksums()[self.s.lr],
+                    ),
+                    who=self._who,
+                )
                 summary["tier1_from_replicas"] += summary["chunks_repaired_tier1"]
-                self._replica_grads_behind(target, lost)
+                rpl.copy_grads_behind(
+                    ex,
+                    self.s.layout,
+                    target,
+                    lost_any=self.s.rank in lost,
+                    pending=lambda: self.s._node_state()[1],
+                    who=self._who,
+                )
             if self.s.rank in lost:
                 fwd, back = self._settle(target)
             summary["chunks_rolled_forward"] = fwd
@@ -278,140 +306,9 @@ class Follower:
             self.s.layout, step, self.s._node_state()[1], how, f"rank {self.s.rank}"
         )
 
-    def _grads_intact(self, step: int) -> bool:
-        lay = self.s.layout
-        return lay.prepared_step == step and not lay.verify_grads(step)
-
-    def _replica_grads(self, r: int, step: int) -> bool:
-        """Rank ``r``'s gradients of ``step`` from a member of the node that holds them
-        (every member of a data-parallel node reduces the same gradients); False if
-        none does. The plan asks for them where rolling ``r`` forward may need them."""
-        have = r != self.s.rank and self._grads_intact(step)
-        holders = self._node_gather([int(have)])
-        src = next((i for i, h in enumerate(holders) if h[0]), None)
-        if src is None:
-            return False
-        self._copy_grads(src, r, step)
-        return True
-
-    def _replica_grads_behind(self, target: int, lost: set[int]) -> None:
-        """After the copies: a member that lost chunks and still has some behind the
-        target (a copy of ``target - 1``) without its gradients of ``target`` gets
-        them from a member that holds them (one that has not settled yet); if none
-        does, its settle says what is missing."""
-        lay = self.s.layout
-        intact = self._grads_intact(target)
-        behind = self.s.rank in lost and any(
-            lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
-            for c in range(lay.n_chunks)
-        )
-        rows = self._node_gather([int(behind and not intact), int(intact)])
-        src = next((i for i, row in enumerate(rows) if row[1]), None)
-        if src is None:
-            return
-        base = self.s.node * self.s.nproc
-        for i, row in enumerate(rows):
-            if row[0]:
-                self._copy_grads(src, base + i, target)
-
-    def _copy_grads(self, src: int, r: int, step: int) -> None:
-        """Local member ``src`` sends its gradients of ``step`` to rank ``r``, which seals
-        and checks them against its prepare record."""
-        lay = self.s.layout
-        base = self.s.node * self.s.nproc
-        if self.s.lr == src:
-            dist.send(lay.grad_buffer, dst=r)
-        elif self.s.rank == r:
-            dist.recv(lay.grad_buffer, src=base + src)
-            self._seal_rebuilt_grads(step, f"copied from rank {base + src}")
-
-    def _replica_chunks(
-        self, chunks: list[tuple[int, int, int]], target: int, lost: set[int]
-    ) -> None:
-        """Each ``(rank, chunk, version)`` of the plan from another member of the node.
-
-        The version is the one the tier-1 record holds for that member, which the
-        parity would decode. The copy is, by preference: of ``target`` from a member
-        that lost no chunk (it has settled there); of that version from a member that
-        can produce it (its bytes or its undo copy), as the parity would decode it;
-        of ``target`` from any member; of ``target - 1`` (the receiver then rolls it
-        forward with its gradients of ``target``). The receiver checks the bytes
-        against the source's checksum of them and, where the record holds the
-        member at the same version, against the record's (the same on every replica).
-        """
-        lay = self.s.layout
-        missing = {(r, c) for r, c, _ in chunks}
-        wanted = {c for _, c, _ in chunks}
-        mine = []
-        for c in range(lay.n_chunks):
-            st = lay.chunk_status(c)
-            dv = lay.chunk_version(c) if st is not ChunkStatus.TORN else NONE
-            uv = lay.undo_version(c) if st is not ChunkStatus.CLEAN else NONE
-            if (self.s.rank, c) in missing or (
-                c in wanted and dv != NONE and not lay.verify_chunk(c)
-            ):
-                dv = NONE  # lost, or its bytes fail their checksum: not a source
-            if (self.s.rank, c) in missing:
-                uv = NONE
-            elif uv != NONE and (c not in wanted or not lay.verify_undo(c)):
-                uv = NONE  # not asked for (no need to read it), or not intact
-            mine += [
-                dv,
-                lay.stored_checksum(c) if dv != NONE else 0,
-                uv,
-                lay.undo_checksum(c) if uv != NONE else 0,
-            ]
-        table = self._node_gather(mine)
-        base = self.s.node * self.s.nproc
-        for r, c, v in chunks:
-            cands = [(i, t[4 * c : 4 * c + 4]) for i, t in enumerate(table)]
-            cands = [(i, t) for i, t in cands if (base + i, c) not in missing]
-            choice = next(
-                (
-                    (i, u)
-                    for whole_only, u in (
-                        (True, target),
-                        (False, v),
-                        (False, target),
-                        (False, target - 1),
-                    )
-                    for i, t in cands
-                    if u >= 0
-                    and u in (t[0], t[2])
-                    and not (whole_only and (base + i in lost or t[0] != u))
-                ),
-                None,
-            )
-            if choice is None:
-                raise IntegrityError(
-                    f"rank {r} chunk {c}: no member of node {self.s.node} holds it at step "
-                    f"{target - 1}, {v} or {target}"
-                )
-            src, version = choice
-            if self.s.lr == src:
-                for part in rx.bytes_at(lay, c, version):
-                    dist.send(part, dst=r)
-            elif self.s.rank == r:
-                for part in lay.chunk_data(c):
-                    dist.recv(part, src=base + src)
-                lay.seal_chunk(c, version)
-                t = table[src][4 * c : 4 * c + 4]
-                want = {t[1] if t[0] == version else t[3]}
-                rec = self.s.parity[c]
-                if rec.versions()[self.s.lr] == version:
-                    want.add(rec.checksums()[self.s.lr])
-                if want != {lay.stored_checksum(c)}:
-                    raise IntegrityError(
-                        f"rank {r} chunk {c}: the bytes copied from rank {base + src} fail "
-                        f"the checksum of step {version}"
-                    )
-
-    def _node_gather(self, values: list[int]) -> list[list[int]]:
-        """Every node member's ``values`` (int64), in local-rank order."""
-        mine = torch.tensor(values, dtype=torch.int64)
-        out = [torch.zeros_like(mine) for _ in range(self.s.nproc)]
-        dist.all_gather(out, mine, group=self.s.node_group)
-        return [[int(x) for x in t] for t in out]
+    def _who(self, member: int) -> str:
+        """How an error names local member ``member`` of this node."""
+        return f"rank {self.s.node * self.s.nproc + member}"
 
     def _settle(self, target: int) -> tuple[int, int]:
         """Roll this rank to ``target`` (:func:`leto.retained.recovery.settle`);
