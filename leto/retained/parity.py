@@ -414,6 +414,19 @@ class InProcessGroup:
             total = torch.where(total >= (1 << (bits - 1)), total - (1 << bits), total)
         return total.to(dtype)
 
+    def _xor(self) -> torch.Tensor:
+        ts = [t for t in self._slots if t is not None]
+        if len(ts) != self.size:
+            raise RuntimeError("collective called by only some ranks")
+        acc = ts[0].clone()
+        for t in ts[1:]:
+            if t.shape != acc.shape or t.dtype != acc.dtype:
+                raise ValueError(
+                    f"ranks disagree on tensor shape/dtype: {tuple(t.shape)} {t.dtype}"
+                )
+            acc.bitwise_xor_(t)
+        return acc
+
     def _phase(self) -> None:
         self._barrier.wait()
 
@@ -443,6 +456,15 @@ class InProcessCollective:
         self._deposit(tensor)
         total = g._sum() if self._rank == dst else None
         g._phase()  # nobody writes before everyone has been read
+        if total is not None:
+            tensor.copy_(total)
+        g._slots[self._rank] = None
+
+    def reduce_xor(self, tensor: torch.Tensor, dst: int) -> None:
+        g = self._group
+        self._deposit(tensor)
+        total = g._xor() if self._rank == dst else None
+        g._phase()
         if total is not None:
             tensor.copy_(total)
         g._slots[self._rank] = None
@@ -533,6 +555,11 @@ class TorchDistCollective:
     def reduce_sum(self, tensor: torch.Tensor, dst: int) -> None:
         self._dist.reduce(
             tensor, dst=self._global(dst), op=self._dist.ReduceOp.SUM, group=self._group
+        )
+
+    def reduce_xor(self, tensor: torch.Tensor, dst: int) -> None:
+        self._dist.reduce(
+            tensor, dst=self._global(dst), op=self._dist.ReduceOp.BXOR, group=self._group
         )
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
