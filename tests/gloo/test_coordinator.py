@@ -8,6 +8,7 @@ import pytest
 
 from leto.backends.gloo.coordinator import Coordinator, CoordinatorOptions
 from leto.backends.gloo.eventlog import EventLog
+from leto.backends.gloo.messages import Fail, decode
 from leto.spec.trace import replay
 
 CHUNKS = 2
@@ -47,9 +48,9 @@ class Harness:
 
     def send(self, node: int, msg: dict[str, Any]) -> list[tuple[int | None, dict[str, Any]]]:
         self.now += 0.001
-        self.c.handle(node, msg, self.now)
+        self.c.handle(node, decode(msg), self.now)
         out, self.c.outbox = self.c.outbox, []
-        return out
+        return [(n, m.to_wire()) for n, m in out]
 
     def node(self, r: int) -> int:
         return r // self.per_node
@@ -96,8 +97,8 @@ def test_ranks_agree_on_the_tier1_kind_and_it_is_logged() -> None:
     log = EventLog(None)
     c = Coordinator(1, 2, log=log, options=CoordinatorOptions())
     c.node_up(0, spare=False, now=0.0)
-    c.handle(0, ready(0), 0.001)
-    c.handle(0, ready(1, tier1_kind="parity"), 0.002)
+    c.handle(0, decode(ready(0)), 0.001)
+    c.handle(0, decode(ready(1, tier1_kind="parity")), 0.002)
     assert c.failed is not None and "ranks disagree on tier1_kind" in c.failed
     assert "['parity', 'replica']" in c.failed
     assert not [e for e in log.records if e["event"] == "training_started"]
@@ -110,7 +111,7 @@ def test_votes_commit_and_a_crash_is_recovered_through_the_core() -> None:
     assert (None, {"t": "abort", "gen": 0}) in out
     assert (None, {"t": "fence", "gen": 1, "kill": []}) in out
     out = h.send(0, {"t": "fenced", "node": 0, "gen": 1})
-    assert out == [(0, {"t": "promote", "rank": 1, "gen": 1, "warm": True})]
+    assert out == [(0, {"t": "promote_rank", "rank": 1, "gen": 1, "warm": True})]
     out = h.send(0, {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0})
     assert out == [(None, {"t": "report", "gen": 1})]
     h.send(0, report(0, 1, 1))
@@ -161,7 +162,7 @@ def test_hang_is_fenced_and_killed_before_promotion() -> None:
     out = h.send(0, {"t": "failure", "kind": "hang", "rank": 0, "detected_by": "heartbeat"})
     assert (None, {"t": "fence", "gen": 1, "kill": [0]}) in out
     out = h.send(0, {"t": "fenced", "node": 0, "gen": 1})
-    assert out[0][1]["t"] == "promote" and out[0][1]["rank"] == 0
+    assert out[0][1]["t"] == "promote_rank" and out[0][1]["rank"] == 0
 
 
 def test_failure_during_recovery_restarts_at_the_next_generation() -> None:
@@ -200,7 +201,7 @@ def test_beyond_both_tiers_without_checkpoint_stops_with_the_reason() -> None:
     h.send(0, {**lost, "rank": 1})
     # two ranks of one node lost: not tier 1; the tier-2 snapshot (step 0) survives
     assert h.c.failed is None
-    cmd = [m for m in h.c.outbox if m[1]["t"] == "reconcile"] or []
+    cmd = [m for m in h.c.outbox if m[1].TAG == "reconcile"] or []
     assert not cmd  # the outbox was drained by the harness; check the log instead
     assert h.c.rec is not None and h.c.rec.plan["kind"] == "tier2"
 
@@ -335,7 +336,7 @@ def test_a_shadow_that_never_comes_fails_the_job_within_the_recovery_timeout() -
         "the recovery from the failure of rank 1 did not end within 5 s: still waiting for "
         "a shadow of rank(s) [1] (phase promoting, generation 1)"
     )
-    assert h.c.outbox[-1] == (None, {"t": "fail", "error": h.c.failed})
+    assert h.c.outbox[-1] == (None, Fail(error=h.c.failed))
 
 
 def test_a_shadow_warm_while_the_recovery_waits_is_promoted() -> None:
@@ -344,7 +345,7 @@ def test_a_shadow_warm_while_the_recovery_waits_is_promoted() -> None:
     h.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
     h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     out = h.send(0, {"t": "shadow", "rank": 1, "state": "warm"})
-    assert out == [(0, {"t": "promote", "rank": 1, "gen": 1, "warm": True})]
+    assert out == [(0, {"t": "promote_rank", "rank": 1, "gen": 1, "warm": True})]
     assert h.c.wait is not None and h.c.wait.what == "promote"
 
 
@@ -363,11 +364,11 @@ def test_a_rank_done_before_every_rank_is_ready_is_kept() -> None:
     log = EventLog(None)
     c = Coordinator(1, 2, log=log, options=CoordinatorOptions())
     c.node_up(0, spare=False, now=0.0)
-    c.handle(0, ready(0), 0.001)
-    c.handle(0, {"t": "done", "rank": 0, "gen": 0, "step": 0, "digest": "a"}, 0.002)
-    c.handle(0, ready(1), 0.003)
+    c.handle(0, decode(ready(0)), 0.001)
+    c.handle(0, decode({"t": "done", "rank": 0, "gen": 0, "step": 0, "digest": "a"}), 0.002)
+    c.handle(0, decode(ready(1)), 0.003)
     assert not c.complete
-    c.handle(0, {"t": "done", "rank": 1, "gen": 0, "step": 0, "digest": "a"}, 0.004)
+    c.handle(0, decode({"t": "done", "rank": 1, "gen": 0, "step": 0, "digest": "a"}), 0.004)
     assert c.complete
     (done,) = [e for e in log.records if e["event"] == "training_done"]
     assert done["step"] == 0 and set(done["digests"]) == {"0", "1"}

@@ -158,11 +158,11 @@ def _attack_all(run_dir: Path, port: int) -> None:
 
     # the coordinator's TCP port (from the issue: each of these made node 0's agent exit 1)
     c = int(cport)
-    SEEN["tcp_hello"] = _tcp(host, c, _frame(b'{"t":"hello","node":"x"}'))
+    SEEN["tcp_hello"] = _tcp(host, c, _frame(b'{"t":"node_hello","node":"x"}'))
     SEEN["tcp_http"] = _tcp(host, c, b"GET / HTTP/1.0\r\n\r\n")
     SEEN["tcp_length"] = _tcp(host, c, struct.pack("!I", 0xFFFFFFFF) + b"x" * 100)
     SEEN["tcp_nested"] = _tcp(host, c, _frame(b"[" * 2000 + b"]" * 2000))
-    forged = {"t": "hello", "node": 1, "nonce": "00", "proof": "ab" * 32}
+    forged = {"t": "node_hello", "node": 1, "nonce": "00", "proof": "ab" * 32}
     SEEN["tcp_forged"] = _tcp(host, c, _frame(json.dumps(forged).encode()))
 
     # a keeper's socket (its name is public): bad frames, a false writer, its fence word

@@ -58,6 +58,7 @@ from .coordinator import Coordinator
 from .eventlog import EventLog
 from .host_memory import HostMemory
 from .keeper import KeeperHandle
+from .messages import Message
 from .records import AgentOptions, LaunchError, Link, Proc, ProcConn
 from .routing import Routing
 from .shadows import Shadows
@@ -90,7 +91,7 @@ class Agent:
         self.spawns: dict[int, dict[str, Any]] = {}
         self.unclaimed: dict[int, ProcConn] = {}
         self.unclaimed_boards: dict[int, StatusBoard | None] = {}
-        self.local_inbox: list[dict[str, Any]] = []
+        self.local_inbox: list[Message] = []
         self.incarnation = 0
         self.generation = 0
         self.started = False

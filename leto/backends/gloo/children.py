@@ -13,6 +13,7 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from . import messages as M
 from . import procs as P
 from .keeper import spawn_keeper
 from .records import LaunchError, Proc, look
@@ -216,18 +217,17 @@ class Children:
             a.shadows.ensure(lr)
             a.recovering = True  # (the abort follows) no re-warming on the freed memory
             a.routing.to_coord(
-                {
-                    "t": "failure",
-                    "kind": kind,
-                    "rank": p.rank,
-                    "detected_by": detected,
-                    "detail": how,
-                    "traceback": p.error,
-                    "in_phase": p.phase,
-                    "at_step": p.step,
-                    "ms_since_heartbeat": latency,
-                    "pid": p.pid,
-                }
+                M.Failure(
+                    kind=kind,
+                    rank=p.rank,
+                    detected_by=detected,
+                    detail=how,
+                    traceback=p.error,
+                    in_phase=p.phase,
+                    at_step=p.step,
+                    ms_since_heartbeat=latency,
+                    pid=p.pid,
+                )
             )
         elif a.shadow.get(lr) is p:
             a.shadow[lr] = None
@@ -242,13 +242,7 @@ class Children:
             if p.error:
                 reason += ":\n" + p.error
             a.routing.to_coord(
-                {
-                    "t": "shadow",
-                    "rank": p.rank,
-                    "state": "failed",
-                    "reason": reason,
-                    "degraded": a.degraded.get(lr),
-                }
+                M.Shadow(rank=p.rank, state="failed", reason=reason, degraded=a.degraded.get(lr))
             )
             if a.complete:
                 return
@@ -259,11 +253,10 @@ class Children:
                 self.spawn(lr, "shadow", promote_gen=p.promote_gen, cold=on_demand)
             elif needed:
                 a.routing.to_coord(
-                    {
-                        "t": "fatal",
-                        "rank": p.rank,
-                        "error": f"cannot start a replacement process: it exited ({how}): {why}",
-                    }
+                    M.Fatal(
+                        rank=p.rank,
+                        error=f"cannot start a replacement process: it exited ({how}): {why}",
+                    )
                 )
 
     def kill(self, p: Proc, *, wait: float = 5.0) -> None:
@@ -313,13 +306,12 @@ class Children:
             self.kill(t)  # the last holder of a mapping: now the memory is really gone
         self.start_keeper(lr)
         a.routing.to_coord(
-            {
-                "t": "failure",
-                "kind": "keeper_lost",
-                "rank": rank,
-                "detected_by": "keeper process exit (pidfd)",
-                "detail": P.describe_status(code),
-            }
+            M.Failure(
+                kind="keeper_lost",
+                rank=rank,
+                detected_by="keeper process exit (pidfd)",
+                detail=P.describe_status(code),
+            )
         )
 
     def fence(self, gen: int, kill: list[int]) -> None:
@@ -339,7 +331,7 @@ class Children:
             p = a.trainer.get(lr)
             if p is not None and p.dead_at is None:
                 self.keeper(lr, "admit", gen, p.pid)
-        a.routing.to_coord({"t": "fenced", "node": a.node, "gen": gen, "killed": killed})
+        a.routing.to_coord(M.Fenced(node=a.node, gen=gen, killed=killed))
 
 
 def _last_line(text: str | None) -> str:

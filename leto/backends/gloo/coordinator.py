@@ -68,11 +68,12 @@ from leto.spec.trace import (
     run,
 )
 
+from . import messages as M
 from .eventlog import EventLog
 
 __all__ = ["Coordinator", "CoordinatorOptions"]
 
-Out = tuple[int | None, dict[str, Any]]
+Out = tuple[int | None, M.Message]
 
 
 @dataclass
@@ -149,7 +150,7 @@ class Coordinator:
         self.model: ClusterModel | None = None
         self.state: ClusterState | None = None
         self.info: dict[str, Any] = {}  # from the trainers' ready reports
-        self.ready: dict[int, dict[str, Any]] = {}
+        self.ready: dict[int, dict[str, Any]] = {}  # the ranks' ready messages, as sent
         self.votes: dict[int, set[int]] = {}
         self.finished: dict[int, set[int]] = {}
         self.snaps: dict[int, dict[int, Any]] = {}
@@ -165,7 +166,7 @@ class Coordinator:
         self.wait: _Wait | None = None
         self.reports: dict[int, dict[str, Any]] = {}
         self.stopped_at: dict[int, float] = {}
-        self.done: dict[int, dict[str, Any]] = {}
+        self.done: dict[int, M.Done] = {}
         self.finished_nodes: set[int] = set()
         self.failed: str | None = None
         self.complete = False
@@ -174,7 +175,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _send(self, node: int | None, msg: dict[str, Any]) -> None:
+    def _send(self, node: int | None, msg: M.Message) -> None:
         self.outbox.append((node, msg))
 
     def _node_of(self, rank: int) -> int:
@@ -230,19 +231,48 @@ class Coordinator:
             return
         self.failed = message
         self.log.write("job_failed", error=message, **fields)
-        self._send(None, {"t": "fail", "error": message})
+        self._send(None, M.Fail(error=message))
 
     # ------------------------------------------------------------------ inputs
 
-    def handle(self, node: int, msg: dict[str, Any], now: float) -> None:
+    def handle(self, node: int, msg: M.Message, now: float) -> None:
         """One message from the agent of ``node``."""
-        t = msg.get("t")
-        handler = getattr(self, "_on_" + str(t), None)
-        if handler is None:
-            self.log.write("unknown_message", node=node, message=msg)
-            return
         with self._judging():
-            handler(node, msg, now)
+            match msg:
+                case M.Ready():
+                    self._on_ready(msg)
+                case M.Vote():
+                    self._on_vote(msg)
+                case M.Finished():
+                    self._on_finished(msg)
+                case M.SnapshotDone():
+                    self._on_snapshot_done(msg)
+                case M.Done():
+                    self._on_done(msg)
+                case M.NodeFinished():
+                    self.finished_nodes.add(node)
+                case M.Shadow():
+                    self._on_shadow(msg)
+                case M.Failure():
+                    self._on_failure(msg, now)
+                case M.Fatal():
+                    self.fail(f"rank {msg.rank}: {msg.error}", rank=msg.rank)
+                case M.Stopped():
+                    self._on_stopped(msg, now)
+                case M.Fenced():
+                    self._ack("fence", node, msg.gen)
+                case M.Promoted():
+                    self._on_promoted(msg)
+                case M.Report() if msg.rank is not None:
+                    if self._ack("report", msg.rank, msg.gen):
+                        self.reports[msg.rank] = msg.to_wire()
+                case M.Reconciled():
+                    self._on_reconciled(msg)
+                case M.Rebuilt():
+                    self._ack("rebuild", msg.rank, msg.gen)
+                case _:
+                    self.log.write("unknown_message", node=node, message=msg.to_wire())
+                    return
             if self.model is not None and self.failed is None and not self.complete:
                 self._advance(now)
 
@@ -307,9 +337,8 @@ class Coordinator:
 
     # --- start ---------------------------------------------------------------
 
-    def _on_ready(self, node: int, msg: dict[str, Any], now: float) -> None:
-        r = int(msg["rank"])
-        self.ready[r] = msg
+    def _on_ready(self, msg: M.Ready) -> None:
+        self.ready[msg.rank] = msg.to_wire()
         if len(self.ready) < self.W or self.model is not None:
             return
         infos = list(self.ready.values())
@@ -358,70 +387,70 @@ class Coordinator:
         for r, st in self.shadow_pending:
             self._shadow(r, st)
         self.shadow_pending.clear()
-        self._send(None, {"t": "t2", "step": 0, "gen": 0})  # the step-0 snapshot is current
+        self._send(None, M.Tier2(step=0, gen=0))  # the step-0 snapshot is current
         self._all_done()
 
     # --- training path ---------------------------------------------------------
 
-    def _current(self, msg: dict[str, Any]) -> bool:
-        return self.state is not None and int(msg.get("gen", -1)) == self.state.gen
+    def _current(self, gen: int) -> bool:
+        return self.state is not None and gen == self.state.gen
 
-    def _on_vote(self, node: int, msg: dict[str, Any], now: float) -> None:
-        if not self._current(msg):
+    def _on_vote(self, msg: M.Vote) -> None:
+        if not self._current(msg.gen):
             return
         s = self.state
         assert s is not None
-        step = int(msg["step"])
+        step = msg.step
         votes = self.votes.setdefault(step, set())
-        votes.add(int(msg["rank"]))
+        votes.add(msg.rank)
         if len(votes) < self.W or s.phase is not Phase.RUNNING:
             return
         self._run([Commit(step)], f"the votes for step {step}")
         del self.votes[step]
-        self._send(None, {"t": "commit", "step": step, "gen": s.gen})
+        self._send(None, M.Commit(step=step, gen=s.gen))
 
-    def _on_finished(self, node: int, msg: dict[str, Any], now: float) -> None:
-        if not self._current(msg):
+    def _on_finished(self, msg: M.Finished) -> None:
+        if not self._current(msg.gen):
             return
-        r, step = int(msg["rank"]), int(msg["step"])
+        r, step = msg.rank, msg.step
         self._run([Apply(r, step)], f"rank {r} finished step {step}")
-        if msg.get("loss") is not None:
+        if msg.loss is not None:
             fin = self.finished.setdefault(step, set())
             fin.add(r)
-            self.losses[step] = self.losses.get(step, 0.0) + float(msg["loss"]) / self.W
+            self.losses[step] = self.losses.get(step, 0.0) + float(msg.loss) / self.W
             if len(fin) == self.W:
                 del self.finished[step]
                 self.log.write("step", step=step, loss=round(self.losses[step], 6))
 
-    def _on_snapshot_done(self, node: int, msg: dict[str, Any], now: float) -> None:
-        if not self._current(msg):
+    def _on_snapshot_done(self, msg: M.SnapshotDone) -> None:
+        if not self._current(msg.gen):
             return
-        step = int(msg["step"])
+        step = msg.step
         got = self.snaps.setdefault(step, {})
-        got[int(msg["rank"])] = msg.get("meta")
+        got[msg.rank] = msg.meta
         if len(got) < self.W:
             return
         del self.snaps[step]
         self._run([Snapshot(step)], f"every rank took the tier-2 snapshot of step {step}")
         self.t2_step = step
         self.t2_meta = dict(got)
-        self._send(None, {"t": "t2", "step": step, "gen": self.generation})
+        self._send(None, M.Tier2(step=step, gen=self.generation))
         self.log.write("tier2_snapshot", step=step)
 
-    def _on_done(self, node: int, msg: dict[str, Any], now: float) -> None:
-        if self.model is None and int(msg.get("gen", -1)) == 0:
+    def _on_done(self, msg: M.Done) -> None:
+        if self.model is None and msg.gen == 0:
             # done before every rank was ready (a job of no step): kept until it starts
-            self.done[int(msg["rank"])] = msg
+            self.done[msg.rank] = msg
             return
-        if not self._current(msg):
+        if not self._current(msg.gen):
             return
-        self.done[int(msg["rank"])] = msg
+        self.done[msg.rank] = msg
         self._all_done()
 
     def _all_done(self) -> None:
         if len(self.done) < self.W:
             return
-        steps = {int(m["step"]) for m in self.done.values()}
+        steps = {m.step for m in self.done.values()}
         if len(steps) != 1:
             self.fail(f"ranks finished at different steps: {sorted(steps)}")
             return
@@ -429,21 +458,18 @@ class Coordinator:
         self.log.write(
             "training_done",
             step=steps.pop(),
-            digests={str(r): m.get("digest") for r, m in sorted(self.done.items())},
+            digests={str(r): m.digest for r, m in sorted(self.done.items())},
             recoveries=len(self.recoveries),
             degraded=sorted(self.degraded),
         )
-        self._send(None, {"t": "complete"})
-
-    def _on_node_finished(self, node: int, msg: dict[str, Any], now: float) -> None:
-        self.finished_nodes.add(node)
+        self._send(None, M.Complete())
 
     # --- shadows -----------------------------------------------------------------
 
-    def _on_shadow(self, node: int, msg: dict[str, Any], now: float) -> None:
-        r, st = int(msg["rank"]), str(msg["state"])
-        self.log.write("shadow", rank=r, state=st, reason=msg.get("reason", ""))
-        why = msg.get("degraded")
+    def _on_shadow(self, msg: M.Shadow) -> None:
+        r, st = msg.rank, msg.state
+        self.log.write("shadow", rank=r, state=st, reason=msg.reason or "")
+        why = msg.degraded
         if why and r not in self.degraded:  # its agent said so on its console, at once
             self.degraded[r] = str(why)
             self.log.write("degraded", rank=r, reason=str(why))
@@ -461,31 +487,31 @@ class Coordinator:
 
     # --- failures ------------------------------------------------------------------
 
-    def _on_failure(self, node: int, msg: dict[str, Any], now: float) -> None:
+    def _on_failure(self, msg: M.Failure, now: float) -> None:
         if self.model is None:
-            tb = (msg.get("traceback") or "").strip()
-            what = msg.get("detail") or msg.get("kind")
+            tb = (msg.traceback or "").strip()
+            what = msg.detail or msg.kind
             last = tb.splitlines()[-1] if tb else ""
             self.fail(
-                f"rank {msg.get('rank')} failed before training started ({what})"
+                f"rank {msg.rank} failed before training started ({what})"
                 + (f": {last}" if last else ""),
-                rank=msg.get("rank"),
+                rank=msg.rank,
                 traceback=tb or None,
             )
             return
-        self._failure(msg, now)
+        record = msg.to_wire()
+        del record["t"]
+        self._failure(record, now)
 
-    def _on_fatal(self, node: int, msg: dict[str, Any], now: float) -> None:
-        self.fail(f"rank {msg.get('rank')}: {msg.get('error')}", rank=msg.get("rank"))
-
-    def _on_stopped(self, node: int, msg: dict[str, Any], now: float) -> None:
+    def _on_stopped(self, msg: M.Stopped, now: float) -> None:
         s = self.state
         if s is None:
             return
-        if s.phase is Phase.RUNNING and msg.get("reason") and self._current(msg):
-            self.stopped_at.setdefault(int(msg["rank"]), now)
+        if s.phase is Phase.RUNNING and msg.reason and self._current(msg.gen):
+            self.stopped_at.setdefault(msg.rank, now)
 
     def _failure(self, msg: dict[str, Any], now: float) -> None:
+        """A failure (``msg``: its record, as reported or as the coordinator saw it)."""
         s = self.state
         assert s is not None and self.model is not None
         kind = msg.get("kind")
@@ -500,7 +526,7 @@ class Coordinator:
         else:
             fault = ev.Crash(int(rank))  # type: ignore[arg-type]
         why = self.model.why_not(s, fault)
-        record = {k: v for k, v in msg.items() if k not in ("t",)}
+        record = dict(msg)
         record["step"] = s.committed
         record["phase"] = s.phase.value
         if why is not None:
@@ -521,41 +547,28 @@ class Coordinator:
 
     # --- recovery acknowledgements ----------------------------------------------------
 
-    def _ack(self, what: str, key: int, msg: dict[str, Any]) -> bool:
+    def _ack(self, what: str, key: int, gen: int) -> bool:
         w = self.wait
-        if w is None or w.what != what or int(msg.get("gen", -1)) != w.generation:
+        if w is None or w.what != what or gen != w.generation:
             return False
         w.pending.discard(key)
         return True
 
-    def _on_fenced(self, node: int, msg: dict[str, Any], now: float) -> None:
-        if self._ack("fence", node, msg) and self.rec is not None:
-            self.rec.truth_notes.extend(msg.get("notes", []))
-
-    def _on_promoted(self, node: int, msg: dict[str, Any], now: float) -> None:
-        if self._ack("promote", int(msg["rank"]), msg) and self.rec is not None:
-            self.rec.promoted.append(
-                {"rank": int(msg["rank"]), "warm": bool(msg.get("warm")), "ms": msg.get("ms")}
-            )
+    def _on_promoted(self, msg: M.Promoted) -> None:
+        if self._ack("promote", msg.rank, msg.gen) and self.rec is not None:
+            self.rec.promoted.append({"rank": msg.rank, "warm": bool(msg.warm), "ms": msg.ms})
             self.log.write(
                 "promoted",
-                rank=int(msg["rank"]),
-                warm=bool(msg.get("warm")),
-                ms=msg.get("ms"),
+                rank=msg.rank,
+                warm=bool(msg.warm),
+                ms=msg.ms,
                 generation=self.generation,
             )
 
-    def _on_report(self, node: int, msg: dict[str, Any], now: float) -> None:
-        if self._ack("report", int(msg["rank"]), msg):
-            self.reports[int(msg["rank"])] = msg
-
-    def _on_reconciled(self, node: int, msg: dict[str, Any], now: float) -> None:
-        if self._ack("reconcile", int(msg["rank"]), msg) and self.rec is not None:
-            self.rec.summaries[int(msg["rank"])] = msg.get("summary", {})
-            self.rec.snapshot[int(msg["rank"])] = msg.get("snapshot")
-
-    def _on_rebuilt(self, node: int, msg: dict[str, Any], now: float) -> None:
-        self._ack("rebuild", int(msg["rank"]), msg)
+    def _on_reconciled(self, msg: M.Reconciled) -> None:
+        if self._ack("reconcile", msg.rank, msg.gen) and self.rec is not None:
+            self.rec.summaries[msg.rank] = msg.summary
+            self.rec.snapshot[msg.rank] = msg.snapshot
 
     # ------------------------------------------------------------------ the driver
 
@@ -608,7 +621,7 @@ class Coordinator:
                 self._log_reconciled(now)
                 self._phase("rebuild", now)
                 self._feed(first)
-                self._send(None, {"t": "rebuild", "gen": s.gen})
+                self._send(None, M.Rebuild(gen=s.gen))
                 self._wait("rebuild", set(range(self.W)), now)
                 return
             if isinstance(first, ev.Resume):
@@ -642,7 +655,7 @@ class Coordinator:
         else:
             self.log.write("recovery_start", generation=s.gen, from_step=s.committed)
         self._phase("fence", now)
-        self._send(None, {"t": "abort", "gen": s.gen})
+        self._send(None, M.Abort(gen=s.gen))
 
     def _fence(self, now: float) -> None:
         s = self.state
@@ -652,7 +665,7 @@ class Coordinator:
         gen = self.generation
         assert self.rec is not None
         self.rec.generation = gen
-        self._send(None, {"t": "fence", "gen": gen, "kill": hung})
+        self._send(None, M.Fence(gen=gen, kill=hung))
         self._wait("fence", set(self.nodes_up), now)
         self.log.write("fence", generation=gen, stale_killed=hung)
 
@@ -683,12 +696,12 @@ class Coordinator:
                 # (the shadow's warm report feeds ShadowWarm)
                 if (r, s.gen) not in self.asked_shadow:
                     self.asked_shadow.add((r, s.gen))
-                    self._send(self._node_of(r), {"t": "need_shadow", "rank": r})
+                    self._send(self._node_of(r), M.NeedShadow(rank=r))
                 needed.add(r)
                 continue
             warm = s.shadow[r] is ShadowState.WARM
             self._feed(e)
-            self._send(self._node_of(r), {"t": "promote", "rank": r, "gen": s.gen, "warm": warm})
+            self._send(self._node_of(r), M.PromoteRank(rank=r, gen=s.gen, warm=warm))
             sent.add(r)
         if sent:
             pending = set(sent)
@@ -704,7 +717,7 @@ class Coordinator:
         assert s is not None and self.model is not None
         if self.wait is None or self.wait.what not in ("report",):
             self.reports = {}
-            self._send(None, {"t": "report", "gen": s.gen})
+            self._send(None, M.Report(gen=s.gen))
             self._wait("report", set(range(self.W)), now)
             return False
         # every trainer reported: the truth of the retained state replaces the model's
@@ -759,21 +772,21 @@ class Coordinator:
 
     def _reconcile_cmd(
         self, kind: Kind, target: int, repairs: list[dict[str, Any]], *, retake_t2: bool = True
-    ) -> dict[str, Any]:
-        msg: dict[str, Any] = {
-            "t": "reconcile",
-            "gen": self.generation,
-            "kind": kind.value,
-            "target": target,
-            "repairs": repairs,
-            "retake_t2": retake_t2,
-        }
+    ) -> M.Reconcile:
+        snapshot = None
         if kind is Kind.TIER2:
-            msg["snapshot"] = {
+            snapshot = {
                 "step": self.t2_step,
                 "meta": {str(r): m for r, m in self.t2_meta.items()},
             }
-        return msg
+        return M.Reconcile(
+            gen=self.generation,
+            kind=kind.value,
+            target=target,
+            repairs=repairs,
+            retake_t2=retake_t2,
+            snapshot=snapshot,
+        )
 
     def _restore_checkpoint(self, now: float) -> None:
         self._feed(ev.RestoreCheckpoint())
@@ -850,7 +863,7 @@ class Coordinator:
         ):
             self.t2_step = s.target
             self.t2_meta = dict(rec.snapshot)
-            self._send(None, {"t": "t2", "step": s.target, "gen": s.gen})
+            self._send(None, M.Tier2(step=s.target, gen=s.gen))
         sums = rec.summaries
         total = {
             k: sum(int(x.get(k, 0)) for x in sums.values())
@@ -882,7 +895,7 @@ class Coordinator:
         self._phase("resume", now)
         self._feed(ev.Resume())
         self.wait = None
-        self._send(None, {"t": "resume", "gen": s.gen, "step": target, "t2": self.t2_step})
+        self._send(None, M.Resume(gen=s.gen, step=target, t2=self.t2_step))
         rec = self.rec
         self.rec = None
         self.votes.clear()

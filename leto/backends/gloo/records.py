@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .board import StatusBoard
+from .messages import Message
 from .wire import Conn
 
 __all__ = ["AgentOptions", "LaunchError", "Link", "Proc", "ProcConn", "look", "note"]
@@ -98,7 +99,7 @@ class ProcConn:
     pid: int  # SO_PEERCRED: who connected, whatever its hello says
     proc: Proc | None = None
     hello: bool = False
-    held: list[dict[str, Any]] = field(default_factory=list)
+    held: list[Message] = field(default_factory=list)
 
 
 def note(p: Proc, phase: str, step: int, progress: int, now: float) -> None:

@@ -15,7 +15,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from . import auth
+from . import messages as M
 from . import procs as P
 from .board import StatusBoard
 from .records import LaunchError, Link, Proc, ProcConn, note
@@ -26,29 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Routing"]
 
-TO_COORDINATOR = {
-    "ready",
-    "vote",
-    "finished",
-    "snapshot_done",
-    "stopped",
-    "report",
-    "reconciled",
-    "rebuilt",
-    "done",
-    "fatal",
-}
-TO_TRAINERS = {
-    "commit",
-    "t2",
-    "abort",
-    "report",
-    "reconcile",
-    "rebuild",
-    "resume",
-    "complete",
-    "start",
-}
+# what the coordinator says that the trainers act on (the agent passes it on)
+TO_TRAINERS = (M.Commit, M.Tier2, M.Abort, M.Report, M.Reconcile, M.Rebuild, M.Resume, M.Complete)
 UNPROVEN_FRAME = 4096  # bytes a TCP peer may send before it has proven the job's secret
 UNPROVEN_SECONDS = 10.0  # and how long it has to do so
 UNPROVEN_MAX = 16  # connections waiting to prove it at once (the oldest is closed)
@@ -94,8 +76,15 @@ class Routing:
         conn = pc.conn
         alive = conn.feed()
         got, bad = conn.drain()
-        for i, (msg, fds) in enumerate(got):
-            if not pc.hello:
+        for i, (obj, fds) in enumerate(got):
+            try:
+                msg = M.decode(obj)
+            except WireError as e:
+                msg, bad = None, e
+            if msg is None:
+                for fd in fds:
+                    os.close(fd)
+            elif not pc.hello:
                 bad = self.proc_hello(pc, msg, fds)
             else:
                 for fd in fds:
@@ -124,16 +113,15 @@ class Routing:
                     stale.close()
             self.drop_conn(conn)
 
-    def proc_hello(self, pc: ProcConn, msg: dict[str, Any], fds: list[int]) -> WireError | None:
+    def proc_hello(self, pc: ProcConn, msg: M.Message, fds: list[int]) -> WireError | None:
         """Take the first message of a connection; why not, if it is refused."""
         a = self.a
         p = a.by_pid.get(pc.pid)
-        claimed = msg.get("pid", pc.pid)
         why = None
-        if msg.get("t") != "hello":
-            why = f"its first message is {str(msg.get('t'))[:40]!r}, not a hello"
-        elif claimed != pc.pid:
-            why = f"its hello claims pid {str(claimed)[:40]}, the kernel says {pc.pid}"
+        if not isinstance(msg, M.Hello):
+            why = f"its first message is {msg.TAG!r}, not a hello"
+        elif msg.pid is not None and msg.pid != pc.pid:
+            why = f"its hello claims pid {msg.pid}, the kernel says {pc.pid}"
         elif p is None and P.parent_of(pc.pid) != a.zygote.pid:
             why = f"pid {pc.pid} is not a process this agent started"
         board = _board_of(fds) if why is None else None
@@ -162,76 +150,83 @@ class Routing:
         for msg in held:
             self.on_proc_msg(p, msg)
 
-    def send_proc(self, p: Proc, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    def send_proc(self, p: Proc, msg: M.Message) -> None:
+        self._send_proc(p, msg.to_wire())
+
+    def reply(self, p: Proc, rid: int, body: dict[str, Any], fds: list[int] | None = None) -> None:
+        """The answer to request ``rid`` of ``p`` (matched by id, not by tag)."""
+        self._send_proc(p, {"re": rid, **body}, fds)
+
+    def _send_proc(self, p: Proc, obj: dict[str, Any], fds: list[int] | None = None) -> None:
         if p.conn is None:
             return
         try:
-            p.conn.send(msg, fds or [])
+            p.conn.send(obj, fds or [])
         except WireError:
             pass
 
-    def on_proc_msg(self, p: Proc, msg: dict[str, Any]) -> None:
+    def on_proc_msg(self, p: Proc, msg: M.Message) -> None:
+        """A message from this node's trainer or shadow ``p``: the agent's business,
+        or the coordinator's (passed on)."""
         a = self.a
-        t = msg.get("t")
+        mem = a.memory
         now = time.monotonic()
-        if t == "hb":
-            p.hb = now
-            note(
-                p,
-                str(msg.get("phase", p.phase)),
-                int(msg.get("step", p.step)),
-                int(msg.get("progress", 0)),
-                now,
-            )
-            return
-        if t == "warm":
-            a.shadows.on_warm(p, now)
-            return
-        if t == "promoted":
-            a.shadows.on_promoted(p, now)
-            return
-        if t == "error":
-            p.error = str(msg.get("traceback"))
-            return
-        if t == "exit":
-            p.exit_reported = int(msg.get("code", 1))
-            return
-        if t == "ps":
-            a.memory.keep_ps(int(msg["rank"]), int(msg["step"]), str(msg["json"]))
-            return
-        if t == "pending":
-            a.memory.pending[int(msg["rank"])] = str(msg["json"])
-            return
-        # a step's vote carries its pending process state, its "finished" the state
-        # after it: kept here (for a recovery), not sent on to the coordinator
-        if t == "vote" and "pending" in msg:
-            a.memory.pending[int(msg["rank"])] = str(msg.pop("pending"))
-        if t == "finished" and "ps" in msg:
-            a.memory.keep_ps(int(msg["rank"]), int(msg["step"]), str(msg.pop("ps")))
-        if t == "get_state":
-            self.send_proc(p, {"re": msg["id"], **a.memory.state_of(int(msg["rank"]))})
-            return
-        if t == "node_segment":
-            reply, fds = a.memory.node_segment(str(msg["name"]), int(msg["nbytes"]))
-            self.send_proc(p, {"re": msg["id"], **reply}, fds)
-            return
-        if t == "snapshot_slot":
-            self.send_proc(p, {"re": msg["id"], **a.memory.snapshot_slot(int(msg["step"]))})
-            return
-        if t == "ready":
-            p.status = "running"
-        if t in TO_COORDINATOR:
-            self.to_coord(msg)
-            return
+        match msg:
+            case M.Heartbeat():
+                p.hb = now
+                note(p, msg.phase, msg.step, msg.progress, now)
+            case M.Warm():
+                a.shadows.on_warm(p, now)
+            case M.Promoted():
+                a.shadows.on_promoted(p, now)
+            case M.Error():
+                p.error = msg.traceback
+            case M.Exit():
+                p.exit_reported = msg.code
+            case M.ProcessState():
+                mem.keep_ps(msg.rank, msg.step, msg.json)
+            case M.Pending():
+                mem.pending[msg.rank] = msg.json
+            case M.GetState():
+                self.reply(p, msg.id, mem.state_of(msg.rank))
+            case M.NodeSegment():
+                self.reply(p, msg.id, *mem.node_segment(msg.name, msg.nbytes))
+            case M.SnapshotSlot():
+                self.reply(p, msg.id, mem.snapshot_slot(msg.step))
+            # a step's vote carries its pending process state, its "finished" the state
+            # after it: kept here (for a recovery), not sent on to the coordinator
+            case M.Vote(pending=str() as pending):
+                mem.pending[msg.rank] = pending
+                self.to_coord(attrs.evolve(msg, pending=None))
+            case M.Finished(ps=str() as ps):
+                mem.keep_ps(msg.rank, msg.step, ps)
+                self.to_coord(attrs.evolve(msg, ps=None))
+            case M.Ready():
+                p.status = "running"
+                self.to_coord(msg)
+            case (
+                M.Vote()
+                | M.Finished()
+                | M.SnapshotDone()
+                | M.Stopped()
+                | M.Report()
+                | M.Reconciled()
+                | M.Rebuilt()
+                | M.Done()
+                | M.Fatal()
+            ):
+                self.to_coord(msg)
+            case _:
+                pass  # a kind a process does not send: ignored, as before
 
-    def to_coord(self, msg: dict[str, Any]) -> None:
+    def to_coord(self, msg: M.Message) -> None:
         a = self.a
         if a.coord is not None:
             a.coord.handle(0, msg, time.monotonic())
             self.flush_coord()
         elif a.coord_conn is not None:
             try:
-                a.coord_conn.send(msg)
+                a.coord_conn.send(msg.to_wire())
             except WireError:
                 pass
 
@@ -246,7 +241,7 @@ class Routing:
                     a.local_inbox.append(msg)  # delivered by the loop: no re-entrance
                 elif n in a.links:
                     try:
-                        a.links[n].send(msg)
+                        a.links[n].send(msg.to_wire())
                     except WireError:
                         pass
 
@@ -264,7 +259,7 @@ class Routing:
         if len(a.unproven) >= UNPROVEN_MAX:
             oldest = min(a.unproven.values(), key=lambda k: k.since)
             self.refuse(oldest, "too many connections waiting to prove the job's secret")
-        if not _send_link(conn, {"t": "challenge", "nonce": link.challenge}):
+        if not _send_link(conn, M.Challenge(nonce=link.challenge)):
             conn.close()
             return
         a.unproven[id(link)] = link
@@ -275,7 +270,7 @@ class Routing:
         a = self.a
         a.unproven.pop(id(link), None)
         if tell is not None:
-            _send_link(link.conn, {"t": "reject", "why": tell})
+            _send_link(link.conn, M.Reject(why=tell))
         self.drop_conn(link.conn)
         a.refusals += 1
         if a.refusals <= REFUSALS_LOGGED:
@@ -289,16 +284,21 @@ class Routing:
             if now - link.since > UNPROVEN_SECONDS:
                 self.refuse(link, f"no proof of the job's secret within {UNPROVEN_SECONDS:g} s")
 
-    def prove(self, link: Link, msg: dict[str, Any], now: float) -> bool:
+    def prove(self, link: Link, obj: dict[str, Any], now: float) -> bool:
         """A connection's first message: a node's hello with its proof, or it is closed."""
         a = self.a
         assert a.coord is not None and a.secret is not None
         conn = link.conn
-        n, nonce = msg.get("node"), msg.get("nonce")
-        if msg.get("t") != "hello" or type(n) is not int:
-            self.refuse(link, f"not a leto node's hello: {json.dumps(msg)[:80]}")
+        try:
+            msg = M.decode(obj)
+        except WireError as e:
+            self.refuse(link, f"not a leto node's hello: {e}: {json.dumps(obj)[:80]}")
             return False
-        if not auth.verify(a.secret, "node", n, link.challenge, nonce, msg.get("proof")):
+        if not isinstance(msg, M.NodeHello):
+            self.refuse(link, f"not a leto node's hello: {json.dumps(obj)[:80]}")
+            return False
+        n, nonce = msg.node, msg.nonce
+        if not auth.verify(a.secret, "node", n, link.challenge, nonce, msg.proof):
             self.refuse(
                 link,
                 f"node {n} did not prove the job's secret",
@@ -323,16 +323,15 @@ class Routing:
         link.node = n
         a.links[n] = conn
         a.joined.add(n)
-        proof = auth.proof(a.secret, "coordinator", n, link.challenge, str(nonce))
-        welcome = {"t": "welcome", "spare": spare, "gen": a.coord.generation, "proof": proof}
-        _send_link(conn, welcome)
+        proof = auth.proof(a.secret, "coordinator", n, link.challenge, nonce)
+        _send_link(conn, M.Welcome(spare=spare, gen=a.coord.generation, proof=proof))
         a.coord.node_up(n, spare=spare, now=now)
         if spare:
-            _send_link(conn, {"t": "go", "spare": True})
+            _send_link(conn, M.Go(spare=True))
         elif len(a.joined) == a.o.nnodes:
             a.say(f"all {a.o.nnodes} nodes joined: starting {a.W} trainers")
             for m in a.links:
-                _send_link(a.links[m], {"t": "go", "spare": False})
+                _send_link(a.links[m], M.Go(spare=False))
             a.supervisor.go()
         return True
 
@@ -343,11 +342,16 @@ class Routing:
         alive = conn.feed()
         got, bad = conn.drain()
         now = time.monotonic()
-        for msg, _fds in got:
+        for obj, _fds in got:
             if link.node is None:
-                if not self.prove(link, msg, now):
+                if not self.prove(link, obj, now):
                     return
                 continue
+            try:
+                msg = M.decode(obj)
+            except WireError as e:
+                bad = e  # the messages before it were good, the link is not
+                break
             a.coord.handle(link.node, msg, now)
         if link.node is None:
             if bad is not None or not alive:
@@ -381,41 +385,47 @@ class Routing:
         a = self.a
         assert a.coord_conn is not None
         got, bad = a.coord_conn.drain()
-        for msg, _fds in got:
+        for obj, _fds in got:
+            try:
+                msg = M.decode(obj)
+            except WireError as e:
+                bad = e
+                break
             self.from_coord(msg)
         if bad is not None and not a.stop:
             raise LaunchError(f"the coordinator sent a bad frame: {bad}")
 
-    def from_coord(self, msg: dict[str, Any]) -> None:
+    def from_coord(self, msg: M.Message) -> None:
         a = self.a
-        t = msg.get("t")
-        if t == "go":
-            a.supervisor.go(spare=bool(msg.get("spare")))
-            return
-        if t == "fail":
-            a.failed = str(msg.get("error"))
-            print(f"leto[node {a.node}]: job failed: {a.failed}", file=sys.stderr, flush=True)
-            a.stop = True
-            return
-        if t == "abort":
-            a.generation = max(a.generation, int(msg["gen"]))
-            a.recovering = True
-        if t == "resume":
-            a.recovering = False
-        if t == "t2":
-            a.memory.snapshot_current(int(msg["step"]))
-        if t == "fence":
-            a.children.fence(int(msg["gen"]), [int(r) for r in msg.get("kill", [])])
-            return
-        if t == "promote":
-            a.shadows.promote(int(msg["rank"]) - a.node * a.nproc, int(msg["gen"]))
-            return
-        if t == "need_shadow":
-            a.shadows.needed(int(msg["rank"]) - a.node * a.nproc)
-            return
-        if t == "complete":
-            a.complete = True
-        if t in TO_TRAINERS:
+        match msg:
+            case M.Go():
+                a.supervisor.go(spare=msg.spare)
+                return
+            case M.Fail():
+                a.failed = msg.error
+                print(f"leto[node {a.node}]: job failed: {a.failed}", file=sys.stderr, flush=True)
+                a.stop = True
+                return
+            case M.Fence():
+                a.children.fence(msg.gen, msg.kill)
+                return
+            case M.PromoteRank():
+                a.shadows.promote(msg.rank - a.node * a.nproc, msg.gen)
+                return
+            case M.NeedShadow():
+                a.shadows.needed(msg.rank - a.node * a.nproc)
+                return
+            case M.Abort():
+                a.generation = max(a.generation, msg.gen)
+                a.recovering = True
+            case M.Resume():
+                a.recovering = False
+            case M.Tier2():
+                a.memory.snapshot_current(msg.step)
+            case M.Complete():
+                a.complete = True
+        # and on to the trainers
+        if isinstance(msg, TO_TRAINERS):
             for p in list(a.trainer.values()):
                 if p is not None:
                     self.send_proc(p, msg)
@@ -430,10 +440,10 @@ def _accept(listener: socket.socket | None) -> tuple[socket.socket, Any] | None:
         return None
 
 
-def _send_link(conn: Conn, msg: dict[str, Any]) -> bool:
+def _send_link(conn: Conn, msg: M.Message) -> bool:
     """Send on a TCP link; False if it is gone (its closing is handled where it is read)."""
     try:
-        conn.send(msg)
+        conn.send(msg.to_wire())
     except WireError:
         return False
     return True

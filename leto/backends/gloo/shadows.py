@@ -12,6 +12,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from . import messages as M
 from . import procs as P
 from .records import Proc
 
@@ -63,9 +64,7 @@ class Shadows:
         sh.progress_t = sh.hb
         a.children.keeper(lr, "admit", gen, sh.pid)
         h = a.keepers[lr]
-        a.routing.send_proc(
-            sh, {"t": "promote", "gen": gen, "keeper_pid": h.pid, "keeper_socket": h.socket_name}
-        )
+        a.routing.send_proc(sh, M.Promote(gen=gen, keeper_pid=h.pid, keeper_socket=h.socket_name))
         self.ensure(lr)  # the replacement warms in the background
 
     def ensure(self, lr: int, *, force: bool = False) -> None:
@@ -104,14 +103,14 @@ class Shadows:
         a.children.kill(sh, wait=2.0)
         a.shadow[lr] = None
         a.shadow_state[lr] = "cold"
-        a.routing.to_coord({"t": "shadow", "rank": a.rank(lr), "state": "cold", "reason": reason})
+        a.routing.to_coord(M.Shadow(rank=a.rank(lr), state="cold", reason=reason))
 
     def needed(self, lr: int) -> None:
         """The coordinator needs a shadow of ``lr`` (to promote it): one, even cold."""
         a = self.a
         sh = a.shadow.get(lr)
         if sh is not None and sh.status == "warm":  # (its report may have been refused)
-            a.routing.to_coord({"t": "shadow", "rank": sh.rank, "state": "warm"})
+            a.routing.to_coord(M.Shadow(rank=sh.rank, state="warm"))
             return
         a.asked.add(lr)
         self.ensure(lr, force=True)
@@ -129,12 +128,7 @@ class Shadows:
         a.shadow_failures[lr] = 0
         a.asked.discard(lr)
         a.routing.to_coord(
-            {
-                "t": "shadow",
-                "rank": p.rank,
-                "state": "warm",
-                "ms": round((now - p.spawned) * 1e3, 1),
-            }
+            M.Shadow(rank=p.rank, state="warm", ms=round((now - p.spawned) * 1e3, 1))
         )
         if a.reclaimed:
             self.reclaim(lr, "trainer memory still above the budget")
@@ -142,20 +136,14 @@ class Shadows:
     def on_promoted(self, p: Proc, now: float) -> None:
         """A promoted shadow runs as the trainer of its rank."""
         a = self.a
+        if p.promote_gen is None:
+            return  # not a process this agent promoted
         p.status = "running"
         ms = round((now - p.promote_started) * 1e3, 1)
         a.say(
             f"rank {p.rank}: {'warm' if p.promote_warm else 'cold'} shadow promoted in {ms:.0f} ms"
         )
-        a.routing.to_coord(
-            {
-                "t": "promoted",
-                "rank": p.rank,
-                "gen": p.promote_gen,
-                "warm": p.promote_warm,
-                "ms": ms,
-            }
-        )
+        a.routing.to_coord(M.Promoted(rank=p.rank, gen=p.promote_gen, warm=p.promote_warm, ms=ms))
 
     def budget(self, budget: int) -> None:
         """Shadows go cold while the trainers' memory is over ``budget`` bytes, and warm

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from leto.private import InsecurePathError, private_dir
 
 from . import auth
+from . import messages as M
 from . import procs as P
 from .coordinator import Coordinator, CoordinatorOptions
 from .eventlog import EventLog
@@ -200,15 +201,15 @@ class Supervisor:
             host, port = info["coordinator"].rsplit(":", 1)
             welcome = self.join(host, int(port))
             assert a.coord_conn is not None
-            a.spare = bool(welcome.get("spare"))
-            a.generation = int(welcome.get("gen", 0))
+            a.spare = welcome.spare
+            a.generation = welcome.gen
             a.sel.register(a.coord_conn, selectors.EVENT_READ, ("coord", None))
             a.say(
                 f"joined job {a.job} at {endpoint}"
                 + (" as a replacement (spare) node" if a.spare else "")
             )
 
-    def join(self, host: str, port: int) -> dict[str, Any]:
+    def join(self, host: str, port: int) -> M.Welcome:
         """Connect to the coordinator, prove the job's secret and check its proof (see
         :mod:`.auth`); the welcome."""
         a = self.a
@@ -232,18 +233,22 @@ class Supervisor:
         a.coord_conn = Conn(sock, send_timeout=30.0)
         nonce = auth.new_nonce()
         try:
-            challenge, _ = a.coord_conn.recv(timeout=o.rdzv_timeout)
-            ns = challenge.get("nonce")
-            if challenge.get("t") != "challenge" or not isinstance(ns, str):
-                raise WireError(f"expected a challenge, got {str(challenge)[:80]}")
+            challenge = M.decode(a.coord_conn.recv(timeout=o.rdzv_timeout)[0])
+            if not isinstance(challenge, M.Challenge):
+                raise WireError(f"expected a challenge, got {challenge.TAG!r}")
+            ns = challenge.nonce
             proof = auth.proof(a.secret, "node", a.node, ns, nonce)
-            a.coord_conn.send({"t": "hello", "node": a.node, "nonce": nonce, "proof": proof})
-            welcome, _ = a.coord_conn.recv(timeout=o.rdzv_timeout)
+            a.coord_conn.send(M.NodeHello(node=a.node, nonce=nonce, proof=proof).to_wire())
+            welcome = M.decode(a.coord_conn.recv(timeout=o.rdzv_timeout)[0])
         except (WireError, TimeoutError) as e:
             raise LaunchError(f"the coordinator at {host}:{port} did not answer: {e}") from None
-        if welcome.get("t") == "reject":
-            raise LaunchError(str(welcome.get("why")))
-        if not auth.verify(a.secret, "coordinator", a.node, ns, nonce, welcome.get("proof")):
+        if isinstance(welcome, M.Reject):
+            raise LaunchError(welcome.why)
+        if not isinstance(welcome, M.Welcome):
+            raise LaunchError(
+                f"the coordinator at {host}:{port} sent {welcome.TAG!r}, not a welcome"
+            )
+        if not auth.verify(a.secret, "coordinator", a.node, ns, nonce, welcome.proof):
             raise LaunchError(
                 f"the coordinator at {host}:{port} did not prove the job's secret: "
                 "not this job's node 0 (or a different secret)"
@@ -341,7 +346,7 @@ class Supervisor:
         a = self.a
         if self.node_done() and not a._finished_sent:
             a._finished_sent = True
-            a.routing.to_coord({"t": "node_finished", "node": a.node})
+            a.routing.to_coord(M.NodeFinished(node=a.node))
             if a.coord is None:
                 a.stop = True
 
@@ -378,16 +383,15 @@ class Supervisor:
                 )
                 a.say(f"rank {p.rank} hangs ({how})")
                 a.routing.to_coord(
-                    {
-                        "t": "failure",
-                        "kind": "hang",
-                        "rank": p.rank,
-                        "detected_by": "heartbeat timeout",
-                        "detail": how,
-                        "in_phase": p.phase,
-                        "at_step": p.step,
-                        "pid": p.pid,
-                    }
+                    M.Failure(
+                        kind="hang",
+                        rank=p.rank,
+                        detected_by="heartbeat timeout",
+                        detail=how,
+                        in_phase=p.phase,
+                        at_step=p.step,
+                        pid=p.pid,
+                    )
                 )
         # memory: shadows go cold while the trainers need the memory
         if o.shadow_memory_budget is not None and a.started:

@@ -1,0 +1,666 @@
+"""Every message of the gloo backend's protocol, one frozen class per kind.
+
+A message is one JSON object tagged by ``"t"`` (:mod:`.wire` frames it). Each kind is
+a frozen, slotted class here: its fields validate in the constructor (an int is an
+int and not a bool, counters and ranks are not negative, strings are bounded), its
+``ROUTE`` names the endpoints it travels between, ``to_wire()`` is the JSON object
+and :func:`decode` is the one way back: the tag picks the class from :data:`TAGS`,
+and anything else (an unknown tag, an unknown or missing field, a field of the wrong
+type) is a :class:`~.wire.WireError` of one line naming the kind and the field. So a
+bad message from a peer is a bad frame: it closes that one connection, never the
+process that reads it.
+
+Fields whose default is None are left off the wire while they are None (the JSON
+keeps the shape it had before these classes existed).
+
+Endpoints: a **trainer** (or shadow) process, its node's **agent**, the job's
+**coordinator** (in node 0's agent), and a **node** (another node's agent on its TCP
+link to the coordinator). Messages between trainers and the coordinator pass through
+the agent, which decodes them on arrival and forwards them typed.
+
+Not here, and why:
+
+* the keeper's requests and replies (``{"op": ...}``, :mod:`.keeper`,
+  :mod:`.keeper_client`) and the zygote's (``{"op": "spawn"|"spawned"|"exited"}``,
+  :mod:`.zygote`): separate request/reply protocols keyed by ``"op"``, each between
+  one process and its own helper; left as they are for now (they are the next to type);
+* the agent's replies to a trainer's requests (``{"re": id, "ok": ...}``): matched by
+  id, not by tag, by the channel that asked;
+* the event log's records (:mod:`.eventlog`): written to a file for people and for
+  :mod:`leto.spec.trace`, never read by a peer;
+* the status board (:mod:`.board`): fixed-size binary words in shared memory.
+
+Two wire tags were renamed so that each tag has one meaning: the node's hello to the
+coordinator is ``node_hello`` (a trainer's hello to its agent is ``hello``), and the
+coordinator's order to promote a rank's shadow is ``promote_rank`` (the agent's order
+to the shadow itself is ``promote``). ``report`` still means both the coordinator's
+call for reports and a trainer's answer (:class:`Report`, ``rank`` None for the
+call): the trainer's side of recovery (:mod:`.follow`) still matches the tag.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import attrs
+
+from .wire import MAX_FRAME, WireError
+
+__all__ = ["TAGS", "End", "Message", "decode"]
+
+MAX_TEXT = 4 << 20  # a traceback, a reason: bounded
+MAX_NAME = 256  # a phase, a kind, a segment name
+
+
+class End(enum.Enum):
+    """An endpoint of the protocol."""
+
+    TRAINER = "trainer"  # a trainer or shadow process
+    AGENT = "agent"  # its node's agent
+    COORDINATOR = "coordinator"  # the job's coordinator, in node 0's agent
+    NODE = "node"  # another node's agent, on its TCP link to the coordinator
+
+
+# --- validators ------------------------------------------------------------------
+
+
+def _int(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
+    if type(v) is not int:
+        raise TypeError(f"{a.name}: an int, not {type(v).__name__}")
+
+
+def _nat(inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
+    _int(inst, a, v)
+    if v < 0:
+        raise ValueError(f"{a.name}: {v} is negative")
+
+
+def _step(inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
+    """A step, or -1 for none."""
+    _int(inst, a, v)
+    if v < -1:
+        raise ValueError(f"{a.name}: {v} is below -1")
+
+
+def _bool(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
+    if type(v) is not bool:
+        raise TypeError(f"{a.name}: a bool, not {type(v).__name__}")
+
+
+def _number(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
+    if type(v) not in (int, float):
+        raise TypeError(f"{a.name}: a number, not {type(v).__name__}")
+
+
+def _text(limit: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
+        if not isinstance(v, str):
+            raise TypeError(f"{a.name}: a string, not {type(v).__name__}")
+        if len(v) > limit:
+            raise ValueError(f"{a.name}: {len(v)} characters (max {limit})")
+
+    return check
+
+
+def _of(*kinds: type) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
+        if not isinstance(v, kinds):
+            want = " or ".join(k.__name__ for k in kinds)
+            raise TypeError(f"{a.name}: a {want}, not {type(v).__name__}")
+
+    return check
+
+
+def _ints(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
+    if not isinstance(v, list) or any(type(x) is not int for x in v):
+        raise TypeError(f"{a.name}: a list of ints")
+
+
+def _opt(check: Callable[[Any, attrs.Attribute[Any], Any], None]) -> Any:
+    return attrs.validators.optional(check)
+
+
+NAME = _text(MAX_NAME)
+TEXT = _text(MAX_TEXT)
+LONG = _text(MAX_FRAME)  # composed of other texts (a reason and a traceback): the frame's bound
+
+
+def _f(check: Any, default: Any = attrs.NOTHING) -> Any:
+    """A required field (no default) or an optional one."""
+    return attrs.field(validator=check, default=default)
+
+
+# --- the messages ------------------------------------------------------------------
+
+
+class Message:
+    """A protocol message: its ``TAG`` on the wire and its ``ROUTE`` (from -> to)."""
+
+    __slots__ = ()
+    TAG: ClassVar[str]
+    ROUTE: ClassVar[tuple[End, ...]]
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"t": self.TAG}
+        for a in attrs.fields(type(self)):  # type: ignore[arg-type]
+            v = getattr(self, a.name)
+            if v is None and a.default is None:
+                continue
+            out[a.name] = v
+        return out
+
+
+T, A, C, N = End.TRAINER, End.AGENT, End.COORDINATOR, End.NODE
+
+
+# trainer -> agent (the agent's own business)
+
+
+@attrs.frozen
+class Hello(Message):
+    """A process's first message on the agent's socket (its status board rides along)."""
+
+    TAG = "hello"
+    ROUTE = (T, A)
+    pid: int | None = _f(_opt(_nat), None)  # checked against the kernel's word
+    role: str | None = _f(_opt(NAME), None)
+    rank: int | None = _f(_opt(_nat), None)
+    local_rank: int | None = _f(_opt(_nat), None)
+    node: int | None = _f(_opt(_nat), None)
+    incarnation: int | None = _f(_opt(_nat), None)
+
+
+@attrs.frozen
+class Heartbeat(Message):
+    TAG = "hb"
+    ROUTE = (T, A)
+    phase: str = _f(NAME)
+    step: int = _f(_step)
+    progress: int = _f(_int)
+
+
+@attrs.frozen
+class Warm(Message):
+    """A shadow is ready to be promoted."""
+
+    TAG = "warm"
+    ROUTE = (T, A)
+
+
+@attrs.frozen
+class Error(Message):
+    """The process raised: its traceback (a death follows)."""
+
+    TAG = "error"
+    ROUTE = (T, A)
+    traceback: str = _f(TEXT)
+    phase: str | None = _f(_opt(NAME), None)
+    step: int | None = _f(_opt(_step), None)
+
+
+@attrs.frozen
+class Exit(Message):
+    TAG = "exit"
+    ROUTE = (T, A)
+    code: int = _f(_int)
+
+
+@attrs.frozen
+class ProcessState(Message):
+    """A rank's process state after ``step`` (JSON text), kept by its agent."""
+
+    TAG = "ps"
+    ROUTE = (T, A)
+    rank: int = _f(_nat)
+    step: int = _f(_step)
+    json: str = _f(_of(str))
+
+
+@attrs.frozen
+class Pending(Message):
+    """A rank's prepare record (JSON text, "" for none), kept by its agent."""
+
+    TAG = "pending"
+    ROUTE = (T, A)
+    rank: int = _f(_nat)
+    json: str = _f(_of(str))
+
+
+@attrs.frozen
+class GetState(Message):
+    """Request: the rank's kept process states and prepare record."""
+
+    TAG = "get_state"
+    ROUTE = (T, A)
+    rank: int = _f(_nat)
+    id: int = _f(_nat)
+
+
+@attrs.frozen
+class NodeSegment(Message):
+    """Request: the node's segment ``name`` of ``nbytes`` (its descriptor in the reply)."""
+
+    TAG = "node_segment"
+    ROUTE = (T, A)
+    name: str = _f(NAME)
+    nbytes: int = _f(_nat)
+    id: int = _f(_nat)
+
+
+@attrs.frozen
+class SnapshotSlot(Message):
+    """Request: which tier-2 slot to write the snapshot of ``step`` into (-1: just ask)."""
+
+    TAG = "snapshot_slot"
+    ROUTE = (T, A)
+    step: int = _f(_step)
+    id: int = _f(_nat)
+
+
+# trainer -> coordinator (through the agent)
+
+
+@attrs.frozen
+class Ready(Message):
+    TAG = "ready"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    gen: int = _f(_nat)
+    n_chunks: int = _f(_nat)
+    chunk_numel: int = _f(_nat)
+    tier1: bool = _f(_bool)
+    tier1_kind: str = _f(NAME)
+    tier2: bool = _f(_bool)
+    tier2_interval: int = _f(_nat)
+    checkpoint: bool = _f(_bool)
+    snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
+
+
+@attrs.frozen
+class Vote(Message):
+    """Step ``step``'s gradients are sealed: the rank votes to commit it. ``pending``
+    (its prepare record) stays with the agent."""
+
+    TAG = "vote"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    step: int = _f(_nat)
+    gen: int = _f(_nat)
+    pending: str | None = _f(_opt(_of(str)), None)
+
+
+@attrs.frozen
+class Finished(Message):
+    """The rank applied step ``step``; ``ps`` (its process state) stays with the agent."""
+
+    TAG = "finished"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    step: int = _f(_nat)
+    gen: int = _f(_nat)
+    loss: float | None = _f(_opt(_number), None)
+    ps: str | None = _f(_opt(_of(str)), None)
+
+
+@attrs.frozen
+class SnapshotDone(Message):
+    TAG = "snapshot_done"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    step: int = _f(_nat)
+    gen: int = _f(_nat)
+    meta: dict[str, Any] | None = _f(_opt(_of(dict)), None)
+
+
+@attrs.frozen
+class Stopped(Message):
+    """The rank stopped at a safe point (``reason``: a collective failed, "" if asked)."""
+
+    TAG = "stopped"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    gen: int = _f(_nat)
+    reason: str = _f(TEXT, "")
+
+
+@attrs.frozen
+class Report(Message):
+    """The coordinator's call for reports (``rank`` None), and a trainer's answer: the
+    truth of its retained state (chunk versions, undo copies, sealed gradients, and
+    from a node's first rank its node's parity records)."""
+
+    TAG = "report"
+    ROUTE = (C, A, T, A, C)
+    gen: int = _f(_nat)
+    rank: int | None = _f(_opt(_nat), None)
+    data: list[int] | None = _f(_opt(_ints), None)
+    undo: list[int] | None = _f(_opt(_ints), None)
+    grad: int | None = _f(_opt(_int), None)
+    lost: bool | None = _f(_opt(_bool), None)
+    pg_ms: float | None = _f(_opt(_number), None)
+    node_par: list[list[int]] | None = _f(_opt(_of(list)), None)
+    node_gpar: list[int] | None = _f(_opt(_ints), None)
+
+
+@attrs.frozen
+class Reconciled(Message):
+    TAG = "reconciled"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    gen: int = _f(_nat)
+    summary: dict[str, Any] = _f(_of(dict), attrs.Factory(dict))
+    snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
+
+
+@attrs.frozen
+class Rebuilt(Message):
+    TAG = "rebuilt"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    gen: int = _f(_nat)
+
+
+@attrs.frozen
+class Done(Message):
+    """The rank ran every step: its final digest."""
+
+    TAG = "done"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    step: int = _f(_nat)
+    gen: int = _f(_nat)
+    digest: dict[str, Any] | str | None = _f(_opt(_of(dict, str)), None)
+
+
+@attrs.frozen
+class Fatal(Message):
+    """An error no recovery can help: the job stops."""
+
+    TAG = "fatal"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    error: str = _f(LONG)
+
+
+@attrs.frozen
+class Promoted(Message):
+    """A shadow runs as its rank's trainer: the trainer tells its agent, the agent the
+    coordinator (with how: ``warm``, and how long it took)."""
+
+    TAG = "promoted"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    gen: int = _f(_nat)
+    warm: bool | None = _f(_opt(_bool), None)
+    ms: float | None = _f(_opt(_number), None)
+
+
+# agent -> coordinator
+
+
+@attrs.frozen
+class Failure(Message):
+    """A failure the agent saw (``kind``: crash, exception, hang, keeper_lost)."""
+
+    TAG = "failure"
+    ROUTE = (A, C)
+    kind: str = _f(NAME)
+    rank: int = _f(_nat)
+    detected_by: str = _f(NAME)
+    detail: str | None = _f(_opt(LONG), None)
+    traceback: str | None = _f(_opt(LONG), None)
+    in_phase: str | None = _f(_opt(NAME), None)
+    at_step: int | None = _f(_opt(_step), None)
+    ms_since_heartbeat: float | None = _f(_opt(_number), None)
+    pid: int | None = _f(_opt(_nat), None)
+
+
+@attrs.frozen
+class Shadow(Message):
+    """A rank's shadow changed state (warm, cold, failed)."""
+
+    TAG = "shadow"
+    ROUTE = (A, C)
+    rank: int = _f(_nat)
+    state: str = _f(NAME)
+    ms: float | None = _f(_opt(_number), None)
+    reason: str | None = _f(_opt(LONG), None)
+    degraded: str | None = _f(_opt(LONG), None)
+
+
+@attrs.frozen
+class Fenced(Message):
+    """The node killed the stale processes and fenced its keepers at ``gen``."""
+
+    TAG = "fenced"
+    ROUTE = (A, C)
+    node: int = _f(_nat)
+    gen: int = _f(_nat)
+    killed: list[dict[str, int]] = _f(_of(list), attrs.Factory(list))
+
+
+@attrs.frozen
+class NodeFinished(Message):
+    TAG = "node_finished"
+    ROUTE = (A, C)
+    node: int = _f(_nat)
+
+
+# the handshake of a node's TCP link (see .auth)
+
+
+@attrs.frozen
+class Challenge(Message):
+    TAG = "challenge"
+    ROUTE = (C, N)
+    nonce: str = _f(NAME)
+
+
+@attrs.frozen
+class NodeHello(Message):
+    TAG = "node_hello"
+    ROUTE = (N, C)
+    node: int = _f(_nat)
+    nonce: str = _f(NAME)
+    proof: str = _f(NAME)
+
+
+@attrs.frozen
+class Welcome(Message):
+    TAG = "welcome"
+    ROUTE = (C, N)
+    spare: bool = _f(_bool)
+    gen: int = _f(_nat)
+    proof: str = _f(NAME)
+
+
+@attrs.frozen
+class Reject(Message):
+    TAG = "reject"
+    ROUTE = (C, N)
+    why: str = _f(TEXT)
+
+
+@attrs.frozen
+class Go(Message):
+    """Every node has joined (or this one is a spare): start the processes."""
+
+    TAG = "go"
+    ROUTE = (C, A)
+    spare: bool = _f(_bool)
+
+
+# coordinator -> agents (and on to the trainers)
+
+
+@attrs.frozen
+class Fail(Message):
+    TAG = "fail"
+    ROUTE = (C, A)
+    error: str = _f(LONG)
+
+
+@attrs.frozen
+class Commit(Message):
+    TAG = "commit"
+    ROUTE = (C, A, T)
+    step: int = _f(_nat)
+    gen: int = _f(_nat)
+
+
+@attrs.frozen
+class Tier2(Message):
+    """The tier-2 snapshot of ``step`` is complete: it is current."""
+
+    TAG = "t2"
+    ROUTE = (C, A, T)
+    step: int = _f(_nat)
+    gen: int = _f(_nat)
+
+
+@attrs.frozen
+class Complete(Message):
+    TAG = "complete"
+    ROUTE = (C, A, T)
+
+
+@attrs.frozen
+class Abort(Message):
+    TAG = "abort"
+    ROUTE = (C, A, T)
+    gen: int = _f(_nat)
+
+
+@attrs.frozen
+class Fence(Message):
+    TAG = "fence"
+    ROUTE = (C, A)
+    gen: int = _f(_nat)
+    kill: list[int] = _f(_ints, attrs.Factory(list))
+
+
+@attrs.frozen
+class NeedShadow(Message):
+    TAG = "need_shadow"
+    ROUTE = (C, A)
+    rank: int = _f(_nat)
+
+
+@attrs.frozen
+class PromoteRank(Message):
+    """Promote the shadow of ``rank`` (the agent tells the shadow: :class:`Promote`)."""
+
+    TAG = "promote_rank"
+    ROUTE = (C, A)
+    rank: int = _f(_nat)
+    gen: int = _f(_nat)
+    warm: bool = _f(_bool)
+
+
+@attrs.frozen
+class Promote(Message):
+    """A shadow becomes its rank's trainer, with its keeper (it may be a new one)."""
+
+    TAG = "promote"
+    ROUTE = (A, T)
+    gen: int = _f(_nat)
+    keeper_pid: int = _f(_nat)
+    keeper_socket: str = _f(NAME)
+
+
+@attrs.frozen
+class Reconcile(Message):
+    """Carry out the core's plan: ``kind`` and ``target``, the repairs, the snapshot."""
+
+    TAG = "reconcile"
+    ROUTE = (C, A, T)
+    gen: int = _f(_nat)
+    kind: str = _f(NAME)
+    target: int = _f(_nat)
+    repairs: list[dict[str, Any]] = _f(_of(list), attrs.Factory(list))
+    retake_t2: bool = _f(_bool, True)
+    snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
+
+
+@attrs.frozen
+class Rebuild(Message):
+    TAG = "rebuild"
+    ROUTE = (C, A, T)
+    gen: int = _f(_nat)
+
+
+@attrs.frozen
+class Resume(Message):
+    TAG = "resume"
+    ROUTE = (C, A, T)
+    gen: int = _f(_nat)
+    step: int = _f(_nat)
+    t2: int | None = _f(_opt(_nat), None)
+
+
+KINDS: tuple[type[Message], ...] = (
+    Hello,
+    Heartbeat,
+    Warm,
+    Error,
+    Exit,
+    ProcessState,
+    Pending,
+    GetState,
+    NodeSegment,
+    SnapshotSlot,
+    Ready,
+    Vote,
+    Finished,
+    SnapshotDone,
+    Stopped,
+    Report,
+    Reconciled,
+    Rebuilt,
+    Done,
+    Fatal,
+    Promoted,
+    Failure,
+    Shadow,
+    Fenced,
+    NodeFinished,
+    Challenge,
+    NodeHello,
+    Welcome,
+    Reject,
+    Go,
+    Fail,
+    Commit,
+    Tier2,
+    Complete,
+    Abort,
+    Fence,
+    NeedShadow,
+    PromoteRank,
+    Promote,
+    Reconcile,
+    Rebuild,
+    Resume,
+)
+TAGS: dict[str, type[Message]] = {k.TAG: k for k in KINDS}
+
+
+def decode(obj: Any) -> Message:
+    """The message ``obj`` (a decoded JSON object) is; :class:`WireError` if none."""
+    if not isinstance(obj, dict):
+        raise WireError(f"not a message: a {type(obj).__name__}")
+    tag = obj.get("t")
+    kind = TAGS.get(tag) if isinstance(tag, str) else None
+    if kind is None:
+        raise WireError(f"unknown message kind {str(tag)[:40]!r}")
+    names = {a.name for a in attrs.fields(kind)}  # type: ignore[arg-type]
+    extra = sorted(str(k)[:40] for k in obj if k != "t" and k not in names)
+    if extra:
+        raise WireError(f"{tag}: unknown field {extra[0]!r}")
+    try:
+        return kind(**{k: v for k, v in obj.items() if k != "t"})
+    except (TypeError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise WireError(f"{tag}: {first[:200]}") from None
