@@ -7,7 +7,7 @@ before it obeys it (an HMAC challenge and response both ways; the secret itself
 never crosses the wire):
 
 1. the coordinator sends ``{"t": "challenge", "nonce": Ns}`` as soon as it accepts;
-2. the node answers ``{"t": "hello", "node": n, "nonce": Nc, "proof":
+2. the node answers ``{"t": "node_hello", "node": n, "nonce": Nc, "proof":
    HMAC(secret, "node", n, Ns, Nc)}``; the coordinator compares it with
    :func:`hmac.compare_digest` and closes the connection unless it matches;
 3. the coordinator's ``welcome`` carries ``HMAC(secret, "coordinator", n, Ns,
