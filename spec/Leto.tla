@@ -48,6 +48,7 @@ CONSTANTS
     MaxStep,    \* training stops at this step
     MaxFaults,  \* faults injected in one behaviour
     K,          \* tier 2 lags at most K steps
+    T2Parity,   \* tier 2's cross-node parities: lost nodes the snapshot survives
     Mutant,     \* "none" or the name of a broken variant
     NONE, TORN, LOST, GARBAGE   \* model values
 
@@ -58,6 +59,7 @@ ASSUME /\ Ranks # {} /\ Nodes # {}
        /\ NodeOf \in [Ranks -> Nodes]
        /\ NChunks \in Nat \ {0} /\ MaxStep \in Nat /\ MaxFaults \in Nat
        /\ K \in Nat \ {0}
+       /\ T2Parity \in Nat \ {0}
        /\ Mutant \in Mutants
 
 VARIABLES
@@ -438,7 +440,10 @@ Dropped == \E r \in Ranks : grad[r] = V + 1
 
 \* Single parity across nodes: the snapshot survives one lost node (and none
 \* in a one-node job, whose snapshot has no other node to live on).
-T2Intact == Cardinality(t2lost) <= (IF Cardinality(Nodes) > 1 THEN 1 ELSE 0)
+\* The snapshot survives T2Parity lost nodes, and never all of them (a lost
+\* node's share lives on another node).
+T2Survives == IF Cardinality(Nodes) > T2Parity THEN T2Parity ELSE Cardinality(Nodes) - 1
+T2Intact == Cardinality(t2lost) <= T2Survives
 
 PlanKind ==
     IF AllReach THEN
@@ -677,8 +682,8 @@ Tier1Covered ==
 \* one-node job, that node was not lost).
 Tier2Covered ==
     /\ Cardinality({n \in Nodes : n \in nlost
-                                  \/ Cardinality(mlost \cap RanksOf(n)) >= 2}) <= 1
-    /\ nlost = {} \/ Cardinality(Nodes) > 1
+                                  \/ Cardinality(mlost \cap RanksOf(n)) >= 2}) <= T2Parity
+    /\ Cardinality(nlost) <= T2Survives
 
 \* Checked on the states after Reconcile / RestoreCheckpoint, up to Resume
 \* (mlost and nlost only grow until Resume clears them).

@@ -188,3 +188,15 @@ def test_tier1_off_is_configuration_of_the_model() -> None:
     on = ClusterModel(attrs.evolve(cfg, tier1=True))
     assert on.plan(attrs.evolve(s, par=on.initial().par, gpar=on.initial().gpar)).kind is Kind.TIER1
     assert model.plan(s).kind is Kind.TIER2
+
+
+def test_tier2_parity_decides_whether_two_lost_nodes_fall_back() -> None:
+    """Three nodes, two node losses: with two parities the snapshot is restored
+    (Tier2TwoNodesLost), with one the recovery falls back to the checkpoint."""
+
+    m2 = CHECK_CONFIGS["tier2-m2"]
+    two = check(ClusterModel(m2))
+    one = check(ClusterModel(attrs.evolve(m2, tier2_parity=1)))
+    assert two.violations == () and one.violations == ()
+    assert "Tier2TwoNodesLost" in two.reached and "Tier2TwoNodesLost" not in one.reached
+    assert "Fallback" in one.reached and "Fallback" not in two.reached

@@ -16,7 +16,7 @@ The explicit-state checker (:mod:`leto.core.checker`), the Hypothesis machines
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -65,6 +65,10 @@ def _check_fault_kinds(_inst: Any, _attr: Any, value: frozenset[str]) -> None:
         )
 
 
+def _fault_set(value: Iterable[str]) -> frozenset[str]:
+    return frozenset(value)
+
+
 def _positive(_inst: Any, attr: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attr.name} must be >= 1, got {value}")
@@ -85,17 +89,26 @@ class ClusterConfig:
     max_faults: int = attrs.field(default=2, validator=_non_negative)
     k: int = attrs.field(default=1, validator=_positive)
     faults: frozenset[str] = attrs.field(
-        default=FAULT_KINDS, converter=frozenset, validator=_check_fault_kinds
+        default=FAULT_KINDS, converter=_fault_set, validator=_check_fault_kinds
     )
     reclaim: bool = True  # shadows may go cold
     # tier 1 off: no node keeps parity, so every par/gpar is LOST (None) in every state
     # and a lost memory needs tier 2 (or the checkpoint)
     tier1: bool = True
+    # tier 2's cross-node parities (``tier2_parity`` in a job's config): the snapshot
+    # survives that many lost nodes, where some other node holds each lost share
+    tier2_parity: int = attrs.field(default=1, validator=_positive)
     mutant: Mutant = attrs.field(default=Mutant.NONE, converter=Mutant)
 
     @property
     def ranks(self) -> int:
         return self.topology.world_size
+
+    @property
+    def tier2_survives(self) -> int:
+        """How many lost nodes the tier-2 snapshot survives: ``tier2_parity``, and
+        never all of them (a lost node's share lives on another node)."""
+        return min(self.tier2_parity, self.topology.nodes - 1)
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -285,9 +298,7 @@ class ClusterModel:
             gpar=s.gpar,
             committed=s.committed,
             t2=s.t2,
-            # Single cross-node parity: the snapshot survives one lost node, and only
-            # when some other node holds that node's share.
-            t2_intact=len(s.t2lost) <= min(1, self.config.topology.nodes - 1),
+            t2_intact=len(s.t2lost) <= self.config.tier2_survives,
         )
 
     def plan(self, s: ClusterState) -> Plan:

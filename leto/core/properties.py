@@ -99,14 +99,14 @@ def tier1_covered(m: ClusterModel, s: ClusterState) -> bool:
 
 
 def tier2_covered(m: ClusterModel, s: ClusterState) -> bool:
-    """At most one node lost more than its tier-1 parity rebuilds."""
+    """At most ``tier2_parity`` nodes lost more than their tier-1 parity rebuilds."""
     beyond = [
         n
         for n, members in enumerate(m.config.groups)
         if n in s.nlost or len(s.mlost & set(members)) > _tier1_rebuilds(m)
     ]
     # A lost node's snapshot share lives on another node: a one-node job has none.
-    return len(beyond) <= 1 and (not s.nlost or m.config.topology.nodes > 1)
+    return len(beyond) <= m.config.tier2_parity and len(s.nlost) <= m.config.tier2_survives
 
 
 def _durability(m: ClusterModel, s: ClusterState) -> bool:
@@ -209,6 +209,13 @@ SOMETIMES: tuple[Sometimes, ...] = (
     Sometimes("RollBack", state=_kind(Kind.BACK), doc="an uncommitted step was dropped"),
     Sometimes("Tier1Repair", state=_kind(Kind.TIER1), doc="lost chunks rebuilt from tier 1"),
     Sometimes("Tier2Repair", state=_kind(Kind.TIER2), doc="the tier-2 snapshot restored"),
+    Sometimes(
+        "Tier2TwoNodesLost",
+        edge=lambda m, pre, e, post: (
+            isinstance(e, ev.Reconcile) and post.kind is Kind.TIER2 and len(pre.t2lost) >= 2
+        ),
+        doc="the tier-2 snapshot restored after two lost nodes (tier2_parity >= 2)",
+    ),
     Sometimes("Fallback", state=lambda m, s: s.phase is Phase.FALLBACK, doc="disk checkpoint"),
     Sometimes("FailureDuringRecovery", edge=_fault_in_recovery, doc="a fault while recovering"),
     Sometimes("ColdPromotion", edge=_cold_promotion, doc="a cold shadow was promoted"),

@@ -31,6 +31,16 @@ CHECK_CONFIGS: Mapping[str, ClusterConfig] = {
     "tier1-off": ClusterConfig(
         topology=Topology((2, 1)), chunks=1, max_step=1, max_faults=1, reclaim=False, tier1=False
     ),
+    # two parities across three nodes: two nodes lost at once are restored from tier 2
+    "tier2-m2": ClusterConfig(
+        topology=Topology((1, 1, 1)),
+        chunks=1,
+        max_step=1,
+        max_faults=2,
+        faults=frozenset(("lose_node",)),
+        reclaim=False,
+        tier2_parity=2,
+    ),
 }
 
 MUTANT_CONFIG = "three-ranks"
