@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from leto.core.chunk import LOST, NONE, producible
+from leto.core.chunk import LOST, NONE, producible, uniform_row
 from leto.core.recovery import Kind
 
 
@@ -159,9 +159,7 @@ def reencoded_parity(
     groups: Sequence[Sequence[int]], n_chunks: int, version: int
 ) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Tier-1 parity of every node encoding every member's chunks at ``version``."""
-    return tuple(
-        tuple(tuple(version for _ in members) for _ in range(n_chunks)) for members in groups
-    )
+    return tuple((uniform_row(version, len(members)),) * n_chunks for members in groups)
 
 
 def empty_grad_parity(groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
