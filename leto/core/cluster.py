@@ -656,20 +656,21 @@ def _g_apply_step(m: ClusterModel, s: ClusterState, e: ev.ApplyStep) -> Protocol
         return _err("recovery", s.phase, e, "training is paused during recovery")
     if e.ranks[-1] >= cfg.ranks:
         return _err("cluster", s.phase, e, f"rank {e.ranks[-1]} out of range 0..{cfg.ranks - 1}")
-    if m.aggregation is not Aggregation.UNCOMMITTED and s.committed != e.step:
-        return _err("commit", s.commit, e, f"step {e.step} is not the committed step")
     old = e.step - 1
     for r in e.ranks:
         if s.trainer[r] is not TrainerState.ALIVE:
             return _err("trainer", s.trainer[r], e, f"rank {r}'s trainer is not alive")
         if s.tgen[r] != s.gen:
             return _err("keeper", s.phase, e, f"generation {s.tgen[r]} is fenced (current {s.gen})")
+        if s.step[r] != old:
+            why = f"rank {r} is at step {s.step[r]}: it can finish step {s.step[r] + 1} only"
+            return _err("txn", s.pc[r], e, why)
         if s.pc[r] is not TxnState.PREPARED:
             return _err("txn", s.pc[r], e, f"rank {r} has not prepared (or began applying)")
-        if s.step[r] != old:
-            return _err("txn", s.pc[r], e, f"rank {r} is at step {s.step[r]}, not {old}")
         if not is_uniform(s.data[r], old) or not is_uniform(s.undo[r], NONE):
             return _err("chunk", s.pc[r], e, f"rank {r}'s chunks are not all clean at step {old}")
+    if m.aggregation is not Aggregation.UNCOMMITTED and s.committed != e.step:
+        return _err("commit", s.commit, e, f"step {e.step} is not committed")
     return None
 
 

@@ -248,8 +248,9 @@ def test_a_recovery_replays_through_the_model_from_its_log() -> None:
     (init,) = h.events("core_init")
     assert init == {**init, "nodes": [2], "chunks": CHUNKS, "k": 100, "shadows": "spawning"}
     feeds = [e["feed"] for e in h.events("core") if "feed" in e]
-    # O(ranks) per step: one record for the votes, one per finished rank
-    assert [["Commit", 1]] in feeds and [["Apply", 1, 1]] in feeds and [["LoseMemory", 1]] in feeds
+    # O(ranks) per step: one record for the votes, one for the ranks that finished
+    assert [["CommitStep", 1]] in feeds and [["ApplyStep", 1, [0, 1]]] in feeds
+    assert [["LoseMemory", 1]] in feeds
     (adopted,) = [e["adopt"] for e in h.events("core") if "adopt" in e]
     assert adopted["data"] == [[1, 1], [-2, -2]] and adopted["grad"] == [-1, -2]
     rep = replay(enumerate(h.log.records, 1))
@@ -264,11 +265,14 @@ def test_an_event_the_model_refuses_stops_the_job() -> None:
     err = h.c.failed
     assert err is not None and out == [(None, {"t": "fail", "error": err})]
     assert "\n" not in err
-    assert err.startswith("the protocol model refused Apply(rank=0, step=2) (rank 0 finished")
-    assert "txn: event BeginChunk(rank=0, chunk=0) is illegal in state IDLE" in err
+    assert err.startswith(
+        "the protocol model refused ApplyStep(step=2, ranks=(0,)) (rank 0 finished"
+    )
+    assert "txn: event ApplyStep(step=2, ranks=(0,)) is illegal in state IDLE" in err
+    assert "rank 0 has not prepared" in err
     assert "model: phase running, generation 0, committed 1" in err
     (failed,) = h.events("job_failed")
-    assert failed["feed"] == [["Apply", 0, 2]]
+    assert failed["feed"] == [["ApplyStep", 2, [0]]]
     # its trace is refused at that record: the coordinator's refusal replays as one
     rep = replay(enumerate(h.log.records, 1))
     assert rep.divergence is not None and rep.divergence.event == "job_failed", rep.line()
@@ -287,7 +291,7 @@ def test_a_finished_step_the_model_is_not_at_stops_the_job() -> None:
     h.step(1)
     for r in range(2):
         h.send(0, {"t": "vote", "rank": r, "step": 3, "gen": 0})
-    assert h.c.failed is not None and "Commit(step=3)" in h.c.failed, h.c.failed
+    assert h.c.failed is not None and "CommitStep(step=3)" in h.c.failed, h.c.failed
     assert "the model's next step is 2" in h.c.failed
 
 
@@ -315,7 +319,7 @@ def test_not_strict_logs_the_refusal_and_carries_on() -> None:
     h.send(0, {"t": "finished", "rank": 0, "step": 2, "gen": 0, "loss": 1.0})
     assert h.c.failed is None
     (mismatch,) = h.events("model_mismatch")
-    assert "refused Apply(rank=0, step=2)" in mismatch["error"]
+    assert "refused ApplyStep(step=2, ranks=(0,))" in mismatch["error"]
     h.step(2)  # the model did not take the refused step: training goes on
     rep = replay(enumerate(h.log.records, 1))
     assert rep.divergence is not None and rep.divergence.event == "model_mismatch"
