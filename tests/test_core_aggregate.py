@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import attrs
+from typing import Any
+
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
@@ -10,8 +11,10 @@ from hypothesis import strategies as st
 from leto.core import events as ev
 from leto.core.aggregate import check_refinement, expand, refinement_failure
 from leto.core.checker import check
+from leto.core.chunk import LOST, NONE, TORN, repeated, uniform_row
 from leto.core.cluster import Aggregation, ClusterConfig, ClusterModel
 from leto.core.erasure import Topology
+from leto.core.reconcile import Survivors, plan
 from leto.core.verify import CHECK_CONFIGS
 
 
@@ -99,5 +102,76 @@ def test_aggregated_step_shares_rows() -> None:
     s, _ = m.step(s, ev.CommitStep(1))
     s, effects = m.step(s, ev.ApplyStep(1, (0, 1, 2, 3)))
     assert len({id(row) for row in s.data}) == 1
-    assert effects == tuple(attrs.evolve(x) for x in effects) and len(effects) == 4
+    assert effects == ()
     assert all(p is not None and len({id(row) for row in p}) == 1 for p in s.par)
+
+
+# --- the compressed reconcile plan is the chunk-by-chunk one ---------------------------
+
+
+def _reachable(m: ClusterModel, limit: int) -> list[Any]:
+    seen = {m.initial(): None}
+    queue = [m.initial()]
+    while queue and len(seen) < limit:
+        s = queue.pop()
+        for _, nxt in m.successors(s):
+            if nxt not in seen:
+                seen[nxt] = None
+                queue.append(nxt)
+    return list(seen)
+
+
+@pytest.mark.parametrize("name", ["three-ranks", "two-faults", "tier1-off"])
+def test_compressed_plan_is_the_reference_on_reachable_states(name: str) -> None:
+    m = ClusterModel(CHECK_CONFIGS[name])
+    states = _reachable(m, 6000)
+    kinds = set()
+    for s in states:
+        surv = m.survivors(s)
+        got = plan(surv)
+        assert got == plan(surv, compress=False), s
+        kinds.add(got.kind)
+    assert len(kinds) >= 4  # not vacuous: several kinds of plan compared
+
+
+_VAL = st.sampled_from([0, 1, 2, TORN, LOST])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_compressed_plan_is_the_reference_on_random_survivors(data: st.DataObject) -> None:
+    groups = ((0, 1, 2), (3, 4))
+    C = data.draw(st.integers(1, 6))
+
+    def row(vals: Any) -> tuple[int, ...]:
+        if data.draw(st.booleans()):  # a shared uniform row, as the model writes them
+            return uniform_row(data.draw(vals), C)
+        return tuple(data.draw(st.lists(vals, min_size=C, max_size=C)))
+
+    def par() -> Any:
+        if data.draw(st.integers(0, 4)) == 0:
+            return None
+        if data.draw(st.booleans()):
+            return repeated(uniform_row(data.draw(st.sampled_from([0, 1, 2])), 3), C)
+        return tuple(
+            tuple(data.draw(st.lists(st.sampled_from([0, 1, 2]), min_size=3, max_size=3)))
+            for _ in range(C)
+        )
+
+    surv = Survivors(
+        groups=groups,
+        data=tuple(row(_VAL) for _ in range(5)),
+        undo=tuple(row(st.sampled_from([NONE, 0, 1])) for _ in range(5)),
+        grad=tuple(data.draw(st.sampled_from([NONE, LOST, 1, 2])) for _ in range(5)),
+        par=(
+            par(),
+            None
+            if data.draw(st.booleans())
+            else tuple((x[0], x[1]) for x in (par() or ((0, 0, 0),) * C)),
+        ),
+        gpar=((1, 1, 1), (1, 1)),
+        committed=data.draw(st.sampled_from([0, 1, 2])),
+        t2=0,
+        t2_intact=data.draw(st.booleans()),
+    )
+    assert plan(surv) == plan(surv, compress=False)

@@ -19,8 +19,8 @@ checker reaches:
 
 A broken aggregation (:class:`~leto.core.cluster.Aggregation` ``NO_PARITY_FOLD``,
 ``UNCOMMITTED``) must be rejected by this check. The effects of an aggregated event are
-a summary (``RecordCommit``, one ``StepDone`` per rank), not its expansion's per-chunk
-effects: a coordinator that feeds it has had the work done already.
+a summary (``CommitStep``: ``RecordCommit``; ``ApplyStep``: none), not its
+expansion's per-chunk effects: a coordinator feeds it once the ranks did the work.
 """
 
 from __future__ import annotations

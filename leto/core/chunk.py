@@ -52,6 +52,13 @@ def uniform_row(value: int, n: int) -> tuple[int, ...]:
     return (value,) * n
 
 
+@functools.lru_cache(maxsize=64)
+def repeated(row: tuple[int, ...], n: int) -> tuple[tuple[int, ...], ...]:
+    """``(row,) * n``, shared like :func:`uniform_row`: a node's parity when every chunk
+    encodes the same versions."""
+    return (row,) * n
+
+
 def is_uniform(row: tuple[int, ...], value: int) -> bool:
     """Every entry of ``row`` is ``value`` (by identity with :func:`uniform_row` when it
     is that shared row, else by counting)."""
