@@ -97,15 +97,15 @@ def line_of(records: list[dict[str, Any]], event: str, nth: int = 0, **match: An
 def test_a_run_replays_with_every_record_checked() -> None:
     report = replay(numbered(a_run()))
     assert report.ok, report.line()
-    # Commit: 2 ranks x (Compute, Reduce, Prepare) + Decide; Apply: 2 chunks x 3 + Finish
-    commit, apply = 7, 7
+    # Commit and Apply replay as the aggregated CommitStep and ApplyStep: one event each
+    commit, apply = 1, 1
     recovery = 1 + 1 + 1 + 1 + 1 + 1 + 1 + 1  # Crash .. Resume (the adoption feeds none)
     assert report.events == 2 * commit + 4 * apply + recovery
     assert report.core_records == 15
     checked = {"step", "failure", "recovery_start", "fence", "promoted", "reconciled"}
     checked |= {"recovery_end", "training_done"}
     assert report.checked == sum(r["event"] in checked for r in a_run()) == 9
-    assert report.line().startswith("trace OK: <records>: 50 events replayed")
+    assert report.line().startswith("trace OK: <records>: 14 events replayed")
 
 
 def test_items_round_trip_and_malformed_items_are_refused() -> None:
@@ -117,12 +117,16 @@ def test_items_round_trip_and_malformed_items_are_refused() -> None:
         Commit(3),
         Apply(1, 3),
         Snapshot(4),
+        ev.CommitStep(3),
+        ev.ApplyStep(3, (0, 2)),
     ):
         assert decode(json.loads(json.dumps(encode(item)))) == item
+    assert encode(ev.ApplyStep(3, (0, 2))) == ["ApplyStep", 3, [0, 2]]
     for raw, why in [
         (["Melt", 1], "no event of the protocol"),
         (["Crash"], "takes 1 argument"),
         (["Crash", -1], "must be >= 0"),
+        (["ApplyStep", 1, [2, 1]], "sorted and distinct"),
         (["Apply", 1, True], "must be an int"),
         ("Crash", "a feed item is"),
         ([], "a feed item is"),
@@ -140,7 +144,7 @@ def test_an_abbreviation_is_refused_at_a_step_the_model_is_not_at() -> None:
     with pytest.raises(ProtocolError, match="rank 0 is at step 0: it can finish step 1 only"):
         run(model, s, [Apply(0, 2)])
     # all or nothing: the refused batch names its inner event, the caller's state stands
-    with pytest.raises(ProtocolError, match=r"BeginChunk\(rank=1, chunk=0\)") as exc:
+    with pytest.raises(ProtocolError, match=r"ApplyStep\(step=2, ranks=\(1,\)\)") as exc:
         run(model, s, [Apply(0, 1), Apply(1, 1), Apply(1, 2)])
     assert "illegal in state IDLE" in str(exc.value)
     s, _ = run(model, s, [Apply(0, 1), Apply(1, 1)])
@@ -206,7 +210,7 @@ def _reorder(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
 def _remove_failure(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
     n = line_of(recs, "core", feed=[["Crash", 1]])
     del recs[n - 1]
-    return n, "failure", "failure follows Finish, not the event it reports"
+    return n, "failure", "failure follows ApplyStep, not the event it reports"
 
 
 def _other_kind(recs: list[dict[str, Any]]) -> tuple[int, str, str]:
@@ -274,11 +278,11 @@ def test_leto_spec_trace_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["spec", "trace", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert (
-        out.startswith(f"trace OK: {run_dir / 'events.jsonl'}: 50 events") and out.count("\n") == 1
+        out.startswith(f"trace OK: {run_dir / 'events.jsonl'}: 14 events") and out.count("\n") == 1
     )
     assert main(["spec", "trace", str(run_dir / "events.jsonl"), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["ok"] is True and got["events"] == 50 and got["divergence"] is None
+    assert got["ok"] is True and got["events"] == 14 and got["divergence"] is None
     # a writer killed half way through its last line: that line is skipped
     _write(run_dir / "events.jsonl", a_run(), tail='{"event": "core", "fe')
     assert main(["spec", "trace", str(run_dir)]) == 0

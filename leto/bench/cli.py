@@ -6,6 +6,7 @@
     leto bench overhead [--params 1M] [--batch 16384] [--rounds 5] [--json]
     leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 30] [--json]
     leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--json]
+    leto bench control  [--ranks 1024] [--chunks 4096] [--per-node 8] [--json]
 
 Systems (``--systems``, comma-separated): ``ckpt-disk`` (torch.distributed.checkpoint
 to local disk, restart), ``ckpt-disk-async`` (DCP ``async_save``), ``gemini`` (a
@@ -129,6 +130,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--mtbf", type=float, default=60.0)
     p.add_argument("--gap", type=float, default=10.0)
+    p = sub.add_parser(
+        "control",
+        help="the coordinator's protocol-model CPU per step and per recovery plan "
+        "(in process, no training), aggregated vs chunk-level",
+    )
+    p.add_argument("--ranks", type=int, default=1024, help="ranks (default 1024)")
+    p.add_argument("--chunks", type=int, default=4096, help="chunks per rank (default 4096)")
+    p.add_argument("--per-node", type=int, default=8, help="ranks per node (default 8)")
+    p.add_argument("--steps", type=int, default=5, help="steps fed per size (default 5)")
+    p.add_argument(
+        "--reference-sizes",
+        default="8x256,32x256",
+        help="RANKSxCHUNKS,... where the chunk-level path runs too (default 8x256,32x256)",
+    )
+    p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
 
 
 # ------------------------------------------------------------------ validation
@@ -147,6 +164,10 @@ BOUNDS: dict[str, Bound] = {
     "mtbf": seconds(),
     "budget": seconds(),
     "gap": Bound(lo=0, hi=86_400.0, unit="s", why_hi="a day"),
+    "ranks": positive_int(1 << 20),
+    "chunks": positive_int(1 << 24),
+    "per_node": positive_int(1 << 12),
+    "steps": Bound(lo=2, hi=1000, integer=True),
 }
 MAX_SIZES = 16
 
@@ -220,10 +241,12 @@ def _write(out: Path, name: str, res: dict[str, Any]) -> Path:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "bench", None) is None:
         print(
-            "leto bench: error: choose a benchmark: recovery, overhead, goodput, scaling",
+            "leto bench: error: choose a benchmark: recovery, overhead, goodput, scaling, control",
             file=sys.stderr,
         )
         return 2
+    if args.bench == "control":
+        return _run_control(args)
     try:
         wls, systems = _validate(args)
     except BenchError as e:
@@ -244,6 +267,32 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(table(res))
         print(f"wrote {path} and {png}")
+    return 0
+
+
+def _run_control(args: argparse.Namespace) -> int:
+    from .control import control_table, parse_sizes, run_control
+
+    try:
+        check_args(args, BOUNDS)
+        sizes = parse_sizes(args.reference_sizes)
+        if any(r < 1 or c < 1 for r, c in sizes):
+            raise BadInput("--reference-sizes: every size is RANKSxCHUNKS, both >= 1")
+    except BadInput as e:
+        return refuse("bench", e)
+    except ValueError:
+        why = f"--reference-sizes: not RANKSxCHUNKS,...: {show(args.reference_sizes)}"
+        return refuse("bench", why)
+    say = None if args.json or args.no_progress else (lambda line: print(line, file=sys.stderr))
+    res = run_control(
+        args.ranks,
+        args.chunks,
+        per_node=args.per_node,
+        steps=args.steps,
+        reference_sizes=sizes,
+        progress=say,
+    )
+    print(json.dumps(res) if args.json else control_table(res))
     return 0
 
 

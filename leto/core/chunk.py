@@ -13,6 +13,7 @@ both are repaired from parity or reported.
 from __future__ import annotations
 
 import enum
+import functools
 
 from leto.core import events as ev
 from leto.core.table import Table
@@ -45,6 +46,27 @@ def classify(data: int, undo: int) -> ChunkState:
     if data == TORN:
         return ChunkState.WRITING
     return ChunkState.CLEAN if undo == NONE else ChunkState.WRITTEN
+
+
+@functools.lru_cache(maxsize=64)
+def uniform_row(value: int, n: int) -> tuple[int, ...]:
+    """``(value,) * n``, one shared object per ``(value, n)``: rows of a state that are all
+    at one value share it, so a step of every rank copies no ranks x chunks tuples and
+    :func:`is_uniform` answers by identity. A pure cache of immutable values."""
+    return (value,) * n
+
+
+@functools.lru_cache(maxsize=64)
+def repeated(row: tuple[int, ...], n: int) -> tuple[tuple[int, ...], ...]:
+    """``(row,) * n``, shared like :func:`uniform_row`: a node's parity when every chunk
+    encodes the same versions."""
+    return (row,) * n
+
+
+def is_uniform(row: tuple[int, ...], value: int) -> bool:
+    """Every entry of ``row`` is ``value`` (by identity with :func:`uniform_row` when it
+    is that shared row, else by counting)."""
+    return row is uniform_row(value, len(row)) or row.count(value) == len(row)
 
 
 def producible(data: int, undo: int) -> frozenset[int]:

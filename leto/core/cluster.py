@@ -16,6 +16,7 @@ The explicit-state checker (:mod:`leto.core.checker`), the Hypothesis machines
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -23,7 +24,18 @@ import attrs
 
 from leto.core import effects as fx
 from leto.core import events as ev
-from leto.core.chunk import CHUNK, GARBAGE, LOST, NONE, TORN, ChunkState, classify
+from leto.core.chunk import (
+    CHUNK,
+    GARBAGE,
+    LOST,
+    NONE,
+    TORN,
+    ChunkState,
+    classify,
+    is_uniform,
+    repeated,
+    uniform_row,
+)
 from leto.core.erasure import Topology
 from leto.core.errors import ProtocolError
 from leto.core.reconcile import Plan, Survivors, empty_grad_parity, plan, reencoded_parity
@@ -43,6 +55,19 @@ class Mutant(enum.Enum):
     NO_FENCING = "no_fencing"  # the keeper accepts writes of an old generation
     PARITY_FIRST = "parity_first"  # parity updated before the data is complete
     STALE_SHADOW = "stale_shadow"  # a promoted shadow resumes at its own stale step
+
+
+class Aggregation(enum.Enum):
+    """Whether the checker tries the commit path's aggregated events
+    (:class:`~leto.core.events.CommitStep`, :class:`~leto.core.events.ApplyStep`), and
+    deliberately broken aggregations the refinement check must reject. ``step`` accepts
+    aggregated events in every mode: this only says which ones ``candidates`` offers
+    and how ``ApplyStep`` behaves."""
+
+    OFF = "off"  # candidates are the chunk-level events only
+    ON = "on"
+    NO_PARITY_FOLD = "no_parity_fold"  # broken: ApplyStep leaves tier-1 parity behind
+    UNCOMMITTED = "uncommitted"  # broken: ApplyStep does not wait for COMMIT
 
 
 FAULT_KINDS = frozenset({"crash", "hang", "lose_memory", "lose_node"})
@@ -163,6 +188,7 @@ class ClusterModel:
     """Initial state, enabled events, and the step function of the whole protocol."""
 
     config: ClusterConfig = attrs.field(factory=ClusterConfig)
+    aggregation: Aggregation = attrs.field(default=Aggregation.OFF, converter=Aggregation)
     node_of: tuple[int, ...] = attrs.field(init=False)
     member: tuple[int, ...] = attrs.field(init=False)
     chunk_table: Table[ChunkState] = attrs.field(init=False)
@@ -190,8 +216,8 @@ class ClusterModel:
                 tgen=(0,) * R,
                 pc=(TxnState.IDLE,) * R,
                 step=(0,) * R,
-                data=((0,) * C,) * R,
-                undo=((NONE,) * C,) * R,
+                data=(uniform_row(0, C),) * R,
+                undo=(uniform_row(NONE, C),) * R,
                 grad=(NONE,) * R,
                 shadow=(ShadowState.WARM,) * R,
                 stale=(False,) * R,
@@ -230,6 +256,8 @@ class ClusterModel:
                     yield ev.Finish(r)
             yield ev.Decide()
             yield ev.Tier2Snapshot()
+            if self.aggregation is not Aggregation.OFF:
+                yield from self._aggregated_candidates(s)
         for r in R:
             yield ev.ShadowWarm(r)
             if cfg.reclaim:
@@ -261,6 +289,17 @@ class ClusterModel:
             yield ev.Resume()
         else:
             yield ev.Detect()
+
+    def _aggregated_candidates(self, s: ClusterState) -> Iterator[ev.Event]:
+        yield ev.CommitStep(s.committed + 1)
+        by_step: dict[int, list[int]] = {}
+        for r in range(self.config.ranks):
+            if s.pc[r] is TxnState.PREPARED:
+                by_step.setdefault(s.step[r] + 1, []).append(r)
+        for st, ranks in sorted(by_step.items()):
+            for n in range(1, len(ranks) + 1):
+                for subset in itertools.combinations(ranks, n):
+                    yield ev.ApplyStep(st, subset)
 
     def why_not(self, s: ClusterState, e: ev.Event) -> ProtocolError | None:
         """``None`` if ``e`` is enabled in ``s``, else the error ``step`` would raise."""
@@ -570,6 +609,148 @@ def _u_finish(
     ), (fx.StepDone(r, s.step[r] + 1),)
 
 
+# CommitStep / ApplyStep: the commit path, aggregated -----------------------------------
+#
+# Each stands for a sequence of the events above (leto.core.aggregate.expand) and must
+# leave the state that sequence leaves, accepted exactly where the sequence runs
+# (leto.core.aggregate.check_refinement). They cost O(ranks + nodes) per step, not
+# O(ranks x chunks): every rank's guard reads its rows by identity (uniform_row), and
+# the rows they write are the shared ones.
+
+
+def _g_commit_step(m: ClusterModel, s: ClusterState, e: ev.CommitStep) -> ProtocolError | None:
+    cfg = m.config
+    R = cfg.ranks
+    if s.phase is not Phase.RUNNING:
+        return _err("recovery", s.phase, e, "training is paused during recovery")
+    if e.step != s.committed + 1:
+        return _err("commit", s.commit, e, f"the model's next step is {s.committed + 1}")
+    v = s.committed
+    if s.trainer.count(TrainerState.ALIVE) != R:
+        r = next(q for q in range(R) if s.trainer[q] is not TrainerState.ALIVE)
+        return _err("trainer", s.trainer[r], e, f"rank {r}'s trainer is not alive")
+    if s.tgen.count(s.gen) != R:
+        r = next(q for q in range(R) if s.tgen[q] != s.gen)
+        return _err("keeper", s.phase, e, f"generation {s.tgen[r]} is fenced (current {s.gen})")
+    if s.pc.count(TxnState.IDLE) != R:
+        r = next(q for q in range(R) if s.pc[q] is not TxnState.IDLE)
+        return _err("txn", s.pc[r], e, f"rank {r} is not idle")
+    if s.step.count(v) != R:
+        r = next(q for q in range(R) if s.step[q] != v)
+        return _err("txn", s.pc[r], e, f"rank {r} is at step {s.step[r]}, not {v}")
+    if v >= cfg.max_step:
+        return _err("txn", TxnState.IDLE, e, f"training is done at step {cfg.max_step}")
+    if v - s.t2 >= cfg.k:
+        return _err("txn", TxnState.IDLE, e, "tier 2 lags K steps: waiting for the snapshot")
+    return None
+
+
+@_handler(ev.CommitStep)(_g_commit_step)
+def _u_commit_step(
+    m: ClusterModel, s: ClusterState, e: ev.CommitStep
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    R, new = m.config.ranks, e.step
+    gpar = tuple(None if gp is None else uniform_row(new, len(gp)) for gp in s.gpar)
+    return attrs.evolve(
+        s,
+        pc=(TxnState.PREPARED,) * R,
+        grad=uniform_row(new, R),
+        gpar=gpar,
+        committed=new,
+        prepared=frozenset(),
+        commit=CommitState.OPEN,
+    ), (fx.RecordCommit(new),)
+
+
+def _g_apply_step(m: ClusterModel, s: ClusterState, e: ev.ApplyStep) -> ProtocolError | None:
+    cfg = m.config
+    if s.phase is not Phase.RUNNING:
+        return _err("recovery", s.phase, e, "training is paused during recovery")
+    if e.ranks[-1] >= cfg.ranks:
+        return _err("cluster", s.phase, e, f"rank {e.ranks[-1]} out of range 0..{cfg.ranks - 1}")
+    old = e.step - 1
+    if len(e.ranks) == cfg.ranks and _all_ready(m, s, old):
+        return _committed(m, s, e)
+    for r in e.ranks:
+        if s.trainer[r] is not TrainerState.ALIVE:
+            return _err("trainer", s.trainer[r], e, f"rank {r}'s trainer is not alive")
+        if s.tgen[r] != s.gen:
+            return _err("keeper", s.phase, e, f"generation {s.tgen[r]} is fenced (current {s.gen})")
+        if s.step[r] != old:
+            why = f"rank {r} is at step {s.step[r]}: it can finish step {s.step[r] + 1} only"
+            return _err("txn", s.pc[r], e, why)
+        if s.pc[r] is not TxnState.PREPARED:
+            return _err("txn", s.pc[r], e, f"rank {r} has not prepared (or began applying)")
+        if not is_uniform(s.data[r], old) or not is_uniform(s.undo[r], NONE):
+            return _err("chunk", s.pc[r], e, f"rank {r}'s chunks are not all clean at step {old}")
+    return _committed(m, s, e)
+
+
+def _all_ready(m: ClusterModel, s: ClusterState, old: int) -> bool:
+    """Every rank ready to apply the step after ``old`` (the per-rank checks of
+    ``ApplyStep``'s guard, counted over the whole tuples at once)."""
+    R, C = m.config.ranks, m.config.chunks
+    return (
+        s.trainer.count(TrainerState.ALIVE) == R
+        and s.tgen.count(s.gen) == R
+        and s.step.count(old) == R
+        and s.pc.count(TxnState.PREPARED) == R
+        and s.data.count(uniform_row(old, C)) == R
+        and s.undo.count(uniform_row(NONE, C)) == R
+    )
+
+
+def _committed(m: ClusterModel, s: ClusterState, e: ev.ApplyStep) -> ProtocolError | None:
+    if m.aggregation is not Aggregation.UNCOMMITTED and s.committed != e.step:
+        return _err("commit", s.commit, e, f"step {e.step} is not committed")
+    return None
+
+
+def _fold(
+    p: tuple[tuple[int, ...], ...], members: list[int], new: int
+) -> tuple[tuple[int, ...], ...]:
+    """Node parity ``p`` with the columns of ``members`` at ``new`` in every chunk."""
+
+    def row(x: tuple[int, ...]) -> tuple[int, ...]:
+        out = list(x)
+        for i in members:
+            out[i] = new
+        return uniform_row(new, len(out)) if out.count(new) == len(out) else tuple(out)
+
+    if p and (p is repeated(p[0], len(p)) or p.count(p[0]) == len(p)):
+        return repeated(row(p[0]), len(p))  # every chunk's row alike: fold once
+    return tuple(row(x) for x in p)
+
+
+@_handler(ev.ApplyStep)(_g_apply_step)
+def _u_apply_step(
+    m: ClusterModel, s: ClusterState, e: ev.ApplyStep
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    cfg = m.config
+    new = e.step
+    row = uniform_row(new, cfg.chunks)
+    ranks = set(e.ranks)
+    if len(ranks) == cfg.ranks:
+        data = (row,) * cfg.ranks
+        step = uniform_row(new, cfg.ranks)
+        pc = (TxnState.IDLE,) * cfg.ranks
+    else:
+        data = tuple(row if r in ranks else d for r, d in enumerate(s.data))
+        step = tuple(new if r in ranks else x for r, x in enumerate(s.step))
+        pc = tuple(TxnState.IDLE if r in ranks else p for r, p in enumerate(s.pc))
+    par = s.par
+    if m.aggregation is not Aggregation.NO_PARITY_FOLD:
+        touched: dict[int, list[int]] = {}
+        for r in e.ranks:
+            touched.setdefault(m.node_of[r], []).append(m.member[r])
+        par = tuple(
+            p if p is None or n not in touched else _fold(p, touched[n], new)
+            for n, p in enumerate(s.par)
+        )
+    # no effect: the ranks did the work before the coordinator heard of it
+    return attrs.evolve(s, data=data, step=step, pc=pc, par=par), ()
+
+
 # Tier2Snapshot ---------------------------------------------------------------------
 
 
@@ -580,7 +761,7 @@ def _g_t2(m: ClusterModel, s: ClusterState, e: ev.Tier2Snapshot) -> ProtocolErro
     if st <= s.t2:
         return _err("recovery", s.phase, e, "the snapshot is current")
     for r in range(m.config.ranks):
-        if s.pc[r] is not TxnState.IDLE or s.step[r] != st or any(d != st for d in s.data[r]):
+        if s.pc[r] is not TxnState.IDLE or s.step[r] != st or not is_uniform(s.data[r], st):
             return _err("txn", s.pc[r], e, f"rank {r} is not idle at step {st}")
     return None
 
@@ -856,19 +1037,14 @@ def _g_reconcile(m: ClusterModel, s: ClusterState, e: Any) -> ProtocolError | No
 
 def _recovered(m: ClusterModel, s: ClusterState, e: Any, target: int, kind: Kind) -> ClusterState:
     cfg = m.config
-    data = tuple(
-        tuple(
-            GARBAGE
-            if cfg.mutant is Mutant.NO_UNDO and d == TORN and isinstance(e, ev.Reconcile)
-            else target
-            for d in row
-        )
-        for row in s.data
-    )
+    if cfg.mutant is Mutant.NO_UNDO and isinstance(e, ev.Reconcile):
+        data = tuple(tuple(GARBAGE if d == TORN else target for d in row) for row in s.data)
+    else:
+        data = (uniform_row(target, cfg.chunks),) * cfg.ranks
     return attrs.evolve(
         s,
         data=data,
-        undo=((NONE,) * cfg.chunks,) * cfg.ranks,
+        undo=(uniform_row(NONE, cfg.chunks),) * cfg.ranks,
         grad=(NONE,) * cfg.ranks,
         par=reencoded_parity(cfg.groups, cfg.chunks, target),
         gpar=empty_grad_parity(cfg.groups),

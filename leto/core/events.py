@@ -7,6 +7,7 @@ sync.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -208,7 +209,53 @@ class Resume(Event):
     """Every rank resumes training at the recovery's target step."""
 
 
+# --- aggregated events of the commit path ----------------------------------------------
+
+
+def _ranks(_inst: Any, attribute: attrs.Attribute[tuple[int, ...]], value: tuple[int, ...]) -> None:
+    if not value:
+        raise ValueError(f"{attribute.name} must name at least one rank")
+    for r in value:
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ValueError(f"{attribute.name}: a rank is an int >= 0, got {r!r}")
+    if list(value) != sorted(set(value)):
+        raise ValueError(f"{attribute.name} must be sorted and distinct, got {list(value)}")
+
+
+def _as_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+class Aggregated(Event):
+    """An event that stands for a sequence of the protocol's own events (its
+    expansion, :func:`leto.core.aggregate.expand`): the commit path's summary of many
+    chunk-level transitions in one. Checked to refine them
+    (:func:`leto.core.aggregate.check_refinement`): every transition it makes is the
+    one its expansion makes, and it is accepted wherever its expansion is."""
+
+    __slots__ = ()
+
+
+@attrs.frozen
+class CommitStep(Aggregated):
+    """Every rank voted for ``step``: each rank's Compute, then each Reduce, then each
+    Prepare, then Decide."""
+
+    step: int = _index
+
+
+@attrs.frozen
+class ApplyStep(Aggregated):
+    """Ranks ``ranks`` finished the committed ``step``: for each, in order, every chunk's
+    BeginChunk, EndChunk, ParityChunk, in chunk order, then Finish."""
+
+    step: int = attrs.field(validator=_non_negative)
+    ranks: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_ranks)
+
+
 FAULTS: tuple[type[Fault], ...] = (Crash, Hang, LoseMemory, LoseNode)
+
+AGGREGATED: tuple[type[Aggregated], ...] = (CommitStep, ApplyStep)
 
 ALL: tuple[type[Event], ...] = (
     Compute, Reduce, Prepare, Decide, BeginChunk, EndChunk, ParityChunk, Finish,

@@ -14,11 +14,11 @@ chunk), and then picks, in order:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
-from leto.core.chunk import LOST, NONE, producible
+from leto.core.chunk import LOST, NONE, is_uniform, producible, repeated, uniform_row
 from leto.core.recovery import Kind
 
 
@@ -61,16 +61,36 @@ class Survivors:
     t2_intact: bool
 
 
-def _local(s: Survivors) -> list[list[frozenset[int]]]:
-    return [
-        [producible(d, u) for d, u in zip(s.data[r], s.undo[r], strict=True)]
-        for r in range(len(s.data))
-    ]
+# What a rank can produce, chunk by chunk: one set for a rank whose chunks are all alike
+# (a shared uniform row: the plan reads it once), else one set per chunk.
+Cells = frozenset[int] | list[frozenset[int]]
 
 
-def plan(s: Survivors) -> Plan:
+def _local(s: Survivors, compress: bool) -> list[Cells]:
+    out: list[Cells] = []
+    for d, u in zip(s.data, s.undo, strict=True):
+        if compress and d and is_uniform(d, d[0]) and is_uniform(u, u[0]):
+            out.append(producible(d[0], u[0]))
+        else:
+            out.append([producible(x, y) for x, y in zip(d, u, strict=True)])
+    return out
+
+
+def _per_chunk(p: Cells, n: int) -> list[frozenset[int]]:
+    return [p] * n if isinstance(p, frozenset) else p
+
+
+def _alike(par: tuple[tuple[int, ...], ...]) -> bool:
+    return par is repeated(par[0], len(par)) or par.count(par[0]) == len(par)
+
+
+def plan(s: Survivors, *, compress: bool = True) -> Plan:
+    """The plan for ``s``. ``compress=False`` reads every chunk on its own (the reference
+    the compressed reading is tested against); the compressed reading plans a rank whose
+    chunks are all alike, and a node whose members and parity are, once for all chunks:
+    O(ranks + nodes + what differs) instead of O(ranks x chunks)."""
     V = s.committed
-    prod = _local(s)
+    prod = _local(s, compress)
     n_chunks = len(s.data[0]) if s.data else 0
     repairs: list[Repair] = []
     # Tier 1 for chunks: a node's parity rebuilds one missing member per chunk.
@@ -78,18 +98,31 @@ def plan(s: Survivors) -> Plan:
         par = s.par[n]
         if par is None:
             continue
-        for c in range(n_chunks):
-            missing = [r for r in members if not prod[r][c]]
+        alike = all(isinstance(prod[m], frozenset) for m in members) and _alike(par)
+        if not alike:
+            for m in members:
+                prod[m] = _per_chunk(prod[m], n_chunks)
+        for c in range(1 if alike else n_chunks):
+            cells = [prod[m] if alike else prod[m][c] for m in members]  # type: ignore[index]
+            missing = [r for r, got in zip(members, cells, strict=True) if not got]
             if len(missing) != 1:
                 continue
             others_ok = all(
-                par[c][i] in prod[m][c] for i, m in enumerate(members) if m != missing[0]
+                par[c][i] in got
+                for i, (m, got) in enumerate(zip(members, cells, strict=True))
+                if m != missing[0]
             )
             if others_ok:
                 r = missing[0]
                 version = par[c][members.index(r)]
-                prod[r][c] = frozenset((version,))
-                repairs.append(Repair("tier1", r, c, version))
+                if alike:
+                    prod[r] = frozenset((version,))
+                    repairs += [Repair("tier1", r, x, version) for x in range(n_chunks)]
+                else:
+                    row = prod[r]
+                    assert isinstance(row, list)
+                    row[c] = frozenset((version,))
+                    repairs.append(Repair("tier1", r, c, version))
     # Gradients: held locally, or rebuilt from the node's gradient parity.
     grads = list(s.grad)
     for n, members in enumerate(s.groups):
@@ -105,13 +138,23 @@ def plan(s: Survivors) -> Plan:
                 grads[r] = V
                 repairs.append(Repair("grad-tier1", r, -1, V))
 
+    def cells_of(r: int) -> Sequence[frozenset[int]]:
+        p = prod[r]
+        return (p,) if isinstance(p, frozenset) else p
+
+    def chunks_where(r: int, pred: Callable[[frozenset[int]], bool]) -> list[int]:
+        p = prod[r]
+        if isinstance(p, frozenset):
+            return list(range(n_chunks)) if pred(p) else []
+        return [c for c, got in enumerate(p) if pred(got)]
+
     reaches = True
     forward = False
     for r in range(len(s.data)):
-        for c in range(n_chunks):
-            if V in prod[r][c]:
+        for got in cells_of(r):
+            if V in got:
                 continue
-            if V - 1 in prod[r][c] and V > 0 and grads[r] == V:
+            if V - 1 in got and V > 0 and grads[r] == V:
                 forward = True
                 continue
             reaches = False
@@ -121,8 +164,7 @@ def plan(s: Survivors) -> Plan:
         rolled = [
             Repair("forward", r, c, V)
             for r in range(len(s.data))
-            for c in range(n_chunks)
-            if V not in prod[r][c]
+            for c in chunks_where(r, lambda got: V not in got)
         ]
         if used_tier1:
             kind = Kind.TIER1
@@ -138,8 +180,14 @@ def plan(s: Survivors) -> Plan:
             repairs=tuple(repairs + rolled),
             reason=f"every chunk reaches committed step {V}",
         )
-    lost = sorted((r, c) for r in range(len(s.data)) for c in range(n_chunks) if not prod[r][c])
-    what = ", ".join(f"rank {r} chunk {c}" for r, c in lost) or "gradients of the committed step"
+    lost: list[str] = []
+    for r in range(len(s.data)):
+        gone = chunks_where(r, lambda got: not got)
+        if n_chunks > 1 and len(gone) == n_chunks:
+            lost.append(f"rank {r} (all {n_chunks} chunks)")
+        else:
+            lost += [f"rank {r} chunk {c}" for c in gone]
+    what = ", ".join(lost) or "gradients of the committed step"
     if s.t2_intact:
         return Plan(
             target=s.t2,
@@ -159,9 +207,7 @@ def reencoded_parity(
     groups: Sequence[Sequence[int]], n_chunks: int, version: int
 ) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Tier-1 parity of every node encoding every member's chunks at ``version``."""
-    return tuple(
-        tuple(tuple(version for _ in members) for _ in range(n_chunks)) for members in groups
-    )
+    return tuple(repeated(uniform_row(version, len(members)), n_chunks) for members in groups)
 
 
 def empty_grad_parity(groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:

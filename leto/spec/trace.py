@@ -14,12 +14,13 @@ Records (one JSON object per line of ``RUN_DIR/events.jsonl``; other records pas
 * ``core_init``: the model's constants and initial state (:class:`CoreSetup`).
 * ``core`` with ``feed``: events fed, in order, as one batch. An item is an event of
   :mod:`leto.core.events` by class name and fields (``["Crash", 1]``, ``["Detect"]``)
-  or an abbreviation of what one message of the run means, which keeps the log at
-  O(ranks) per step: ``["Commit", s]`` (every rank voted for step ``s``: each rank's
-  Compute, then each Reduce, then each Prepare, then Decide), ``["Apply", r, s]`` (rank
-  ``r`` finished step ``s``: BeginChunk, EndChunk, ParityChunk of every chunk in order,
-  then Finish), ``["Snapshot", s]`` (every rank took the tier-2 snapshot of step ``s``).
-  An abbreviation is refused unless its step is the one the model expects.
+  including the commit path's aggregated events (:mod:`leto.core.aggregate`), which keep
+  the log at O(ranks) per step: ``["CommitStep", s]`` (every rank voted for step ``s``),
+  ``["ApplyStep", s, [r, ...]]`` (ranks ``r, ...`` finished step ``s``); or an
+  abbreviation of what one message of the run means: ``["Commit", s]`` and
+  ``["Apply", r, s]`` (the aggregated events of logs written before them),
+  ``["Snapshot", s]`` (every rank took the tier-2 snapshot of step ``s``). An
+  abbreviation is refused unless its step is the one the model expects.
 * ``core`` with ``adopt``: the retained state the trainers reported during a recovery
   replaces the model's (:func:`adopt`, which refuses what the model cannot have come to).
 * ``job_failed`` with ``feed`` or ``adopt``: what the coordinator refused, stopping the
@@ -105,13 +106,7 @@ class Commit:
         return None
 
     def events(self, model: ClusterModel) -> list[ev.Event]:
-        ranks = range(model.config.ranks)
-        return [
-            *(ev.Compute(r) for r in ranks),
-            *(ev.Reduce(r) for r in ranks),
-            *(ev.Prepare(r) for r in ranks),
-            ev.Decide(),
-        ]
+        return [ev.CommitStep(self.step)]
 
 
 @attrs.frozen
@@ -132,11 +127,7 @@ class Apply:
         return None
 
     def events(self, model: ClusterModel) -> list[ev.Event]:
-        r = self.rank
-        out: list[ev.Event] = []
-        for c in range(model.config.chunks):
-            out += [ev.BeginChunk(r, c), ev.EndChunk(r, c), ev.ParityChunk(r, c)]
-        return [*out, ev.Finish(r)]
+        return [ev.ApplyStep(self.step, (self.rank,))]
 
 
 @attrs.frozen
@@ -158,12 +149,15 @@ class Snapshot:
 Abbreviation = Commit | Apply | Snapshot
 Item = ev.Event | Abbreviation
 
-_ITEMS: dict[str, type[Any]] = {c.__name__: c for c in (*ev.ALL, Commit, Apply, Snapshot)}
+_ITEMS: dict[str, type[Any]] = {
+    c.__name__: c for c in (*ev.ALL, *ev.AGGREGATED, Commit, Apply, Snapshot)
+}
 
 
 def encode(item: Item) -> list[Any]:
     """``item`` as a JSON list: its class name, then its fields in order."""
-    return [type(item).__name__, *attrs.astuple(cast(attrs.AttrsInstance, item))]
+    fields = attrs.astuple(cast(attrs.AttrsInstance, item))
+    return [type(item).__name__, *(list(f) if isinstance(f, tuple) else f for f in fields)]
 
 
 def decode(raw: Any) -> Item:

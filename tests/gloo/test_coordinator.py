@@ -9,6 +9,7 @@ import pytest
 from leto.backends.gloo.coordinator import Coordinator, CoordinatorOptions
 from leto.backends.gloo.eventlog import EventLog
 from leto.backends.gloo.messages import Fail, decode
+from leto.core.chunk import LOST, NONE, TORN
 from leto.spec.trace import replay
 
 CHUNKS = 2
@@ -74,12 +75,12 @@ def report(r: int, gen: int, step: int, node_par: Any = "auto") -> dict[str, Any
         "rank": r,
         "gen": gen,
         "data": [step] * CHUNKS,
-        "undo": [-1] * CHUNKS,
-        "grad": -1,
+        "undo": [NONE] * CHUNKS,
+        "grad": NONE,
     }
     if node_par == "auto":
         msg["node_par"] = [[step, step] for _ in range(CHUNKS)]
-        msg["node_gpar"] = [-1, -1]
+        msg["node_gpar"] = [NONE, NONE]
     else:
         msg["node_par"] = node_par
         msg["node_gpar"] = None
@@ -146,7 +147,7 @@ def test_torn_chunk_with_commit_rolls_forward_from_the_retained_truth() -> None:
     h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     h.send(0, {"t": "promoted", "rank": 0, "gen": 1, "warm": True, "ms": 1.0})
     # rank 0 died mid-chunk: chunk 0 torn (undo at 1), sealed gradients of step 2
-    r0 = {"t": "report", "rank": 0, "gen": 1, "data": [-1, 1], "undo": [1, -1], "grad": 2,
+    r0 = {"t": "report", "rank": 0, "gen": 1, "data": [TORN, 1], "undo": [1, NONE], "grad": 2,
           "node_par": [[1, 1], [1, 1]], "node_gpar": [2, 2]}  # fmt: skip
     h.send(0, r0)
     out = h.send(0, {**report(1, 1, 2, node_par=None), "grad": 2})
@@ -175,7 +176,9 @@ def test_failure_during_recovery_restarts_at_the_next_generation() -> None:
     assert (None, {"t": "abort", "gen": 1}) in out
     assert (None, {"t": "fence", "gen": 2, "kill": []}) in out
     assert h.events("recovery_restart")
-    h.send(0, {"t": "report", "rank": 1, "gen": 1, "data": [1, 1], "undo": [-1, -1], "grad": -1})
+    h.send(
+        0, {"t": "report", "rank": 1, "gen": 1, "data": [1, 1], "undo": [NONE, NONE], "grad": NONE}
+    )
     assert h.c.wait is not None and h.c.wait.what == "fence"  # the old generation's acks are void
 
 
@@ -196,7 +199,7 @@ def test_beyond_both_tiers_without_checkpoint_stops_with_the_reason() -> None:
     h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     for r in range(2):
         h.send(0, {"t": "promoted", "rank": r, "gen": 1, "warm": True, "ms": 1.0})
-    lost = {"t": "report", "gen": 1, "data": [-2, -2], "undo": [-1, -1], "grad": -2}
+    lost = {"t": "report", "gen": 1, "data": [LOST, LOST], "undo": [NONE, NONE], "grad": LOST}
     h.send(0, {**lost, "rank": 0, "node_par": [[1, 1], [1, 1]], "node_gpar": None})
     h.send(0, {**lost, "rank": 1})
     # two ranks of one node lost: not tier 1; the tier-2 snapshot (step 0) survives
@@ -222,7 +225,7 @@ def test_no_tier2_no_checkpoint_is_unrecoverable(tier2: bool) -> None:
     h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     for r in range(2):
         h.send(0, {"t": "promoted", "rank": r, "gen": 1, "warm": True, "ms": 1.0})
-    lost = {"t": "report", "gen": 1, "data": [-2, -2], "undo": [-1, -1], "grad": -2}
+    lost = {"t": "report", "gen": 1, "data": [LOST, LOST], "undo": [NONE, NONE], "grad": LOST}
     h.send(0, {**lost, "rank": 0, "node_par": None, "node_gpar": None})
     out = h.send(0, {**lost, "rank": 1})
     assert h.c.failed is not None and "No checkpoint is configured" in h.c.failed
@@ -239,20 +242,29 @@ def test_a_recovery_replays_through_the_model_from_its_log() -> None:
     h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     h.send(0, {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0})
     h.send(0, report(0, 1, 1))
-    lost = {"t": "report", "rank": 1, "gen": 1, "data": [-2, -2], "undo": [-1, -1], "grad": -2}
+    lost = {
+        "t": "report",
+        "rank": 1,
+        "gen": 1,
+        "data": [LOST, LOST],
+        "undo": [NONE, NONE],
+        "grad": LOST,
+    }
     out = h.send(0, lost)
     assert out[0][1]["kind"] == "tier1"
-    for t in ("reconciled", "rebuilt"):
-        for r in range(2):
-            h.send(0, {"t": t, "rank": r, "gen": 1, "snapshot": None})
+    for r in range(2):
+        h.send(0, {"t": "reconciled", "rank": r, "gen": 1, "snapshot": None})
+    for r in range(2):
+        h.send(0, {"t": "rebuilt", "rank": r, "gen": 1})
     h.step(2, gen=1)
     (init,) = h.events("core_init")
     assert init == {**init, "nodes": [2], "chunks": CHUNKS, "k": 100, "shadows": "spawning"}
     feeds = [e["feed"] for e in h.events("core") if "feed" in e]
-    # O(ranks) per step: one record for the votes, one per finished rank
-    assert [["Commit", 1]] in feeds and [["Apply", 1, 1]] in feeds and [["LoseMemory", 1]] in feeds
+    # O(ranks) per step: one record for the votes, one for the ranks that finished
+    assert [["CommitStep", 1]] in feeds and [["ApplyStep", 1, [0, 1]]] in feeds
+    assert [["LoseMemory", 1]] in feeds
     (adopted,) = [e["adopt"] for e in h.events("core") if "adopt" in e]
-    assert adopted["data"] == [[1, 1], [-2, -2]] and adopted["grad"] == [-1, -2]
+    assert adopted["data"] == [[1, 1], [LOST, LOST]] and adopted["grad"] == [NONE, LOST]
     rep = replay(enumerate(h.log.records, 1))
     assert rep.ok and rep.checked >= 8, rep.line()
 
@@ -265,11 +277,14 @@ def test_an_event_the_model_refuses_stops_the_job() -> None:
     err = h.c.failed
     assert err is not None and out == [(None, {"t": "fail", "error": err})]
     assert "\n" not in err
-    assert err.startswith("the protocol model refused Apply(rank=0, step=2) (rank 0 finished")
-    assert "txn: event BeginChunk(rank=0, chunk=0) is illegal in state IDLE" in err
+    assert err.startswith(
+        "the protocol model refused ApplyStep(step=2, ranks=(0,)) (rank 0 finished"
+    )
+    assert "txn: event ApplyStep(step=2, ranks=(0,)) is illegal in state IDLE" in err
+    assert "rank 0 has not prepared" in err
     assert "model: phase running, generation 0, committed 1" in err
     (failed,) = h.events("job_failed")
-    assert failed["feed"] == [["Apply", 0, 2]]
+    assert failed["feed"] == [["ApplyStep", 2, [0]]]
     # its trace is refused at that record: the coordinator's refusal replays as one
     rep = replay(enumerate(h.log.records, 1))
     assert rep.divergence is not None and rep.divergence.event == "job_failed", rep.line()
@@ -288,7 +303,7 @@ def test_a_finished_step_the_model_is_not_at_stops_the_job() -> None:
     h.step(1)
     for r in range(2):
         h.send(0, {"t": "vote", "rank": r, "step": 3, "gen": 0})
-    assert h.c.failed is not None and "Commit(step=3)" in h.c.failed, h.c.failed
+    assert h.c.failed is not None and "CommitStep(step=3)" in h.c.failed, h.c.failed
     assert "the model's next step is 2" in h.c.failed
 
 
@@ -316,7 +331,7 @@ def test_not_strict_logs_the_refusal_and_carries_on() -> None:
     h.send(0, {"t": "finished", "rank": 0, "step": 2, "gen": 0, "loss": 1.0})
     assert h.c.failed is None
     (mismatch,) = h.events("model_mismatch")
-    assert "refused Apply(rank=0, step=2)" in mismatch["error"]
+    assert "refused ApplyStep(step=2, ranks=(0,))" in mismatch["error"]
     h.step(2)  # the model did not take the refused step: training goes on
     rep = replay(enumerate(h.log.records, 1))
     assert rep.divergence is not None and rep.divergence.event == "model_mismatch"

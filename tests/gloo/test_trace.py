@@ -53,11 +53,19 @@ def test_the_log_of_a_job_with_failures_replays(
     recs = records(faulted)
     feeds = [x for r in recs if r["event"] == "core" for x in r.get("feed", [])]
     names = {f[0] for f in feeds}
-    assert {"Commit", "Apply", "Crash", "LoseMemory", "Hang", "Reconcile", "Resume"} <= names
+    assert {
+        "CommitStep",
+        "ApplyStep",
+        "Crash",
+        "LoseMemory",
+        "Hang",
+        "Reconcile",
+        "Resume",
+    } <= names
     assert sum("adopt" in r for r in recs) == len(FAULTS)  # one adoption per recovery
-    # O(ranks) per step: a record for the votes and one per finished rank, no more
+    # O(ranks) per step: a record for the votes and one for the finished ranks, no more
     steps = sum(r["event"] == "step" for r in recs)
-    per_step = [f for f in feeds if f[0] in ("Commit", "Apply")]
+    per_step = [f for f in feeds if f[0] in ("CommitStep", "ApplyStep")]
     assert len(per_step) <= 3 * (steps + len(FAULTS)), len(per_step)
     report = json.loads(out_json(faulted.run_dir, capsys))
     assert report["ok"] and report["checked"] >= steps + 4 * len(FAULTS), report
@@ -78,9 +86,9 @@ def _feed_is(name: str) -> Any:
 
 
 def _event_removed(recs: list[dict[str, Any]]) -> tuple[int, str]:
-    # the last rank's Apply of step 2: the step record moves up into its line
+    # the ranks' ApplyStep of step 2: the step record moves up into its line
     n = _line(recs, lambda r: r["event"] == "step" and r["step"] == 2)
-    assert recs[n - 2]["feed"][0][0] == "Apply", recs[n - 2]
+    assert recs[n - 2]["feed"][0][0] == "ApplyStep", recs[n - 2]
     del recs[n - 2]
     return n - 1, "step"
 

@@ -10,9 +10,12 @@ node, message)``).
 Training path, per step ``V``: every rank's ``vote`` (gradients sealed, gradient
 parity written, prepare record in its node's memory) -> once all ``W`` are in, the
 step's ``Compute``/``Reduce``/``Prepare`` of every rank and ``Decide`` are fed and
-``commit(V)`` is broadcast (COMMIT lives here, outside every trainer). Each rank's
-``finished(V)`` feeds its ``BeginChunk``/``EndChunk``/``ParityChunk`` per chunk and
-``Finish``. Every K steps the ranks' ``snapshot_done`` feed ``Tier2Snapshot``. So
+``commit(V)`` is broadcast (COMMIT lives here, outside every trainer), as one
+aggregated ``CommitStep(V)``. Each rank's ``finished(V)`` is judged on arrival (the
+model's guard of ``ApplyStep(V, [rank])``) and gathered; the step's ``ApplyStep(V,
+ranks)`` (its ``BeginChunk``/``EndChunk``/``ParityChunk`` per chunk and ``Finish`` of
+each rank, :mod:`leto.core.aggregate`) is fed once every rank finished, or before
+anything else is fed: O(ranks) per step, not O(ranks x chunks). Every K steps the ranks' ``snapshot_done`` feed ``Tier2Snapshot``. So
 between failures the model's state is exactly the job's at step boundaries.
 
 Recovery: a failure report becomes ``Crash``/``Hang``/``LoseMemory``/``LoseNode``;
@@ -58,8 +61,6 @@ from leto.core.recovery import Kind, Phase
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
 from leto.spec.trace import (
-    Apply,
-    Commit,
     CoreSetup,
     Item,
     Snapshot,
@@ -153,6 +154,7 @@ class Coordinator:
         self.ready: dict[int, dict[str, Any]] = {}  # the ranks' ready messages, as sent
         self.votes: dict[int, set[int]] = {}
         self.finished: dict[int, set[int]] = {}
+        self.applied: tuple[int, list[int]] | None = None  # (step, ranks) not yet fed
         self.snaps: dict[int, dict[int, Any]] = {}
         self.t2_step = 0
         self.t2_meta: dict[int, Any] = {}  # rank -> {checksums, ps} of the confirmed snapshot
@@ -192,6 +194,7 @@ class Coordinator:
         """Feed ``items`` to the model, all or nothing, and log them as one ``core`` record;
         a refusal raises :class:`ModelRefused` and leaves the state as it was."""
         assert self.model is not None and self.state is not None
+        self._flush_applied()
         feed = [encode(i) for i in items]
         try:
             self.state, effects = run(self.model, self.state, items)
@@ -200,6 +203,13 @@ class Coordinator:
             raise ModelRefused(what, source, err, {"feed": feed}) from None
         self.log.write("core", feed=feed)
         return effects
+
+    def _flush_applied(self) -> None:
+        """Feed the finished ranks gathered for a step as one ``ApplyStep``."""
+        if self.applied is not None:
+            (step, ranks), self.applied = self.applied, None
+            what = f"{len(ranks)} rank(s) finished step {step}"
+            self._run([ev.ApplyStep(step, sorted(ranks))], what)
 
     @contextlib.contextmanager
     def _judging(self) -> Iterator[None]:
@@ -405,7 +415,7 @@ class Coordinator:
         votes.add(msg.rank)
         if len(votes) < self.W or s.phase is not Phase.RUNNING:
             return
-        self._run([Commit(step)], f"the votes for step {step}")
+        self._run([ev.CommitStep(step)], f"the votes for step {step}")
         del self.votes[step]
         self._send(None, M.Commit(step=step, gen=s.gen))
 
@@ -413,7 +423,19 @@ class Coordinator:
         if not self._current(msg.gen):
             return
         r, step = msg.rank, msg.step
-        self._run([Apply(r, step)], f"rank {r} finished step {step}")
+        assert self.model is not None and self.state is not None
+        one = ev.ApplyStep(step, (r,))
+        pending = self.applied
+        if pending is not None and (pending[0] != step or r in pending[1]):
+            self._flush_applied()
+            pending = None
+        if self.model.why_not(self.state, one) is not None:
+            self._run([one], f"rank {r} finished step {step}")  # refused: the job stops
+        if pending is None:
+            pending = self.applied = (step, [])
+        pending[1].append(r)
+        if len(pending[1]) == self.W:
+            self._flush_applied()
         if msg.loss is not None:
             fin = self.finished.setdefault(step, set())
             fin.add(r)

@@ -1,0 +1,41 @@
+"""``leto bench control`` at a tiny size: its figures are sane (not timed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from leto.cli import main
+
+
+def test_bench_control_reports_both_paths_that_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "control", "--ranks", "6", "--chunks", "8", "--per-node", "3"]
+    assert main([*argv, "--steps", "3", "--reference-sizes", "4x4,5x2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [(r["ranks"], r["chunks"]) for r in res["rows"]] == [(4, 4), (5, 2), (6, 8)]
+    for row in res["rows"]:
+        agg = row["aggregated"]
+        assert len(agg["step_ms_all"]) == 3 and all(t >= 0 for t in agg["step_ms_all"])
+        # one rank's memory lost: tier 1 rebuilds its chunks; a node lost: the snapshot
+        assert agg["plan"]["lose_memory"] == {
+            **agg["plan"]["lose_memory"], "kind": "tier1", "target": 3,
+        }  # fmt: skip
+        assert agg["plan"]["lose_memory"]["repairs"] == row["chunks"] + 1  # + its gradients
+        assert agg["plan"]["lose_node"]["kind"] == "tier2"
+        assert agg["plan"]["lose_node"]["repairs"] == row["ranks"]
+    for row in res["rows"][:2]:
+        assert row["same_state"] and row["same_plans"]
+        assert row["step_ratio"] > 0 and all(x > 0 for x in row["plan_ratio"].values())
+    assert "chunk_level" not in res["rows"][2]
+    assert set(res["met"]) == {"step", "plan"}
+
+
+def test_bench_control_table_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "control", "--ranks", "4", "--chunks", "4", "--per-node", "2",
+                 "--steps", "2", "--reference-sizes", "2x2", "--no-progress"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "chunk-level" in out and "aggregated" in out and "same model state" in out
+    assert main(["bench", "control", "--reference-sizes", "8by4"]) == 2
+    assert "--reference-sizes" in capsys.readouterr().err
+    assert main(["bench", "control", "--ranks", "0"]) == 2

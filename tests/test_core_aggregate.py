@@ -1,0 +1,177 @@
+"""The commit path's aggregated events refine the chunk-level protocol; broken ones are caught."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+from leto.core import events as ev
+from leto.core.aggregate import check_refinement, expand, refinement_failure
+from leto.core.checker import check
+from leto.core.chunk import LOST, NONE, TORN, repeated, uniform_row
+from leto.core.cluster import Aggregation, ClusterConfig, ClusterModel
+from leto.core.erasure import Topology
+from leto.core.reconcile import Survivors, plan
+from leto.core.verify import CHECK_CONFIGS
+
+
+def test_aggregated_events_refine_on_every_reachable_state() -> None:
+    cfg = CHECK_CONFIGS["reclaim"]
+    res = check_refinement(ClusterModel(cfg, aggregation=Aggregation.ON))
+    assert res.ok, res.failure
+    assert res.aggregated > 0 and res.refused > 0  # both sides of the check exercised
+    # no state the chunk-level model cannot reach: the same state space
+    assert res.states == check(ClusterModel(cfg), progress=False, scheduled=False).states
+
+
+def test_refinement_over_two_steps() -> None:
+    cfg = ClusterConfig(
+        topology=Topology((2,)), chunks=2, max_step=2, max_faults=1, reclaim=False,
+        faults=frozenset({"crash", "lose_memory"}),
+    )  # fmt: skip
+    res = check_refinement(ClusterModel(cfg, aggregation=Aggregation.ON))
+    assert res.ok, res.failure
+    assert res.aggregated > 0
+
+
+@pytest.mark.parametrize(
+    ("broken", "why"),
+    [
+        (Aggregation.NO_PARITY_FOLD, "differs in ['par']"),
+        (Aggregation.UNCOMMITTED, "BeginChunk(rank=0, chunk=0) refused"),
+    ],
+)
+def test_refinement_check_rejects_a_broken_aggregation(broken: Aggregation, why: str) -> None:
+    res = check_refinement(ClusterModel(CHECK_CONFIGS["three-ranks"], aggregation=broken))
+    assert not res.ok
+    assert res.failure is not None and res.failure.startswith("Refines:") and why in res.failure
+
+
+def test_expansion_is_the_old_feed() -> None:
+    m = ClusterModel(ClusterConfig(topology=Topology((2,)), chunks=2))
+    assert expand(m, ev.ApplyStep(1, (1,))) == (
+        ev.BeginChunk(1, 0), ev.EndChunk(1, 0), ev.ParityChunk(1, 0),
+        ev.BeginChunk(1, 1), ev.EndChunk(1, 1), ev.ParityChunk(1, 1),
+        ev.Finish(1),
+    )  # fmt: skip
+    assert expand(m, ev.CommitStep(1))[-1] == ev.Decide()
+
+
+def test_apply_step_validates() -> None:
+    with pytest.raises(ValueError):
+        ev.ApplyStep(1, ())
+    with pytest.raises(ValueError):
+        ev.ApplyStep(1, (2, 1))
+    assert ev.ApplyStep(1, [0, 3]).ranks == (0, 3)
+
+
+BIG = ClusterConfig(
+    topology=Topology((2, 3)), chunks=3, max_step=4, max_faults=2, k=2, reclaim=True
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_runs_refine(data: st.DataObject) -> None:
+    """Random runs of the aggregated model, faults at random points: every aggregated
+    event offered on the way agrees with its expansion, and the run's states are the
+    chunk-level model's."""
+    m = ClusterModel(BIG, aggregation=Aggregation.ON)
+    s = m.initial()
+    for _ in range(data.draw(st.integers(5, 60))):
+        for e in m.candidates(s):
+            if isinstance(e, ev.Aggregated):
+                assert refinement_failure(m, s, e) is None
+        enabled = m.enabled(s)
+        if not enabled:
+            break
+        agg = [e for e in enabled if isinstance(e, ev.Aggregated)]
+        pool = agg if agg and data.draw(st.booleans()) else enabled
+        e = data.draw(st.sampled_from(sorted(pool, key=repr)))
+        note(repr(e))
+        s, _ = m.step(s, e)
+
+
+def test_aggregated_step_shares_rows() -> None:
+    """A whole step of every rank writes the shared rows: no ranks x chunks copy."""
+    m = ClusterModel(ClusterConfig(topology=Topology((2, 2)), chunks=64, max_step=3))
+    s = m.initial()
+    s, _ = m.step(s, ev.CommitStep(1))
+    s, effects = m.step(s, ev.ApplyStep(1, (0, 1, 2, 3)))
+    assert len({id(row) for row in s.data}) == 1
+    assert effects == ()
+    assert all(p is not None and len({id(row) for row in p}) == 1 for p in s.par)
+
+
+# --- the compressed reconcile plan is the chunk-by-chunk one ---------------------------
+
+
+def _reachable(m: ClusterModel, limit: int) -> list[Any]:
+    seen = {m.initial(): None}
+    queue = [m.initial()]
+    while queue and len(seen) < limit:
+        s = queue.pop()
+        for _, nxt in m.successors(s):
+            if nxt not in seen:
+                seen[nxt] = None
+                queue.append(nxt)
+    return list(seen)
+
+
+@pytest.mark.parametrize("name", ["three-ranks", "two-faults", "tier1-off"])
+def test_compressed_plan_is_the_reference_on_reachable_states(name: str) -> None:
+    m = ClusterModel(CHECK_CONFIGS[name])
+    states = _reachable(m, 6000)
+    kinds = set()
+    for s in states:
+        surv = m.survivors(s)
+        got = plan(surv)
+        assert got == plan(surv, compress=False), s
+        kinds.add(got.kind)
+    assert len(kinds) >= 4  # not vacuous: several kinds of plan compared
+
+
+_VAL = st.sampled_from([0, 1, 2, TORN, LOST])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_compressed_plan_is_the_reference_on_random_survivors(data: st.DataObject) -> None:
+    groups = ((0, 1, 2), (3, 4))
+    C = data.draw(st.integers(1, 6))
+
+    def row(vals: Any) -> tuple[int, ...]:
+        if data.draw(st.booleans()):  # a shared uniform row, as the model writes them
+            return uniform_row(data.draw(vals), C)
+        return tuple(data.draw(st.lists(vals, min_size=C, max_size=C)))
+
+    def par() -> Any:
+        if data.draw(st.integers(0, 4)) == 0:
+            return None
+        if data.draw(st.booleans()):
+            return repeated(uniform_row(data.draw(st.sampled_from([0, 1, 2])), 3), C)
+        return tuple(
+            tuple(data.draw(st.lists(st.sampled_from([0, 1, 2]), min_size=3, max_size=3)))
+            for _ in range(C)
+        )
+
+    surv = Survivors(
+        groups=groups,
+        data=tuple(row(_VAL) for _ in range(5)),
+        undo=tuple(row(st.sampled_from([NONE, 0, 1])) for _ in range(5)),
+        grad=tuple(data.draw(st.sampled_from([NONE, LOST, 1, 2])) for _ in range(5)),
+        par=(
+            par(),
+            None
+            if data.draw(st.booleans())
+            else tuple((x[0], x[1]) for x in (par() or ((0, 0, 0),) * C)),
+        ),
+        gpar=((1, 1, 1), (1, 1)),
+        committed=data.draw(st.sampled_from([0, 1, 2])),
+        t2=0,
+        t2_intact=data.draw(st.booleans()),
+    )
+    assert plan(surv) == plan(surv, compress=False)
