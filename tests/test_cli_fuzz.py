@@ -460,6 +460,7 @@ _count_bad = {
     "ranks_per_node": 1_024,
     "chunk_size": 1 << 30,
     "tier2_interval": 1_000_000,
+    "tier2_parity": 1,  # the default topology has one node: m >= 2 needs more than m
 }
 
 

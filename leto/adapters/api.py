@@ -196,6 +196,7 @@ def wrap(
         tier1=cfg.tier1,
         tier2=cfg.tier2,
         tier2_interval=cfg.tier2_interval,
+        tier2_parity=cfg.tier2_parity,
         verify=cfg.verify_chunks,
         check=check,
     )

@@ -28,6 +28,9 @@ tier1_code         "auto"    what tier 1 keeps: ``parity`` (single parity over t
                              node, ``parity`` otherwise
 tier2              true      cross-node snapshots every ``tier2_interval`` steps
 tier2_interval     10        K: steps between tier-2 snapshots (1 .. 1,000,000)
+tier2_parity       1         m: lost nodes the tier-2 snapshot survives (1 .. 255; m >= 2
+                             needs more than m nodes: a Reed-Solomon code over the
+                             nodes' snapshots, each node storing m / (nodes - m) of one)
 checkpoint_dir     none      directory for the torch.distributed.checkpoint fallback
 verify_chunks      true      check each chunk's checksum before its step overwrites it
 =================  ========  ==========================================================
@@ -86,6 +89,7 @@ BOUNDS: dict[str, Bound] = {
         lo=1, hi=1 << 30, integer=True, unit="elements", why_hi="each rank allocates whole chunks"
     ),
     "tier2_interval": Bound(lo=1, hi=1_000_000, integer=True, unit="steps"),
+    "tier2_parity": Bound(lo=1, hi=255, integer=True, unit="nodes"),
 }
 
 
@@ -167,6 +171,7 @@ class Config:
     tier1_code: str = attrs.field(default="auto", validator=_v_tier1_code)
     tier2: bool = attrs.field(default=True, validator=_v_bool)
     tier2_interval: int = attrs.field(default=10, validator=_v_positive)
+    tier2_parity: int = attrs.field(default=1, validator=_v_positive)
     checkpoint_dir: str | None = attrs.field(default=None, validator=_v_dir)
     verify_chunks: bool = attrs.field(default=True, validator=_v_bool)
 
@@ -183,6 +188,12 @@ class Config:
                 "topology",
                 f"{self.nodes} nodes x {self.ranks_per_node} ranks per node = {n} ranks, "
                 f"but the world size is {self.world_size}",
+            )
+        if self.tier2_parity > 1 and self.tier2_parity >= self.nodes:
+            raise ConfigError(
+                "tier2_parity",
+                f"{self.tier2_parity} parities across {self.nodes} node(s): tier 2 with m "
+                "parities needs more than m nodes (each lost node's share lives on another)",
             )
         if self.tier1_code == "replica":
             if not self.tier1:

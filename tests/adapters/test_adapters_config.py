@@ -60,6 +60,12 @@ def test_from_dict_with_topology_string() -> None:
         ({"chunk_size": 0}, "chunk_size", "must be positive, got 0"),
         ({"chunk_size": 1.5}, "chunk_size", "must be an integer"),
         ({"tier2_interval": 0}, "tier2_interval", "must be positive"),
+        ({"tier2_parity": 0}, "tier2_parity", "must be positive"),
+        (
+            {"topology": "2x1", "tier2_parity": 2},
+            "tier2_parity",
+            "2 parities across 2 node(s): tier 2 with m parities needs more than m nodes",
+        ),
         (
             {"nodes": 2, "ranks_per_node": 2, "world_size": 3},
             "topology",

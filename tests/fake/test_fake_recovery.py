@@ -158,6 +158,30 @@ def test_beyond_both_tiers_falls_back_to_the_checkpoint(tmp_path) -> None:  # ty
     assert sorted(meta["process_states"]) == ["0", "1", "2", "3"]
 
 
+TWO_NODES = [
+    ("lose_node", dict(node=0, step=4, phase="prepare")),
+    ("lose_node", dict(node=2, step=4, phase="recovery", where="Promote", rank=0)),
+]
+
+
+def test_two_lost_nodes_are_restored_from_tier2_with_two_parities(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Four nodes, tier2_parity = 2 (Reed-Solomon across the nodes' snapshots): two
+    nodes lost in one recovery are decoded from the other two, bitwise."""
+    topo = Topology((1, 2, 1, 2))
+    eng = run(TWO_NODES, topology=topo, tier2_parity=2)
+    (rec,) = eng.recoveries
+    assert rec["kind"] == "tier2" and rec["resumed_at"] == 3  # k = 3: the step-3 snapshot
+    assert eng.stats["snapshot_restores"] == 1 and eng.stats["checkpoint_restores"] == 0
+    # the same losses with one parity are beyond tier 2: the checkpoint
+    eng1 = run(TWO_NODES, topology=topo, checkpointer=DCPCheckpointer(tmp_path / "ckpt"))
+    assert [r["kind"] for r in eng1.recoveries] == ["ckpt"]
+
+
+def test_more_parities_than_nodes_allow_is_refused() -> None:
+    with pytest.raises(ValueError, match="tier2_parity=2 needs more than that many nodes, not 2"):
+        make_engine(tier2_parity=2)
+
+
 def test_beyond_both_tiers_without_checkpoint_stops_and_names_the_loss() -> None:
     eng = make_engine(checkpointer=None)
     eng.injector.lose_node(node=0, step=3, phase="finish").lose_node(

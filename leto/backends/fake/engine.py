@@ -55,6 +55,7 @@ from leto.core.trainer import TrainerState
 from leto.core.txn import TxnState
 from leto.errors import ConfigError
 from leto.retained import recovery as rx
+from leto.retained import rs
 from leto.retained.checkpoint import Checkpointer
 from leto.retained.layout import (
     ChecksumError,
@@ -175,9 +176,15 @@ class Engine:
             max_faults=10**9,
             k=options.tier2_interval if options.tier2 else options.max_steps + 1,
             tier1=options.tier1,
+            tier2_parity=options.tier2_parity,
         )
         if cfg.tier1 != options.tier1:
             raise ValueError(f"core config has tier1={cfg.tier1}, the engine tier1={options.tier1}")
+        if options.tier2_parity > 1 and options.tier2_parity >= backend.nodes:
+            raise ValueError(
+                f"tier2_parity={options.tier2_parity} needs more than that many nodes, "
+                f"not {backend.nodes}"
+            )
         if cfg.chunks != n_chunks or cfg.topology != backend.topology:
             raise ValueError(
                 f"core config has {cfg.chunks} chunks on {cfg.topology}, the retained state "
@@ -468,27 +475,34 @@ class Engine:
         stores = [self.backend.node_store(n) for n in range(N)]
         snaps = [st.snapshot for st in stores]
         missing = [n for n, sn in enumerate(snaps) if sn is None or sn.step != step]
-        if len(missing) > 1:
+        m = self.options.tier2_parity
+        if len(missing) > m:
             raise IntegrityError(f"tier-2 snapshots of nodes {missing} are gone: beyond tier 2")
         if missing:
-            lost = missing[0]
             ref = next(
                 s.snapshot for s in stores if s.snapshot is not None and s.snapshot.step == step
             )
-            assert ref is not None
+            assert ref is not None and ref.share is not None
             datas = [
-                torch.zeros_like(ref.data) if n == lost else stores[n].snapshot.data  # type: ignore[union-attr]
+                torch.zeros_like(ref.data) if n in missing else stores[n].snapshot.data  # type: ignore[union-attr]
                 for n in range(N)
             ]
-            shares = [None if n == lost else stores[n].snapshot.share for n in range(N)]  # type: ignore[union-attr]
+            shares = [
+                torch.zeros_like(ref.share) if n in missing else stores[n].snapshot.share  # type: ignore[union-attr]
+                for n in range(N)
+            ]
 
             def program(coll: Any) -> Any:
-                return decode_rotated(coll, datas[coll.rank], lost, shares[coll.rank])
+                if m == 1:
+                    return decode_rotated(coll, datas[coll.rank], missing[0], shares[coll.rank])
+                rs.decode_striped(coll, datas[coll.rank], m, missing, shares[coll.rank])
+                return shares[coll.rank]
 
             out = self.backend.spmd(list(range(N)), program)
-            stores[lost].snapshot = Snapshot(
-                step, datas[lost], dict(ref.checksums), dict(ref.process_states), out[lost]
-            )
+            for lost in missing:
+                stores[lost].snapshot = Snapshot(
+                    step, datas[lost], dict(ref.checksums), dict(ref.process_states), out[lost]
+                )
         for n in range(N):
             snap = stores[n].snapshot
             assert snap is not None
@@ -597,7 +611,14 @@ class Engine:
         if N >= 2:
 
             def program(coll: Any) -> Any:
-                return encode_rotated(coll, datas[coll.rank])
+                m = self.options.tier2_parity
+                if m == 1:
+                    return encode_rotated(coll, datas[coll.rank])
+                share = torch.zeros(
+                    m * rs.striped_share_nbytes(width * nb, N, m), dtype=torch.uint8
+                )
+                rs.encode_striped(coll, datas[coll.rank], m, share)
+                return share
 
             shares = self.backend.spmd(list(range(N)), program)
         for n in range(N):

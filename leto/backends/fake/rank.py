@@ -76,6 +76,7 @@ class EngineOptions:
     tier1: bool = True
     tier2: bool = True
     tier2_interval: int = 10
+    tier2_parity: int = 1  # m: lost nodes the snapshot survives (m >= 2: leto.retained.rs)
     verify: bool = True
     align_bytes: int = 256
     max_steps: int = 10**9
