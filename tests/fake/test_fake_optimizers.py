@@ -19,6 +19,7 @@ from torch import nn
 
 from leto.backends.fake.engine import Engine
 from leto.core.faultpoints import APPLY_WHERE, DECIDE_WHERE, PHASES
+from leto.retained.layout import ChunkStateError
 from leto.retained.optim import UnsupportedOptimizerError, WholeStepOptimizer, is_chunkable
 
 
@@ -136,3 +137,13 @@ def test_faults_at_every_phase_are_bitwise_the_failure_free_run(
         assert eng.mismatches() == [] and eng.parity_exact() == [], label
         assert same_state(eng, ref) == [], f"{label}: not bitwise the failure-free run"
     assert not torch.equal(ref.procs[0].layout.param_buffer, start)  # it did train
+
+
+def test_memory_lost_mid_apply_is_a_named_limit_of_the_generic_path() -> None:
+    """The before copy is retained memory too: lost with it in the middle of APPLY, the
+    rank's chunks come back from parity at mixed versions, and the step cannot be
+    replayed. Known limit (docs/gloo.md): the recovery stops, naming it."""
+    eng = engine(torch.optim.RMSprop)
+    eng.injector.lose_memory(rank=1, step=2, phase="apply", chunk=2, where="mid_write")
+    with pytest.raises(ChunkStateError, match="RMSprop.*replays a step from the copy"):
+        eng.train(STEPS)
