@@ -27,8 +27,11 @@ rank ``r`` of ``W`` receives ``batch[r::W]``. Samplers with ``state_dict()`` /
 ``load_state_dict()`` (such as :class:`leto.ResumableBatchSampler`)
 resume exactly; other iterables are re-iterated and skipped ahead.
 
-The optimizer must be ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (chunked
-versions with torch's own math). On the fake backend, the simulated ranks get deep
+The optimizer is any ``torch.optim.Optimizer`` whose step is deterministic:
+``SGD``, ``Adam`` and ``AdamW`` run chunk by chunk with torch's own math, every
+other one (user subclasses included) through the generic path, which replays its
+``step()`` from a retained copy of the step before; ``LBFGS`` and ``SparseAdam``
+are refused (:class:`leto.retained.UnsupportedOptimizerError`, naming why). On the fake backend, the simulated ranks get deep
 copies of model, optimizer and scheduler; rank 0 uses the objects passed in
 (until a failure of rank 0 replaces its process: use ``session.model``).
 """

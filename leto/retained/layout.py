@@ -560,6 +560,10 @@ class RetainedLayout:
     def param_view(self, i: int) -> torch.Tensor:
         return self._flat_view(self.param_buffer, i)
 
+    def view_in(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's view of ``buf``, any flat buffer laid out like the param buffer."""
+        return self._flat_view(buf, i)
+
     def grad_view(self, i: int) -> torch.Tensor:
         return self._flat_view(self.grad_buffer, i)
 
@@ -654,6 +658,10 @@ class RetainedLayout:
 
     def stored_checksum(self, i: int) -> int:
         return int(self._hdr[self._row(i) + 1].item())
+
+    def stored_checksums(self) -> torch.Tensor:
+        """Every chunk's recorded checksum (int64, a copy)."""
+        return self._table[:, 1].clone()
 
     def grad_checksums(self) -> list[int]:
         """The per-chunk gradient checksums recorded by the last :meth:`seal_grads`."""

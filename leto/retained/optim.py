@@ -50,6 +50,7 @@ second copy of params + states) and cannot interleave chunks with parity work.
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,11 +61,13 @@ from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _torch_sgd
 
+from .checksum import checksum_chunks
 from .layout import (
     Allocator,
     ChecksumError,
     ChunkStateError,
     ChunkStatus,
+    InMemorySegments,
     LayoutError,
     RetainedLayout,
     _aliases,
@@ -78,6 +81,8 @@ __all__ = [
     "ChunkedAdam",
     "ChunkedAdamW",
     "WholeStepOptimizer",
+    "UnsupportedOptimizerError",
+    "check_supported",
     "required_states",
     "is_chunkable",
     "to_retained",
@@ -104,6 +109,15 @@ def _enc(v: Any, where: str) -> Any:
             "dtype": str(v.dtype).removeprefix("torch."),
             "device": str(v.device),
         }
+    if isinstance(v, torch.Tensor) and not v.is_complex() and v.layout is torch.strided:
+        # small state that is not parameter-shaped (Adafactor's factored moments):
+        # a float list is exact for every real dtype
+        return {
+            "tensor": v.tolist(),
+            "shape": list(v.shape),
+            "dtype": str(v.dtype).removeprefix("torch."),
+            "device": str(v.device),
+        }
     raise LayoutError(f"{where}: {type(v).__name__} is not serialisable as process state")
 
 
@@ -114,7 +128,8 @@ def _dec(v: Any) -> Any:
         if "tuple" in v:
             return tuple(_dec(x) for x in v["tuple"])
         if "tensor" in v:
-            return torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device=v["device"])
+            t = torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device=v["device"])
+            return t.reshape(v["shape"]) if "shape" in v else t
         raise LayoutError(f"cannot decode process state value {v!r}")
     return v
 
@@ -127,8 +142,8 @@ class _Plan:
     present: list[bool]
     groups: list[dict[str, Any]]
     keys: list[Hashable | None] = field(default_factory=list)  # per param; None: not stepped
-    snapshot: Any = None  # WholeStepOptimizer: scalar state before the step
-    applied: bool = False  # WholeStepOptimizer: the torch step has run
+    copied: bool = False  # WholeStepOptimizer: this process wrote the before copy
+    next: Any = None  # WholeStepOptimizer: the replayed step's state and groups
 
 
 class RetainedOptimizer(torch.optim.Optimizer):
@@ -464,6 +479,16 @@ class RetainedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
 
+_DEFAULT_KEYS: dict[str, frozenset[str]] = {}
+
+
+def _torch_defaults(cls: type[torch.optim.Optimizer]) -> frozenset[str]:
+    if cls.__qualname__ not in _DEFAULT_KEYS:
+        made = cls([nn.Parameter(torch.zeros(1))])  # type: ignore[call-arg]
+        _DEFAULT_KEYS[cls.__qualname__] = frozenset(made.defaults)
+    return _DEFAULT_KEYS[cls.__qualname__]
+
+
 class ChunkedOptimizer(RetainedOptimizer):
     """Per-chunk elementwise optimizers: plan keys, merged runs, torch's functional math.
 
@@ -497,6 +522,11 @@ class ChunkedOptimizer(RetainedOptimizer):
     def states_for(groups: Iterable[dict[str, Any]]) -> tuple[str, ...]:
         """The layout state buffers these parameter groups need."""
         raise NotImplementedError
+
+    @classmethod
+    def _torch_defaults(cls) -> frozenset[str]:
+        """The hyper-parameters torch's class has (a subclass adding one is not chunkable)."""
+        return _torch_defaults(cls._torch_cls)
 
     def _key(self, plan: _Plan, idx: int, group: int) -> Hashable:
         """What parameters must share to be updated by one call (besides the group)."""
@@ -675,65 +705,182 @@ class ChunkedAdamW(ChunkedAdam, torch.optim.AdamW):
     _torch_cls = torch.optim.AdamW
 
 
-# ------------------------------------------------------------ whole-step fallback
+# ------------------------------------------------------------ any torch optimizer
+
+
+class UnsupportedOptimizerError(TypeError):
+    """An optimizer leto cannot make transactional; the message names it and says why."""
+
+
+_REFUSED: dict[type, str] = {
+    torch.optim.LBFGS: (
+        "its step takes a closure that re-runs forward and backward several times, so it "
+        "is not a function of one step's retained gradients"
+    ),
+    torch.optim.SparseAdam: "it needs sparse gradients, and leto retains dense ones",
+}
+
+
+def _refuse(optimizer: torch.optim.Optimizer, why: str) -> UnsupportedOptimizerError:
+    return UnsupportedOptimizerError(
+        f"optimizer: {type(optimizer).__name__} cannot be retained by leto: {why}"
+    )
+
+
+def _probe_shapes(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
+    """One small shape per rank of tensor among the optimizer's parameters (0-d left out:
+    a 0-d state cannot be told from a scalar, and travels as one)."""
+    dims = sorted({p.dim() for g in optimizer.param_groups for p in g["params"]} - {0})
+    return [tuple(range(2, 2 + d)) for d in dims]
+
+
+def _probe_run(
+    optimizer: torch.optim.Optimizer, hp: dict[str, Any], shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Two steps of a shallow copy of ``optimizer`` on one seeded probe parameter."""
+    g = torch.Generator().manual_seed(0)
+    x = nn.Parameter(torch.randn(shape, generator=g).to(dtype))
+    probe = copy.copy(optimizer)
+    probe.param_groups = [{**hp, "params": [x]}]
+    probe.state = defaultdict(dict)
+    for _ in range(2):
+        x.grad = torch.randn(shape, generator=g).to(dtype)
+        probe.step()
+    st = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in probe.state[x].items()}
+    return x.detach().clone(), st
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    return bool(a == b)
 
 
 def _probe_states(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
-    """Discover which state entries of ``optimizer`` have the parameter's shape.
+    """The state entries of ``optimizer`` that have the parameter's shape (retained buffers).
 
-    Runs one step of a same-class optimizer with the same hyper-parameters on a
-    2x3 probe tensor; keys whose tensors come out 2x3 are retained buffers.
+    Runs a shallow copy of the optimizer (its class, hyper-parameters and step, user
+    subclasses included) twice on a probe parameter per group and tensor rank: a step
+    that fails is refused with its error, one whose two runs differ is refused as not
+    deterministic (a replay would not reproduce it).
     """
+    for cls, why in _REFUSED.items():
+        if isinstance(optimizer, cls):
+            raise _refuse(optimizer, why)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    dtype = params[0].dtype if params else torch.float32
     names: list[str] = []
     for g in optimizer.param_groups:
-        x = nn.Parameter(torch.zeros(2, 3))
-        x.grad = torch.full((2, 3), 0.5)
         hp = {k: v for k, v in g.items() if k != "params"}
-        try:
+        for shape in _probe_shapes(optimizer):
             try:
-                probe = type(optimizer)([{"params": [x], **hp}], **optimizer.defaults)
-            except TypeError:
-                probe = type(optimizer)([{"params": [x], **hp}])  # type: ignore[call-arg]
-            probe.step()
-        except Exception as e:
-            raise LayoutError(
-                f"cannot discover the state of {type(optimizer).__name__} ({e}); "
-                "create the layout with explicit states=[...]"
-            ) from e
-        for k, v in probe.state[x].items():
-            if isinstance(v, torch.Tensor) and v.shape == x.shape and k not in names:
-                names.append(k)
+                (x1, s1), (x2, s2) = (_probe_run(optimizer, hp, shape, dtype) for _ in range(2))
+            except Exception as e:
+                raise _refuse(optimizer, f"its step fails on a probe parameter ({e})") from e
+            if (
+                not _same(x1, x2)
+                or s1.keys() != s2.keys()
+                or not all(_same(s1[k], s2[k]) for k in s1)
+            ):
+                raise _refuse(optimizer, "its step is not deterministic (two runs differ)")
+            for k, v in s1.items():
+                if isinstance(v, torch.Tensor) and v.shape == shape and k not in names:
+                    names.append(k)
     return tuple(names)
 
 
+_BEFORE_MAGIC = 0x4C45544F42454652  # "LETOBEFR"
+NONE_VERSION = -1  # the before copy holds no valid step
+_RETAINED = object()  # in a replayed state: "this entry is the retained buffer's view"
+
+
+class _BeforeCopy:
+    """Every chunk's bytes (params + states) at the step before the one being applied.
+
+    Two segments next to the layout's, from the same allocator (so a new process
+    attaches to them): ``{prefix}.before`` (the bytes, one row per data buffer) and
+    ``{prefix}.before.header`` (int64: magic, version, then the checksum of each chunk,
+    the layout's own checksum of the chunk at that version). The version is written
+    last and cleared first, so a half-written copy is never taken for valid.
+    """
+
+    def __init__(self, layout: RetainedLayout, alloc: Allocator | None) -> None:
+        alloc = alloc or InMemorySegments(layout.device)
+        rows = len(layout.data_buffers())
+        total = layout.param_buffer.numel()
+        nbytes = rows * total * layout.param_buffer.element_size()
+        data = alloc(f"{layout.prefix}.before", nbytes).view(layout.dtype)
+        self.rows = list(data.view(rows, total).unbind(0))
+        self.header = alloc(f"{layout.prefix}.before.header", 8 * (2 + layout.n_chunks)).view(
+            torch.int64
+        )
+
+    def version(self) -> int:
+        """The step the copy holds (``NONE_VERSION`` if none is valid)."""
+        if int(self.header[0]) != _BEFORE_MAGIC:
+            return NONE_VERSION
+        return int(self.header[1])
+
+    def save(self, layout: RetainedLayout, version: int) -> None:
+        """Copy every chunk, which must be clean at ``version``, with its checksum."""
+        self.header[1] = NONE_VERSION
+        with torch.no_grad():
+            for dst, src in zip(self.rows, layout.data_buffers(), strict=True):
+                dst.copy_(src)
+        self.header[2:] = layout.stored_checksums()
+        self.header[0] = _BEFORE_MAGIC
+        self.header[1] = version
+
+    def bad_chunks(self, layout: RetainedLayout) -> list[int]:
+        """The chunks whose copy fails its checksum."""
+        n = layout.n_chunks
+        sums = checksum_chunks(
+            self.rows, n, [self.version()] * n, algorithm=layout.checksum_algorithm
+        )
+        return [int(i) for i in (sums != self.header[2:]).nonzero().flatten().tolist()]
+
+
 class WholeStepOptimizer(RetainedOptimizer):
-    """Any ``torch.optim.Optimizer`` over a RetainedLayout, one whole step per transaction.
+    """Any ``torch.optim.Optimizer`` (a subclass with its own ``step`` too), transactional.
 
-    Coarser than the chunked optimizers, by design of what an opaque optimizer
-    allows: the first ``apply_chunk`` of a step runs the wrapped optimizer's
-    ``step()`` over everything and seals every chunk, so every chunk must have
-    been ``save_undo``-ed first (the layout needs ``undo_slots >= n_chunks``:
-    a second copy of params + states), later ``apply_chunk`` calls are no-ops,
-    and parity can only be updated after the whole step. Scalar state the
-    wrapped step changes (its step counters) is snapshotted at ``begin`` and put
-    back by ``restore_undo``. Parameter-shaped state entries named in
-    ``layout.states`` (see :func:`required_states`) live in retained buffers; the
-    optimizer's own tensors are swapped for views after its first step.
+    The generic path, for what has no chunked version. An opaque step cannot be cut
+    into chunks, but it can be replayed: at ``begin`` every chunk's bytes at the step
+    before are copied into retained memory (the *before copy*, checksummed); the first
+    ``apply_chunk`` runs the wrapped optimizer's own ``step()`` once, on a scratch copy
+    of those bytes, with a scratch copy of the retained gradients (parameters absent
+    from the step get ``.grad = None``, as torch.optim expects); each ``apply_chunk(i)`` then writes chunk
+    i of the result. The chunk transactions are the chunked path's (one undo slot,
+    chunk by chunk, parity in between); a new process that rolls a step forward replays
+    it from the before copy, and a deterministic step gives the same bytes again.
 
-    ``param_groups`` and ``state`` are the wrapped optimizer's own objects, so
-    LR schedulers bound to either work.
+    Scalar and other small state (step counters, Adafactor's factored moments) is
+    process state: the replay computes it, ``end()`` commits it; until then
+    ``state`` is the step before's, so a rolled-back step needs nothing restored
+    but its chunks. Parameter-shaped state entries (see :func:`required_states`)
+    live in the layout's state buffers.
+
+    Cost per step, against the chunked path: one copy of params + states into the
+    before copy, one into scratch (and of the gradients), the step itself, one copy
+    out; memory: the before copy (retained) and the scratch (not).
+
+    ``param_groups`` and ``state`` are the wrapped optimizer's own objects, so LR
+    schedulers bound to either work.
     """
 
     def __init__(
-        self, layout: RetainedLayout, inner: torch.optim.Optimizer, *, verify: bool = False
+        self,
+        layout: RetainedLayout,
+        inner: torch.optim.Optimizer,
+        *,
+        alloc: Allocator | None = None,
+        adopt: bool = True,
+        verify: bool = False,
     ) -> None:
         if isinstance(inner, RetainedOptimizer):
             raise TypeError("inner optimizer is already retained")
-        if layout.undo_slots < layout.n_chunks:
-            raise LayoutError(
-                f"the whole-step fallback needs an undo slot per chunk: layout has {layout.undo_slots} "
-                f"for {layout.n_chunks} chunks (create it with undo_slots=None)"
-            )
+        for cls, why in _REFUSED.items():
+            if isinstance(inner, cls):
+                raise _refuse(inner, why)
         self._init_retained(layout, verify)
         params = [p for g in inner.param_groups for p in g["params"]]
         torch.optim.Optimizer.__init__(self, params, dict(inner.defaults))
@@ -742,7 +889,10 @@ class WholeStepOptimizer(RetainedOptimizer):
         self.state = inner.state
         self.defaults = inner.defaults
         self._param_indices()
-        if self.state:  # the wrapped optimizer already has state: move it into retained memory
+        self._before = _BeforeCopy(layout, alloc)
+        self._scratch: list[torch.Tensor] | None = None  # params + states, then the step's
+        self._scratch_grad = torch.empty(0)
+        if adopt and self.state:  # e.g. Adagrad's initial sums: into retained memory
             self._adopt_state(clone_rest=True)
             self.layout.seal_all(self.version)
 
@@ -750,92 +900,103 @@ class WholeStepOptimizer(RetainedOptimizer):
         return f"WholeStepOptimizer[{type(self.inner).__name__}]"
 
     def _make_plan(self, plan: _Plan) -> None:
-        snap = {}
-        for p, st in self.state.items():
-            snap[p] = {
-                k: (v.clone() if isinstance(v, torch.Tensor) and k not in self.layout.states else v)
-                for k, v in st.items()
-            }
-        plan.snapshot = (
-            snap,
-            copy.deepcopy(
-                [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-            ),
+        lay, prev = self.layout, plan.step - 1
+        fresh = all(
+            lay.chunk_status(i) is ChunkStatus.CLEAN and lay.chunk_version(i) == prev
+            for i in range(lay.n_chunks)
         )
+        if fresh:
+            self._before.save(lay, prev)
+            plan.copied = True
+        elif self._before.version() != prev:
+            raise ChunkStateError(
+                f"begin({plan.step}): {self._kind()} replays a step from the copy of every "
+                f"chunk at step {prev}, and the retained copy is at {self._before.version()}"
+            )
 
-    def apply_chunk(self, i: int, *, seal: bool = True) -> None:
-        if not seal:
-            raise ChunkStateError("the whole-step fallback seals every chunk when its step runs")
-        plan = self._require_plan("apply_chunk")
+    def _apply(self, plan: _Plan, i: int) -> None:
+        if plan.next is None:
+            self._replay(plan)
+        assert self._scratch is not None
+        a, b = self.layout.chunk_range(i)
+        for dst, src in zip(self.layout.chunk_data(i), self._scratch, strict=True):
+            dst.copy_(src[a:b])
+
+    def _replay(self, plan: _Plan) -> None:
+        """Run the wrapped step on a scratch copy of the before copy; keep its result."""
         lay = self.layout
-        if plan.applied:
-            st = lay.chunk_status(i)
-            if st is not ChunkStatus.APPLIED or lay.chunk_version(i) != plan.step:
-                raise ChunkStateError(
-                    f"apply_chunk: chunk {i} is {st.value}; the whole step already ran"
+        if not plan.copied:
+            bad = self._before.bad_chunks(lay)
+            if bad:
+                raise ChecksumError(
+                    f"the retained copy of step {plan.step - 1} fails its checksum in chunks "
+                    f"{bad}: step {plan.step} cannot be replayed (roll back)"
                 )
-            return
-        for j in range(lay.n_chunks):
-            if lay.chunk_status(j) is not ChunkStatus.TORN or lay.undo_version(j) != plan.step - 1:
-                raise ChunkStateError(
-                    f"apply_chunk: the whole-step fallback needs an undo copy of every chunk first; chunk {j} is {lay.chunk_status(j).value}"
-                )
-        hidden = []
-        for idx, p in enumerate(lay.params):
-            if not plan.present[idx] and p.grad is not None:
-                hidden.append((p, p.grad))
-                p.grad = None
-        try:
-            self.inner.step()
-        finally:
-            for p, g in hidden:
-                p.grad = g
+        if self._scratch is None:
+            self._scratch = [torch.empty_like(b) for b in lay.data_buffers()]
+            self._scratch_grad = torch.empty_like(lay.grad_buffer)
         with torch.no_grad():
+            for dst, src in zip(self._scratch, self._before.rows, strict=True):
+                dst.copy_(src)
+            # a step may change its gradients in place (a subclass that clips them):
+            # the retained ones must stay the step's, for the next replay
+            self._scratch_grad.copy_(lay.grad_buffer)
+        sparam = self._scratch[0]
+        sstate = dict(zip(lay.states, self._scratch[1:], strict=True))
+        saved_state = {p: dict(st) for p, st in self.state.items()}
+        saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        for p, st in self.state.items():
+            idx = lay.index_of(p)
+            for k, v in st.items():
+                if k in sstate and isinstance(v, torch.Tensor):
+                    st[k] = lay.view_in(sstate[k], idx)
+                else:
+                    st[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+        live = [(p.data, p.grad) for p in lay.params]
+        try:
             for idx, p in enumerate(lay.params):
-                view = lay.param_view(idx)
+                p.data = lay.view_in(sparam, idx)
+                p.grad = lay.view_in(self._scratch_grad, idx) if plan.present[idx] else None
+            self.inner.step()
+            for idx, p in enumerate(lay.params):
+                view = lay.view_in(sparam, idx)
                 if not _aliases(p.data, view):  # the optimizer replaced .data
                     view.copy_(p.data)
-                    p.data = view
-        self._adopt_state()
-        lay.seal_all(plan.step)
-        plan.applied = True
-
-    def restore_undo(self, i: int) -> None:
-        self.layout.restore_undo(i)
-        plan = self._plan
-        if plan is not None and plan.applied:
-            snap, groups = plan.snapshot
-            for p, st in snap.items():
-                self.state[p] = {
-                    k: (
-                        v.clone()
-                        if isinstance(v, torch.Tensor) and k not in self.layout.states
-                        else v
-                    )
-                    for k, v in st.items()
-                }
-            for p in list(self.state):
-                if p not in snap:
-                    del self.state[p]
-            for g, saved in zip(self.param_groups, groups, strict=True):
+            nxt: dict[torch.Tensor, dict[str, Any]] = {}
+            for p, st in self.state.items():
+                idx = lay.index_of(p)
+                entry: dict[str, Any] = {}
+                for k, v in st.items():
+                    if k in sstate and isinstance(v, torch.Tensor):
+                        view = lay.view_in(sstate[k], idx)
+                        if not _aliases(v, view):
+                            _copy_in(v, view, f"state {k!r} of {lay.slots[idx].name!r}")
+                        entry[k] = _RETAINED
+                    else:
+                        entry[k] = v
+                nxt[p] = entry
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        finally:
+            for p, (data, grad) in zip(lay.params, live, strict=True):
+                p.data = data
+                p.grad = grad
+            self.state.clear()
+            self.state.update(saved_state)
+            for g, saved in zip(self.param_groups, saved_groups, strict=True):
                 g.update(saved)
-            plan.applied = False
-
-    def _apply_pending(self, step: int, on_applied: Callable[[int], None] | None) -> None:
-        pending = [
-            i for i in range(self.layout.n_chunks) if self.layout.chunk_version(i) == step - 1
-        ]
-        for i in pending:
-            self.save_undo(i)
-        if pending:
-            self.apply_chunk(pending[0])
-        for i in pending:
-            if on_applied is not None:
-                on_applied(i)
-            self.finish_chunk(i)
+        plan.next = (nxt, groups)
 
     def _commit(self, plan: _Plan) -> None:
-        pass
+        if plan.next is None:  # every chunk was written before this process began the step
+            self._replay(plan)
+        nxt, groups = plan.next
+        for p, entry in nxt.items():
+            idx = self.layout.index_of(p)
+            self.state[p] = {
+                k: self.layout.state_view(k, idx) if v is _RETAINED else v for k, v in entry.items()
+            }
+        for g, new in zip(self.param_groups, groups, strict=True):
+            g.update(new)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._require_idle("load_state_dict")
@@ -856,42 +1017,79 @@ _CHUNKED: dict[type, Any] = {
     torch.optim.Adam: ChunkedAdam,
     torch.optim.AdamW: ChunkedAdamW,
 }
+_STEP_CODE = ("step", "_init_group")  # what a subclass overrides to change the math
+
+
+def _chunked_class(optimizer: torch.optim.Optimizer) -> Any:
+    """The chunked class for ``optimizer``, or None (the generic path).
+
+    SGD, Adam, AdamW, and a subclass of one that changes neither its step nor its
+    hyper-parameters (the chunked versions call torch's functional math, not ``step``).
+    """
+    mro = type(optimizer).__mro__
+    base = next((c for c in mro if c in _CHUNKED), None)
+    if base is None:
+        return None
+    below = mro[: mro.index(base)]
+    if any(name in c.__dict__ for c in below for name in _STEP_CODE):
+        return None
+    if not set(optimizer.defaults) <= _CHUNKED[base]._torch_defaults():
+        return None
+    return _CHUNKED[base]
 
 
 def is_chunkable(optimizer: torch.optim.Optimizer) -> bool:
-    """Does ``optimizer`` (exactly SGD, Adam or AdamW) have a chunked version?"""
-    return type(optimizer) in _CHUNKED or isinstance(optimizer, ChunkedOptimizer)
+    """Does ``optimizer`` take the chunked fast path (see :func:`_chunked_class`)?"""
+    return isinstance(optimizer, ChunkedOptimizer) or _chunked_class(optimizer) is not None
+
+
+def check_supported(optimizer: torch.optim.Optimizer) -> None:
+    """Raise :class:`UnsupportedOptimizerError` (one line: which optimizer, why) unless
+    leto can retain ``optimizer``: chunked, or a deterministic step it can replay."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedOptimizerError(
+            f"optimizer: {type(optimizer).__name__} is not a torch.optim.Optimizer"
+        )
+    if not is_chunkable(optimizer) and not isinstance(optimizer, RetainedOptimizer):
+        _probe_states(optimizer)
 
 
 def required_states(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     """The layout state buffers ``optimizer`` needs once retained."""
     if isinstance(optimizer, RetainedOptimizer):
         return optimizer.layout.states
-    cls = _CHUNKED.get(type(optimizer))
+    cls = _chunked_class(optimizer)
     if cls is not None:
         return tuple(cls.states_for(optimizer.param_groups))
     return _probe_states(optimizer)
 
 
 def to_retained(
-    optimizer: torch.optim.Optimizer, layout: RetainedLayout, *, verify: bool = False
+    optimizer: torch.optim.Optimizer,
+    layout: RetainedLayout,
+    *,
+    alloc: Allocator | None = None,
+    adopt: bool = True,
+    verify: bool = False,
 ) -> RetainedOptimizer:
     """The retained version of a torch optimizer whose parameters are ``layout``'s.
 
     SGD, Adam and AdamW become chunked (their existing state, if any, is copied
     into the retained buffers; ``param_groups`` are shared with ``optimizer`` so
     a scheduler bound to it still drives the LR; do not step ``optimizer``
-    itself any more). Any other optimizer is wrapped by :class:`WholeStepOptimizer`.
+    itself any more). Any other optimizer is wrapped by :class:`WholeStepOptimizer`
+    (its before copy from ``alloc``). ``adopt=False`` (attaching to retained state):
+    the optimizer's own state is not copied in; the process state loaded next is.
     """
-    cls = _CHUNKED.get(type(optimizer))
+    cls = _chunked_class(optimizer)
     if cls is None:
-        return WholeStepOptimizer(layout, optimizer, verify=verify)
+        return WholeStepOptimizer(layout, optimizer, alloc=alloc, adopt=adopt, verify=verify)
     defaults = dict(optimizer.defaults)
     if cls is ChunkedAdamW:
         defaults.pop("decoupled_weight_decay", None)
     groups = [dict(g) for g in optimizer.param_groups]
-    new = cls(layout, groups, verify=verify, **defaults)
-    if optimizer.state:
+    new: RetainedOptimizer = cls(layout, groups, verify=verify, **defaults)
+    if adopt and optimizer.state:
         new.load_state_dict(optimizer.state_dict())
     new.param_groups = optimizer.param_groups
     return new
@@ -910,8 +1108,8 @@ def retain(
 ) -> RetainedOptimizer:
     """Create (or ``attach`` to) the retained layout of ``model`` and retain ``optimizer``.
 
-    The layout gets the state buffers the optimizer needs and, for the
-    whole-step fallback, an undo slot per chunk. With ``attach=True`` the
+    The layout gets the state buffers the optimizer needs (the generic path's
+    before copy comes from ``alloc`` too). With ``attach=True`` the
     existing layout is validated against the model (shapes) and the optimizer
     (states); load the process state afterwards.
     """
@@ -928,9 +1126,9 @@ def retain(
             model,
             chunk_numel=chunk_numel,
             states=states,
-            undo_slots=1 if is_chunkable(optimizer) else None,
+            undo_slots=1,
             alloc=alloc,
             prefix=prefix,
             align_bytes=align_bytes,
         )
-    return to_retained(optimizer, layout, verify=verify)
+    return to_retained(optimizer, layout, alloc=alloc, adopt=not attach, verify=verify)

@@ -14,6 +14,7 @@ from torch import nn
 import leto
 from leto.adapters.config import ConfigError
 from leto.retained.layout import ShapeMismatchError
+from leto.retained.optim import WholeStepOptimizer
 from leto.retained.process_state import ResumableBatchSampler
 
 CFG = {"backend": "fake", "topology": "2x2", "chunk_size": 16, "tier2_interval": 2}
@@ -105,10 +106,18 @@ def test_wrap_recovers_in_place_from_planned_faults(tmp_path: Path) -> None:
     assert (tmp_path / "ck" / "step-0" / "leto.json").is_file()
 
 
+def test_any_torch_optimizer_is_wrapped_through_the_generic_path() -> None:
+    j = job(opt_cls=torch.optim.RMSprop)
+    s = leto.wrap(j["model"], j["optimizer"], j["scheduler"], j["sampler"], config=CFG)
+    assert isinstance(s.optimizer, WholeStepOptimizer)
+    s.train(j["step_fn"], 2)
+    assert s.step == 2
+
+
 def test_unsupported_optimizer_backend_and_scheduler_are_refused() -> None:
     j = job()
-    with pytest.raises(TypeError, match="optimizer: RMSprop has no chunked version"):
-        leto.wrap(j["model"], torch.optim.RMSprop(j["model"].parameters()), config=CFG)
+    with pytest.raises(TypeError, match="^optimizer: LBFGS cannot be retained by leto: .*closure"):
+        leto.wrap(j["model"], torch.optim.LBFGS(j["model"].parameters()), config=CFG)
     # gloo outside `leto launch` (no agent connection): says how to start it
     with pytest.raises(ConfigError) as gloo:
         leto.wrap(j["model"], j["optimizer"], config={"backend": "gloo"})

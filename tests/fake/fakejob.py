@@ -18,11 +18,18 @@ from leto.retained.process_state import ResumableBatchSampler
 _DEFAULT = object()
 
 
-def tiny_job(world: int, seed: int = 0, per_rank: int = 2) -> tuple[Replica, Any, Any]:
-    """26 parameters (Linear 3->4, Linear 4->2), dropout, Adam, StepLR, a shuffled sampler."""
+def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.05)
+
+
+def tiny_job(
+    world: int, seed: int = 0, per_rank: int = 2, make_opt: Any = adam
+) -> tuple[Replica, Any, Any]:
+    """26 parameters (Linear 3->4, Linear 4->2), dropout, Adam (or ``make_opt(params)``),
+    StepLR, a shuffled sampler."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Dropout(0.2), nn.Linear(4, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    opt = make_opt(list(model.parameters()))
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
     g = torch.Generator().manual_seed(7)
     X = torch.randn(64, 3, generator=g)
@@ -47,9 +54,10 @@ def make_engine(
     checkpointer: Any = _DEFAULT,
     core_config: ClusterConfig | None = None,
     seed: int = 0,
+    make_opt: Any = adam,
 ) -> Engine:
     topology = topology or Topology((2, 2))
-    replica, sampler, step_fn = tiny_job(topology.world_size, seed)
+    replica, sampler, step_fn = tiny_job(topology.world_size, seed, make_opt=make_opt)
     ckpt: Checkpointer | None = MemoryCheckpointer() if checkpointer is _DEFAULT else checkpointer
     return Engine(
         FakeBackend(topology),

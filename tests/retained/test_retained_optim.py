@@ -9,7 +9,7 @@ Which comparisons are bitwise and why:
 * Adam with ``fused=True``: WITHIN 1e-6 RELATIVE over 200 steps. torch's fused
   CPU kernel rounds its vectorised body and its scalar tail differently, so
   cutting the tensor into chunks moves which elements take which path.
-* The whole-step fallback (RMSprop, Adagrad) runs torch's own step: BITWISE.
+* The generic path (RMSprop, Adagrad) runs torch's own step, on a scratch copy: BITWISE.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from leto.retained import (
+    ChecksumError,
     ChunkedAdam,
     ChunkedAdamW,
     ChunkedSGD,
@@ -32,7 +33,10 @@ from leto.retained import (
     InMemorySegments,
     LayoutError,
     RetainedLayout,
+    UnsupportedOptimizerError,
     WholeStepOptimizer,
+    check_supported,
+    is_chunkable,
     required_states,
     retain,
     to_retained,
@@ -422,8 +426,8 @@ def test_constructor_errors() -> None:
         ChunkedSGD(lay, lr=0.1, differentiable=True)
     with pytest.raises(LayoutError, match="not a parameter"):
         ChunkedSGD(lay, [nn.Parameter(torch.zeros(2))], lr=0.1)
-    with pytest.raises(LayoutError, match="undo slot per chunk"):
-        WholeStepOptimizer(lay, torch.optim.RMSprop(model.parameters()))
+    with pytest.raises(UnsupportedOptimizerError, match="LBFGS cannot be retained.*closure"):
+        WholeStepOptimizer(lay, torch.optim.LBFGS(model.parameters()))
     opt = ChunkedSGD(lay, lr=0.1)
     with pytest.raises(TypeError):
         WholeStepOptimizer(lay, opt)
@@ -522,9 +526,12 @@ def test_whole_step_fallback_bitwise(cls: Any, hp: dict[str, Any]) -> None:
     json.dumps(opt.process_state())
 
 
-def test_whole_step_fallback_transactions() -> None:
+def test_generic_path_transactions() -> None:
+    """Roll back a begun step; then half a step written, the trainer dies, a new process
+    replays the step from the retained before copy: bitwise the uninterrupted run."""
     hp = {"lr": 1e-2, "momentum": 0.5, "foreach": False}
-    model, opt = trained(torch.optim.RMSprop, hp, 3)
+    store = InMemorySegments()
+    model, opt = trained(torch.optim.RMSprop, hp, 3, alloc=store)
     assert isinstance(opt, WholeStepOptimizer)
     ref_model, ref = trained(torch.optim.RMSprop, hp, 3)
     for m, o in ((model, opt), (ref_model, ref)):
@@ -535,23 +542,86 @@ def test_whole_step_fallback_transactions() -> None:
     opt.prepare(4)
     opt.begin(4)
     opt.save_undo(0)
-    with pytest.raises(ChunkStateError, match="undo copy of every chunk"):
-        opt.apply_chunk(0)
-    for i in range(1, n):
-        opt.save_undo(i)
-    opt.apply_chunk(0)  # the whole step
-    assert all(opt.layout.chunk_status(i) is ChunkStatus.APPLIED for i in range(n))
-    opt.apply_chunk(3)  # no-op
+    opt.apply_chunk(0)
+    assert not equal(snapshot(opt)[:-1], before[:-1])
     opt.roll_back()
     assert equal(snapshot(opt)[:-1], before[:-1])
     assert json.dumps(opt.process_state()) == ps
-    assert opt.layout.prepared_step == -1  # roll_back drops the step's gradients
-    with pytest.raises(ChunkStateError, match="prepared for step -1"):
-        opt.roll_forward()
     opt.prepare(4)  # the same gradients, prepared again
-    opt.roll_forward()
-    assert equal(snapshot(opt), snapshot(ref))
-    assert_bitwise(ref_model, model)
+    opt.begin(4)
+    for i in range(n // 2):  # written and released: these chunks' old bytes are gone
+        opt.save_undo(i)
+        opt.apply_chunk(i)
+        opt.finish_chunk(i)
+    opt.save_undo(n // 2)
+    opt.apply_chunk(n // 2, seal=False)  # torn
+    del model, opt  # the trainer dies
+
+    shadow = make_net(device="meta")
+    new = retain(
+        shadow,
+        torch.optim.RMSprop(shadow.parameters(), **hp),
+        chunk_numel=16,
+        alloc=store,
+        attach=True,
+        align_bytes=16,
+    )
+    new.load_process_state(json.loads(ps))
+    new.roll_forward()
+    assert new.version == 4
+    assert equal(snapshot(new), snapshot(ref))
+    assert_bitwise(ref_model, shadow)
+    assert json.dumps(new.process_state()) == json.dumps(ref.process_state())
+
+
+def test_generic_path_refuses_a_damaged_before_copy() -> None:
+    hp = {"lr": 1e-2, "foreach": False}
+    store = InMemorySegments()
+    model, opt = trained(torch.optim.Adagrad, hp, 2, alloc=store)
+    backward(model, opt, 2)
+    opt.prepare(3)
+    opt.begin(3)
+    opt.save_undo(0)
+    opt.apply_chunk(0)
+    opt.finish_chunk(0)
+    store.segments["leto.before"][5] ^= 1  # a flipped bit in the retained copy
+    opt._plan = None  # a new process: it did not write the copy itself
+    with pytest.raises(ChecksumError, match="cannot be replayed"):
+        opt.roll_forward()
+
+
+def test_unsupported_optimizers_are_named_with_why() -> None:
+    model = make_net()
+    with pytest.raises(UnsupportedOptimizerError, match="^optimizer: LBFGS .*closure"):
+        check_supported(torch.optim.LBFGS(model.parameters()))
+    with pytest.raises(UnsupportedOptimizerError, match="^optimizer: SparseAdam .*sparse"):
+        check_supported(torch.optim.SparseAdam(model.parameters()))
+
+    class Noisy(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.add_(torch.randn_like(p), alpha=g["lr"])
+
+    with pytest.raises(UnsupportedOptimizerError, match="^optimizer: Noisy .*not deterministic"):
+        check_supported(Noisy(model.parameters(), lr=0.1))
+    check_supported(torch.optim.RMSprop(model.parameters()))
+
+
+def test_subclasses_take_the_chunked_path_only_with_torch_s_step() -> None:
+    model = make_net()
+
+    class Renamed(torch.optim.AdamW):
+        pass
+
+    class OwnStep(torch.optim.AdamW):
+        def step(self, closure: Any = None) -> Any:
+            return super().step(closure)
+
+    assert is_chunkable(Renamed(model.parameters()))
+    assert not is_chunkable(OwnStep(model.parameters()))
+    assert not is_chunkable(torch.optim.RMSprop(model.parameters()))
 
 
 def test_to_retained_shares_param_groups_with_the_original() -> None:

@@ -64,7 +64,7 @@ from leto.retained.layout import (
     RetainedLayout,
     ShapeMismatchError,
 )
-from leto.retained.optim import is_chunkable, retain
+from leto.retained.optim import check_supported, retain
 from leto.retained.parity import (
     as_bytes,
     decode_rotated,
@@ -119,11 +119,7 @@ class Engine:
         core_config: ClusterConfig | None = None,
         attach: bool = False,
     ) -> None:
-        if not is_chunkable(replica.optimizer):
-            raise TypeError(
-                f"optimizer: {type(replica.optimizer).__name__} has no chunked version in leto "
-                "(supported: torch.optim.SGD, Adam, AdamW)"
-            )
+        check_supported(replica.optimizer)
         self.backend = backend
         self.options = options
         self.step_fn = step_fn

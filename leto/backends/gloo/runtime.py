@@ -60,7 +60,7 @@ from leto.retained.layout import (
     RetainedLayout,
     ShapeMismatchError,
 )
-from leto.retained.optim import RetainedOptimizer, is_chunkable, retain
+from leto.retained.optim import RetainedOptimizer, check_supported, retain
 from leto.retained.parity import (
     TorchDistCollective,
     as_bytes,
@@ -172,11 +172,7 @@ def wrap_gloo(
         )
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError("scheduler: it is bound to another optimizer than the one wrapped")
-    if not is_chunkable(optimizer):
-        raise TypeError(
-            f"optimizer: {type(optimizer).__name__} has no chunked version in leto "
-            "(supported: torch.optim.SGD, Adam, AdamW)"
-        )
+    check_supported(optimizer)
     session = GlooSession(ch, spec, model, optimizer, scheduler, sampler, config, step_fn)
     session.start()
     global _SESSION

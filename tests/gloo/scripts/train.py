@@ -1,7 +1,7 @@
 """The real-process tests' training script: a tiny MLP, every RNG seeded.
 
 Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
-("1"/"0"), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory), BIG_MB (allocate that much while steps
+("1"/"0"), OPT (a torch.optim class name, AdamW by default), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory), BIG_MB (allocate that much while steps
 3..6 run, to push the trainers over a shadow memory budget; the math is unchanged).
 """
 
@@ -36,7 +36,7 @@ model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16
 if os.environ.get("DIVERGE"):  # each rank's model its own (not data-parallel training)
     with torch.no_grad():
         model[0].bias.add_(int(os.environ.get("RANK", "0")))
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+opt = getattr(torch.optim, os.environ.get("OPT", "AdamW"))(model.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
 sampler = ResumableBatchSampler(64, 8, seed=0)
 big = int(os.environ.get("BIG_MB", "0")) << 20
