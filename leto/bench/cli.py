@@ -7,6 +7,7 @@
     leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 30] [--json]
     leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--json]
     leto bench control  [--ranks 1024] [--chunks 4096] [--per-node 8] [--json]
+    leto bench tier2    [--nodes 4] [--mib 64] [--parities 2] [--rounds 5] [--json]
 
 Systems (``--systems``, comma-separated): ``ckpt-disk`` (torch.distributed.checkpoint
 to local disk, restart), ``ckpt-disk-async`` (DCP ``async_save``), ``gemini`` (a
@@ -146,6 +147,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p = sub.add_parser(
+        "tier2",
+        help="the tier-2 encode cost with m parities (Reed-Solomon) against m = 1, "
+        "one gloo process per node",
+    )
+    p.add_argument("--nodes", type=int, default=4, help="nodes, one process each (default 4)")
+    p.add_argument("--mib", type=float, default=64.0, help="snapshot MiB per node (default 64)")
+    p.add_argument("--parities", default="2", help="m values besides 1, e.g. 2,3 (default 2)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
 
 
 # ------------------------------------------------------------------ validation
@@ -168,6 +179,8 @@ BOUNDS: dict[str, Bound] = {
     "chunks": positive_int(1 << 24),
     "per_node": positive_int(1 << 12),
     "steps": Bound(lo=2, hi=1000, integer=True),
+    "nodes": Bound(lo=2, hi=64, integer=True, unit="nodes", why_hi="one process each"),
+    "mib": Bound(lo=1 / 1024, hi=4096.0, unit="MiB", why_hi="memory of this machine"),
 }
 MAX_SIZES = 16
 
@@ -241,12 +254,14 @@ def _write(out: Path, name: str, res: dict[str, Any]) -> Path:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "bench", None) is None:
         print(
-            "leto bench: error: choose a benchmark: recovery, overhead, goodput, scaling, control",
+            "leto bench: error: choose a benchmark: recovery, overhead, goodput, scaling, control, tier2",
             file=sys.stderr,
         )
         return 2
     if args.bench == "control":
         return _run_control(args)
+    if args.bench == "tier2":
+        return _run_tier2(args)
     try:
         wls, systems = _validate(args)
     except BenchError as e:
@@ -267,6 +282,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(table(res))
         print(f"wrote {path} and {png}")
+    return 0
+
+
+def _run_tier2(args: argparse.Namespace) -> int:
+    from .tier2 import run_tier2, tier2_table
+
+    try:
+        check_args(args, BOUNDS)
+        ms = sorted({int(x) for x in args.parities.split(",") if x.strip()})
+        if not ms or ms[0] < 1 or ms[-1] >= args.nodes:
+            raise BadInput(
+                f"--parities: every m must be >= 1 and below --nodes ({args.nodes}), got "
+                f"{show(args.parities)}"
+            )
+    except BadInput as e:
+        return refuse("bench", e)
+    except ValueError:
+        return refuse("bench", f"--parities: not a list of integers: {show(args.parities)}")
+    res = run_tier2(args.nodes, args.mib, ms, args.rounds)
+    print(json.dumps(res) if args.json else tier2_table(res))
     return 0
 
 
