@@ -23,7 +23,10 @@
 (* Tier 1: single parity per node over its ranks' chunks and gradients     *)
 (* (rebuilds any one rank's lost memory).  Tier 2: a cross-node snapshot   *)
 (* at step t2, at most K steps behind (survives one lost node).  Tier 3:   *)
-(* the disk checkpoint Ckpt = 0.                                           *)
+(* the disk checkpoint at step ckpt: BeginCheckpoint (every rank idle at   *)
+(* one step) -> WriteShard(r) per writer, asynchronously -> once every     *)
+(* writer has finished, CheckpointDurable moves ckpt (the fallback step)   *)
+(* forward.  A recovery aborts a checkpoint in progress.                   *)
 (*                                                                         *)
 (* Recovery: Detect -> Fence (bump the generation: writes of older         *)
 (* generations are refused, hung trainers become stale processes) ->       *)
@@ -53,7 +56,7 @@ CONSTANTS
     NONE, TORN, LOST, GARBAGE   \* model values
 
 Mutants == {"none", "no_undo", "early_commit", "no_fencing", "parity_first",
-            "stale_shadow", "no_timeout"}
+            "stale_shadow", "no_timeout", "early_durable"}
 
 ASSUME /\ Ranks # {} /\ Nodes # {}
        /\ NodeOf \in [Ranks -> Nodes]
@@ -87,16 +90,21 @@ VARIABLES
     mlost,        \* ranks whose memory was lost since the last resume
     nlost,        \* nodes lost since the last resume
     promoted,     \* ranks promoted in the current recovery
-    stale_writes  \* writes accepted from an old generation
+    stale_writes, \* writes accepted from an old generation
+    ckpt,         \* step of the latest durable disk checkpoint (the fallback)
+    cpend,        \* NONE or the step of the checkpoint being written
+    ckdone,       \* writers that finished their shard of cpend
+    ckmiss        \* writers whose shard the durable checkpoint lacks
 
 vars == <<trainer, tgen, pc, step, data, undo, grad, shadow, stale, par, gpar,
           gen, phase, committed, prepared, faults, t2, t2lost, target, kind,
-          loss, mlost, nlost, promoted, stale_writes>>
+          loss, mlost, nlost, promoted, stale_writes, ckpt, cpend, ckdone,
+          ckmiss>>
+ckvars == <<ckpt, cpend, ckdone, ckmiss>>
 
 -----------------------------------------------------------------------------
 Steps == 0..MaxStep
 Chunks == 1..NChunks
-Ckpt == 0
 RanksOf(n) == {r \in Ranks : NodeOf[r] = n}
 Phases == {"RUNNING", "FENCING", "PROMOTING", "RECONCILING", "FALLBACK",
            "REBUILDING", "RESUMING", "FAILED"}
@@ -138,6 +146,10 @@ Init ==
     /\ nlost = {}
     /\ promoted = {}
     /\ stale_writes = 0
+    /\ ckpt = 0
+    /\ cpend = NONE
+    /\ ckdone = {}
+    /\ ckmiss = {}
 
 -----------------------------------------------------------------------------
 (* Trainer: one step = compute, reduce, prepare, decide, apply, finish.    *)
@@ -151,6 +163,7 @@ Compute(r) ==
     /\ UNCHANGED <<trainer, tgen, step, data, undo, grad, shadow, stale, par,
                    gpar, gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 \* A collective: every rank must be in it, alive in this generation.
 Reduce(r) ==
@@ -164,6 +177,7 @@ Reduce(r) ==
     /\ UNCHANGED <<trainer, tgen, step, data, undo, shadow, stale, par, gpar,
                    gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 \* PREPARE: the gradients are protected by tier-1 parity, then the vote.
 Prepare(r) ==
@@ -176,6 +190,7 @@ Prepare(r) ==
     /\ UNCHANGED <<trainer, tgen, step, data, undo, grad, shadow, stale, par,
                    gen, phase, committed, faults, t2, t2lost, target, kind,
                    loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 \* DECIDE: COMMIT(committed+1) recorded in the agents' replicated store.
 Decide ==
@@ -187,6 +202,7 @@ Decide ==
     /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
                    par, gpar, gen, phase, faults, t2, t2lost, target, kind,
                    loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 \* APPLY, chunk by chunk, in order; the old bytes are kept as the undo copy.
 BeginChunk(r, c) ==
@@ -201,6 +217,7 @@ BeginChunk(r, c) ==
     /\ UNCHANGED <<trainer, tgen, step, grad, shadow, stale, par, gpar, gen,
                    phase, committed, prepared, faults, t2, t2lost, target,
                    kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 EndChunk(r, c) ==
     /\ Active(r)
@@ -210,6 +227,7 @@ EndChunk(r, c) ==
     /\ UNCHANGED <<trainer, tgen, pc, step, undo, grad, shadow, stale, par,
                    gpar, gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 \* The node's parity is updated to the new bytes; only then is undo dropped.
 \* (Mutant parity_first: the parity may also be written, once, while the chunk
@@ -228,6 +246,7 @@ ParityChunk(r, c) ==
     /\ UNCHANGED <<trainer, tgen, pc, step, data, grad, shadow, stale, gpar,
                    gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 Finish(r) ==
     /\ Active(r)
@@ -238,6 +257,7 @@ Finish(r) ==
     /\ UNCHANGED <<trainer, tgen, data, undo, grad, shadow, stale, par, gpar,
                    gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 \* Tier 2: a complete cross-node snapshot, taken when every rank is idle.
 Tier2Snapshot ==
@@ -251,6 +271,51 @@ Tier2Snapshot ==
     /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
                    par, gpar, gen, phase, committed, prepared, faults, target,
                    kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
+
+\* Tier 3: a periodic disk checkpoint, taken when every rank is idle at one
+\* step s past the durable one.  The writers stage their state and write it
+\* in the background (training goes on); the checkpoint is durable only once
+\* every writer has finished, and only then does the fallback step move.
+BeginCheckpoint ==
+    /\ phase = "RUNNING"
+    /\ cpend = NONE
+    /\ \E s \in Steps :
+          /\ s > ckpt
+          /\ \A r \in Ranks : /\ pc[r] = "IDLE" /\ step[r] = s
+                              /\ \A c \in Chunks : data[r][c] = s
+          /\ cpend' = s
+    /\ ckdone' = {}
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+                   par, gpar, gen, phase, committed, prepared, faults, t2,
+                   t2lost, target, kind, loss, mlost, nlost, promoted,
+                   stale_writes, ckpt, ckmiss>>
+
+\* Writer r's shard of the checkpoint is written (a fenced writer's is not).
+WriteShard(r) ==
+    /\ Active(r)
+    /\ cpend # NONE
+    /\ r \notin ckdone
+    /\ ckdone' = ckdone \cup {r}
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+                   par, gpar, gen, phase, committed, prepared, faults, t2,
+                   t2lost, target, kind, loss, mlost, nlost, promoted,
+                   stale_writes, ckpt, cpend, ckmiss>>
+
+\* (Mutant early_durable: one finished writer is enough; the others' shards
+\* are then missing from the durable checkpoint.)
+CheckpointDurable ==
+    /\ phase = "RUNNING"
+    /\ cpend # NONE
+    /\ IF Mutant = "early_durable" THEN ckdone # {} ELSE ckdone = Ranks
+    /\ ckpt' = cpend
+    /\ ckmiss' = Ranks \ ckdone
+    /\ cpend' = NONE
+    /\ ckdone' = {}
+    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+                   par, gpar, gen, phase, committed, prepared, faults, t2,
+                   t2lost, target, kind, loss, mlost, nlost, promoted,
+                   stale_writes>>
 
 -----------------------------------------------------------------------------
 (* Shadows (background).                                                   *)
@@ -261,6 +326,7 @@ ShadowWarm(r) ==
     /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, stale, par, gpar,
                    gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 ShadowReclaim(r) ==
     /\ shadow[r] = "WARM"
@@ -268,6 +334,7 @@ ShadowReclaim(r) ==
     /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, stale, par, gpar,
                    gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 -----------------------------------------------------------------------------
 (* Faults: at most MaxFaults per behaviour, in every phase.                *)
@@ -282,6 +349,7 @@ Crash(r) ==
     /\ UNCHANGED <<tgen, pc, step, data, undo, grad, shadow, stale, par, gpar,
                    gen, phase, committed, prepared, t2, t2lost, target, kind,
                    loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 Hang(r) ==
     /\ FaultOK
@@ -291,6 +359,7 @@ Hang(r) ==
     /\ UNCHANGED <<tgen, pc, step, data, undo, grad, shadow, stale, par, gpar,
                    gen, phase, committed, prepared, t2, t2lost, target, kind,
                    loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 \* A GPU reset or keeper crash: the rank's retained memory is gone, and the
 \* trainer with it.
@@ -306,6 +375,7 @@ LoseMemory(r) ==
     /\ UNCHANGED <<tgen, pc, step, shadow, stale, par, gpar, gen, phase,
                    committed, prepared, t2, t2lost, target, kind, loss, nlost,
                    promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 \* A whole host is lost (replaced by a spare with empty memory).
 LoseNode(n) ==
@@ -328,6 +398,7 @@ LoseNode(n) ==
     /\ faults' = faults + 1
     /\ UNCHANGED <<tgen, pc, step, gen, phase, committed, prepared, t2,
                    target, kind, loss, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 -----------------------------------------------------------------------------
 (* Fencing: an old-generation process tries to write chunk c.              *)
@@ -345,6 +416,7 @@ StaleWrite(r, c) ==
     /\ UNCHANGED <<trainer, tgen, pc, step, grad, shadow, par, gpar, gen,
                    phase, committed, prepared, faults, t2, t2lost, target,
                    kind, loss, mlost, nlost, promoted>>
+    /\ UNCHANGED ckvars
 
 -----------------------------------------------------------------------------
 (* Coordinator: recovery.                                                  *)
@@ -361,6 +433,7 @@ Detect ==
     /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
                    par, gpar, gen, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 Fence ==
     /\ phase = "FENCING"
@@ -370,9 +443,12 @@ Fence ==
                                    ELSE trainer[r]]
     /\ stale' = [r \in Ranks |-> stale[r] \/ trainer[r] = "HUNG"]
     /\ phase' = "PROMOTING"
+    \* a checkpoint in progress is aborted: its writers are fenced
+    /\ cpend' = NONE
+    /\ ckdone' = {}
     /\ UNCHANGED <<tgen, pc, step, data, undo, grad, shadow, par, gpar,
                    committed, faults, t2, t2lost, target, kind, loss, mlost,
-                   nlost, promoted, stale_writes>>
+                   nlost, promoted, stale_writes, ckpt, ckmiss>>
 
 Promote(r) ==
     /\ phase = "PROMOTING"
@@ -386,6 +462,7 @@ Promote(r) ==
     /\ UNCHANGED <<step, data, undo, grad, stale, par, gpar, gen, phase,
                    committed, prepared, faults, t2, t2lost, target, kind,
                    loss, mlost, nlost, stale_writes>>
+    /\ UNCHANGED ckvars
 
 EndPromote ==
     /\ phase = "PROMOTING"
@@ -394,6 +471,7 @@ EndPromote ==
     /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
                    par, gpar, gen, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 (* The reconcile plan.  V is the committed step.                           *)
 V == committed
@@ -482,6 +560,7 @@ Reconcile ==
     /\ phase' = "REBUILDING"
     /\ UNCHANGED <<trainer, tgen, pc, step, shadow, stale, gen, faults, mlost,
                    nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 GoFallback ==
     /\ phase = "RECONCILING"
@@ -490,25 +569,29 @@ GoFallback ==
     /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
                    par, gpar, gen, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
-\* Tier 3: the disk checkpoint.
+\* Tier 3: the latest durable disk checkpoint.  A writer's missing shard
+\* (only the mutant early_durable leaves one) loads bytes of no step.
 RestoreCheckpoint ==
     /\ phase = "FALLBACK"
-    /\ data' = [r \in Ranks |-> [c \in Chunks |-> Ckpt]]
+    /\ data' = [r \in Ranks |-> [c \in Chunks |->
+                  IF r \in ckmiss THEN GARBAGE ELSE ckpt]]
     /\ undo' = [r \in Ranks |-> [c \in Chunks |-> NONE]]
-    /\ par' = ParityAt(Ckpt)
+    /\ par' = ParityAt(ckpt)
     /\ grad' = [r \in Ranks |-> NONE]
     /\ gpar' = NoGradParity
-    /\ t2' = Ckpt
+    /\ t2' = ckpt
     /\ t2lost' = {}
-    /\ committed' = Ckpt
+    /\ committed' = ckpt
     /\ prepared' = {}
-    /\ target' = Ckpt
+    /\ target' = ckpt
     /\ kind' = "CKPT"
-    /\ loss' = committed - Ckpt
+    /\ loss' = committed - ckpt
     /\ phase' = "REBUILDING"
     /\ UNCHANGED <<trainer, tgen, pc, step, shadow, stale, gen, faults, mlost,
                    nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 \* The survivors re-initialise the process group at the new generation.
 Rebuild ==
@@ -519,6 +602,7 @@ Rebuild ==
     /\ UNCHANGED <<trainer, pc, step, data, undo, grad, shadow, stale, par,
                    gpar, gen, committed, prepared, faults, t2, t2lost, target,
                    kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 Resume ==
     /\ phase = "RESUMING"
@@ -536,6 +620,7 @@ Resume ==
     /\ UNCHANGED <<trainer, tgen, data, undo, grad, shadow, stale, par, gpar,
                    gen, committed, prepared, faults, t2, t2lost, kind, loss,
                    stale_writes>>
+    /\ UNCHANGED ckvars
 
 -----------------------------------------------------------------------------
 Next ==
@@ -544,6 +629,7 @@ Next ==
     \/ \E r \in Ranks, c \in Chunks :
           BeginChunk(r, c) \/ EndChunk(r, c) \/ ParityChunk(r, c)
     \/ Tier2Snapshot
+    \/ BeginCheckpoint \/ CheckpointDurable \/ \E r \in Ranks : WriteShard(r)
     \/ \E r \in Ranks : ShadowWarm(r) \/ ShadowReclaim(r)
     \/ \E r \in Ranks : Crash(r) \/ Hang(r) \/ LoseMemory(r)
     \/ \E n \in Nodes : LoseNode(n)
@@ -563,12 +649,13 @@ Fairness ==
     /\ \A r \in Ranks : /\ WF_vars(Compute(r)) /\ WF_vars(Reduce(r))
                         /\ WF_vars(Prepare(r)) /\ WF_vars(Finish(r))
                         /\ WF_vars(ShadowWarm(r)) /\ WF_vars(ShadowReclaim(r))
-                        /\ WF_vars(Promote(r))
+                        /\ WF_vars(Promote(r)) /\ WF_vars(WriteShard(r))
     /\ \A r \in Ranks, c \in Chunks : /\ WF_vars(BeginChunk(r, c))
                                       /\ WF_vars(EndChunk(r, c))
                                       /\ WF_vars(ParityChunk(r, c))
                                       /\ WF_vars(StaleWrite(r, c))
     /\ WF_vars(Decide) /\ WF_vars(Tier2Snapshot)
+    /\ WF_vars(BeginCheckpoint) /\ WF_vars(CheckpointDurable)
     /\ WF_vars(Detect) /\ WF_vars(Fence) /\ WF_vars(EndPromote)
     /\ WF_vars(Reconcile) /\ WF_vars(GoFallback) /\ WF_vars(RestoreCheckpoint)
     /\ WF_vars(Rebuild) /\ WF_vars(Resume)
@@ -606,6 +693,7 @@ GiveUp ==
     /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
                    par, gpar, gen, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
 
 BoundedNext == Next \/ GiveUp
 
@@ -656,6 +744,10 @@ TypeOK ==
     /\ nlost \subseteq Nodes
     /\ promoted \subseteq Ranks
     /\ stale_writes \in Nat
+    /\ ckpt \in Steps
+    /\ cpend \in Steps \cup {NONE}
+    /\ ckdone \subseteq Ranks
+    /\ ckmiss \subseteq Ranks
 
 \* A chunk a fault destroyed: its rank's trainer is then dead.
 LostByFault(r, c) == data[r][c] = LOST /\ trainer[r] = "DEAD"
@@ -691,7 +783,9 @@ Durability ==
     phase \in {"REBUILDING", "RESUMING"} =>
         /\ kind \in {"INPLACE", "FORWARD", "BACK", "TIER1"} => loss = 0
         /\ kind = "TIER2" => loss <= K /\ ~Tier1Covered
-        /\ kind = "CKPT" => ~Tier2Covered
+        \* the fallback restores the latest durable checkpoint: it gives up
+        \* the committed steps after it, and only beyond both tiers
+        /\ kind = "CKPT" => ~Tier2Covered /\ target = ckpt
 
 ParityOK ==
     /\ \A n \in Nodes, c \in Chunks :

@@ -12,6 +12,7 @@ import pytest
 
 from leto.core import events as ev
 from leto.core.checker import check
+from leto.core.chunk import NONE
 from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Mutant
 from leto.core.erasure import Topology
 from leto.core.errors import ProtocolError
@@ -24,6 +25,7 @@ EXPECTED_CATCH = {
     Mutant.NO_FENCING: "SingleWriter",
     Mutant.PARITY_FIRST: "ParityOK",
     Mutant.STALE_SHADOW: "Consistency",
+    Mutant.EARLY_DURABLE: "Equivalence",
 }
 
 
@@ -200,3 +202,35 @@ def test_tier2_parity_decides_whether_two_lost_nodes_fall_back() -> None:
     assert two.violations == () and one.violations == ()
     assert "Tier2TwoNodesLost" in two.reached and "Tier2TwoNodesLost" not in one.reached
     assert "Fallback" in one.reached and "Fallback" not in two.reached
+
+
+def test_a_resumed_job_starts_in_a_reachable_state() -> None:
+    """``initial(step)``: where the failure-free run is when idle at ``step`` with its
+    snapshot and its checkpoint taken there (the checkpoint only once every writer
+    finished), but for the gradient blocks a new job does not have."""
+    model = ClusterModel(ClusterConfig(topology=Topology((1, 1)), chunks=1, max_step=2))
+    s = model.initial()
+    for e in (
+        *(ev.Compute(r) for r in (0, 1)),
+        *(x for r in (0, 1) for x in (ev.Reduce(r), ev.Prepare(r))),
+        ev.Decide(),
+        *(
+            x
+            for r in (0, 1)
+            for x in (ev.BeginChunk(r, 0), ev.EndChunk(r, 0), ev.ParityChunk(r, 0), ev.Finish(r))
+        ),
+        ev.Tier2Snapshot(),
+        ev.BeginCheckpoint(),
+        ev.WriteShard(1),
+    ):
+        s, _ = model.step(s, e)
+    with pytest.raises(ProtocolError, match=r"writers \[0\] have not finished"):
+        model.step(s, ev.CheckpointDurable())
+    s, _ = model.step(s, ev.WriteShard(0))
+    s, effects = model.step(s, ev.CheckpointDurable())
+    assert s.ckpt == 1 and s.cpend == NONE
+    # the same state, but that a new job holds no gradient blocks (no chunk needs them:
+    # every chunk is at the step)
+    assert model.initial(1) == attrs.evolve(s, grad=(NONE, NONE), gpar=model.initial().gpar)
+    with pytest.raises(ValueError, match="initial step 3 is not in 0..2"):
+        model.initial(3)

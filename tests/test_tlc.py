@@ -35,6 +35,7 @@ MUTANTS = {
     "no_fencing": "SingleWriter",
     "parity_first": "ParityOK",
     "stale_shadow": "Consistency",
+    "early_durable": "Equivalence",
 }
 INVARIANTS = [
     "TypeOK",

@@ -55,6 +55,7 @@ class Mutant(enum.Enum):
     NO_FENCING = "no_fencing"  # the keeper accepts writes of an old generation
     PARITY_FIRST = "parity_first"  # parity updated before the data is complete
     STALE_SHADOW = "stale_shadow"  # a promoted shadow resumes at its own stale step
+    EARLY_DURABLE = "early_durable"  # a checkpoint durable before every writer finished
 
 
 class Aggregation(enum.Enum):
@@ -170,6 +171,10 @@ class ClusterState:
     nlost: frozenset[int] = frozenset()
     promoted: frozenset[int] = frozenset()
     stale_writes: int = 0
+    ckpt: int = 0  # step of the latest durable disk checkpoint: the fallback
+    cpend: int = NONE  # step of the checkpoint being written, or NONE
+    ckdone: frozenset[int] = frozenset()  # writers that finished their shard of cpend
+    ckmiss: frozenset[int] = frozenset()  # writers whose shard the durable one lacks
 
 
 Effect = fx.Effect
@@ -207,22 +212,32 @@ class ClusterModel:
 
     # --- states -------------------------------------------------------------------
 
-    def initial(self) -> ClusterState:
+    def initial(self, step: int = 0) -> ClusterState:
+        """The initial state; ``step > 0``: a job resumed from the durable checkpoint of
+        ``step`` after a full outage starts where the failure-free run is when every rank
+        is idle at ``step`` with its snapshot and its checkpoint taken there, but holding
+        no gradient blocks (a new job has none; no chunk needs them, every chunk is at
+        ``step``): the reachable state tests/test_core_checker.py compares it with."""
         cfg = self.config
         R, C = cfg.ranks, cfg.chunks
+        if not 0 <= step <= cfg.max_step:
+            raise ValueError(f"initial step {step} is not in 0..{cfg.max_step}")
         return self._tier1(
             ClusterState(
                 trainer=(TrainerState.ALIVE,) * R,
                 tgen=(0,) * R,
                 pc=(TxnState.IDLE,) * R,
-                step=(0,) * R,
-                data=(uniform_row(0, C),) * R,
+                step=(step,) * R,
+                data=(uniform_row(step, C),) * R,
                 undo=(uniform_row(NONE, C),) * R,
                 grad=(NONE,) * R,
                 shadow=(ShadowState.WARM,) * R,
                 stale=(False,) * R,
-                par=reencoded_parity(cfg.groups, C, 0),
+                par=reencoded_parity(cfg.groups, C, step),
                 gpar=empty_grad_parity(cfg.groups),
+                committed=step,
+                t2=step,
+                ckpt=step,
             )
         )
 
@@ -256,6 +271,10 @@ class ClusterModel:
                     yield ev.Finish(r)
             yield ev.Decide()
             yield ev.Tier2Snapshot()
+            yield ev.BeginCheckpoint()
+            for r in R:
+                yield ev.WriteShard(r)
+            yield ev.CheckpointDurable()
             if self.aggregation is not Aggregation.OFF:
                 yield from self._aggregated_candidates(s)
         for r in R:
@@ -773,6 +792,77 @@ def _u_t2(
     return attrs.evolve(s, t2=s.step[0], t2lost=frozenset()), (fx.TakeSnapshot(s.step[0]),)
 
 
+# BeginCheckpoint / WriteShard / CheckpointDurable ----------------------------------
+
+
+def _g_begin_ckpt(m: ClusterModel, s: ClusterState, e: ev.BeginCheckpoint) -> ProtocolError | None:
+    if not RECOVERY.accepts(s.phase, e):
+        return _err("recovery", s.phase, e, "")
+    if s.cpend != NONE:
+        return _err("checkpoint", s.phase, e, f"the checkpoint at step {s.cpend} is in progress")
+    st = s.step[0]
+    if st <= s.ckpt:
+        return _err("checkpoint", s.phase, e, f"step {st} is not past the durable {s.ckpt}")
+    for r in range(m.config.ranks):
+        if s.pc[r] is not TxnState.IDLE or s.step[r] != st or not is_uniform(s.data[r], st):
+            return _err("txn", s.pc[r], e, f"rank {r} is not idle at step {st}")
+    return None
+
+
+@_handler(ev.BeginCheckpoint)(_g_begin_ckpt)
+def _u_begin_ckpt(
+    m: ClusterModel, s: ClusterState, e: ev.BeginCheckpoint
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    return attrs.evolve(s, cpend=s.step[0], ckdone=frozenset()), (fx.SaveCheckpoint(s.step[0]),)
+
+
+def _g_shard(m: ClusterModel, s: ClusterState, e: ev.WriteShard) -> ProtocolError | None:
+    err = _rank_ok(m, s, e)
+    if err:
+        return err
+    r = e.rank
+    if not m.active(s, r):
+        return _err("keeper", s.phase, e, f"rank {r} is not a writer of generation {s.gen}")
+    if s.cpend == NONE:
+        return _err("checkpoint", s.phase, e, "no checkpoint in progress")
+    if r in s.ckdone:
+        return _err("checkpoint", s.phase, e, f"rank {r}'s shard is written already")
+    return None
+
+
+@_handler(ev.WriteShard)(_g_shard)
+def _u_shard(
+    m: ClusterModel, s: ClusterState, e: ev.WriteShard
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    # no effect: the writer did the work before the coordinator heard of it
+    return attrs.evolve(s, ckdone=s.ckdone | {e.rank}), ()
+
+
+def _g_durable(m: ClusterModel, s: ClusterState, e: ev.CheckpointDurable) -> ProtocolError | None:
+    if not RECOVERY.accepts(s.phase, e):
+        return _err("recovery", s.phase, e, "")
+    if s.cpend == NONE:
+        return _err("checkpoint", s.phase, e, "no checkpoint in progress")
+    need = 1 if m.config.mutant is Mutant.EARLY_DURABLE else m.config.ranks
+    if len(s.ckdone) < need:
+        missing = sorted(set(range(m.config.ranks)) - s.ckdone)
+        return _err("checkpoint", s.phase, e, f"writers {missing} have not finished")
+    return None
+
+
+@_handler(ev.CheckpointDurable)(_g_durable)
+def _u_durable(
+    m: ClusterModel, s: ClusterState, e: ev.CheckpointDurable
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    return attrs.evolve(
+        s,
+        ckpt=s.cpend,
+        ckmiss=frozenset(range(m.config.ranks)) - s.ckdone,
+        cpend=NONE,
+        ckdone=frozenset(),
+    ), (fx.PublishCheckpoint(s.cpend),)
+
+
 # Shadows ---------------------------------------------------------------------------
 
 
@@ -979,6 +1069,8 @@ def _u_fence(
             trainer[r] = TRAINER.next(t, e)
             stale[r] = True
     gen = s.gen + 1
+    # a checkpoint in progress is aborted: its writers are fenced
+    abort: tuple[Effect, ...] = () if s.cpend == NONE else (fx.AbortCheckpoint(s.cpend),)
     return attrs.evolve(
         s,
         gen=gen,
@@ -987,7 +1079,9 @@ def _u_fence(
         prepared=frozenset(),
         commit=COMMIT.next(s.commit, e),
         phase=RECOVERY.next(s.phase, e),
-    ), (fx.Fence(gen), fx.AbortCollectives(gen - 1))
+        cpend=NONE,
+        ckdone=frozenset(),
+    ), (fx.Fence(gen), fx.AbortCollectives(gen - 1), *abort)
 
 
 def _g_promote(m: ClusterModel, s: ClusterState, e: ev.Promote) -> ProtocolError | None:
@@ -1039,6 +1133,12 @@ def _recovered(m: ClusterModel, s: ClusterState, e: Any, target: int, kind: Kind
     cfg = m.config
     if cfg.mutant is Mutant.NO_UNDO and isinstance(e, ev.Reconcile):
         data = tuple(tuple(GARBAGE if d == TORN else target for d in row) for row in s.data)
+    elif isinstance(e, ev.RestoreCheckpoint) and s.ckmiss:
+        # a writer's missing shard (only the early_durable mutant leaves one) loads
+        # bytes of no step
+        data = tuple(
+            uniform_row(GARBAGE if r in s.ckmiss else target, cfg.chunks) for r in range(cfg.ranks)
+        )
     else:
         data = (uniform_row(target, cfg.chunks),) * cfg.ranks
     return attrs.evolve(
@@ -1085,7 +1185,7 @@ def _u_fallback(
 def _u_restore(
     m: ClusterModel, s: ClusterState, e: ev.RestoreCheckpoint
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
-    return _recovered(m, s, e, 0, Kind.CKPT), (fx.LoadCheckpoint(0),)
+    return _recovered(m, s, e, s.ckpt, Kind.CKPT), (fx.LoadCheckpoint(s.ckpt),)
 
 
 @_handler(ev.Rebuild)(_all_alive)

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "AbortCheckpoint",
     "AbortCollectives",
     "AllReduceGradients",
     "ApplyChunk",
@@ -31,6 +32,7 @@ __all__ = [
     "LoseMemory",
     "LoseNode",
     "Promote",
+    "PublishCheckpoint",
     "RebuildCommunicator",
     "ReclaimShadow",
     "Reconciled",
@@ -39,6 +41,7 @@ __all__ = [
     "ReleaseUndo",
     "RunRepair",
     "Resume",
+    "SaveCheckpoint",
     "SaveUndo",
     "SpawnShadow",
     "StaleWriteAccepted",
@@ -155,6 +158,33 @@ class StepDone(Effect):
 @attrs.frozen
 class TakeSnapshot(Effect):
     """Tier 2: every rank's state at ``step`` into the cross-node snapshot."""
+
+    step: int = attrs.field(validator=_int)
+
+
+# --- the disk checkpoint ---------------------------------------------------------
+
+
+@attrs.frozen
+class SaveCheckpoint(Effect):
+    """Every writer stages its state at ``step`` and writes it in the background; each
+    reports its shard done (``WriteShard``)."""
+
+    step: int = attrs.field(validator=_int)
+
+
+@attrs.frozen
+class PublishCheckpoint(Effect):
+    """Every writer finished: the checkpoint at ``step`` is the fallback from now on
+    (older ones may be removed)."""
+
+    step: int = attrs.field(validator=_int)
+
+
+@attrs.frozen
+class AbortCheckpoint(Effect):
+    """A recovery fenced the writers of the checkpoint at ``step``: it never becomes
+    durable; its partial files are removed."""
 
     step: int = attrs.field(validator=_int)
 

@@ -100,6 +100,27 @@ class Tier2Snapshot(Event):
     """Every rank is idle at the same step: the cross-node snapshot catches up."""
 
 
+# --- the disk checkpoint (tier 3) ---------------------------------------------------
+
+
+@attrs.frozen
+class BeginCheckpoint(Event):
+    """Every rank is idle at one step past the durable checkpoint: the writers stage
+    their state at that step and write it in the background."""
+
+
+@attrs.frozen
+class WriteShard(Event):
+    """Writer ``rank`` finished writing its shard of the checkpoint in progress."""
+
+    rank: int = _index
+
+
+@attrs.frozen
+class CheckpointDurable(Event):
+    """Every writer finished: the checkpoint is durable and the fallback step moves."""
+
+
 # --- shadows ------------------------------------------------------------------------
 
 
@@ -259,7 +280,8 @@ AGGREGATED: tuple[type[Aggregated], ...] = (CommitStep, ApplyStep)
 
 ALL: tuple[type[Event], ...] = (
     Compute, Reduce, Prepare, Decide, BeginChunk, EndChunk, ParityChunk, Finish,
-    Tier2Snapshot, ShadowWarm, ShadowReclaim, Crash, Hang, LoseMemory, LoseNode,
+    Tier2Snapshot, BeginCheckpoint, WriteShard, CheckpointDurable, ShadowWarm,
+    ShadowReclaim, Crash, Hang, LoseMemory, LoseNode,
     StaleWrite, Detect, Fence, Promote, EndPromote, Reconcile, GoFallback,
     RestoreCheckpoint, Rebuild, Resume,
 )  # fmt: skip

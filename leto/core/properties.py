@@ -53,7 +53,8 @@ def _type_ok(m: ClusterModel, s: ClusterState) -> bool:
         for dr, ur in zip(s.data, s.undo, strict=True)
         for d, u in zip(dr, ur, strict=True)
     )
-    return values_ok and 0 <= s.committed <= cfg.max_step and s.faults <= cfg.max_faults
+    ckpt_ok = 0 <= s.ckpt <= cfg.max_step and (s.cpend == NONE or s.ckpt < s.cpend <= cfg.max_step)
+    return values_ok and ckpt_ok and 0 <= s.committed <= cfg.max_step and s.faults <= cfg.max_faults
 
 
 def _consistency(m: ClusterModel, s: ClusterState) -> bool:
@@ -119,7 +120,8 @@ def _durability(m: ClusterModel, s: ClusterState) -> bool:
     if s.kind is Kind.TIER2:
         return s.loss <= m.config.k and not tier1_covered(m, s)
     if s.kind is Kind.CKPT:
-        return not tier2_covered(m, s)
+        # the latest durable checkpoint, given up only beyond both tiers
+        return not tier2_covered(m, s) and s.target == s.ckpt
     return True
 
 
@@ -176,7 +178,8 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant(
         "Durability",
         _durability,
-        "committed work is given up only beyond tier 1 (at most K steps) or beyond tier 2",
+        "committed work is given up only beyond tier 1 (at most K steps) or beyond tier 2 "
+        "(back to the latest durable checkpoint)",
     ),
     Invariant("ParityOK", _parity_ok, "parity encodes a version each member can produce"),
     Invariant("SingleWriter", _single_writer, "no write of an old generation is accepted"),
@@ -217,6 +220,21 @@ SOMETIMES: tuple[Sometimes, ...] = (
         doc="the tier-2 snapshot restored after two lost nodes (tier2_parity >= 2)",
     ),
     Sometimes("Fallback", state=lambda m, s: s.phase is Phase.FALLBACK, doc="disk checkpoint"),
+    Sometimes(
+        "CheckpointMadeDurable",
+        edge=lambda m, pre, e, post: isinstance(e, ev.CheckpointDurable) and post.ckpt > 0,
+        doc="a periodic checkpoint became durable: the fallback step moved forward",
+    ),
+    Sometimes(
+        "FallbackToLaterCheckpoint",
+        edge=lambda m, pre, e, post: isinstance(e, ev.RestoreCheckpoint) and post.target > 0,
+        doc="the fallback restored a periodic checkpoint, not step 0",
+    ),
+    Sometimes(
+        "CheckpointAborted",
+        edge=lambda m, pre, e, post: isinstance(e, ev.Fence) and pre.cpend != NONE,
+        doc="a recovery aborted a checkpoint in progress",
+    ),
     Sometimes("FailureDuringRecovery", edge=_fault_in_recovery, doc="a fault while recovering"),
     Sometimes("ColdPromotion", edge=_cold_promotion, doc="a cold shadow was promoted"),
     Sometimes(

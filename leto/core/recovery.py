@@ -60,7 +60,11 @@ RECOVERY: Table[Phase] = Table.build(
         (P.REBUILDING, ev.Rebuild, P.RESUMING),
         (P.RESUMING, ev.Resume, P.RUNNING),
         # Training-path decisions are taken only while running.
-        (P.RUNNING, (ev.Decide, ev.Tier2Snapshot), None),
+        (
+            P.RUNNING,
+            (ev.Decide, ev.Tier2Snapshot, ev.BeginCheckpoint, ev.WriteShard, ev.CheckpointDurable),
+            None,
+        ),
     ],
 )
 

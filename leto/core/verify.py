@@ -44,6 +44,8 @@ CHECK_CONFIGS: Mapping[str, ClusterConfig] = {
 }
 
 MUTANT_CONFIG = "three-ranks"
+# mutants whose catch needs a fallback, which needs two faults
+MUTANT_CONFIGS: Mapping[Mutant, str] = {Mutant.EARLY_DURABLE: "two-faults"}
 MUTANTS: tuple[Mutant, ...] = tuple(m for m in Mutant if m is not Mutant.NONE)
 
 
@@ -97,7 +99,9 @@ def check_core(
 
 
 def check_mutant(mutant: Mutant, config: ClusterConfig | None = None) -> MutantResult:
-    base = config if config is not None else CHECK_CONFIGS[MUTANT_CONFIG]
+    base = (
+        config if config is not None else CHECK_CONFIGS[MUTANT_CONFIGS.get(mutant, MUTANT_CONFIG)]
+    )
     res = check(ClusterModel(attrs.evolve(base, mutant=mutant)), stop_at_first=True)
     first = res.violations[0].describe() if res.violations else ""
     return MutantResult(

@@ -4,7 +4,8 @@ The plain model knows nothing of chunks, undo copies or parity versions. It keep
 COMMIT record, the tier-2 snapshot step and the failures since the last reconcile, and
 predicts each recovery's outcome from the erasure decoder's verdict on those failures
 alone (:func:`leto.core.erasure.decode`): within tier 1 the run resumes at the
-committed step, within tier 2 at the snapshot, beyond both at the disk checkpoint. The
+committed step, within tier 2 at the snapshot, beyond both at the latest disk
+checkpoint every writer finished (it counts the writers' reports itself). The
 core's reconcile reaches its answer by a different road (versions and undo copies), so
 agreement between the two is evidence, not tautology.
 """
@@ -40,6 +41,9 @@ class PlainModel:
     snapshot: int = 0
     failures: list[Failure] = attrs.Factory(list)
     resumed_at: list[int] = attrs.Factory(list)
+    checkpoint: int = 0  # the latest checkpoint every writer finished
+    pending: int | None = None  # the checkpoint being written
+    written: set[int] = attrs.Factory(set)  # writers that reported it done
 
     def expected_tier(self) -> int:
         placement = place(self.config.topology, tier2_parity=1)
@@ -51,13 +55,23 @@ class PlainModel:
             return self.committed
         if tier == 2:
             return self.snapshot
-        return 0
+        return self.checkpoint
 
     def apply(self, e: ev.Event, before: ClusterState, after: ClusterState) -> None:
         if isinstance(e, ev.Decide):
             self.committed += 1
         elif isinstance(e, ev.Tier2Snapshot):
             self.snapshot = before.step[0]
+        elif isinstance(e, ev.BeginCheckpoint):
+            self.pending, self.written = before.step[0], set()
+        elif isinstance(e, ev.WriteShard):
+            self.written.add(e.rank)
+        elif isinstance(e, ev.CheckpointDurable):
+            if self.pending is not None and len(self.written) == self.config.ranks:
+                self.checkpoint = self.pending
+            self.pending = None
+        elif isinstance(e, ev.Fence):
+            self.pending = None
         elif isinstance(e, ev.LoseMemory):
             self.failures.append(RankMemory(e.rank))
         elif isinstance(e, ev.LoseNode):
@@ -237,6 +251,9 @@ class ClusterMachine(RuleBasedStateMachine):
             assert s.target == self.expected, (
                 f"resuming at {s.target}, the plain model expects {self.expected}"
             )
+        assert s.ckpt == self.plain.checkpoint, (
+            f"the fallback step is {s.ckpt}; every writer finished only {self.plain.checkpoint}"
+        )
         if s.phase is Phase.RUNNING:
             for r in range(self.config.ranks):
                 if s.trainer[r] is TrainerState.ALIVE and s.tgen[r] == s.gen:

@@ -78,6 +78,9 @@ EXPECTED: dict[str, dict[tuple[Any, type], Any]] = {
         (P.RESUMING, ev.Resume): P.RUNNING,
         (P.RUNNING, ev.Decide): P.RUNNING,
         (P.RUNNING, ev.Tier2Snapshot): P.RUNNING,
+        (P.RUNNING, ev.BeginCheckpoint): P.RUNNING,
+        (P.RUNNING, ev.WriteShard): P.RUNNING,
+        (P.RUNNING, ev.CheckpointDurable): P.RUNNING,
     },
 }
 
