@@ -55,6 +55,8 @@ def make_engine(
     core_config: ClusterConfig | None = None,
     seed: int = 0,
     make_opt: Any = adam,
+    checkpoint_interval: int = 0,
+    resume: Any = None,
 ) -> Engine:
     topology = topology or Topology((2, 2))
     replica, sampler, step_fn = tiny_job(topology.world_size, seed, make_opt=make_opt)
@@ -72,9 +74,11 @@ def make_engine(
             tier2_parity=tier2_parity,
             align_bytes=4,
             check=True,
+            checkpoint_interval=checkpoint_interval,
         ),
         checkpointer=ckpt,
         core_config=core_config,
+        resume=resume,
     )
 
 

@@ -1,5 +1,6 @@
 """The disk checkpoint is read back with dcp.load, which unpickles its metadata: a
-checkpoint directory another user could have written is refused, never loaded."""
+checkpoint directory another user could have written is refused, never loaded; and a
+checkpoint is loaded only once it is durable (published)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,41 @@ import torch
 from leto.retained.checkpoint import CheckpointError, DCPCheckpointer
 
 
-def test_a_checkpoint_is_written_private_and_read_back(tmp_path: Path) -> None:
+def _saved(tmp_path: Path) -> DCPCheckpointer:
     ck = DCPCheckpointer(tmp_path / "ckpt")
-    t = {"x": torch.arange(4.0)}
-    ck.save(0, t, {"step": 0})
+    ck.write(0, {"x": torch.arange(4.0)})
+    ck.publish(0, {"step": 0})
+    return ck
+
+
+def test_a_checkpoint_is_written_private_and_read_back(tmp_path: Path) -> None:
+    ck = _saved(tmp_path)
     assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o700
-    out = {"x": torch.zeros(4)}
-    assert ck.load(0, out) == {"step": 0}
-    assert torch.equal(out["x"], t["x"])
+    state, meta = ck.read(0)
+    assert meta == {"step": 0}
+    assert torch.equal(state["x"], torch.arange(4.0))
+
+
+def test_only_a_published_checkpoint_is_durable(tmp_path: Path) -> None:
+    ck = _saved(tmp_path)
+    ck.write(2, {"x": torch.ones(4)})  # a writer finished; not durable yet
+    assert ck.latest() == 0
+    with pytest.raises(CheckpointError, match="no complete checkpoint of step 2"):
+        ck.read(2)
+    ck.abort(2)
+    assert not (tmp_path / "ckpt" / "step-2").exists()
+    ck.write(3, {"x": torch.ones(4)})
+    ck.publish(3, {"step": 3})
+    assert ck.latest() == 3 and ck.durable_steps() == [3]  # the older one is removed
 
 
 def test_a_checkpoint_others_can_write_is_refused_before_loading(tmp_path: Path) -> None:
-    ck = DCPCheckpointer(tmp_path / "ckpt")
-    ck.save(0, {"x": torch.arange(4.0)}, {"step": 0})
+    ck = _saved(tmp_path)
     step = tmp_path / "ckpt" / "step-0"
     os.chmod(step / ".metadata", 0o666)  # as if planted by another user
     with pytest.raises(CheckpointError, match="checkpoint"):
-        ck.load(0, {"x": torch.zeros(4)})
+        ck.read(0)
     os.chmod(step / ".metadata", 0o600)
     os.chmod(tmp_path / "ckpt", 0o777)
     with pytest.raises(CheckpointError, match="checkpoint directory"):
-        ck.load(0, {"x": torch.zeros(4)})
+        ck.read(0)

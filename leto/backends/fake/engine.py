@@ -57,6 +57,13 @@ from leto.errors import ConfigError
 from leto.retained import recovery as rx
 from leto.retained import rs
 from leto.retained.checkpoint import Checkpointer
+from leto.retained.dcp_state import (
+    load_model_state,
+    load_retained_optimizer_state,
+    load_training_state,
+    training_state,
+    young_daly_interval,
+)
 from leto.retained.layout import (
     ChecksumError,
     ChunkStatus,
@@ -118,7 +125,12 @@ class Engine:
         checkpointer: Checkpointer | None = None,
         core_config: ClusterConfig | None = None,
         attach: bool = False,
+        resume: tuple[dict[str, Any], dict[str, Any] | None, str] | None = None,
     ) -> None:
+        """``resume``: (state, leto.json or None, where) of a DCP checkpoint
+        (:func:`leto.retained.dcp_state.read_checkpoint`) to start from instead of the
+        model's own state: the step and process state of a leto checkpoint, or, for any
+        other DCP checkpoint of the same model, its weights (and optimizer) at step 0."""
         check_supported(replica.optimizer)
         self.backend = backend
         self.options = options
@@ -146,7 +158,11 @@ class Engine:
             "stale_writes_refused": 0,
             "recovery_restarts": 0,
             "snapshots_taken": 0,
+            "checkpoints_durable": 0,
         }
+        self._ckpt_meta: dict[int, dict[str, Any]] = {}  # written, not yet published
+        self._ckpt_interval = options.checkpoint_interval
+        self._save_s = 0.0  # the last checkpoint's save cost (Young/Daly)
         self._open: list[Any] = []  # faults fired since the last resume
         self._rec: RecoveryRecord | None = None
         self._current_step = 0
@@ -187,18 +203,51 @@ class Engine:
                 f"{n_chunks} chunks on {backend.topology}"
             )
         model = ClusterModel(cfg)
-        backend.record = ProtocolRecord(model, model.initial())
+        start = 0
+        if resume is not None and resume[1] is not None:
+            start = int(resume[1]["step"])
+        backend.record = ProtocolRecord(model, model.initial(start))
         rng0 = capture_rng()
         for p in self.procs:
             p.rng = rng0
             p.sampler_state = self.cursor.initial
             self.backend.spawn_shadow(p.rank, self._shadow_factory)
+        if resume is not None:
+            self._resume(*resume)
         for p in self.procs:
-            self._store(p.rank).process_states[p.rank] = {0: self._ps_json(p, 0)}
-        self._after_recovery_state(0)
-        if checkpointer is not None:
-            self._save_checkpoint()
-        self._log("start", step=0, detail=self._describe())
+            self._store(p.rank).process_states[p.rank] = {start: self._ps_json(p, start)}
+        self._after_recovery_state(start)
+        self._current_step = start
+        if checkpointer is not None:  # the start is durable in the model from the start
+            self.write_checkpoint(start)
+            self.publish_checkpoint(start)
+        self._log("start", step=start, detail=self._describe())
+
+    def _resume(self, state: dict[str, Any], meta: dict[str, Any] | None, where: str) -> None:
+        """Every rank loads the checkpoint (the same state: the ranks are replicas); a
+        leto checkpoint of this world size also restores each rank's process state and
+        is checked bitwise against its checksums."""
+        step = int(meta["step"]) if meta is not None else 0
+        same_world = meta is not None and meta.get("world_size") == self.W
+        for p in self.procs:
+            assert p.ropt is not None
+            if meta is None:
+                load_training_state(p.replica.model, p.ropt, state, where)
+            else:
+                load_model_state(p.replica.model, state, where)
+                load_retained_optimizer_state(p.layout, state, where)
+            p.ropt.set_version(step)
+            if meta is None:
+                continue
+            ps = meta["process_states"][str(p.rank) if same_world else "0"]
+            self._load_ps(p, ps)
+            if same_world and meta.get("chunk_numel") == p.layout.chunk_numel:
+                rx.seal_checked(
+                    p.layout, step, meta["checksums"][str(p.rank)], where, f"rank {p.rank}"
+                )
+        sampler = self.procs[0].sampler_state
+        assert sampler is not None
+        self.cursor.restore(sampler)
 
     # ------------------------------------------------------------------ basics
 
@@ -512,29 +561,63 @@ class Engine:
                 lay.clear_prepared()
                 self._load_ps(p, snap.process_states[r])
 
-    def _checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        return {
-            f"rank{p.rank}.{name}": buf
-            for p in self.procs
-            for name, buf in rx.named_buffers(p.layout)
-        }
-
-    def _save_checkpoint(self) -> None:
+    def write_checkpoint(self, step: int) -> None:
+        """``SaveCheckpoint``: the model's and optimizer's own state dicts at ``step``,
+        written once for the replica group (every simulated rank holds the same
+        replica: rank 0 writes it), the process states and checksums kept for
+        :meth:`publish_checkpoint`."""
         assert self.checkpointer is not None
-        meta = {
-            "step": 0,
+        t0 = time.perf_counter()
+        p0 = self.procs[0]
+        assert p0.ropt is not None
+        self.checkpointer.write(step, training_state(p0.replica.model, p0.ropt, copy=True))
+        self._save_s = time.perf_counter() - t0
+        self._ckpt_meta[step] = {
+            "step": step,
+            "world_size": self.W,
             "checksums": {
                 str(p.rank): [p.layout.stored_checksum(c) for c in range(p.layout.n_chunks)]
                 for p in self.procs
             },
             "process_states": {
-                str(p.rank): self._store(p.rank).process_states[p.rank][0] for p in self.procs
+                str(p.rank): self._store(p.rank).process_states[p.rank][step] for p in self.procs
             },
-            "n_chunks": self.procs[0].layout.n_chunks,
-            "chunk_numel": self.procs[0].layout.chunk_numel,
+            "n_chunks": p0.layout.n_chunks,
+            "chunk_numel": p0.layout.chunk_numel,
         }
-        self.checkpointer.save(0, self._checkpoint_tensors(), meta)
-        self._log("checkpoint", step=0, detail=f"step 0 written to {self.checkpointer.describe()}")
+
+    def publish_checkpoint(self, step: int) -> None:
+        """``PublishCheckpoint``: every writer finished; the checkpoint is the fallback."""
+        assert self.checkpointer is not None
+        self.checkpointer.publish(step, self._ckpt_meta.pop(step))
+        self.stats["checkpoints_durable"] += 1
+        self._log(
+            "checkpoint", step=step, detail=f"step {step} durable in {self.checkpointer.describe()}"
+        )
+
+    def abort_checkpoint(self, step: int) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.abort(step)
+        self._ckpt_meta.pop(step, None)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        s = self.state
+        if self.checkpointer is None or s.cpend != NONE:
+            return False
+        if self._ckpt_interval <= 0 and self.options.checkpoint_mtbf > 0 and self._save_s > 0:
+            step_s = (time.perf_counter() - self._t0) / max(1, self.stats["steps_run"])
+            self._ckpt_interval = young_daly_interval(
+                self._save_s, self.options.checkpoint_mtbf, step_s
+            )
+        return self._ckpt_interval > 0 and step - s.ckpt >= self._ckpt_interval
+
+    def _take_checkpoint(self) -> None:
+        """The protocol's checkpoint: BeginCheckpoint (the writers save), each writer's
+        WriteShard, CheckpointDurable (published). The fake backend writes at once."""
+        self.feed(ev.BeginCheckpoint())
+        for r in range(self.W):
+            self.feed(ev.WriteShard(r))
+        self.feed(ev.CheckpointDurable())
 
     def _restore_checkpoint(self, before: ClusterState, step: int) -> None:
         assert self.checkpointer is not None
@@ -542,9 +625,11 @@ class Engine:
         for r in range(self.W):
             self._ensure_layout(r, r in lost)
             rx.free_undo(self.procs[r].layout)
-        with torch.no_grad():
-            meta = self.checkpointer.load(step, self._checkpoint_tensors())
+        state, meta = self.checkpointer.read(step)
+        where = f"the checkpoint of step {step} in {self.checkpointer.describe()}"
         for p in self.procs:
+            load_model_state(p.replica.model, state, where)
+            load_retained_optimizer_state(p.layout, state, where)
             rx.seal_checked(
                 p.layout, step, meta["checksums"][str(p.rank)], "disk checkpoint", f"rank {p.rank}"
             )
@@ -854,6 +939,8 @@ class Engine:
                 self.recover()
                 return loss
             self.feed(ev.Tier2Snapshot())
+        if self._checkpoint_due(V):
+            self._take_checkpoint()
         self._warm_shadows()
         return loss
 

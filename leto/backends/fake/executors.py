@@ -331,6 +331,24 @@ def fallback(eng: Engine, a: fx.Fallback, before: ClusterState, after: ClusterSt
         raise UnrecoverableError(eng.lost_message(before, a.reason))
 
 
+def save_checkpoint(
+    eng: Engine, a: fx.SaveCheckpoint, before: ClusterState, after: ClusterState
+) -> None:
+    eng.write_checkpoint(a.step)
+
+
+def publish_checkpoint(
+    eng: Engine, a: fx.PublishCheckpoint, before: ClusterState, after: ClusterState
+) -> None:
+    eng.publish_checkpoint(a.step)
+
+
+def abort_checkpoint(
+    eng: Engine, a: fx.AbortCheckpoint, before: ClusterState, after: ClusterState
+) -> None:
+    eng.abort_checkpoint(a.step)
+
+
 def load_checkpoint(
     eng: Engine, a: fx.LoadCheckpoint, before: ClusterState, after: ClusterState
 ) -> None:
@@ -422,6 +440,9 @@ EXECUTORS: dict[type[fx.Effect], Executor] = {
     fx.AbortCollectives: abort_collectives,
     fx.Promote: promote,
     fx.Fallback: fallback,
+    fx.SaveCheckpoint: save_checkpoint,
+    fx.PublishCheckpoint: publish_checkpoint,
+    fx.AbortCheckpoint: abort_checkpoint,
     fx.LoadCheckpoint: load_checkpoint,
     fx.RebuildCommunicator: rebuild_communicator,
     fx.Resume: resume,

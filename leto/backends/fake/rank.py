@@ -81,6 +81,10 @@ class EngineOptions:
     align_bytes: int = 256
     max_steps: int = 10**9
     check: bool = False  # after each recovery: real state vs the core's, parity bytes exact
+    # periodic disk checkpoints every this many steps (0: only step 0's); with
+    # checkpoint_mtbf > 0 and no interval, Young/Daly's for the measured save cost
+    checkpoint_interval: int = 0
+    checkpoint_mtbf: float = 0.0  # seconds
 
 
 def copy_replica(rep: Replica, *, clear_state: bool = False) -> Replica:
