@@ -464,6 +464,9 @@ _count_bad = {
 }
 
 
+_zero_ok = {"checkpoint_interval": 1_000_000, "checkpoint_mtbf": 10 * 365 * 86_400}
+
+
 def bad_setting(key: str) -> st.SearchStrategy[Any]:
     """Values of the config key ``key`` that a Config must refuse (the other keys at
     their defaults: the fake backend, one rank)."""
@@ -484,6 +487,16 @@ def bad_setting(key: str) -> st.SearchStrategy[Any]:
         return st.one_of(_ints.filter(lambda v: v != 1), _floats, _text, st.booleans())
     if key == "checkpoint_dir":
         return st.one_of(st.sampled_from(["", "afile", "afile/sub"]), _ints, st.booleans())
+    if key == "resume":
+        return st.one_of(st.sampled_from(["", "afile", "no/such/dir"]), _ints, st.booleans())
+    if key in _zero_ok:  # 0 is off: only negatives and values past the bound are refused
+        return st.one_of(
+            st.integers(min_value=-INT64 - 1, max_value=-1),
+            st.integers(min_value=_zero_ok[key] + 1, max_value=INT64),
+            _floats,
+            _text,
+            st.booleans(),
+        )
     hi = _count_bad[key]
     return st.one_of(
         st.integers(min_value=-INT64 - 1, max_value=0),

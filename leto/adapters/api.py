@@ -42,12 +42,14 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 from torch import nn
 
 from leto.backends.base import Backend
 from leto.backends.fake.engine import Engine, EngineOptions, Replica, StepFn
-from leto.retained.checkpoint import Checkpointer, DCPCheckpointer
+from leto.retained.checkpoint import Checkpointer, CheckpointError, DCPCheckpointer
+from leto.retained.dcp_state import read_checkpoint
 
 from .config import Config, ConfigError
 
@@ -164,6 +166,9 @@ def wrap(
     run outside ``leto launch`` it raises a :class:`ConfigError` that says so.
     """
     cfg = Config.load(config)
+    resume = os.environ.get("LETO_RESUME") if os.environ.get("LETO_ROLE") else None
+    if resume and cfg.resume is None:  # `leto launch --resume DIR`, whatever the script's config
+        cfg = attrs.evolve(cfg, resume=resume)
     if cfg.backend == "gloo":
         from leto.backends.gloo.runtime import wrap_gloo
 
@@ -202,7 +207,16 @@ def wrap(
         tier2_parity=cfg.tier2_parity,
         verify=cfg.verify_chunks,
         check=check,
+        checkpoint_interval=cfg.checkpoint_interval,
+        checkpoint_mtbf=float(cfg.checkpoint_mtbf),
     )
+    start = None
+    if cfg.resume is not None:
+        try:
+            state, meta = read_checkpoint(cfg.resume)
+        except CheckpointError as e:
+            raise ConfigError("resume", str(e)) from None
+        start = (state, meta, cfg.resume)
     engine = Engine(
         backend,
         Replica(model, optimizer, scheduler),
@@ -211,5 +225,6 @@ def wrap(
         options=options,
         checkpointer=checkpointer if checkpointer is not None else _checkpointer(cfg),
         attach=attach,
+        resume=start,
     )
     return Session(cfg, backend, engine)

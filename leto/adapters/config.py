@@ -9,31 +9,39 @@ every error names the setting that is wrong::
 
 Settings (TOML key / ``LETO_<KEY>`` variable):
 
-=================  ========  ==========================================================
-backend            "fake"    ``fake`` (simulated ranks in one process), ``gloo`` (CPU
-                             processes), ``nccl`` (CUDA; refused without CUDA)
-topology           "1x1"     ``"NODESxRANKS"``; or ``nodes`` (<= 65,536) and
-                             ``ranks_per_node`` (<= 1,024), at most 1,048,576 ranks
-world_size         none      if given (or ``WORLD_SIZE`` in the environment), it must
-                             equal nodes x ranks_per_node
-chunk_size         1048576   elements per chunk of the retained state (1 .. 2**30;
-                             every rank allocates whole chunks)
-tier1              true      per-step protection inside each node (tier 1)
-tier1_code         "auto"    what tier 1 keeps: ``parity`` (single parity over the
-                             node's ranks, any training) or ``replica`` (nothing: the
-                             node's other ranks hold the same state, as in data-parallel
-                             training; a lost rank is copied from one of them; gloo only,
-                             and a job whose ranks differ is refused with this setting
-                             named); ``auto``: ``replica`` on gloo with 2+ ranks per
-                             node, ``parity`` otherwise
-tier2              true      cross-node snapshots every ``tier2_interval`` steps
-tier2_interval     10        K: steps between tier-2 snapshots (1 .. 1,000,000)
-tier2_parity       1         m: lost nodes the tier-2 snapshot survives (1 .. 255; m >= 2
-                             needs more than m nodes: a Reed-Solomon code over the
-                             nodes' snapshots, each node storing m / (nodes - m) of one)
-checkpoint_dir     none      directory for the torch.distributed.checkpoint fallback
-verify_chunks      true      check each chunk's checksum before its step overwrites it
-=================  ========  ==========================================================
+===================  ========  ==========================================================
+backend              "fake"    ``fake`` (simulated ranks in one process), ``gloo`` (CPU
+                               processes), ``nccl`` (CUDA; refused without CUDA)
+topology             "1x1"     ``"NODESxRANKS"``; or ``nodes`` (<= 65,536) and
+                               ``ranks_per_node`` (<= 1,024), at most 1,048,576 ranks
+world_size           none      if given (or ``WORLD_SIZE`` in the environment), it must
+                               equal nodes x ranks_per_node
+chunk_size           1048576   elements per chunk of the retained state (1 .. 2**30;
+                               every rank allocates whole chunks)
+tier1                true      per-step protection inside each node (tier 1)
+tier1_code           "auto"    what tier 1 keeps: ``parity`` (single parity over the
+                               node's ranks, any training) or ``replica`` (nothing: the
+                               node's other ranks hold the same state, as in data-parallel
+                               training; a lost rank is copied from one of them; gloo only,
+                               and a job whose ranks differ is refused with this setting
+                               named); ``auto``: ``replica`` on gloo with 2+ ranks per
+                               node, ``parity`` otherwise
+tier2                true      cross-node snapshots every ``tier2_interval`` steps
+tier2_interval       10        K: steps between tier-2 snapshots (1 .. 1,000,000)
+tier2_parity         1         m: lost nodes the tier-2 snapshot survives (1 .. 255; m >= 2
+                               needs more than m nodes: a Reed-Solomon code over the
+                               nodes' snapshots, each node storing m / (nodes - m) of one)
+checkpoint_dir       none      directory for the torch.distributed.checkpoint fallback
+checkpoint_interval  0         steps between periodic checkpoints (0 .. 1,000,000; 0: only
+                               the start's, unless checkpoint_mtbf is set)
+checkpoint_mtbf      0         seconds between failures: with no interval, checkpoint every
+                               Young/Daly sqrt(2 x save cost x MTBF) (0 .. 10 years;
+                               fake backend)
+resume               none      start from this torch.distributed.checkpoint directory
+                               (leto's checkpoint_dir or one step of it, or any DCP
+                               checkpoint of the same model); ``leto launch --resume DIR``
+verify_chunks        true      check each chunk's checksum before its step overwrites it
+===================  ========  ==========================================================
 
 ``LETO_CONFIG=path.toml`` makes :meth:`Config.from_env` read that file first; the
 other variables override it. The variables ``leto launch`` sets for its trainers
@@ -90,6 +98,8 @@ BOUNDS: dict[str, Bound] = {
     ),
     "tier2_interval": Bound(lo=1, hi=1_000_000, integer=True, unit="steps"),
     "tier2_parity": Bound(lo=1, hi=255, integer=True, unit="nodes"),
+    "checkpoint_interval": Bound(lo=0, hi=1_000_000, integer=True, unit="steps"),
+    "checkpoint_mtbf": Bound(lo=0, hi=10 * 365 * 86_400, integer=True, unit="seconds"),
 }
 
 
@@ -147,6 +157,24 @@ def _v_world(_inst: Any, _attr: Any, value: Any) -> None:
         _int("world_size", value)
 
 
+def _v_count(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    """A non-negative integer within its bound (0: off)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(attr.name, f"must be an integer, got {show(value)}")
+    problem = BOUNDS[attr.name].problem(value)
+    if problem is not None:
+        raise ConfigError(attr.name, problem)
+
+
+def _v_resume(_inst: Any, _attr: Any, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ConfigError("resume", f"must be a checkpoint directory or none, got {show(value)}")
+    if not os.path.isdir(value):
+        raise ConfigError("resume", f"{value} is not a directory")
+
+
 def _v_dir(_inst: Any, _attr: Any, value: Any) -> None:
     if value is None:
         return
@@ -173,6 +201,9 @@ class Config:
     tier2_interval: int = attrs.field(default=10, validator=_v_positive)
     tier2_parity: int = attrs.field(default=1, validator=_v_positive)
     checkpoint_dir: str | None = attrs.field(default=None, validator=_v_dir)
+    checkpoint_interval: int = attrs.field(default=0, validator=_v_count)
+    checkpoint_mtbf: int = attrs.field(default=0, validator=_v_count)
+    resume: str | None = attrs.field(default=None, validator=_v_resume)
     verify_chunks: bool = attrs.field(default=True, validator=_v_bool)
 
     def __attrs_post_init__(self) -> None:
@@ -420,7 +451,7 @@ def _parse_topology(value: Any, source: str | None) -> tuple[int, int]:
 def _parse_env(key: str, raw: str, source: str) -> Any:
     a = {f.name: f for f in attrs.fields(Config)}[key]
     text = raw.strip()
-    if key == "checkpoint_dir":
+    if key in ("checkpoint_dir", "resume"):
         return None if text.lower() in ("", "none") else text
     if key in ("backend", "tier1_code"):
         return text

@@ -96,6 +96,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--threads", type=int, default=1, help="torch threads per trainer (default 1)")
     r.add_argument("--faults", default=None, metavar="PLAN", help="fault plan: JSON list or a file")
+    r.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="start from this torch.distributed.checkpoint directory (a leto checkpoint_dir, "
+        "one step-N of it, or any DCP checkpoint of the same model) with its process state",
+    )
     r.add_argument("--quiet", action="store_true", help="no status lines from the agent")
     r.add_argument("--no-echo", action="store_true", help="do not copy the trainers' output here")
     parser.add_argument("script", help="the training script")
@@ -219,6 +226,27 @@ def _check(args: argparse.Namespace) -> tuple[str, int, Any] | int:
     return host, port, faults
 
 
+def resume_problem(path: str) -> str | None:
+    """Why ``path`` is not a checkpoint to resume from (read nothing that unpickles:
+    the trainers load it, after checking that it is private), or None."""
+    from leto.retained.checkpoint import CheckpointError, CheckpointStore
+
+    p = Path(path)
+    if not p.is_dir():
+        return f"{path} is not a directory" if p.exists() else f"{path} does not exist"
+    if (p / ".metadata").is_file():
+        return None
+    try:
+        if CheckpointStore(p).latest() is not None:
+            return None
+    except CheckpointError as e:
+        return str(e)
+    return (
+        f"{path} is not a torch.distributed.checkpoint directory (no .metadata, no complete "
+        "step-<n>/ inside)"
+    )
+
+
 def _reachable(host: str, port: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while True:
@@ -247,6 +275,12 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(checked, int):
         return checked
     host, port, faults = checked
+    if args.resume is not None:
+        problem = resume_problem(args.resume)
+        if problem is not None:
+            return _error(f"--resume: {problem}")
+        # every trainer's config takes it (leto.wrap), whatever the script's own config
+        os.environ["LETO_RESUME"] = os.path.abspath(args.resume)
     if args.node_rank > 0 and not _reachable(host, port, args.rdzv_timeout):
         print(
             f"leto launch: error: cannot reach the rendezvous endpoint {host}:{port} within "

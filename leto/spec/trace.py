@@ -214,6 +214,7 @@ class CoreSetup:
     k: int | None  # tier 2 lags at most k steps; None: tier 2 off (no bound)
     tier1: bool = True  # off: no node keeps parity (the core's ClusterConfig.tier1)
     shadows: ShadowState = ShadowState.WARM  # every shadow at the start (gloo: spawning)
+    start: int = 0  # > 0: a job resumed from the durable checkpoint of this step
 
     def model(self) -> ClusterModel:
         return ClusterModel(
@@ -228,7 +229,7 @@ class CoreSetup:
         )
 
     def initial(self, model: ClusterModel) -> ClusterState:
-        s = model.initial()
+        s = model.initial(self.start)
         if self.shadows is not ShadowState.WARM:
             s = attrs.evolve(s, shadow=(self.shadows,) * model.config.ranks)
         return s
@@ -240,6 +241,7 @@ class CoreSetup:
             "k": self.k,
             "tier1": self.tier1,
             "shadows": self.shadows.value,
+            "start": self.start,
         }
 
     @classmethod
@@ -258,7 +260,10 @@ class CoreSetup:
             shadows = ShadowState(rec.get("shadows", "warm"))
         except ValueError:
             raise TraceError(f"shadows: no shadow state {rec.get('shadows')!r}") from None
-        return cls(tuple(nodes), chunks, k, tier1, shadows)
+        start = rec.get("start", 0)
+        if not _nat(start):
+            raise TraceError(f"start must be an int >= 0, got {start!r}")
+        return cls(tuple(nodes), chunks, k, tier1, shadows, start)
 
 
 def _nat(v: Any) -> TypeGuard[int]:

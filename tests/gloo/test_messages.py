@@ -77,6 +77,7 @@ GOOD: dict[str, Any] = {
     "repairs": [{"what": "tier1", "rank": 1, "chunk": 0, "step": 3}],
     "retake_t2": True,
     "t2": 0,
+    "start": 2,
 }
 # for each field: a value its validator must refuse
 BAD: dict[str, Any] = {

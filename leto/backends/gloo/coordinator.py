@@ -156,6 +156,7 @@ class Coordinator:
         self.finished: dict[int, set[int]] = {}
         self.applied: tuple[int, list[int]] | None = None  # (step, ranks) not yet fed
         self.snaps: dict[int, dict[int, Any]] = {}
+        self.ckpts: dict[int, set[int]] = {}  # step -> ranks that wrote their part
         self.t2_step = 0
         self.t2_meta: dict[int, Any] = {}  # rank -> {checksums, ps} of the confirmed snapshot
         self.nodes_up: set[int] = set()
@@ -257,6 +258,8 @@ class Coordinator:
                     self._on_finished(msg)
                 case M.SnapshotDone():
                     self._on_snapshot_done(msg)
+                case M.CheckpointWritten():
+                    self._on_ckpt_written(msg)
                 case M.Done():
                     self._on_done(msg)
                 case M.NodeFinished():
@@ -360,6 +363,7 @@ class Coordinator:
             "tier2",
             "tier2_interval",
             "checkpoint",
+            "start",
         )
         for k in keys:
             vals = {str(i.get(k)) for i in infos}
@@ -376,7 +380,9 @@ class Coordinator:
             tier1=bool(self.info.get("tier1", True)),
             # shadows are started with the trainers: spawning until they report warm
             shadows=ShadowState.SPAWNING,
+            start=int(self.info.get("start") or 0),
         )
+        self.t2_step = setup.start
         self.model = setup.model()
         self.state = setup.initial(self.model)
         self.log.write("core_init", **setup.to_record())
@@ -458,6 +464,26 @@ class Coordinator:
         self.t2_meta = dict(got)
         self._send(None, M.Tier2(step=step, gen=self.generation))
         self.log.write("tier2_snapshot", step=step)
+
+    def _on_ckpt_written(self, msg: M.CheckpointWritten) -> None:
+        """Every rank wrote its part of the checkpoint of ``step``: BeginCheckpoint (they
+        staged it idle at ``step``), each WriteShard, then CheckpointDurable: the
+        fallback step moves. (The job's start is durable in the model from the start.)"""
+        if not self._current(msg.gen):
+            return
+        got = self.ckpts.setdefault(msg.step, set())
+        got.add(msg.rank)
+        if len(got) < self.W:
+            return
+        del self.ckpts[msg.step]
+        assert self.state is not None
+        if msg.step <= self.state.ckpt:
+            return
+        items: list[Item] = [ev.BeginCheckpoint()]
+        items += [ev.WriteShard(r) for r in range(self.W)]
+        items.append(ev.CheckpointDurable())
+        self._run(items, f"every rank wrote its part of the checkpoint of step {msg.step}")
+        self.log.write("checkpoint", step=msg.step)
 
     def _on_done(self, msg: M.Done) -> None:
         if self.model is None and msg.gen == 0:
@@ -763,9 +789,9 @@ class Coordinator:
             self._feed(ev.GoFallback())
             self.rec.plan = {
                 "kind": "ckpt",
-                "target": 0,
+                "target": s.ckpt,  # the latest durable checkpoint
                 "reason": plan.reason,
-                "steps_lost": s.committed,
+                "steps_lost": s.committed - s.ckpt,
                 "repairs": [],
                 "tier2_retaken": bool(self.info.get("tier2")),
             }
@@ -811,8 +837,10 @@ class Coordinator:
         )
 
     def _restore_checkpoint(self, now: float) -> None:
+        assert self.state is not None
+        step = self.state.ckpt  # the latest durable checkpoint
         self._feed(ev.RestoreCheckpoint())
-        self._send(None, self._reconcile_cmd(Kind.CKPT, 0, []))
+        self._send(None, self._reconcile_cmd(Kind.CKPT, step, []))
         self._wait("reconcile", set(range(self.W)), now)
 
     def _truth(self, s: ClusterState) -> ClusterState:

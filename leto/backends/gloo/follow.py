@@ -11,7 +11,6 @@ resumes. It holds no state of its own: everything lives in the session (``self.s
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -21,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from leto import private
 from leto.core.chunk import LOST, NONE
 from leto.retained import recovery as rx
 from leto.retained import replicas as rpl
+from leto.retained.checkpoint import CheckpointError, CheckpointStore
+from leto.retained.dcp_state import load_model_state, load_retained_optimizer_state
 from leto.retained.parity import TorchDistCollective, decode_rotated, encode
 from leto.retained.process_state import step_scheduler
 from leto.retained.recovery import IntegrityError
@@ -153,7 +153,7 @@ class Follower:
             summary["chunks_restored"] = self.s.layout.n_chunks
             self.s.stats["snapshot_restores"] += 1
         elif kind == "ckpt":
-            self._restore_checkpoint()
+            self._restore_checkpoint(target)
             summary["chunks_restored"] = self.s.layout.n_chunks
             self.s.stats["checkpoint_restores"] += 1
         elif self.s.replica:
@@ -396,29 +396,23 @@ class Follower:
         lay.clear_prepared()
         self.s._load_ps(meta["ps"])
 
-    def _restore_checkpoint(self) -> None:
-        import warnings
-
-        import torch.distributed.checkpoint as dcp
-
-        path = self.s._ckpt_dir()
-        mfile = os.path.join(path, "leto.json")
-        if not os.path.isfile(mfile):
-            raise IntegrityError(f"no complete checkpoint of step 0 in {path}")
-        private.private_dir(str(self.s.cfg.checkpoint_dir), "checkpoint directory")
-        private.check_tree(path, "checkpoint")  # before dcp.load unpickles anything in it
+    def _restore_checkpoint(self, step: int) -> None:
+        """The latest durable checkpoint (``step``): the model's and optimizer's state
+        from the DCP files, this rank's process state beside them, checked bitwise."""
+        store = CheckpointStore(str(self.s.cfg.checkpoint_dir))
+        try:
+            state, meta = store.read(step)  # checks the tree is private before loading
+        except CheckpointError as e:
+            raise IntegrityError(str(e)) from None
         lay = self.s.layout
-        rx.free_undo(self.s.layout)
-        tensors = {name: buf for name, buf in rx.named_buffers(lay)}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.no_grad():
-                dcp.load(tensors, checkpoint_id=path, no_dist=True)  # type: ignore[attr-defined]
-        with open(mfile) as f:
-            meta = json.load(f)
-        rx.seal_checked(lay, 0, meta["checksums"], "disk checkpoint", f"rank {self.s.rank}")
+        rx.free_undo(lay)
+        where = f"the checkpoint of step {step} in {store.describe()}"
+        load_model_state(self.s.model, state, where)
+        load_retained_optimizer_state(lay, state, where)
+        r = str(self.s.rank)
+        rx.seal_checked(lay, step, meta["checksums"][r], "disk checkpoint", f"rank {r}")
         lay.clear_prepared()
-        self.s._load_ps(meta["ps"])
+        self.s._load_ps(meta["process_states"][r])
 
     def _after_recovery_state(self, target: int, *, snapshot: bool = True) -> dict[str, Any] | None:
         """Verify, then rebuild the redundancy at ``target``: parity, gradient parity, and

@@ -276,6 +276,7 @@ class Ready(Message):
     tier2_interval: int = _f(_nat)
     checkpoint: bool = _f(_bool)
     snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
+    start: int = _f(_nat, 0)  # the step the job starts at (> 0: resumed from a checkpoint)
 
 
 @attrs.frozen
@@ -312,6 +313,18 @@ class SnapshotDone(Message):
     step: int = _f(_nat)
     gen: int = _f(_nat)
     meta: dict[str, Any] | None = _f(_opt(_of(dict)), None)
+
+
+@attrs.frozen
+class CheckpointWritten(Message):
+    """The rank's part of the disk checkpoint of ``step`` is written (its DCP files, its
+    process state beside them): the protocol's ``WriteShard``."""
+
+    TAG = "ckpt_written"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    step: int = _f(_nat)
+    gen: int = _f(_nat)
 
 
 @attrs.frozen
@@ -615,6 +628,7 @@ KINDS: tuple[type[Message], ...] = (
     Vote,
     Finished,
     SnapshotDone,
+    CheckpointWritten,
     Stopped,
     Report,
     Reconciled,

@@ -208,6 +208,7 @@ class Routing:
                 M.Vote()
                 | M.Finished()
                 | M.SnapshotDone()
+                | M.CheckpointWritten()
                 | M.Stopped()
                 | M.Report()
                 | M.Reconciled()

@@ -52,10 +52,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from leto import private
 from leto.core.chunk import NONE
 from leto.errors import ConfigError
 from leto.retained import recovery as rx
+from leto.retained.checkpoint import CheckpointError, CheckpointStore
+from leto.retained.dcp_state import (
+    load_model_state,
+    load_retained_optimizer_state,
+    load_training_state,
+    read_checkpoint,
+    training_state,
+)
 from leto.retained.layout import (
     RetainedLayout,
     ShapeMismatchError,
@@ -326,10 +333,12 @@ class GlooSession:
         self._create_layout()
         self.rng = capture_rng()
         self.sampler_state = self.cursor.initial
+        resumed = bool(getattr(self.cfg, "resume", None))
+        start = self._resume() if resumed else 0
         self._node_memory()
-        self._send_ps(0)
-        meta = self.follower._after_recovery_state(0)
-        self._save_checkpoint()
+        self._send_ps(start)
+        meta = self.follower._after_recovery_state(start)
+        self._checkpoint(start, first=True, resumed=resumed)
         self.status_lost(False)
         self.ch.send(
             {
@@ -344,6 +353,7 @@ class GlooSession:
                 "tier2_interval": int(self.cfg.tier2_interval),
                 "checkpoint": self.cfg.checkpoint_dir is not None,
                 "snapshot": meta,
+                "start": start,
             }
         )
         self.ch.mark("idle", 0)
@@ -739,6 +749,9 @@ class GlooSession:
         )
         self.ch.mark("idle", V)
         self._tier2(V)
+        interval = int(getattr(self.cfg, "checkpoint_interval", 0) or 0)
+        if interval and V % interval == 0:
+            self._checkpoint(V)
         return lval
 
     def _tier2(self, V: int) -> None:
@@ -909,31 +922,66 @@ class GlooSession:
             "ps": self._ps_json(step),
         }
 
-    def _ckpt_dir(self) -> str:
-        return os.path.join(str(self.cfg.checkpoint_dir), "step-0", f"rank{self.rank}")
-
-    def _save_checkpoint(self) -> None:
+    def _checkpoint(self, V: int, *, first: bool = False, resumed: bool = False) -> None:
+        """``SaveCheckpoint`` of step ``V``: this rank's part of one collective DCP save of
+        the model's and optimizer's own state dicts (DCP's planner writes each replicated
+        tensor once: once per data-parallel replica group, not W copies), then its
+        process state and checksums beside it; its report feeds ``WriteShard``, and the
+        coordinator feeds ``CheckpointDurable`` once every rank reported. ``first``: the
+        job's start (durable in the model from the start): a job resumed from this
+        directory's checkpoint of ``V`` keeps it; a fresh one drops what a former run left
+        in the directory."""
         if self.cfg.checkpoint_dir is None:
             return
-        import warnings
-
-        import torch.distributed.checkpoint as dcp
-
-        # the checkpoint is read back with dcp.load, which unpickles its metadata: only
-        # a directory no other user can write to (docs/security.md)
-        private.private_dir(str(self.cfg.checkpoint_dir), "checkpoint directory")
-        path = str(private.private_dir(self._ckpt_dir(), "checkpoint"))
-        tensors = {name: buf.detach() for name, buf in rx.named_buffers(self.layout)}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.save(tensors, checkpoint_id=path, no_dist=True)  # type: ignore[attr-defined]
+        store = CheckpointStore(self.cfg.checkpoint_dir)
+        latest = store.latest()
+        if not first and latest is not None and latest >= V:
+            return  # a recovery went back before the durable checkpoint: it still holds
+        if first and resumed and latest == V:
+            self.ch.send({"t": "ckpt_written", "rank": self.rank, "step": V, "gen": self.gen})
+            return
+        if self.rank == 0:
+            store.prune(V if first else latest, newer=first)
+        assert self.ropt is not None
+        _coll(store.write, V, training_state(self.model, self.ropt), no_dist=False)
         lay = self.layout
-        meta = {
-            "step": 0,
-            "checksums": [lay.stored_checksum(c) for c in range(lay.n_chunks)],
-            "ps": self._ps_json(0),
-        }
-        tmp = os.path.join(path, "leto.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f)
-        os.replace(tmp, os.path.join(path, "leto.json"))
+        store.write_rank_meta(
+            V,
+            self.rank,
+            {
+                "step": V,
+                "world_size": self.W,
+                "chunk_numel": lay.chunk_numel,
+                "checksums": [lay.stored_checksum(c) for c in range(lay.n_chunks)],
+                "ps": self._ps_json(V),
+            },
+        )
+        self.ch.send({"t": "ckpt_written", "rank": self.rank, "step": V, "gen": self.gen})
+
+    def _resume(self) -> int:
+        """Start from the DCP checkpoint ``resume`` names (leto's, or any of this model):
+        the model's and optimizer's state and, from a leto checkpoint of this world
+        size, this rank's process state, checked bitwise; its step."""
+        src = str(self.cfg.resume)
+        try:
+            state, meta = read_checkpoint(src)
+            assert self.ropt is not None
+            if meta is None:
+                load_training_state(self.model, self.ropt, state, src)
+                self.ropt.set_version(0)
+                return 0
+            step = int(meta["step"])
+            load_model_state(self.model, state, src)
+            load_retained_optimizer_state(self.layout, state, src)
+            self.ropt.set_version(step)
+            ranks = meta["process_states"]
+            same = meta.get("world_size") == self.W
+            self._load_ps(ranks[str(self.rank) if same else "0"])
+            if same and meta.get("chunk_numel") == self.layout.chunk_numel:
+                rx.seal_checked(
+                    self.layout, step, meta["checksums"][str(self.rank)], src, f"rank {self.rank}"
+                )
+        except CheckpointError as e:
+            raise ConfigError("resume", str(e)) from None
+        self.cursor.restore(self.sampler_state)
+        return step
