@@ -35,8 +35,8 @@ checkpoint_dir       none      directory for the torch.distributed.checkpoint fa
 checkpoint_interval  0         steps between periodic checkpoints (0 .. 1,000,000; 0: only
                                the start's, unless checkpoint_mtbf is set)
 checkpoint_mtbf      0         seconds between failures: with no interval, checkpoint every
-                               Young/Daly sqrt(2 x save cost x MTBF) (0 .. 10 years;
-                               fake backend)
+                               Young/Daly sqrt(2 x save cost x MTBF), in steps, for the
+                               measured save cost and step time (0 .. 10 years)
 resume               none      start from this torch.distributed.checkpoint directory
                                (leto's checkpoint_dir or one step of it, or any DCP
                                checkpoint of the same model); ``leto launch --resume DIR``

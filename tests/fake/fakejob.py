@@ -56,6 +56,7 @@ def make_engine(
     seed: int = 0,
     make_opt: Any = adam,
     checkpoint_interval: int = 0,
+    checkpoint_mtbf: float = 0.0,
     resume: Any = None,
 ) -> Engine:
     topology = topology or Topology((2, 2))
@@ -75,6 +76,7 @@ def make_engine(
             align_bytes=4,
             check=True,
             checkpoint_interval=checkpoint_interval,
+            checkpoint_mtbf=checkpoint_mtbf,
         ),
         checkpointer=ckpt,
         core_config=core_config,

@@ -94,8 +94,46 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path: Path) ->
     assert "\n" not in str(e.value)
 
 
+def test_young_daly_interval_from_the_measured_save_cost() -> None:
+    # an MTBF of a millisecond: a checkpoint every step (the interval is at least 1)
+    eng = make_engine(checkpointer=MemoryCheckpointer(), checkpoint_mtbf=1e-3)
+    eng.train(5)
+    assert eng._ckpt_interval == 1 and eng.state.ckpt == 5
+    # a year: none within 5 steps
+    eng = make_engine(checkpointer=MemoryCheckpointer(), checkpoint_mtbf=3.2e7)
+    eng.train(5)
+    assert eng._ckpt_interval > 5 and eng.state.ckpt == 0
+
+
 def test_young_daly() -> None:
     assert young_daly_interval(2.0, 3600.0, 1.0) == 120  # sqrt(2 * 2 * 3600) = 120 s
     assert young_daly_interval(0.001, 10.0, 5.0) == 1
     with pytest.raises(ValueError, match="mtbf must be a positive number"):
         young_daly_interval(1.0, 0.0, 1.0)
+
+
+def test_resume_from_any_dcp_checkpoint_of_the_same_model(tmp_path: Path) -> None:
+    """A checkpoint leto did not write (a plain dcp.save of the model and its optimizer
+    by name): the job starts at step 0 from its weights and optimizer state."""
+    import torch.distributed.checkpoint as dcp
+
+    from leto.retained.dcp_state import optimizer_state_by_name
+
+    donor = make_engine(checkpointer=None)
+    donor.train(3)
+    p = donor.procs[0]
+    state = {
+        "model": {k: v.clone() for k, v in p.replica.model.state_dict().items()},
+        "optimizer": optimizer_state_by_name(p.replica.model, p.ropt),
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path / "theirs"), no_dist=True)
+    got, meta = read_checkpoint(tmp_path / "theirs")
+    assert meta is None
+    eng = make_engine(checkpointer=None, resume=(got, meta, "theirs"))
+    assert eng.state.committed == 0
+    for q in eng.procs:
+        for k, v in q.replica.model.state_dict().items():
+            assert torch.equal(v, state["model"][k]), k
+        exp = q.ropt.state[q.replica.model[0].weight]["exp_avg"]
+        assert torch.equal(exp, state["optimizer"]["state"]["0.weight"]["exp_avg"])
+    eng.train(2)  # and it trains on

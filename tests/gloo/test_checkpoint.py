@@ -66,6 +66,16 @@ def test_fallback_goes_to_the_latest_durable_checkpoint(tag: str, ref: JobResult
     assert both < 1.3 * single, (both, single)
 
 
+def test_young_daly_interval_on_gloo(tag: str, ref: JobResult) -> None:
+    # an MTBF of one second and 0.1 s steps: Young/Daly's interval, a few steps
+    env = {"TIER2": "0", "CKPT": str(Path(tag) / "ckpt"), "CKPT_MTBF": "1", "STEP_SLEEP": "0.1"}
+    res = job(Path(tag) / "run", steps=STEPS, env=env)
+    assert res.ok, explain(res)
+    steps = [e["step"] for e in res.of("checkpoint")]
+    assert steps and all(s % steps[0] == 0 for s in steps), steps
+    assert digests_equal(res, ref)
+
+
 def _launch(run_dir: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     cmd = [
         sys.executable, "-m", "leto.cli", "launch", "--nnodes", "1", "--nproc-per-node", "2",

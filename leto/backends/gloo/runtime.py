@@ -62,6 +62,7 @@ from leto.retained.dcp_state import (
     load_training_state,
     read_checkpoint,
     training_state,
+    young_daly_interval,
 )
 from leto.retained.layout import (
     RetainedLayout,
@@ -240,6 +241,9 @@ class GlooSession:
         self.sampler_state: dict[str, Any] | None = None
         self.t2 = 0
         self._t2_pending: int | None = None  # a snapshot sent, its "t2" not yet seen
+        self._save_s = 0.0  # the last checkpoint's save cost here
+        self._step_t0 = 0.0
+        self._yd: int | None = None  # Young/Daly's checkpoint interval, once agreed
         self.K = config.tier2_interval if config.tier2 else 10**12
         self.faults = list(spec.get("faults", []))
         self.store: Any = None
@@ -610,6 +614,7 @@ class GlooSession:
         self._tier2(ropt.version)
         V = ropt.version + 1
         self._step_in_progress = V
+        self._step_t0 = time.perf_counter()
         r, W = self.rank, self.W
 
         # 1. compute
@@ -749,10 +754,35 @@ class GlooSession:
         )
         self.ch.mark("idle", V)
         self._tier2(V)
-        interval = int(getattr(self.cfg, "checkpoint_interval", 0) or 0)
+        interval = self._checkpoint_interval(V)
         if interval and V % interval == 0:
             self._checkpoint(V)
         return lval
+
+    def _checkpoint_interval(self, V: int) -> int:
+        """The user's ``checkpoint_interval``; or, with ``checkpoint_mtbf`` only, Young/
+        Daly's for the slowest rank's measured save cost (the start's checkpoint) and
+        step time (step 1), agreed at step 1 by one collective of every rank, and kept
+        in the job's store for the shadows promoted later."""
+        n = int(getattr(self.cfg, "checkpoint_interval", 0) or 0)
+        mtbf = int(getattr(self.cfg, "checkpoint_mtbf", 0) or 0)
+        if n or not mtbf or self.cfg.checkpoint_dir is None:
+            return n
+        if self._yd is None:
+            key = f"leto/{self.spec['job']}/checkpoint_interval"
+            if V == 1:
+                t = torch.tensor(
+                    [self._save_s, time.perf_counter() - self._step_t0], dtype=torch.float64
+                )
+                _coll(dist.all_reduce, t, op=dist.ReduceOp.MAX)
+                self._yd = young_daly_interval(max(float(t[0]), 1e-6), mtbf, float(t[1]))
+                if self.rank == 0:
+                    self.store.set(key, str(self._yd))
+            elif self.store.check([key]):
+                self._yd = int(self.store.get(key))
+            else:
+                return 0
+        return self._yd
 
     def _tier2(self, V: int) -> None:
         """The tier-2 snapshot of step ``V`` if the last one is K steps back."""
@@ -943,7 +973,9 @@ class GlooSession:
         if self.rank == 0:
             store.prune(V if first else latest, newer=first)
         assert self.ropt is not None
+        t0 = time.perf_counter()
         _coll(store.write, V, training_state(self.model, self.ropt), no_dist=False)
+        self._save_s = time.perf_counter() - t0
         lay = self.layout
         store.write_rank_meta(
             V,

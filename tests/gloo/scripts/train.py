@@ -1,7 +1,7 @@
 """The real-process tests' training script: a tiny MLP, every RNG seeded.
 
 Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
-("1"/"0"), OPT (a torch.optim class name, AdamW by default), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps), STEP_SLEEP (seconds per step), BIG_MB (allocate that much while steps
+("1"/"0"), OPT (a torch.optim class name, AdamW by default), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's), STEP_SLEEP (seconds per step), BIG_MB (allocate that much while steps
 3..6 run, to push the trainers over a shadow memory budget; the math is unchanged).
 """
 
@@ -31,6 +31,7 @@ settings = {
 if os.environ.get("CKPT"):
     settings["checkpoint_dir"] = os.environ["CKPT"]
     settings["checkpoint_interval"] = int(os.environ.get("CKPT_EVERY", "0"))
+    settings["checkpoint_mtbf"] = int(os.environ.get("CKPT_MTBF", "0"))
 cfg = leto.Config.from_dict(settings)
 X, Y = torch.randn(64, 8), torch.randn(64, 2)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 2))
