@@ -448,6 +448,9 @@ class Coordinator:
             self.losses[step] = self.losses.get(step, 0.0) + float(msg.loss) / self.W
             if len(fin) == self.W:
                 del self.finished[step]
+                # an event fed between two ranks' reports (a shadow warming) flushed the
+                # first rank's ApplyStep alone: the rest is fed before the step is logged
+                self._flush_applied()
                 self.log.write("step", step=step, loss=round(self.losses[step], 6))
 
     def _on_snapshot_done(self, msg: M.SnapshotDone) -> None:
