@@ -359,6 +359,7 @@ class Coordinator:
             "tier1_kind",
             "tier2",
             "tier2_interval",
+            "tier2_parity",
             "checkpoint",
         )
         for k in keys:
@@ -374,6 +375,7 @@ class Coordinator:
             chunks=int(self.info["n_chunks"]),
             k=int(self.info["tier2_interval"]) if self.info["tier2"] else None,
             tier1=bool(self.info.get("tier1", True)),
+            tier2_parity=int(self.info.get("tier2_parity") or 1),
             # shadows are started with the trainers: spawning until they report warm
             shadows=ShadowState.SPAWNING,
         )

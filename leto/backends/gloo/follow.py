@@ -25,6 +25,7 @@ from leto import private
 from leto.core.chunk import LOST, NONE
 from leto.retained import recovery as rx
 from leto.retained import replicas as rpl
+from leto.retained import rs
 from leto.retained.parity import TorchDistCollective, decode_rotated, encode
 from leto.retained.process_state import step_scheduler
 from leto.retained.recovery import IntegrityError
@@ -374,9 +375,11 @@ class Follower:
         flags[self.s.rank] = 1 if have else 0
         dist.all_reduce(flags)
         missing_nodes = sorted({q // self.s.nproc for q in range(self.s.W) if not flags[q]})
-        if len(missing_nodes) > 1:
+        m = self.s.t2_parity
+        if len(missing_nodes) > m:
             raise IntegrityError(
-                f"tier-2 snapshots of nodes {missing_nodes} are gone: beyond tier 2"
+                f"tier-2 snapshots of nodes {missing_nodes} are gone: beyond tier 2 "
+                f"({m} parit{'y' if m == 1 else 'ies'})"
             )
         nb, share = self.s._snapshot_layout()
         lay = self.s.layout
@@ -389,7 +392,12 @@ class Follower:
             data = torch.zeros(nb, dtype=torch.uint8)
             sh = None
         if missing_nodes:
-            decode_rotated(TorchDistCollective(self.s.cross_group), data, missing_nodes[0], sh)
+            coll = TorchDistCollective(self.s.cross_group)
+            if m == 1:
+                decode_rotated(coll, data, missing_nodes[0], sh)
+            else:  # a lost node's own shares are not kept: the snapshot is retaken
+                shares = sh if sh is not None else torch.zeros(share, dtype=torch.uint8)
+                rs.decode_striped(coll, data, m, missing_nodes, shares)
         rx.free_undo(self.s.layout)
         rx.unpack_into(lay, data)
         rx.seal_checked(lay, step, meta["checksums"], "tier-2 snapshot", f"rank {self.s.rank}")

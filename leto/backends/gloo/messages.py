@@ -276,6 +276,7 @@ class Ready(Message):
     tier2_interval: int = _f(_nat)
     checkpoint: bool = _f(_bool)
     snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
+    tier2_parity: int = _f(_nat, 1)
 
 
 @attrs.frozen

@@ -56,6 +56,7 @@ from leto import private
 from leto.core.chunk import NONE
 from leto.errors import ConfigError
 from leto.retained import recovery as rx
+from leto.retained import rs
 from leto.retained.layout import (
     RetainedLayout,
     ShapeMismatchError,
@@ -234,6 +235,8 @@ class GlooSession:
         self.t2 = 0
         self._t2_pending: int | None = None  # a snapshot sent, its "t2" not yet seen
         self.K = config.tier2_interval if config.tier2 else 10**12
+        # m: lost nodes the snapshot survives (m >= 2: leto.retained.rs, striped)
+        self.t2_parity = int(getattr(config, "tier2_parity", 1))
         self.faults = list(spec.get("faults", []))
         self.store: Any = None
         self.pg_gen: int | None = None
@@ -342,6 +345,7 @@ class GlooSession:
                 "tier1_kind": self.cfg.tier1_kind,
                 "tier2": bool(self.cfg.tier2),
                 "tier2_interval": int(self.cfg.tier2_interval),
+                "tier2_parity": self.t2_parity,
                 "checkpoint": self.cfg.checkpoint_dir is not None,
                 "snapshot": meta,
             }
@@ -868,9 +872,14 @@ class GlooSession:
             )
 
     def _snapshot_layout(self) -> tuple[int, int]:
+        """(snapshot bytes of this rank, parity bytes it stores for tier 2)."""
         nb = sum(as_bytes(b).numel() for b in self.layout.data_buffers())
-        share = rotated_share_nbytes(nb, self.nnodes) if self.nnodes >= 2 else 0
-        return nb, share
+        m = self.t2_parity
+        if self.nnodes < 2:
+            return nb, 0
+        if m == 1:
+            return nb, rotated_share_nbytes(nb, self.nnodes)
+        return nb, m * rs.striped_share_nbytes(nb, self.nnodes, m)
 
     def _snap_seg(self, slot: int) -> torch.Tensor:
         from . import segments
@@ -897,11 +906,12 @@ class GlooSession:
             off += bb.numel()
         if self.nnodes >= 2:
             base = self.nproc * nb
-            encode_rotated(
-                TorchDistCollective(self.cross_group),
-                own,
-                out=seg[base + self.lr * share : base + (self.lr + 1) * share],
-            )
+            out = seg[base + self.lr * share : base + (self.lr + 1) * share]
+            coll = TorchDistCollective(self.cross_group)
+            if self.t2_parity == 1:
+                encode_rotated(coll, own, out=out)
+            else:
+                rs.encode_striped(coll, own, self.t2_parity, out)
         lay = self.layout
         return {
             "step": step,
