@@ -114,7 +114,7 @@ def test_votes_commit_and_a_crash_is_recovered_through_the_core() -> None:
     out = h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     assert out == [(0, {"t": "promote_rank", "rank": 1, "gen": 1, "warm": True})]
     out = h.send(0, {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0})
-    assert out == [(None, {"t": "report", "gen": 1})]
+    assert out == [(None, {"t": "call_reports", "gen": 1})]
     h.send(0, report(0, 1, 1))
     out = h.send(0, report(1, 1, 1, node_par=None))
     cmd = out[0][1]

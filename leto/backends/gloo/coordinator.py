@@ -273,7 +273,7 @@ class Coordinator:
                     self._ack("fence", node, msg.gen)
                 case M.Promoted():
                     self._on_promoted(msg)
-                case M.Report() if msg.rank is not None:
+                case M.Report():
                     if self._ack("report", msg.rank, msg.gen):
                         self.reports[msg.rank] = msg.to_wire()
                 case M.Reconciled():
@@ -741,7 +741,7 @@ class Coordinator:
         assert s is not None and self.model is not None
         if self.wait is None or self.wait.what not in ("report",):
             self.reports = {}
-            self._send(None, M.Report(gen=s.gen))
+            self._send(None, M.CallReports(gen=s.gen))
             self._wait("report", set(range(self.W)), now)
             return False
         # every trainer reported: the truth of the retained state replaces the model's

@@ -79,6 +79,7 @@ from leto.retained.process_state import (
 from leto.retained.recovery import IntegrityError
 
 from . import bootstrap
+from . import messages as M
 from .channel import Aborted, AgentChannel
 from .collective import CollectiveFailed as _CollectiveFailed
 from .collective import coll as _coll
@@ -335,20 +336,19 @@ class GlooSession:
         self._save_checkpoint()
         self.status_lost(False)
         self.ch.send(
-            {
-                "t": "ready",
-                "rank": self.rank,
-                "gen": self.gen,
-                "n_chunks": self.layout.n_chunks,
-                "chunk_numel": self.layout.chunk_numel,
-                "tier1": bool(self.cfg.tier1),
-                "tier1_kind": self.cfg.tier1_kind,
-                "tier2": bool(self.cfg.tier2),
-                "tier2_interval": int(self.cfg.tier2_interval),
-                "tier2_parity": self.t2_parity,
-                "checkpoint": self.cfg.checkpoint_dir is not None,
-                "snapshot": meta,
-            }
+            M.Ready(
+                rank=self.rank,
+                gen=self.gen,
+                n_chunks=self.layout.n_chunks,
+                chunk_numel=self.layout.chunk_numel,
+                tier1=bool(self.cfg.tier1),
+                tier1_kind=str(self.cfg.tier1_kind),
+                tier2=bool(self.cfg.tier2),
+                tier2_interval=int(self.cfg.tier2_interval),
+                tier2_parity=self.t2_parity,
+                checkpoint=self.cfg.checkpoint_dir is not None,
+                snapshot=meta,
+            )
         )
         self.ch.mark("idle", 0)
 
@@ -363,18 +363,18 @@ class GlooSession:
             _to_meta(self.model)
         self.keeper = KeeperClient(self.spec["keeper_socket"], generation=self.gen, role="shadow")
         self.ch.mark("shadow", 0)
-        self.ch.send({"t": "warm"})
+        self.ch.send(M.Warm())
         while True:
             msg = self.ch.next_command()
-            if msg["t"] == "promote":
+            if isinstance(msg, M.Promote):
                 break
-        self.gen = int(msg["gen"])
-        self.keeper_pid = int(msg["keeper_pid"])
+        self.gen = msg.gen
+        self.keeper_pid = msg.keeper_pid
         self.role = "trainer"
         # the keeper may have been replaced (its memory lost) since this shadow connected
         self.keeper.close()
-        self.keeper = KeeperClient(str(msg["keeper_socket"]), generation=self.gen)
-        self.ch.send({"t": "promoted", "rank": self.rank, "gen": self.gen})
+        self.keeper = KeeperClient(msg.keeper_socket, generation=self.gen)
+        self.ch.send(M.Promoted(rank=self.rank, gen=self.gen))
         self._log("promoted", generation=self.gen)
         self.follower._follow()
 
@@ -433,7 +433,7 @@ class GlooSession:
 
     def _fatal(self, message: str) -> None:
         try:
-            self.ch.send({"t": "fatal", "rank": self.rank, "error": message})
+            self.ch.send(M.Fatal(rank=self.rank, error=message))
         finally:
             sys.stderr.write(f"leto: rank {self.rank}: {message}\n")
             sys.stderr.flush()
@@ -454,7 +454,7 @@ class GlooSession:
         return ParityBlock(fd, self.members, nbytes)
 
     def _segment(self, name: str, nbytes: int) -> int:
-        _, fds = self.ch.request({"t": "node_segment", "name": name, "nbytes": nbytes})
+        _, fds = self.ch.request(M.NodeSegment(name=name, nbytes=nbytes))
         if len(fds) != 1:
             raise IntegrityError(f"the agent sent no segment for {name}")
         return fds[0]
@@ -595,7 +595,7 @@ class GlooSession:
     def _stopped(self, reason: str) -> None:
         self._destroy_pg()
         self.ch.mark("stopped")
-        self.ch.send({"t": "stopped", "rank": self.rank, "gen": self.gen, "reason": reason})
+        self.ch.send(M.Stopped(rank=self.rank, gen=self.gen, reason=reason[: M.MAX_TEXT]))
 
     def _step(self) -> float:
         assert self.ropt is not None and self.keeper is not None
@@ -691,9 +691,7 @@ class GlooSession:
         }
         # the agent keeps the pending state (a recovery may need it) before it passes
         # the vote on: one message, one wakeup of the agent
-        self.ch.send(
-            {"t": "vote", "rank": r, "step": V, "gen": self.gen, "pending": json.dumps(pending)}
-        )
+        self.ch.send(M.Vote(rank=r, step=V, gen=self.gen, pending=json.dumps(pending)))
         # 4. decide
         self.ch.mark("decide")
         self._point("decide", where="before")
@@ -731,16 +729,8 @@ class GlooSession:
         lval = float(loss.detach())
         self.losses[V] = lval
         self.stats["steps_run"] += 1
-        self.ch.send(  # with the process state after the step, which the agent keeps
-            {
-                "t": "finished",
-                "rank": r,
-                "step": V,
-                "gen": self.gen,
-                "loss": lval,
-                "ps": self._ps_json(V),
-            }
-        )
+        # with the process state after the step, which the agent keeps
+        self.ch.send(M.Finished(rank=r, step=V, gen=self.gen, loss=lval, ps=self._ps_json(V)))
         self.ch.mark("idle", V)
         self._tier2(V)
         return lval
@@ -757,9 +747,7 @@ class GlooSession:
                 f"chunks {bad} fail their checksums at the tier-2 snapshot of step {V}"
             )
         meta = _coll(self._snapshot, V)
-        self.ch.send(
-            {"t": "snapshot_done", "rank": self.rank, "step": V, "gen": self.gen, "meta": meta}
-        )
+        self.ch.send(M.SnapshotDone(rank=self.rank, step=V, gen=self.gen, meta=meta))
         # No wait for the coordinator's "t2" here (it was a barrier of every rank each
         # K steps): step V+1 cannot commit before it anyway, since the coordinator
         # receives this rank's snapshot_done before its vote for V+1 (one FIFO path)
@@ -790,16 +778,14 @@ class GlooSession:
             os.makedirs(d, exist_ok=True)
             with open(os.path.join(d, f"rank{self.rank}.process_state.json"), "w") as f:
                 f.write(self._ps_json(self.step))
-        self.ch.send(
-            {"t": "done", "rank": self.rank, "step": self.step, "gen": self.gen, "digest": digest}
-        )
+        self.ch.send(M.Done(rank=self.rank, step=self.step, gen=self.gen, digest=digest))
         self.ch.mark("done")
         while True:
             msg = self.ch.next_command()
-            if msg["t"] == "complete":
+            if isinstance(msg, M.Complete):
                 self.completed = True
                 return True
-            if msg["t"] == "abort":
+            if isinstance(msg, M.Abort):
                 break
         self._stopped("")
         self.follower._follow()
@@ -835,7 +821,7 @@ class GlooSession:
         )
 
     def _send_ps(self, step: int) -> None:
-        self.ch.send({"t": "ps", "rank": self.rank, "step": step, "json": self._ps_json(step)})
+        self.ch.send(M.ProcessState(rank=self.rank, step=step, json=self._ps_json(step)))
 
     def _load_ps(self, text: str) -> None:
         ps = json.loads(text)
@@ -847,7 +833,7 @@ class GlooSession:
         self.sampler_state = ps["sampler"]
 
     def _node_state(self) -> tuple[dict[int, str], dict[str, Any] | None]:
-        reply, _ = self.ch.request({"t": "get_state", "rank": self.rank})
+        reply, _ = self.ch.request(M.GetState(rank=self.rank))
         hist = {int(k): v for k, v in reply.get("ps", {}).items()}
         pend = reply.get("pending")
         return hist, (json.loads(pend) if pend else None)
@@ -895,7 +881,7 @@ class GlooSession:
     def _snapshot(self, step: int) -> dict[str, Any]:
         """Tier 2: this rank's bytes at ``step`` into its node's slot + the cross-node code."""
         self.ch.mark("snapshot")
-        reply, _ = self.ch.request({"t": "snapshot_slot", "step": step})
+        reply, _ = self.ch.request(M.SnapshotSlot(step=step))
         seg = self._snap_seg(int(reply["write"]))
         nb, share = self._snapshot_layout()
         own = seg[self.lr * nb : (self.lr + 1) * nb]
