@@ -27,7 +27,6 @@ from leto.retained import recovery as rx
 from leto.retained import replicas as rpl
 from leto.retained import rs
 from leto.retained.parity import TorchDistCollective, decode_rotated, encode
-from leto.retained.process_state import step_scheduler
 from leto.retained.recovery import IntegrityError
 
 from . import messages as M
@@ -321,7 +320,7 @@ class Follower:
             history=hist,
             pending=pend,
             load_ps=self.s._load_ps,
-            step_scheduler=lambda: step_scheduler(self.s.scheduler),
+            step_scheduler=lambda: self.s.replay_scheduler(pend),
             who=f"rank {self.s.rank}",
             on_applied=lambda c: self._parity_follows(c, target),
         )

@@ -71,6 +71,7 @@ from leto.retained.parity import (
 from leto.retained.process_state import (
     BatchCursor,
     capture_rng,
+    is_per_rank,
     restore_rng,
     scheduler_state,
     shard,
@@ -82,20 +83,18 @@ from . import bootstrap
 from . import messages as M
 from .channel import Aborted, AgentChannel
 from .collective import CollectiveFailed as _CollectiveFailed
+from .collective import Interrupted as _Interrupted
 from .collective import coll as _coll
 from .faults import label as fault_label
 from .follow import Follower
 from .keeper_client import FencedError, KeeperClient
 from .parity_block import ParityBlock, block_bytes
+from .step import UserLoop
 
 __all__ = ["GlooSession", "IntegrityError", "finish", "wrap_gloo"]
 
 StepFn = Any
 _STATUS = "gloo.status"  # keeper segment: int64 [lost flag]
-
-
-class _Interrupted(Exception):
-    """The step was interrupted by a recovery (abort or a failed collective)."""
 
 
 def _to_meta(model: nn.Module) -> None:
@@ -146,6 +145,8 @@ def wrap_gloo(
     checkpointer: Any = None,
     backend: Any = None,
     check: bool = False,
+    scaler: Any = None,
+    per_rank: bool | None = None,
 ) -> GlooSession:
     """``leto.wrap`` on the gloo backend (only inside a process started by ``leto launch``).
 
@@ -176,7 +177,13 @@ def wrap_gloo(
         raise ValueError("scheduler: it is bound to another optimizer than the one wrapped")
     check_supported(optimizer)
     session = GlooSession(ch, spec, model, optimizer, scheduler, sampler, config, step_fn)
+    loop = UserLoop(
+        session,
+        stateful={} if scaler is None else {"scaler": scaler},
+        per_rank=is_per_rank(sampler) if per_rank is None else per_rank,
+    )
     session.start()
+    loop.started()
     global _SESSION
     _SESSION = session
     if finish not in bootstrap.AT_EXIT:
@@ -272,6 +279,7 @@ class GlooSession:
         self.keeper_pid: int = spec.get("keeper_pid", 0)
         self._step_in_progress = 0
         self.follower = Follower(self)  # carries out recoveries (follow.py)
+        self.loop: Any = None  # the user's own loop (step.py), once wrap installs it
 
     # ================================================================ properties
 
@@ -625,11 +633,12 @@ class GlooSession:
         # exact in floating point), so one collective is in flight, never two (a gloo
         # group torn down with a second operation pending waits for its timeout)
         n = lay.numel
-        if self._red is None or self._red.numel() != n + len(lay.params):
-            self._red = torch.zeros(n + len(lay.params), dtype=lay.dtype)
+        if self._red is None or self._red.numel() != n + len(lay.params) + 1:
+            self._red = torch.zeros(n + len(lay.params) + 1, dtype=lay.dtype)
         buf = self._red  # reused every step: no fresh pages to fault in
         flat = buf[:n]
         buf[n:].zero_()
+        buf[-1] = float(loss.detach())  # summed with the gradients: the mean loss
         for i, prm in enumerate(lay.params):
             g = prm.grad
             s = lay.slots[i]
@@ -648,7 +657,10 @@ class GlooSession:
         # rank mostly waits for the slowest one here (its CPU counts as "allreduce")
         bad = lay.verify() if self.cfg.verify_chunks else []
         _coll(work.wait)
-        present = buf[n:]
+        present = buf[n:-1]
+        mean_loss = (
+            float(buf[-1]) / W
+        )  # a metric scheduler's (ReduceLROnPlateau), alike on every rank
         flat.div_(W)
         self._point("reduced")
         self.keeper.check_writer()
@@ -669,6 +681,30 @@ class GlooSession:
         with torch.no_grad():
             lay.grad_buffer.copy_(flat)
         present_mask = [bool(c > 0) for c in present.tolist()]
+        return self._commit(
+            V, bad, present_mask, gdelta, rng_after, float(loss.detach()), metric=mean_loss
+        )
+
+    def _commit(
+        self,
+        V: int,
+        bad: list[int],
+        present_mask: list[bool],
+        gdelta: torch.Tensor | None,
+        rng_after: dict[str, Any],
+        lval: float | None,
+        *,
+        scheduler: bool = True,
+        metric: float | None = None,
+    ) -> float:
+        """Steps 3-6 of step ``V``, its gradients in retained memory: prepare (seal, the
+        gradient parity's ``gdelta``, the vote), decide, apply chunk by chunk, finish
+        (``scheduler``: step the LR scheduler, as the step-function form does, with
+        ``metric``, the mean loss, for one that takes a metric; the user's loop steps
+        its own)."""
+        assert self.ropt is not None and self.keeper is not None
+        ropt, lay, r = self.ropt, self.layout, self.rank
+        m = self.lr
         # 3. prepare
         self.ch.mark("prepare")
         if bad:
@@ -688,6 +724,7 @@ class GlooSession:
             "sampler": self.cursor.state_after(V),
             "present": present_mask,
             "grad_checksums": lay.grad_checksums(),
+            "metric": metric,  # a metric scheduler's, for a roll-forward
         }
         # the agent keeps the pending state (a recovery may need it) before it passes
         # the vote on: one message, one wakeup of the agent
@@ -723,17 +760,19 @@ class GlooSession:
         # 6. finish
         self._point("finish")
         ropt.end()
-        step_scheduler(self.scheduler)
+        if scheduler:
+            step_scheduler(self.scheduler, metric)
         self.rng = rng_after
         self.sampler_state = self.cursor.state_after(V)
-        lval = float(loss.detach())
-        self.losses[V] = lval
+        if lval is not None:
+            self.losses[V] = lval
         self.stats["steps_run"] += 1
         # with the process state after the step, which the agent keeps
-        self.ch.send(M.Finished(rank=r, step=V, gen=self.gen, loss=lval, ps=self._ps_json(V)))
+        loss = lval if lval is not None else 0.0
+        self.ch.send(M.Finished(rank=r, step=V, gen=self.gen, loss=loss, ps=self._ps_json(V)))
         self.ch.mark("idle", V)
         self._tier2(V)
-        return lval
+        return lval if lval is not None else 0.0
 
     def _tier2(self, V: int) -> None:
         """The tier-2 snapshot of step ``V`` if the last one is K steps back."""
@@ -754,6 +793,15 @@ class GlooSession:
         # and feeds the model's Tier2Snapshot before that step's Compute events.
         self._t2_pending = V
         self.t2 = V
+
+    def batches(self, steps: int | None = None) -> Any:
+        """The user's own loop: this rank's batch of each step (leto's step boundary),
+        until the committed step is ``steps`` and the whole job is done (docs/loop.md)."""
+        return self.loop.batches(steps)
+
+    def no_sync(self) -> Any:
+        """Gradient accumulation: backwards inside reduce nothing (DDP's ``no_sync``)."""
+        return self.loop.no_sync()
 
     def train(self, step_fn: StepFn, steps: int) -> dict[str, int]:
         """Run steps until every rank has completed ``steps``; the counters."""
@@ -817,8 +865,17 @@ class GlooSession:
                 "scheduler": scheduler_state(self.scheduler),
                 "sampler": self.sampler_state,
                 "rng": self.rng,
+                "extra": self.loop.state() if self.loop is not None else None,
             }
         )
+
+    def replay_scheduler(self, pending: dict[str, Any] | None) -> None:
+        """A roll-forward's stand-in for what followed step ``V``'s apply on a rank that
+        did not finish it: the scheduler's step (the user's loop: :mod:`.step`)."""
+        if self.loop is not None and self.step_fn is None:
+            self.loop.replay(pending)
+        else:
+            step_scheduler(self.scheduler, (pending or {}).get("metric"))
 
     def _send_ps(self, step: int) -> None:
         self.ch.send(M.ProcessState(rank=self.rank, step=step, json=self._ps_json(step)))
@@ -831,6 +888,8 @@ class GlooSession:
             self.scheduler.load_state_dict(ps["scheduler"])
         self.rng = ps["rng"]
         self.sampler_state = ps["sampler"]
+        if self.loop is not None:
+            self.loop.load_state(ps.get("extra"))
 
     def _node_state(self) -> tuple[dict[int, str], dict[str, Any] | None]:
         reply, _ = self.ch.request(M.GetState(rank=self.rank))
