@@ -444,6 +444,9 @@ class Coordinator:
             self.losses[step] = self.losses.get(step, 0.0) + float(msg.loss) / self.W
             if len(fin) == self.W:
                 del self.finished[step]
+                # the model first: a partial gather flushed earlier (before another event)
+                # leaves the last ranks pending, and the record says every rank finished
+                self._flush_applied()
                 self.log.write("step", step=step, loss=round(self.losses[step], 6))
 
     def _on_snapshot_done(self, msg: M.SnapshotDone) -> None:
