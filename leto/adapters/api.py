@@ -105,6 +105,13 @@ class Session:
         or None if it was interrupted (the run then continues from the recovered step)."""
         return self.engine.run_step(step_fn)
 
+    def batches(self, steps: int | None = None) -> Any:
+        """The user's own loop is gloo's (one process per rank): see docs/loop.md."""
+        raise NotImplementedError(
+            "the user's own loop (session.batches) runs on the gloo backend (`leto launch`); "
+            "on the fake backend, whose ranks share one process, use session.train(step_fn)"
+        )
+
     def train(self, step_fn: StepFn, steps: int) -> dict[str, Any]:
         """Run steps until the committed step is ``steps``; the counters."""
         self.engine.train(steps, step_fn)
@@ -151,6 +158,8 @@ def wrap(
     checkpointer: Checkpointer | None = None,
     step_fn: StepFn | None = None,
     check: bool = False,
+    scaler: Any = None,
+    per_rank: bool | None = None,
 ) -> Session | GlooSession:
     """Wrap a model, its optimizer, an LR scheduler and a data sampler for in-place recovery.
 
@@ -164,6 +173,14 @@ def wrap(
     With ``backend="gloo"`` the script must run under ``leto launch`` (one process per
     rank); the result is then a :class:`leto.backends.gloo.runtime.GlooSession`, and
     run outside ``leto launch`` it raises a :class:`ConfigError` that says so.
+
+    The user's own loop (gloo; docs/loop.md): ``for batch in session.batches(steps)``,
+    ``loss.backward()`` (inside ``session.no_sync()`` for all micro-batches but the
+    last), clipping, ``optimizer.step()`` on the optimizer passed here (its step is now
+    leto's transaction), ``scheduler.step()``. ``scaler``: a ``torch.amp.GradScaler``
+    whose state leto retains; ``per_rank``: the loader yields this rank's batches
+    (default: it does when its sampler is a ``DistributedSampler``), else leto splits
+    global batches (tensors, lists of indices, tuples or dicts of them).
     """
     cfg = Config.load(config)
     resume = os.environ.get("LETO_RESUME") if os.environ.get("LETO_ROLE") else None
@@ -182,6 +199,14 @@ def wrap(
             checkpointer=checkpointer,
             step_fn=step_fn,
             check=check,
+            scaler=scaler,
+            per_rank=per_rank,
+        )
+    if scaler is not None or per_rank:
+        raise ConfigError(
+            "backend",
+            "the user's own loop (scaler, per-rank data) runs on gloo (`leto launch`); "
+            "on the fake backend use session.train(step_fn)",
         )
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError("scheduler: it is bound to another optimizer than the one wrapped")

@@ -957,7 +957,9 @@ class WholeStepOptimizer(RetainedOptimizer):
             for idx, p in enumerate(lay.params):
                 p.data = lay.view_in(sparam, idx)
                 p.grad = lay.view_in(self._scratch_grad, idx) if plan.present[idx] else None
-            self.inner.step()
+            # the class's step: an instance may route its own ``step`` to leto's (the
+            # user's loop calls ``optimizer.step()`` on the object it built)
+            type(self.inner).step(self.inner)
             for idx, p in enumerate(lay.params):
                 view = lay.view_in(sparam, idx)
                 if not _aliases(p.data, view):  # the optimizer replaced .data

@@ -18,6 +18,7 @@ which is right only if its iteration order is deterministic.
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 import random
 import sys
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import DistributedSampler
 
 __all__ = [
     "BatchCursor",
@@ -33,10 +35,14 @@ __all__ = [
     "ResumableBatchSampler",
     "capture_rng",
     "check_json",
+    "from_json",
+    "is_per_rank",
     "restore_rng",
     "scheduler_state",
     "shard",
     "step_scheduler",
+    "takes_metric",
+    "to_json",
 ]
 
 
@@ -56,11 +62,50 @@ def check_json(value: Any, what: str) -> Any:
     return json.loads(text)
 
 
+def to_json(value: Any, what: str) -> Any:
+    """``value`` as JSON, tensors included (a tagged object: dtype, shape, base64 bytes).
+
+    Stateful data loaders keep a generator's state as a uint8 tensor (torchdata's
+    ``StatefulDataLoader`` does); everything else must be JSON already.
+    """
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        return {
+            "__tensor__": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "b64": base64.b64encode(t.view(torch.uint8).numpy().tobytes()).decode(),
+        }
+    if isinstance(value, dict):
+        return {k: to_json(v, what) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v, what) for v in value]
+    return check_json(value, what)
+
+
+def from_json(value: Any) -> Any:
+    """The inverse of :func:`to_json` (tagged tensors back to tensors)."""
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            dtype = getattr(torch, str(value["__tensor__"]))
+            raw = bytearray(base64.b64decode(value["b64"]))
+            flat = (
+                torch.frombuffer(raw, dtype=torch.uint8).clone()
+                if raw
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            return flat.view(dtype).reshape(value["shape"])
+        return {k: from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    return value
+
+
 # ----------------------------------------------------------------------------- RNG
 
 
 def capture_rng() -> dict[str, Any]:
-    """The process's RNG states as JSON: torch (CPU), Python ``random``, NumPy if loaded."""
+    """The process's RNG states as JSON: torch (CPU, and every CUDA device when CUDA is
+    initialised), Python ``random``, NumPy if loaded."""
     t = torch.get_rng_state()
     version, internal, gauss = random.getstate()
     out: dict[str, Any] = {
@@ -71,6 +116,10 @@ def capture_rng() -> dict[str, Any]:
     if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         out["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        out["cuda"] = [
+            base64.b64encode(g.numpy().tobytes()).decode() for g in torch.cuda.get_rng_state_all()
+        ]
     return out
 
 
@@ -84,6 +133,18 @@ def restore_rng(state: dict[str, Any]) -> None:
     if np is not None and "numpy" in state:
         kind, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state:
+        if not torch.cuda.is_available() or torch.cuda.device_count() < len(state["cuda"]):
+            raise ProcessStateError(
+                f"the retained RNG state has {len(state['cuda'])} CUDA generator(s), this "
+                f"process sees {torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+            )
+        torch.cuda.set_rng_state_all(
+            [
+                torch.frombuffer(bytearray(base64.b64decode(g)), dtype=torch.uint8).clone()
+                for g in state["cuda"]
+            ]
+        )
 
 
 # ----------------------------------------------------------------------- scheduler
@@ -96,14 +157,40 @@ def scheduler_state(scheduler: Any) -> Any:
     return check_json(scheduler.state_dict(), f"the state of {type(scheduler).__name__}")
 
 
-def step_scheduler(scheduler: Any) -> None:
-    """``scheduler.step()``, without torch's warning that the (retained) optimizer's
-    ``step()`` was not called: the chunked optimizer steps in its place."""
+def takes_metric(scheduler: Any) -> bool:
+    """Does ``scheduler.step`` need a metric (``ReduceLROnPlateau`` and its kind)?"""
+    if scheduler is None:
+        return False
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        sig = inspect.signature(scheduler.step)
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in sig.parameters.values()
+    )
+
+
+def step_scheduler(scheduler: Any, metric: float | None = None) -> None:
+    """``scheduler.step()`` (``scheduler.step(metric)`` for one that takes a metric, such
+    as ``ReduceLROnPlateau``: the step's loss), without torch's warning that the
+    (retained) optimizer's ``step()`` was not called: the chunked optimizer steps in
+    its place."""
     if scheduler is None:
         return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
-        scheduler.step()
+        if takes_metric(scheduler):
+            if metric is None:
+                raise ProcessStateError(
+                    f"{type(scheduler).__name__}.step needs a metric, and this step has none"
+                )
+            scheduler.step(metric)
+        else:
+            scheduler.step()
 
 
 # --------------------------------------------------------------------------- data
@@ -164,17 +251,38 @@ class ResumableBatchSampler:
 
 
 def shard(batch: Any, rank: int, world_size: int) -> Any:
-    """Rank ``rank``'s part of a global batch: ``batch[rank::world_size]``."""
+    """Rank ``rank``'s part of a global batch, ``[rank::world_size]`` along the batch:
+    a tensor, a list or tuple of indices, or a tuple/list/dict of those (each element
+    or value split alike: ``(x, y)`` gives ``(x[r::W], y[r::W])``)."""
     if batch is None:
         return None
     if isinstance(batch, torch.Tensor):
         return batch[rank::world_size]
+    if isinstance(batch, dict):
+        return {k: shard(v, rank, world_size) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return batch[rank::world_size]
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in batch):
+            return batch[rank::world_size]  # indices
+        parts = [shard(x, rank, world_size) for x in batch]
+        return type(batch)(parts) if isinstance(batch, list) else tuple(parts)
+    if isinstance(batch, (str, bytes, int, float, bool)):
+        return batch  # a scalar travels with every part
     raise TypeError(
-        f"cannot shard a global batch of type {type(batch).__name__}: "
-        "yield lists, tuples or tensors of indices"
+        f"cannot shard a global batch of type {type(batch).__name__}: yield tensors, "
+        "lists of indices, or tuples/lists/dicts of them"
     )
+
+
+def is_per_rank(data: Any) -> bool:
+    """Does ``data`` already yield this rank's batches (a loader over a
+    ``DistributedSampler``), rather than global batches leto splits?"""
+    for s in (
+        getattr(data, "sampler", None),
+        getattr(getattr(data, "batch_sampler", None), "sampler", None),
+    ):
+        if isinstance(s, DistributedSampler):
+            return True
+    return isinstance(data, DistributedSampler)
 
 
 class BatchCursor:
@@ -204,7 +312,7 @@ class BatchCursor:
     def state(self) -> dict[str, Any]:
         inner = None
         if self.stateful:
-            inner = check_json(
+            inner = to_json(
                 self.sampler.state_dict(), f"the state of {type(self.sampler).__name__}"
             )
         return {"consumed": self.consumed, "sampler": inner}
@@ -214,15 +322,19 @@ class BatchCursor:
         return self._initial
 
     def _next(self) -> Any:
+        """The next batch; torch's global RNG left as it was: a ``DataLoader`` draws its
+        base seed from it when an iterator starts, which a resumed run does at another
+        step than the run that never failed (its own shuffling is in its state)."""
         if self.sampler is None:
             return None
-        if self._it is None:
-            self._it = iter(self.sampler)
-        try:
-            return next(self._it)
-        except StopIteration:
-            self._it = iter(self.sampler)  # a new epoch
-            return next(self._it)
+        with torch.random.fork_rng(devices=[]):
+            if self._it is None:
+                self._it = iter(self.sampler)
+            try:
+                return next(self._it)
+            except StopIteration:
+                self._it = iter(self.sampler)  # a new epoch
+                return next(self._it)
 
     def batch(self, step: int) -> Any:
         if step in self._cache:
@@ -251,7 +363,7 @@ class BatchCursor:
             self.consumed = target
             return
         if self.stateful:
-            self.sampler.load_state_dict(state["sampler"])
+            self.sampler.load_state_dict(from_json(state["sampler"]))
             self._it = None
             self.consumed = target
             return

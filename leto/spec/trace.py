@@ -214,6 +214,7 @@ class CoreSetup:
     k: int | None  # tier 2 lags at most k steps; None: tier 2 off (no bound)
     tier1: bool = True  # off: no node keeps parity (the core's ClusterConfig.tier1)
     shadows: ShadowState = ShadowState.WARM  # every shadow at the start (gloo: spawning)
+    tier2_parity: int = 1  # the core's ClusterConfig.tier2_parity
     start: int = 0  # > 0: a job resumed from the durable checkpoint of this step
 
     def model(self) -> ClusterModel:
@@ -225,6 +226,7 @@ class CoreSetup:
                 max_faults=UNBOUNDED,
                 k=UNBOUNDED if self.k is None else self.k,
                 tier1=self.tier1,
+                tier2_parity=self.tier2_parity,
             )
         )
 
@@ -241,6 +243,7 @@ class CoreSetup:
             "k": self.k,
             "tier1": self.tier1,
             "shadows": self.shadows.value,
+            "tier2_parity": self.tier2_parity,
             "start": self.start,
         }
 
@@ -260,10 +263,13 @@ class CoreSetup:
             shadows = ShadowState(rec.get("shadows", "warm"))
         except ValueError:
             raise TraceError(f"shadows: no shadow state {rec.get('shadows')!r}") from None
+        m = rec.get("tier2_parity", 1)
+        if not (_nat(m) and m >= 1):
+            raise TraceError(f"tier2_parity must be an int >= 1, got {m!r}")
         start = rec.get("start", 0)
         if not _nat(start):
             raise TraceError(f"start must be an int >= 0, got {start!r}")
-        return cls(tuple(nodes), chunks, k, tier1, shadows, start)
+        return cls(tuple(nodes), chunks, k, tier1, shadows, m, start)
 
 
 def _nat(v: Any) -> TypeGuard[int]:

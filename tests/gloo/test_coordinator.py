@@ -114,7 +114,7 @@ def test_votes_commit_and_a_crash_is_recovered_through_the_core() -> None:
     out = h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     assert out == [(0, {"t": "promote_rank", "rank": 1, "gen": 1, "warm": True})]
     out = h.send(0, {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0})
-    assert out == [(None, {"t": "report", "gen": 1})]
+    assert out == [(None, {"t": "call_reports", "gen": 1})]
     h.send(0, report(0, 1, 1))
     out = h.send(0, report(1, 1, 1, node_par=None))
     cmd = out[0][1]
@@ -387,3 +387,20 @@ def test_a_rank_done_before_every_rank_is_ready_is_kept() -> None:
     assert c.complete
     (done,) = [e for e in log.records if e["event"] == "training_done"]
     assert done["step"] == 0 and set(done["digests"]) == {"0", "1"}
+
+
+def test_the_step_record_follows_the_model_when_a_gather_was_flushed_early() -> None:
+    """Rank 0 finished, then another event (a shadow warm again) flushed the gathered
+    ApplyStep; rank 1's finish completes the step: the model takes it before the log
+    says every rank finished (the trace replays without divergence)."""
+    h = Harness(warm=False)
+    for r in range(2):
+        h.send(0, {"t": "vote", "rank": r, "step": 1, "gen": 0})
+    h.send(0, {"t": "finished", "rank": 0, "step": 1, "gen": 0, "loss": 1.0})
+    h.send(0, {"t": "shadow", "rank": 0, "state": "warm"})  # fed: flushes rank 0's apply
+    h.send(0, {"t": "finished", "rank": 1, "step": 1, "gen": 0, "loss": 1.0})
+    assert h.c.failed is None
+    assert [e["step"] for e in h.events("step")] == [1]
+    assert h.c.state is not None and h.c.state.step == (1, 1)
+    rep = replay(enumerate(h.log.records, 1))
+    assert rep.divergence is None, rep.line()

@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from . import messages as M
 from .channel import AgentChannel, AgentGone
 
 __all__ = ["CHANNEL", "SPEC", "child_main"]
@@ -70,7 +71,7 @@ def child_main(spec: dict[str, Any]) -> int:
         code = 1
         try:
             CHANNEL.send(
-                {"t": "error", "traceback": tb, "phase": CHANNEL.phase, "step": CHANNEL.step}
+                M.Error(traceback=tb[-M.MAX_TEXT :], phase=CHANNEL.phase, step=CHANNEL.step)
             )
         except AgentGone:
             pass
@@ -86,12 +87,12 @@ def child_main(spec: dict[str, Any]) -> int:
             code = 1
             try:
                 CHANNEL.send(
-                    {"t": "error", "traceback": tb, "phase": "finish", "step": CHANNEL.step}
+                    M.Error(traceback=tb[-M.MAX_TEXT :], phase="finish", step=CHANNEL.step)
                 )
             except AgentGone:
                 pass
     try:
-        CHANNEL.send({"t": "exit", "code": code})
+        CHANNEL.send(M.Exit(code=code))
     except AgentGone:
         pass
     return code

@@ -1,11 +1,13 @@
 """A trainer's (or shadow's) connection to its node agent, with heartbeats.
 
-A reader thread takes every message off the socket: ``commit`` and ``t2``
-decisions are recorded (a waiting step wakes up), ``abort`` raises a flag the
-training loop checks at each safe point, replies to requests are matched by id,
-and commands (``promote``, ``report``, ``reconcile``, ``rebuild``, ``resume``,
-``complete``, ...) queue up for the loop that follows recovery. A heartbeat
-thread sends ``{"t": "hb", phase, step, progress}`` every interval, so a process
+Messages are the typed classes of :mod:`.messages`, both ways. A reader thread
+takes every message off the socket: :class:`~.messages.Commit` and
+:class:`~.messages.Tier2` decisions are recorded (a waiting step wakes up),
+:class:`~.messages.Abort` raises a flag the training loop checks at each safe point,
+replies to requests are matched by id (plain ``{"re": id, ...}`` objects), and
+commands (promote, call_reports, reconcile, rebuild, resume, complete, ...) queue up
+for the loop that follows recovery. A heartbeat thread sends a
+:class:`~.messages.Heartbeat` (phase, step, progress) every interval, so a process
 that stops (SIGSTOP, a deadlock in native code) goes silent and the agent's
 heartbeat timeout catches it; one stuck in Python with the heartbeat alive is
 caught by the progress counter not moving. Between heartbeats, each phase change
@@ -25,6 +27,9 @@ import threading
 import time
 from typing import Any
 
+import attrs
+
+from . import messages as M
 from .board import StatusBoard
 from .wire import Conn, WireError, connect_unix
 
@@ -39,7 +44,17 @@ class AgentGone(RuntimeError):
     """The node agent went away (the node is being torn down)."""
 
 
-COMMANDS = {"promote", "report", "reconcile", "rebuild", "resume", "complete", "fail", "abort"}
+COMMANDS = (
+    M.Promote,
+    M.CallReports,
+    M.Reconcile,
+    M.Rebuild,
+    M.Resume,
+    M.Complete,
+    M.Fail,
+    M.Abort,
+)
+_GONE = None  # queued when the agent goes away
 
 
 class AgentChannel:
@@ -64,7 +79,7 @@ class AgentChannel:
         self.commits: set[tuple[int, int]] = set()
         self.t2: set[int] = set()
         self.abort_gen = -1
-        self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.commands: queue.Queue[M.Message | None] = queue.Queue()
         self._replies: dict[int, tuple[dict[str, Any], list[int]]] = {}
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
@@ -72,7 +87,7 @@ class AgentChannel:
         # the phase, step and progress, for the agent to read when it looks (no message)
         self.board, fd = StatusBoard.create()
         try:
-            self.conn.send({"t": "hello", **hello, "pid": os.getpid()}, [fd])
+            self.conn.send(M.Hello(**hello, pid=os.getpid()).to_wire(), [fd])
         finally:
             os.close(fd)
         self._reader = threading.Thread(target=self._read, name="leto-agent-reader", daemon=True)
@@ -87,51 +102,53 @@ class AgentChannel:
     def _read(self) -> None:
         while True:
             try:
-                msg, fds = self.conn.recv()
-            except (WireError, OSError):
+                obj, fds = self.conn.recv()
+                msg = None if isinstance(obj, dict) and "re" in obj else M.decode(obj)
+            except (WireError, OSError):  # the agent went away, or sent what it never does
                 with self._cond:
                     self.gone = True
                     self._cond.notify_all()
-                self.commands.put({"t": "gone"})
+                self.commands.put(_GONE)
                 return
-            t = msg.get("t")
             with self._cond:
-                if "re" in msg:
-                    self._replies[int(msg["re"])] = (msg, fds)
-                elif t == "commit":
-                    self.commits.add((int(msg["gen"]), int(msg["step"])))
-                elif t == "t2":
-                    self.t2.add(int(msg["step"]))
-                elif t == "abort":
-                    self.abort_gen = max(self.abort_gen, int(msg["gen"]))
+                match msg:
+                    case None:
+                        self._replies[int(obj["re"])] = (obj, fds)
+                    case M.Commit(step=step, gen=gen):
+                        self.commits.add((gen, step))
+                    case M.Tier2(step=step):
+                        self.t2.add(step)
+                    case M.Abort(gen=gen):
+                        self.abort_gen = max(self.abort_gen, gen)
                 self._cond.notify_all()
-            if t in COMMANDS:
+            if isinstance(msg, COMMANDS):
                 self.commands.put(msg)
 
     def _beat(self, interval: float) -> None:
         while not self.gone:
             try:
-                self.conn.send(
-                    {"t": "hb", "phase": self.phase, "step": self.step, "progress": self.progress}
-                )
+                self.conn.send(self._heartbeat(self.phase))
             except WireError:
                 return
             time.sleep(interval)
 
     # --- use -------------------------------------------------------------------------
 
-    def send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    def _heartbeat(self, phase: str) -> dict[str, Any]:
+        return M.Heartbeat(phase=phase, step=self.step, progress=self.progress).to_wire()
+
+    def send(self, msg: M.Message, fds: list[int] | None = None) -> None:
         try:
-            self.conn.send(msg, fds or [])
+            self.conn.send(msg.to_wire(), fds or [])
         except WireError as e:
             raise AgentGone(f"the node agent is gone: {e}") from None
 
     def request(
-        self, msg: dict[str, Any], timeout: float = 60.0
+        self, msg: M.GetState | M.NodeSegment | M.SnapshotSlot, timeout: float = 60.0
     ) -> tuple[dict[str, Any], list[int]]:
-        """Send ``msg`` and wait for the agent's reply to it."""
+        """Send ``msg`` (its ``id`` filled in here) and wait for the agent's reply to it."""
         rid = next(self._ids)
-        self.send({**msg, "id": rid})
+        self.send(attrs.evolve(msg, id=rid))
         deadline = time.monotonic() + timeout
         with self._cond:
             while rid not in self._replies:
@@ -139,13 +156,13 @@ class AgentChannel:
                     raise AgentGone("the node agent is gone")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no reply from the agent to {msg.get('t')} in {timeout} s")
+                    raise TimeoutError(f"no reply from the agent to {msg.TAG} in {timeout} s")
                 self._cond.wait(left)
             reply, fds = self._replies.pop(rid)
         if not reply.get("ok", True):
             for fd in fds:
                 os.close(fd)
-            raise RuntimeError(f"agent refused {msg.get('t')}: {reply.get('why')}")
+            raise RuntimeError(f"agent refused {msg.TAG}: {reply.get('why')}")
         return reply, fds
 
     def aborted_since(self, gen: int) -> bool:
@@ -165,9 +182,7 @@ class AgentChannel:
         self.progress += 1
         if not self.board.write(phase, self.step, self.progress) and changed:
             try:
-                self.conn.send(
-                    {"t": "hb", "phase": phase, "step": self.step, "progress": self.progress}
-                )
+                self.conn.send(self._heartbeat(phase))
             except WireError:
                 pass
 
@@ -188,8 +203,8 @@ class AgentChannel:
                     raise TimeoutError(f"no {what} {key} within {timeout} s")
                 self._cond.wait(0.5 if left is None else min(0.5, left))
 
-    def next_command(self, timeout: float | None = None) -> dict[str, Any]:
+    def next_command(self, timeout: float | None = None) -> M.Message:
         msg = self.commands.get(timeout=timeout)
-        if msg.get("t") == "gone":
+        if msg is _GONE:
             raise AgentGone("the node agent is gone")
         return msg

@@ -16,6 +16,10 @@ from .channel import Aborted
 __all__ = ["CHECK_KEPT_PARITY", "CollectiveFailed", "coll", "comm_error"]
 
 
+class Interrupted(Exception):
+    """The step was interrupted by a recovery (abort or a failed collective)."""
+
+
 class CollectiveFailed(Exception):
     """A collective did not complete (a peer died or the group was torn down)."""
 

@@ -276,7 +276,7 @@ class Coordinator:
                     self._ack("fence", node, msg.gen)
                 case M.Promoted():
                     self._on_promoted(msg)
-                case M.Report() if msg.rank is not None:
+                case M.Report():
                     if self._ack("report", msg.rank, msg.gen):
                         self.reports[msg.rank] = msg.to_wire()
                 case M.Reconciled():
@@ -362,6 +362,7 @@ class Coordinator:
             "tier1_kind",
             "tier2",
             "tier2_interval",
+            "tier2_parity",
             "checkpoint",
             "start",
         )
@@ -378,6 +379,7 @@ class Coordinator:
             chunks=int(self.info["n_chunks"]),
             k=int(self.info["tier2_interval"]) if self.info["tier2"] else None,
             tier1=bool(self.info.get("tier1", True)),
+            tier2_parity=int(self.info.get("tier2_parity") or 1),
             # shadows are started with the trainers: spawning until they report warm
             shadows=ShadowState.SPAWNING,
             start=int(self.info.get("start") or 0),
@@ -448,8 +450,8 @@ class Coordinator:
             self.losses[step] = self.losses.get(step, 0.0) + float(msg.loss) / self.W
             if len(fin) == self.W:
                 del self.finished[step]
-                # an event fed between two ranks' reports (a shadow warming) flushed the
-                # first rank's ApplyStep alone: the rest is fed before the step is logged
+                # the model first: a partial gather flushed earlier (before another event)
+                # leaves the last ranks pending, and the record says every rank finished
                 self._flush_applied()
                 self.log.write("step", step=step, loss=round(self.losses[step], 6))
 
@@ -768,7 +770,7 @@ class Coordinator:
         assert s is not None and self.model is not None
         if self.wait is None or self.wait.what not in ("report",):
             self.reports = {}
-            self._send(None, M.Report(gen=s.gen))
+            self._send(None, M.CallReports(gen=s.gen))
             self._wait("report", set(range(self.W)), now)
             return False
         # every trainer reported: the truth of the retained state replaces the model's

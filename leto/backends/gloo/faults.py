@@ -46,6 +46,8 @@ from typing import Any
 from leto.core import faultpoints as fp
 from leto.core.faultpoints import FAULT_KINDS, PHASES
 
+from . import messages as M
+
 __all__ = ["CORRUPT_PHASES", "FAULT_KINDS", "PHASES", "FaultPlanError", "load_plan", "validate"]
 
 # The fault points are leto's one vocabulary (leto.core.faultpoints). A trainer strikes
@@ -53,11 +55,11 @@ __all__ = ["CORRUPT_PHASES", "FAULT_KINDS", "PHASES", "FaultPlanError", "load_pl
 # the agents): before it reports its memory, and before each command of the coordinator.
 RECOVERY_WHERE = ("Report", "Reconcile", "Rebuild", "Resume")
 # the coordinator's command a trainer carries out -> the recovery point it is
-COMMAND_POINT = {
-    "report": "Report",
-    "reconcile": "Reconcile",
-    "rebuild": "Rebuild",
-    "resume": "Resume",
+COMMAND_POINT: dict[type[M.Message], str] = {
+    M.CallReports: "Report",
+    M.Reconcile: "Reconcile",
+    M.Rebuild: "Rebuild",
+    M.Resume: "Resume",
 }
 CORRUPT_PHASES = ("forward", "backward", "allreduce", "parity", "finish")
 

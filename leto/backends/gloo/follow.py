@@ -23,12 +23,13 @@ import torch.distributed as dist
 from leto.core.chunk import LOST, NONE
 from leto.retained import recovery as rx
 from leto.retained import replicas as rpl
+from leto.retained import rs
 from leto.retained.checkpoint import CheckpointError, CheckpointStore
 from leto.retained.dcp_state import load_model_state, load_retained_optimizer_state
 from leto.retained.parity import TorchDistCollective, decode_rotated, encode
-from leto.retained.process_state import step_scheduler
 from leto.retained.recovery import IntegrityError
 
+from . import messages as M
 from .collective import CHECK_KEPT_PARITY, coll, comm_error
 from .faults import COMMAND_POINT
 from .keeper_client import FencedError
@@ -50,30 +51,33 @@ class Follower:
         self.s._destroy_pg()
         while True:
             msg = self.s.ch.next_command()
-            t = msg["t"]
-            gen = int(msg.get("gen", self.s.gen))
-            if t == "abort":
+            if isinstance(msg, M.Abort):
                 self.s._destroy_pg()
                 continue
-            if t == "complete":
+            if isinstance(msg, M.Complete):
                 self.s.completed = True
                 continue
+            if not isinstance(msg, tuple(COMMAND_POINT)):
+                continue  # nothing else is a recovery command
+            t = msg.TAG
+            gen = int(getattr(msg, "gen", self.s.gen))
             if gen < self.s.gen or self.s.ch.aborted_since(gen):
                 continue  # a command of a generation that has been aborted since
             self.s.ch.mark(t)
-            self.s._point("recovery", where=COMMAND_POINT.get(t, t))
+            self.s._point("recovery", where=COMMAND_POINT[type(msg)])
             try:
-                if t == "report":
-                    self._report(gen)
-                elif t == "reconcile":
-                    self._reconcile(msg)
-                elif t == "rebuild":
-                    self.s.ch.mark("rebuild")
-                    coll(dist.barrier)
-                    self.s.ch.send({"t": "rebuilt", "rank": self.s.rank, "gen": gen})
-                elif t == "resume":
-                    self._resume(msg)
-                    return
+                match msg:
+                    case M.CallReports():
+                        self._report(gen)
+                    case M.Reconcile():
+                        self._reconcile(msg)
+                    case M.Rebuild():
+                        self.s.ch.mark("rebuild")
+                        coll(dist.barrier)
+                        self.s.ch.send(M.Rebuilt(rank=self.s.rank, gen=gen))
+                    case M.Resume():
+                        self._resume(msg)
+                        return
             except FencedError as e:
                 # fenced: either a newer generation overtook this command (its abort is on
                 # the way: wait for the next command), or this process is stale: it must go
@@ -115,29 +119,29 @@ class Follower:
             data, undo = rx.observe(lay)
             ps = lay.prepared_step
             grad = ps if ps >= 0 and not lay.verify_grads(ps) else (NONE if ps < 0 else LOST)
-        msg: dict[str, Any] = {
-            "t": "report",
-            "rank": self.s.rank,
-            "gen": gen,
-            "data": data,
-            "undo": undo,
-            "grad": grad,
-            "lost": lost,
-            "pg_ms": pg_ms,
-        }
-        if self.s.lr == 0:
+        node_par = node_gpar = None
+        if self.s.lr == 0:  # the node's first rank: its parity records, if valid
             if self.s.cfg.tier1 and self.s.parity and all(b.valid for b in self.s.parity):
-                msg["node_par"] = [b.versions() for b in self.s.parity]
+                node_par = [b.versions() for b in self.s.parity]
                 assert self.s.gparity is not None
-                msg["node_gpar"] = self.s.gparity.versions() if self.s.gparity.valid else None
-            else:
-                msg["node_par"] = None
-                msg["node_gpar"] = None
-        self.s.ch.send(msg)
+                node_gpar = self.s.gparity.versions() if self.s.gparity.valid else None
+        self.s.ch.send(
+            M.Report(
+                rank=self.s.rank,
+                gen=gen,
+                data=data,
+                undo=undo,
+                grad=grad,
+                lost=lost,
+                pg_ms=pg_ms,
+                node_par=node_par,
+                node_gpar=node_gpar,
+            )
+        )
 
-    def _reconcile(self, msg: dict[str, Any]) -> None:
+    def _reconcile(self, msg: M.Reconcile) -> None:
         self.s.ch.mark("reconcile")
-        gen, kind, target = int(msg["gen"]), str(msg["kind"]), int(msg["target"])
+        gen, kind, target = msg.gen, msg.kind, msg.target
         self.s._init_pg(gen)
         t0 = time.perf_counter()
         summary: dict[str, Any] = {
@@ -149,7 +153,9 @@ class Follower:
             "tier1_from_replicas": 0,
         }
         if kind == "tier2":
-            self._restore_snapshot(target, msg["snapshot"])
+            if msg.snapshot is None:
+                raise IntegrityError("a tier-2 reconcile without the snapshot's record")
+            self._restore_snapshot(target, msg.snapshot)
             summary["chunks_restored"] = self.s.layout.n_chunks
             self.s.stats["snapshot_restores"] += 1
         elif kind == "ckpt":
@@ -161,7 +167,7 @@ class Follower:
             # settle at the target; 3. every lost chunk is copied, from one of them if
             # there is one (leto.retained.replicas), then the gradients a member whose chunks
             # are still behind lacks; 4. the members that lost chunks settle
-            repairs = [rep for rep in msg["repairs"] if rep["rank"] // self.s.nproc == self.s.node]
+            repairs = [rep for rep in msg.repairs if rep["rank"] // self.s.nproc == self.s.node]
             base = self.s.node * self.s.nproc
             chunks = [
                 (int(x["rank"]) - base, int(x["chunk"]), int(x["step"]))
@@ -215,7 +221,7 @@ class Follower:
             summary["chunks_rolled_forward"] = fwd
             summary["chunks_rolled_back"] = back
         else:
-            for rep in msg["repairs"]:
+            for rep in msg.repairs:
                 what = rep["what"]
                 if rep["rank"] // self.s.nproc != self.s.node:
                     continue
@@ -235,31 +241,23 @@ class Follower:
         self.s.stats[f"grad_blocks_{how}"] += summary["grads_repaired_tier1"]
         self.s.stats["chunks_rolled_forward"] += summary["chunks_rolled_forward"]
         t1 = time.perf_counter()
-        meta = self._after_recovery_state(target, snapshot=bool(msg.get("retake_t2", True)))
+        meta = self._after_recovery_state(target, snapshot=msg.retake_t2)
         summary["repair_ms"] = round((t1 - t0) * 1e3, 3)
         summary["redundancy_ms"] = round((time.perf_counter() - t1) * 1e3, 3)
         summary["parity_reencoded"] = int(self.s._reencoded)
         summary["parity_checked"] = int(self.s._parity_checked)
         self.s.status_lost(False)
-        self.s.ch.send(
-            {
-                "t": "reconciled",
-                "rank": self.s.rank,
-                "gen": gen,
-                "summary": summary,
-                "snapshot": meta,
-            }
-        )
+        self.s.ch.send(M.Reconciled(rank=self.s.rank, gen=gen, summary=summary, snapshot=meta))
 
-    def _resume(self, msg: dict[str, Any]) -> None:
+    def _resume(self, msg: M.Resume) -> None:
         self.s.ch.mark("resume")
-        step = int(msg["step"])
+        step = msg.step
         assert self.s.ropt is not None
         if self.s.ropt.version != step:
             self.s._fatal(
                 f"resume at step {step}, but this rank's state is at {self.s.ropt.version}"
             )
-        self.s.t2 = int(msg.get("t2", step))
+        self.s.t2 = step if msg.t2 is None else msg.t2
         self.s._t2_pending = None
         assert self.s.sampler_state is not None
         self.s.cursor.restore(self.s.sampler_state)
@@ -322,7 +320,7 @@ class Follower:
             history=hist,
             pending=pend,
             load_ps=self.s._load_ps,
-            step_scheduler=lambda: step_scheduler(self.s.scheduler),
+            step_scheduler=lambda: self.s.replay_scheduler(pend),
             who=f"rank {self.s.rank}",
             on_applied=lambda c: self._parity_follows(c, target),
         )
@@ -368,15 +366,17 @@ class Follower:
         meta = snap["meta"][str(self.s.rank)]
         if int(snap["step"]) != step or meta is None or int(meta["step"]) != step:
             raise IntegrityError(f"rank {self.s.rank}: no tier-2 snapshot record of step {step}")
-        reply, _ = self.s.ch.request({"t": "snapshot_slot", "step": -1})
+        reply, _ = self.s.ch.request(M.SnapshotSlot(step=-1))
         have = reply.get("active") is not None and reply.get("active_step") == step
         flags = torch.zeros(self.s.W, dtype=torch.int64)
         flags[self.s.rank] = 1 if have else 0
         dist.all_reduce(flags)
         missing_nodes = sorted({q // self.s.nproc for q in range(self.s.W) if not flags[q]})
-        if len(missing_nodes) > 1:
+        m = self.s.t2_parity
+        if len(missing_nodes) > m:
             raise IntegrityError(
-                f"tier-2 snapshots of nodes {missing_nodes} are gone: beyond tier 2"
+                f"tier-2 snapshots of nodes {missing_nodes} are gone: beyond tier 2 "
+                f"({m} parit{'y' if m == 1 else 'ies'})"
             )
         nb, share = self.s._snapshot_layout()
         lay = self.s.layout
@@ -389,7 +389,12 @@ class Follower:
             data = torch.zeros(nb, dtype=torch.uint8)
             sh = None
         if missing_nodes:
-            decode_rotated(TorchDistCollective(self.s.cross_group), data, missing_nodes[0], sh)
+            coll = TorchDistCollective(self.s.cross_group)
+            if m == 1:
+                decode_rotated(coll, data, missing_nodes[0], sh)
+            else:  # a lost node's own shares are not kept: the snapshot is retaken
+                shares = sh if sh is not None else torch.zeros(share, dtype=torch.uint8)
+                rs.decode_striped(coll, data, m, missing_nodes, shares)
         rx.free_undo(self.s.layout)
         rx.unpack_into(lay, data)
         rx.seal_checked(lay, step, meta["checksums"], "tier-2 snapshot", f"rank {self.s.rank}")
@@ -421,7 +426,7 @@ class Follower:
         self.s._reencoded = False
         self.s._parity_checked = False
         rx.check_resumable(lay, self.s.ropt, target, f"rank {self.s.rank}")
-        self.s.ch.send({"t": "pending", "rank": self.s.rank, "json": ""})
+        self.s.ch.send(M.Pending(rank=self.s.rank, json=""))
         self.s._send_ps(target)
         if self.s.cfg.tier1:
             if not self.s.parity:

@@ -33,9 +33,8 @@ Not here, and why:
 Two wire tags were renamed so that each tag has one meaning: the node's hello to the
 coordinator is ``node_hello`` (a trainer's hello to its agent is ``hello``), and the
 coordinator's order to promote a rank's shadow is ``promote_rank`` (the agent's order
-to the shadow itself is ``promote``). ``report`` still means both the coordinator's
-call for reports and a trainer's answer (:class:`Report`, ``rank`` None for the
-call): the trainer's side of recovery (:mod:`.follow`) still matches the tag.
+to the shadow itself is ``promote``), and the coordinator's call for reports is
+``call_reports`` (a trainer's answer is ``report``).
 """
 
 from __future__ import annotations
@@ -235,7 +234,7 @@ class GetState(Message):
     TAG = "get_state"
     ROUTE = (T, A)
     rank: int = _f(_nat)
-    id: int = _f(_nat)
+    id: int = _f(_nat, 0)  # filled in by the channel
 
 
 @attrs.frozen
@@ -246,7 +245,7 @@ class NodeSegment(Message):
     ROUTE = (T, A)
     name: str = _f(NAME)
     nbytes: int = _f(_nat)
-    id: int = _f(_nat)
+    id: int = _f(_nat, 0)  # filled in by the channel
 
 
 @attrs.frozen
@@ -256,7 +255,7 @@ class SnapshotSlot(Message):
     TAG = "snapshot_slot"
     ROUTE = (T, A)
     step: int = _f(_step)
-    id: int = _f(_nat)
+    id: int = _f(_nat, 0)  # filled in by the channel
 
 
 # trainer -> coordinator (through the agent)
@@ -276,6 +275,7 @@ class Ready(Message):
     tier2_interval: int = _f(_nat)
     checkpoint: bool = _f(_bool)
     snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
+    tier2_parity: int = _f(_nat, 1)
     start: int = _f(_nat, 0)  # the step the job starts at (> 0: resumed from a checkpoint)
 
 
@@ -340,14 +340,14 @@ class Stopped(Message):
 
 @attrs.frozen
 class Report(Message):
-    """The coordinator's call for reports (``rank`` None), and a trainer's answer: the
-    truth of its retained state (chunk versions, undo copies, sealed gradients, and
-    from a node's first rank its node's parity records)."""
+    """A trainer's answer to :class:`CallReports`: the truth of its retained state
+    (chunk versions, undo copies, sealed gradients, and from a node's first rank its
+    node's parity records)."""
 
     TAG = "report"
-    ROUTE = (C, A, T, A, C)
+    ROUTE = (T, A, C)
     gen: int = _f(_nat)
-    rank: int | None = _f(_opt(_nat), None)
+    rank: int = _f(_nat)
     data: list[int] | None = _f(_opt(_ints), None)
     undo: list[int] | None = _f(_opt(_ints), None)
     grad: int | None = _f(_opt(_int), None)
@@ -584,6 +584,15 @@ class Promote(Message):
 
 
 @attrs.frozen
+class CallReports(Message):
+    """Every trainer reports its retained state (:class:`Report`) for generation ``gen``."""
+
+    TAG = "call_reports"
+    ROUTE = (C, A, T)
+    gen: int = _f(_nat)
+
+
+@attrs.frozen
 class Reconcile(Message):
     """Carry out the core's plan: ``kind`` and ``target``, the repairs, the snapshot."""
 
@@ -654,6 +663,7 @@ KINDS: tuple[type[Message], ...] = (
     NeedShadow,
     PromoteRank,
     Promote,
+    CallReports,
     Reconcile,
     Rebuild,
     Resume,

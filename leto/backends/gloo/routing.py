@@ -30,7 +30,16 @@ if TYPE_CHECKING:
 __all__ = ["Routing"]
 
 # what the coordinator says that the trainers act on (the agent passes it on)
-TO_TRAINERS = (M.Commit, M.Tier2, M.Abort, M.Report, M.Reconcile, M.Rebuild, M.Resume, M.Complete)
+TO_TRAINERS = (
+    M.Commit,
+    M.Tier2,
+    M.Abort,
+    M.CallReports,
+    M.Reconcile,
+    M.Rebuild,
+    M.Resume,
+    M.Complete,
+)
 UNPROVEN_FRAME = 4096  # bytes a TCP peer may send before it has proven the job's secret
 UNPROVEN_SECONDS = 10.0  # and how long it has to do so
 UNPROVEN_MAX = 16  # connections waiting to prove it at once (the oldest is closed)

@@ -55,6 +55,7 @@ from torch import nn
 from leto.core.chunk import NONE
 from leto.errors import ConfigError
 from leto.retained import recovery as rx
+from leto.retained import rs
 from leto.retained.checkpoint import CheckpointError, CheckpointStore
 from leto.retained.dcp_state import (
     load_model_state,
@@ -78,6 +79,7 @@ from leto.retained.parity import (
 from leto.retained.process_state import (
     BatchCursor,
     capture_rng,
+    is_per_rank,
     restore_rng,
     scheduler_state,
     shard,
@@ -86,22 +88,21 @@ from leto.retained.process_state import (
 from leto.retained.recovery import IntegrityError
 
 from . import bootstrap
+from . import messages as M
 from .channel import Aborted, AgentChannel
 from .collective import CollectiveFailed as _CollectiveFailed
+from .collective import Interrupted as _Interrupted
 from .collective import coll as _coll
 from .faults import label as fault_label
 from .follow import Follower
 from .keeper_client import FencedError, KeeperClient
 from .parity_block import ParityBlock, block_bytes
+from .step import UserLoop
 
 __all__ = ["GlooSession", "IntegrityError", "finish", "wrap_gloo"]
 
 StepFn = Any
 _STATUS = "gloo.status"  # keeper segment: int64 [lost flag]
-
-
-class _Interrupted(Exception):
-    """The step was interrupted by a recovery (abort or a failed collective)."""
 
 
 def _to_meta(model: nn.Module) -> None:
@@ -152,6 +153,8 @@ def wrap_gloo(
     checkpointer: Any = None,
     backend: Any = None,
     check: bool = False,
+    scaler: Any = None,
+    per_rank: bool | None = None,
 ) -> GlooSession:
     """``leto.wrap`` on the gloo backend (only inside a process started by ``leto launch``).
 
@@ -182,7 +185,13 @@ def wrap_gloo(
         raise ValueError("scheduler: it is bound to another optimizer than the one wrapped")
     check_supported(optimizer)
     session = GlooSession(ch, spec, model, optimizer, scheduler, sampler, config, step_fn)
+    loop = UserLoop(
+        session,
+        stateful={} if scaler is None else {"scaler": scaler},
+        per_rank=is_per_rank(sampler) if per_rank is None else per_rank,
+    )
     session.start()
+    loop.started()
     global _SESSION
     _SESSION = session
     if finish not in bootstrap.AT_EXIT:
@@ -242,9 +251,11 @@ class GlooSession:
         self.t2 = 0
         self._t2_pending: int | None = None  # a snapshot sent, its "t2" not yet seen
         self._save_s = 0.0  # the last checkpoint's save cost here
-        self._step_t0 = 0.0
+        self._step_t0 = 0.0  # when the start's checkpoint was done
         self._yd: int | None = None  # Young/Daly's checkpoint interval, once agreed
         self.K = config.tier2_interval if config.tier2 else 10**12
+        # m: lost nodes the snapshot survives (m >= 2: leto.retained.rs, striped)
+        self.t2_parity = int(getattr(config, "tier2_parity", 1))
         self.faults = list(spec.get("faults", []))
         self.store: Any = None
         self.pg_gen: int | None = None
@@ -279,6 +290,7 @@ class GlooSession:
         self.keeper_pid: int = spec.get("keeper_pid", 0)
         self._step_in_progress = 0
         self.follower = Follower(self)  # carries out recoveries (follow.py)
+        self.loop: Any = None  # the user's own loop (step.py), once wrap installs it
 
     # ================================================================ properties
 
@@ -343,22 +355,25 @@ class GlooSession:
         self._send_ps(start)
         meta = self.follower._after_recovery_state(start)
         self._checkpoint(start, first=True, resumed=resumed)
+        if self.rank == 0:  # the first step's time is Young/Daly's (shadows read it here)
+            self.store.set(f"leto/{self.spec['job']}/first_step", str(start + 1))
+        self._step_t0 = time.perf_counter()
         self.status_lost(False)
         self.ch.send(
-            {
-                "t": "ready",
-                "rank": self.rank,
-                "gen": self.gen,
-                "n_chunks": self.layout.n_chunks,
-                "chunk_numel": self.layout.chunk_numel,
-                "tier1": bool(self.cfg.tier1),
-                "tier1_kind": self.cfg.tier1_kind,
-                "tier2": bool(self.cfg.tier2),
-                "tier2_interval": int(self.cfg.tier2_interval),
-                "checkpoint": self.cfg.checkpoint_dir is not None,
-                "snapshot": meta,
-                "start": start,
-            }
+            M.Ready(
+                rank=self.rank,
+                gen=self.gen,
+                n_chunks=self.layout.n_chunks,
+                chunk_numel=self.layout.chunk_numel,
+                tier1=bool(self.cfg.tier1),
+                tier1_kind=str(self.cfg.tier1_kind),
+                tier2=bool(self.cfg.tier2),
+                tier2_interval=int(self.cfg.tier2_interval),
+                tier2_parity=self.t2_parity,
+                checkpoint=self.cfg.checkpoint_dir is not None,
+                snapshot=meta,
+                start=start,
+            )
         )
         self.ch.mark("idle", 0)
 
@@ -373,18 +388,18 @@ class GlooSession:
             _to_meta(self.model)
         self.keeper = KeeperClient(self.spec["keeper_socket"], generation=self.gen, role="shadow")
         self.ch.mark("shadow", 0)
-        self.ch.send({"t": "warm"})
+        self.ch.send(M.Warm())
         while True:
             msg = self.ch.next_command()
-            if msg["t"] == "promote":
+            if isinstance(msg, M.Promote):
                 break
-        self.gen = int(msg["gen"])
-        self.keeper_pid = int(msg["keeper_pid"])
+        self.gen = msg.gen
+        self.keeper_pid = msg.keeper_pid
         self.role = "trainer"
         # the keeper may have been replaced (its memory lost) since this shadow connected
         self.keeper.close()
-        self.keeper = KeeperClient(str(msg["keeper_socket"]), generation=self.gen)
-        self.ch.send({"t": "promoted", "rank": self.rank, "gen": self.gen})
+        self.keeper = KeeperClient(msg.keeper_socket, generation=self.gen)
+        self.ch.send(M.Promoted(rank=self.rank, gen=self.gen))
         self._log("promoted", generation=self.gen)
         self.follower._follow()
 
@@ -443,7 +458,7 @@ class GlooSession:
 
     def _fatal(self, message: str) -> None:
         try:
-            self.ch.send({"t": "fatal", "rank": self.rank, "error": message})
+            self.ch.send(M.Fatal(rank=self.rank, error=message))
         finally:
             sys.stderr.write(f"leto: rank {self.rank}: {message}\n")
             sys.stderr.flush()
@@ -464,7 +479,7 @@ class GlooSession:
         return ParityBlock(fd, self.members, nbytes)
 
     def _segment(self, name: str, nbytes: int) -> int:
-        _, fds = self.ch.request({"t": "node_segment", "name": name, "nbytes": nbytes})
+        _, fds = self.ch.request(M.NodeSegment(name=name, nbytes=nbytes))
         if len(fds) != 1:
             raise IntegrityError(f"the agent sent no segment for {name}")
         return fds[0]
@@ -605,7 +620,7 @@ class GlooSession:
     def _stopped(self, reason: str) -> None:
         self._destroy_pg()
         self.ch.mark("stopped")
-        self.ch.send({"t": "stopped", "rank": self.rank, "gen": self.gen, "reason": reason})
+        self.ch.send(M.Stopped(rank=self.rank, gen=self.gen, reason=reason[: M.MAX_TEXT]))
 
     def _step(self) -> float:
         assert self.ropt is not None and self.keeper is not None
@@ -614,7 +629,6 @@ class GlooSession:
         self._tier2(ropt.version)
         V = ropt.version + 1
         self._step_in_progress = V
-        self._step_t0 = time.perf_counter()
         r, W = self.rank, self.W
 
         # 1. compute
@@ -636,11 +650,12 @@ class GlooSession:
         # exact in floating point), so one collective is in flight, never two (a gloo
         # group torn down with a second operation pending waits for its timeout)
         n = lay.numel
-        if self._red is None or self._red.numel() != n + len(lay.params):
-            self._red = torch.zeros(n + len(lay.params), dtype=lay.dtype)
+        if self._red is None or self._red.numel() != n + len(lay.params) + 1:
+            self._red = torch.zeros(n + len(lay.params) + 1, dtype=lay.dtype)
         buf = self._red  # reused every step: no fresh pages to fault in
         flat = buf[:n]
         buf[n:].zero_()
+        buf[-1] = float(loss.detach())  # summed with the gradients: the mean loss
         for i, prm in enumerate(lay.params):
             g = prm.grad
             s = lay.slots[i]
@@ -659,7 +674,10 @@ class GlooSession:
         # rank mostly waits for the slowest one here (its CPU counts as "allreduce")
         bad = lay.verify() if self.cfg.verify_chunks else []
         _coll(work.wait)
-        present = buf[n:]
+        present = buf[n:-1]
+        mean_loss = (
+            float(buf[-1]) / W
+        )  # a metric scheduler's (ReduceLROnPlateau), alike on every rank
         flat.div_(W)
         self._point("reduced")
         self.keeper.check_writer()
@@ -680,6 +698,30 @@ class GlooSession:
         with torch.no_grad():
             lay.grad_buffer.copy_(flat)
         present_mask = [bool(c > 0) for c in present.tolist()]
+        return self._commit(
+            V, bad, present_mask, gdelta, rng_after, float(loss.detach()), metric=mean_loss
+        )
+
+    def _commit(
+        self,
+        V: int,
+        bad: list[int],
+        present_mask: list[bool],
+        gdelta: torch.Tensor | None,
+        rng_after: dict[str, Any],
+        lval: float | None,
+        *,
+        scheduler: bool = True,
+        metric: float | None = None,
+    ) -> float:
+        """Steps 3-6 of step ``V``, its gradients in retained memory: prepare (seal, the
+        gradient parity's ``gdelta``, the vote), decide, apply chunk by chunk, finish
+        (``scheduler``: step the LR scheduler, as the step-function form does, with
+        ``metric``, the mean loss, for one that takes a metric; the user's loop steps
+        its own)."""
+        assert self.ropt is not None and self.keeper is not None
+        ropt, lay, r = self.ropt, self.layout, self.rank
+        m = self.lr
         # 3. prepare
         self.ch.mark("prepare")
         if bad:
@@ -699,12 +741,11 @@ class GlooSession:
             "sampler": self.cursor.state_after(V),
             "present": present_mask,
             "grad_checksums": lay.grad_checksums(),
+            "metric": metric,  # a metric scheduler's, for a roll-forward
         }
         # the agent keeps the pending state (a recovery may need it) before it passes
         # the vote on: one message, one wakeup of the agent
-        self.ch.send(
-            {"t": "vote", "rank": r, "step": V, "gen": self.gen, "pending": json.dumps(pending)}
-        )
+        self.ch.send(M.Vote(rank=r, step=V, gen=self.gen, pending=json.dumps(pending)))
         # 4. decide
         self.ch.mark("decide")
         self._point("decide", where="before")
@@ -736,46 +777,41 @@ class GlooSession:
         # 6. finish
         self._point("finish")
         ropt.end()
-        step_scheduler(self.scheduler)
+        if scheduler:
+            step_scheduler(self.scheduler, metric)
         self.rng = rng_after
         self.sampler_state = self.cursor.state_after(V)
-        lval = float(loss.detach())
-        self.losses[V] = lval
+        if lval is not None:
+            self.losses[V] = lval
         self.stats["steps_run"] += 1
-        self.ch.send(  # with the process state after the step, which the agent keeps
-            {
-                "t": "finished",
-                "rank": r,
-                "step": V,
-                "gen": self.gen,
-                "loss": lval,
-                "ps": self._ps_json(V),
-            }
-        )
+        # with the process state after the step, which the agent keeps
+        loss = lval if lval is not None else 0.0
+        self.ch.send(M.Finished(rank=r, step=V, gen=self.gen, loss=loss, ps=self._ps_json(V)))
         self.ch.mark("idle", V)
         self._tier2(V)
         interval = self._checkpoint_interval(V)
         if interval and V % interval == 0:
             self._checkpoint(V)
-        return lval
+        return lval if lval is not None else 0.0
 
     def _checkpoint_interval(self, V: int) -> int:
         """The user's ``checkpoint_interval``; or, with ``checkpoint_mtbf`` only, Young/
         Daly's for the slowest rank's measured save cost (the start's checkpoint) and
-        step time (step 1), agreed at step 1 by one collective of every rank, and kept
-        in the job's store for the shadows promoted later."""
+        step time (the job's first step), agreed at that step by one collective of every
+        rank (a promoted shadow, which measured neither, adds zeros), and kept in the
+        job's store for the shadows promoted later."""
         n = int(getattr(self.cfg, "checkpoint_interval", 0) or 0)
         mtbf = int(getattr(self.cfg, "checkpoint_mtbf", 0) or 0)
         if n or not mtbf or self.cfg.checkpoint_dir is None:
             return n
         if self._yd is None:
             key = f"leto/{self.spec['job']}/checkpoint_interval"
-            if V == 1:
-                t = torch.tensor(
-                    [self._save_s, time.perf_counter() - self._step_t0], dtype=torch.float64
-                )
+            first = int(self.store.get(f"leto/{self.spec['job']}/first_step"))
+            if V == first:
+                step_s = time.perf_counter() - self._step_t0 if self._step_t0 else 0.0
+                t = torch.tensor([self._save_s, step_s], dtype=torch.float64)
                 _coll(dist.all_reduce, t, op=dist.ReduceOp.MAX)
-                self._yd = young_daly_interval(max(float(t[0]), 1e-6), mtbf, float(t[1]))
+                self._yd = young_daly_interval(max(float(t[0]), 1e-6), mtbf, max(float(t[1]), 1e-6))
                 if self.rank == 0:
                     self.store.set(key, str(self._yd))
             elif self.store.check([key]):
@@ -796,15 +832,22 @@ class GlooSession:
                 f"chunks {bad} fail their checksums at the tier-2 snapshot of step {V}"
             )
         meta = _coll(self._snapshot, V)
-        self.ch.send(
-            {"t": "snapshot_done", "rank": self.rank, "step": V, "gen": self.gen, "meta": meta}
-        )
+        self.ch.send(M.SnapshotDone(rank=self.rank, step=V, gen=self.gen, meta=meta))
         # No wait for the coordinator's "t2" here (it was a barrier of every rank each
         # K steps): step V+1 cannot commit before it anyway, since the coordinator
         # receives this rank's snapshot_done before its vote for V+1 (one FIFO path)
         # and feeds the model's Tier2Snapshot before that step's Compute events.
         self._t2_pending = V
         self.t2 = V
+
+    def batches(self, steps: int | None = None) -> Any:
+        """The user's own loop: this rank's batch of each step (leto's step boundary),
+        until the committed step is ``steps`` and the whole job is done (docs/loop.md)."""
+        return self.loop.batches(steps)
+
+    def no_sync(self) -> Any:
+        """Gradient accumulation: backwards inside reduce nothing (DDP's ``no_sync``)."""
+        return self.loop.no_sync()
 
     def train(self, step_fn: StepFn, steps: int) -> dict[str, int]:
         """Run steps until every rank has completed ``steps``; the counters."""
@@ -829,16 +872,14 @@ class GlooSession:
             os.makedirs(d, exist_ok=True)
             with open(os.path.join(d, f"rank{self.rank}.process_state.json"), "w") as f:
                 f.write(self._ps_json(self.step))
-        self.ch.send(
-            {"t": "done", "rank": self.rank, "step": self.step, "gen": self.gen, "digest": digest}
-        )
+        self.ch.send(M.Done(rank=self.rank, step=self.step, gen=self.gen, digest=digest))
         self.ch.mark("done")
         while True:
             msg = self.ch.next_command()
-            if msg["t"] == "complete":
+            if isinstance(msg, M.Complete):
                 self.completed = True
                 return True
-            if msg["t"] == "abort":
+            if isinstance(msg, M.Abort):
                 break
         self._stopped("")
         self.follower._follow()
@@ -870,11 +911,20 @@ class GlooSession:
                 "scheduler": scheduler_state(self.scheduler),
                 "sampler": self.sampler_state,
                 "rng": self.rng,
+                "extra": self.loop.state() if self.loop is not None else None,
             }
         )
 
+    def replay_scheduler(self, pending: dict[str, Any] | None) -> None:
+        """A roll-forward's stand-in for what followed step ``V``'s apply on a rank that
+        did not finish it: the scheduler's step (the user's loop: :mod:`.step`)."""
+        if self.loop is not None and self.step_fn is None:
+            self.loop.replay(pending)
+        else:
+            step_scheduler(self.scheduler, (pending or {}).get("metric"))
+
     def _send_ps(self, step: int) -> None:
-        self.ch.send({"t": "ps", "rank": self.rank, "step": step, "json": self._ps_json(step)})
+        self.ch.send(M.ProcessState(rank=self.rank, step=step, json=self._ps_json(step)))
 
     def _load_ps(self, text: str) -> None:
         ps = json.loads(text)
@@ -884,9 +934,11 @@ class GlooSession:
             self.scheduler.load_state_dict(ps["scheduler"])
         self.rng = ps["rng"]
         self.sampler_state = ps["sampler"]
+        if self.loop is not None:
+            self.loop.load_state(ps.get("extra"))
 
     def _node_state(self) -> tuple[dict[int, str], dict[str, Any] | None]:
-        reply, _ = self.ch.request({"t": "get_state", "rank": self.rank})
+        reply, _ = self.ch.request(M.GetState(rank=self.rank))
         hist = {int(k): v for k, v in reply.get("ps", {}).items()}
         pend = reply.get("pending")
         return hist, (json.loads(pend) if pend else None)
@@ -911,9 +963,14 @@ class GlooSession:
             )
 
     def _snapshot_layout(self) -> tuple[int, int]:
+        """(snapshot bytes of this rank, parity bytes it stores for tier 2)."""
         nb = sum(as_bytes(b).numel() for b in self.layout.data_buffers())
-        share = rotated_share_nbytes(nb, self.nnodes) if self.nnodes >= 2 else 0
-        return nb, share
+        m = self.t2_parity
+        if self.nnodes < 2:
+            return nb, 0
+        if m == 1:
+            return nb, rotated_share_nbytes(nb, self.nnodes)
+        return nb, m * rs.striped_share_nbytes(nb, self.nnodes, m)
 
     def _snap_seg(self, slot: int) -> torch.Tensor:
         from . import segments
@@ -929,7 +986,7 @@ class GlooSession:
     def _snapshot(self, step: int) -> dict[str, Any]:
         """Tier 2: this rank's bytes at ``step`` into its node's slot + the cross-node code."""
         self.ch.mark("snapshot")
-        reply, _ = self.ch.request({"t": "snapshot_slot", "step": step})
+        reply, _ = self.ch.request(M.SnapshotSlot(step=step))
         seg = self._snap_seg(int(reply["write"]))
         nb, share = self._snapshot_layout()
         own = seg[self.lr * nb : (self.lr + 1) * nb]
@@ -940,11 +997,12 @@ class GlooSession:
             off += bb.numel()
         if self.nnodes >= 2:
             base = self.nproc * nb
-            encode_rotated(
-                TorchDistCollective(self.cross_group),
-                own,
-                out=seg[base + self.lr * share : base + (self.lr + 1) * share],
-            )
+            out = seg[base + self.lr * share : base + (self.lr + 1) * share]
+            coll = TorchDistCollective(self.cross_group)
+            if self.t2_parity == 1:
+                encode_rotated(coll, own, out=out)
+            else:
+                rs.encode_striped(coll, own, self.t2_parity, out)
         lay = self.layout
         return {
             "step": step,
@@ -968,7 +1026,7 @@ class GlooSession:
         if not first and latest is not None and latest >= V:
             return  # a recovery went back before the durable checkpoint: it still holds
         if first and resumed and latest == V:
-            self.ch.send({"t": "ckpt_written", "rank": self.rank, "step": V, "gen": self.gen})
+            self.ch.send(M.CheckpointWritten(rank=self.rank, step=V, gen=self.gen))
             return
         if self.rank == 0:
             store.prune(V if first else latest, newer=first)
@@ -988,7 +1046,7 @@ class GlooSession:
                 "ps": self._ps_json(V),
             },
         )
-        self.ch.send({"t": "ckpt_written", "rank": self.rank, "step": V, "gen": self.gen})
+        self.ch.send(M.CheckpointWritten(rank=self.rank, step=V, gen=self.gen))
 
     def _resume(self) -> int:
         """Start from the DCP checkpoint ``resume`` names (leto's, or any of this model):

@@ -27,6 +27,7 @@ settings = {
     "tier2_interval": 2,
     "tier2": os.environ.get("TIER2", "1") == "1",
     "tier1_code": os.environ.get("TIER1_CODE", "parity"),
+    "tier2_parity": int(os.environ.get("T2_PARITY", "1")),
 }
 if os.environ.get("CKPT"):
     settings["checkpoint_dir"] = os.environ["CKPT"]

@@ -1,0 +1,339 @@
+"""The user's own training loop on a gloo rank: leto's step behind ``optimizer.step()``.
+
+Theory of operation. The script keeps its loop (forward, ``loss.backward()``,
+clipping, ``GradScaler``, ``optimizer.step()``, ``scheduler.step()``); leto sees it
+at four places and runs the same transaction as the step-function form there:
+
+* **the batch** (:meth:`UserLoop.next_batch`, what ``session.batches()`` yields) is
+  the step boundary: the iteration before is closed (its process state after the
+  user's ``scheduler.step()`` and ``scaler.update()`` sent to the node agent; an
+  iteration whose ``optimizer.step()`` was skipped, as ``GradScaler`` does on an
+  inf/NaN, commits an empty step, every gradient absent), and the batch of the next
+  step is drawn;
+* **the end of a backward** (a hook queued on the autograd engine, as DDP does):
+  outside :meth:`UserLoop.no_sync` the gradients are summed over the ranks, divided
+  by the world size and written into retained memory, and every ``.grad`` becomes a
+  view of it, so ``clip_grad_norm_`` and ``scaler.unscale_`` act on the retained
+  gradients; inside ``no_sync`` they accumulate in ordinary tensors;
+* **``optimizer.step()``**: PREPARE (checksums, seal, vote), DECIDE, APPLY chunk by
+  chunk, FINISH (:meth:`GlooSession._commit`); afterwards ``.grad`` is ``None``
+  (nothing outside the transaction writes retained gradients);
+* **a forward**: a fault point, and where a recovery under way is noticed.
+
+A recovery (a peer died, this rank was told to abort) is carried out where it is
+noticed: the rank follows the coordinator to the committed step, in place. The
+iteration under way is then void: ``optimizer.step()`` does nothing, ``.grad`` are
+zeros outside retained memory (clipping and unscaling run harmlessly), and the next
+batch restores the process state of the committed step (RNG, scheduler, scaler,
+sampler) and is the batch after it. A promoted shadow starts the script anew: its
+``leto.wrap`` returns at the committed step and its loop draws the same batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from leto.core.chunk import NONE
+from leto.retained.parity import as_bytes
+from leto.retained.process_state import (
+    capture_rng,
+    from_json,
+    restore_rng,
+    shard,
+    step_scheduler,
+    takes_metric,
+    to_json,
+)
+
+from .channel import Aborted
+from .collective import CollectiveFailed, Interrupted
+from .collective import coll as _coll
+from .keeper_client import FencedError
+
+if TYPE_CHECKING:
+    from .runtime import GlooSession
+
+__all__ = ["UserLoop", "finite_update"]
+
+
+class UserLoop:
+    """One rank's side of the user's loop (see the module docstring)."""
+
+    def __init__(self, s: GlooSession, *, stateful: dict[str, Any], per_rank: bool) -> None:
+        self.s = s
+        self.stateful = stateful  # name -> an object with state_dict()/load_state_dict()
+        self.per_rank = per_rank  # the loader yields this rank's batches (no split)
+        self.sync = True
+        self.open = False  # a batch was drawn and its step is under way
+        self.reduced = False  # this iteration's gradients are in retained memory
+        self.stepped = False  # this iteration's optimizer.step() committed
+        self.void = False  # a recovery interrupted this iteration
+        self.present: list[bool] = []
+        self.old: torch.Tensor | None = None  # gradient bytes before the reduce (parity delta)
+        self.buf: torch.Tensor | None = None
+        self.queued = False
+        self.hooked: dict[int, Any] = {}
+        self.V = s.step
+        s.model.register_forward_pre_hook(self._on_forward)
+        opt = s.user_optimizer
+
+        # the user's optimizer object is stepped by the loop: its step is leto's
+        def step(closure: Any = None) -> None:
+            self.step(closure)
+
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler's check
+        opt.step = step  # type: ignore[method-assign,assignment]
+        opt.zero_grad = self.zero_grad  # type: ignore[method-assign]
+        s.loop = self  # before the session starts: a promoted shadow's recovery loads its state
+        self.resumed: str | None = None
+
+    def started(self) -> None:
+        """The session started (a promoted shadow: recovered): the loop begins there."""
+        s = self.s
+        if s.stats["recoveries"] == 0 and s.role == "trainer":
+            s._send_ps(s.step)  # the state the loop starts from, with the stateful objects
+        self.resumed = s._ps_json(s.step)  # restored at the first batch
+
+    # ------------------------------------------------------------ process state
+
+    def state(self) -> dict[str, Any]:
+        return {k: to_json(o.state_dict(), f"the state of {k}") for k, o in self.stateful.items()}
+
+    def load_state(self, state: dict[str, Any] | None) -> None:
+        for k, v in (state or {}).items():
+            if k in self.stateful:
+                self.stateful[k].load_state_dict(from_json(v))
+
+    def replay(self, pending: dict[str, Any] | None) -> None:
+        """A roll-forward of a step this rank did not finish: the scheduler's step the
+        loop would have taken (a metric scheduler's needs the user's metric: kept as
+        it was; docs/loop.md)."""
+        sch = self.s.scheduler
+        if sch is not None and not takes_metric(sch):
+            step_scheduler(sch)
+        for obj in self.stateful.values():
+            if isinstance(obj, torch.amp.GradScaler) and obj.is_enabled():
+                obj.load_state_dict(finite_update(obj.state_dict()))
+
+    # ------------------------------------------------------------ recovery
+
+    def _guard(self, fn: Any) -> bool:
+        """Run ``fn``; on a recovery under way, follow it here. True if ``fn`` completed."""
+        try:
+            fn()
+            return True
+        except (Interrupted, Aborted, FencedError):
+            self._recover("")
+        except CollectiveFailed as e:
+            self._recover(f"collective failed: {e}")
+        return False
+
+    def _recover(self, reason: str) -> None:
+        self.s._stopped(reason)
+        self.s.follower._follow()
+        self._resumed()
+
+    def _resumed(self) -> None:
+        self.resumed = self.s._ps_json(self.s.step)
+        self.void = True
+        self.queued = False
+        self._scratch_grads()
+
+    def _scratch_grads(self) -> None:
+        for p in self.s.layout.params:
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+
+    # ------------------------------------------------------------ the batch
+
+    def batches(self, steps: int | None = None) -> Iterator[Any]:
+        """This rank's batch of each step until the committed step is ``steps``; then
+        the job-wide completion (a recovery there may roll back: the loop goes on)."""
+        s = self.s
+        while True:
+            self._close()
+            if steps is not None and s.step >= steps:
+                if s.complete():
+                    self.open = False
+                    return
+                self._resumed()
+                continue
+            yield self.next_batch()
+
+    def _close(self) -> None:
+        """The step boundary: close the iteration under way, or restore after a recovery."""
+        s = self.s
+        if self.open and not self.void:
+            self._guard(self._post if self.stepped else self._empty_step)
+        if self.resumed is not None:
+            text, self.resumed = self.resumed, None
+            s._load_ps(text)
+            assert s.rng is not None and s.sampler_state is not None
+            restore_rng(s.rng)
+            s.cursor.restore(s.sampler_state)
+            for p in s.layout.params:
+                p.grad = None
+        self.open = self.void = False
+
+    def next_batch(self) -> Any:
+        s = self.s
+        self._close()
+        while not self._guard(lambda: s._tier2(s.step)):
+            self._close()
+        self.V = s.step + 1
+        s._step_in_progress = self.V
+        batch = s.cursor.batch(self.V)
+        self.open, self.stepped, self.reduced = True, False, False
+        s.ch.mark("forward", s.step)
+        return batch if self.per_rank else shard(batch, s.rank, s.W)
+
+    def _post(self) -> None:
+        """The process state after the user's code that followed ``optimizer.step()``."""
+        s = self.s
+        s.rng = capture_rng()
+        s.sampler_state = s.cursor.state_after(s.step)
+        s._send_ps(s.step)
+
+    def _empty_step(self) -> None:
+        """A step whose optimizer step was skipped: committed with no gradient present."""
+        s = self.s
+        lay = s.layout
+        if not self.reduced:  # the retained gradients stay as they are: a zero parity delta
+            comp = s.gparity.versions()[s.lr] if s.gparity is not None else NONE
+            self.old = as_bytes(lay.grad_buffer).clone() if comp != NONE else None
+            lay.clear_prepared()
+        self.present = [False] * len(lay.params)
+        self._transact()
+        self.stepped = True
+
+    # ------------------------------------------------------------ hooks
+
+    def _hook_params(self) -> None:
+        for p in self.s.layout.params:
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+            h = self.hooked.get(id(p))
+            if p.requires_grad and (h is None or not hooks or h.id not in hooks):
+                self.hooked[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+
+    def _on_forward(self, module: Any, args: Any) -> None:
+        if not self.open or not torch.is_grad_enabled():
+            return  # outside leto's batches (an evaluation)
+        self._hook_params()
+        self._guard(lambda: self.s._point("forward"))
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.queued and self.open:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        self.queued = False
+        if self.void:
+            self._scratch_grads()
+            return
+        if not self.sync:  # a micro-batch: the gradients accumulate, nothing is reduced
+            self._guard(lambda: self.s._point("backward"))
+            return
+        self._guard(self._reduce)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate their gradients and reduce nothing (DDP's
+        ``no_sync``); the first backward outside reduces the sum."""
+        before, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = before
+
+    def _reduce(self) -> None:
+        s = self.s
+        lay = s.layout
+        assert s.keeper is not None
+        s._point("backward")
+        s.ch.mark("allreduce")
+        n, k = lay.numel, len(lay.params)
+        if self.buf is None or self.buf.numel() != n + k:
+            self.buf = torch.zeros(n + k, dtype=lay.dtype)
+        buf = self.buf
+        flat = buf[:n]
+        buf[n:].zero_()
+        for i, prm in enumerate(lay.params):
+            sl = lay.slots[i]
+            if prm.grad is not None:
+                flat[sl.offset : sl.offset + sl.numel].copy_(prm.grad.reshape(-1))
+                buf[n + i] = 1
+            else:
+                flat[sl.offset : sl.offset + sl.numel].zero_()
+            prm.grad = None
+        work = _coll(dist.all_reduce, buf, op=dist.ReduceOp.SUM, async_op=True)
+        s._point("allreduce")
+        _coll(work.wait)
+        flat.div_(s.W)
+        s.keeper.check_writer()
+        self.old = None
+        if s.gparity is not None and not s.replica and s.gparity.versions()[s.lr] != NONE:
+            self.old = as_bytes(lay.grad_buffer).clone()
+        lay.clear_prepared()
+        with torch.no_grad():
+            lay.grad_buffer.copy_(flat)
+        self.present = [bool(c > 0) for c in buf[n:].tolist()]
+        for i, prm in enumerate(lay.params):
+            prm.grad = lay.grad_view(i) if self.present[i] else None
+        self.reduced = True
+
+    # ------------------------------------------------------------ the optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every ``.grad`` to None (leto's gradients are never zeroed in place)."""
+        for p in self.s.layout.params:
+            p.grad = None
+
+    def step(self, closure: Any = None) -> None:
+        """leto's transactional step on the reduced gradients (``optimizer.step()``)."""
+        if closure is not None:
+            raise TypeError("optimizer.step(closure): a closure is not supported by leto's step")
+        self.s.user_optimizer._opt_called = True  # type: ignore[attr-defined]
+        if self.void or not self.open:
+            return
+        if self.stepped:
+            raise RuntimeError(f"optimizer.step() called twice for the batch of step {self.V}")
+        if not self.reduced:
+            raise RuntimeError(
+                "optimizer.step(): no gradients were reduced since the batch was drawn "
+                "(call loss.backward() outside no_sync() on the last micro-batch)"
+            )
+        if self._guard(self._transact):
+            self.stepped = True
+            self.zero_grad()
+
+    def _transact(self) -> None:
+        s = self.s
+        lay = s.layout
+        V = s.step + 1
+        if V != self.V:
+            raise RuntimeError(f"the batch is of step {self.V}, the optimizer is at step {V - 1}")
+        bad = lay.verify() if s.cfg.verify_chunks else []
+        gdelta = None
+        if s.gparity is not None and not s.replica:
+            gdelta = as_bytes(lay.grad_buffer).clone()
+            if self.old is not None:
+                gdelta.sub_(self.old)
+        s._commit(V, bad, self.present, gdelta, capture_rng(), None, scheduler=False)
+
+
+def finite_update(st: dict[str, Any]) -> dict[str, Any]:
+    """A ``GradScaler`` state after ``update()`` of a step that found no inf/NaN (a
+    committed step: the scaler stepped the optimizer), as torch's
+    ``_amp_update_scale_`` computes it."""
+    out = dict(st)
+    tracker = int(st["_growth_tracker"]) + 1
+    if tracker == int(st["growth_interval"]):
+        out["scale"] = float(torch.tensor(st["scale"], dtype=torch.float32) * st["growth_factor"])
+        tracker = 0
+    out["_growth_tracker"] = tracker
+    return out
