@@ -565,6 +565,11 @@ def bad_variable(key: str) -> st.SearchStrategy[str]:
         return st.sampled_from(["0x1", "2", "axb", "99999x1", "", "1x1x1", "²x1"])
     if key == "checkpoint_dir":
         return st.sampled_from(["afile", "afile/sub"])
+    if key in _zero_ok:  # 0 is off: refused are negatives, non-integers, past the bound
+        return st.one_of(
+            st.sampled_from(["-3", "1e12", "nan", "inf", "x", "", "1.5", "9" * 5000]),
+            st.integers(min_value=_zero_ok[key] + 1).map(str),
+        )
     return st.one_of(
         st.sampled_from(["0", "-3", "1e12", "nan", "inf", "x", "", "1.5", "9" * 5000]),
         st.integers(min_value=_count_bad.get(key, 1) + 1).map(str),
