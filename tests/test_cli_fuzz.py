@@ -565,6 +565,8 @@ def bad_variable(key: str) -> st.SearchStrategy[str]:
         return st.sampled_from(["0x1", "2", "axb", "99999x1", "", "1x1x1", "²x1"])
     if key == "checkpoint_dir":
         return st.sampled_from(["afile", "afile/sub"])
+    if key == "resume":  # as for checkpoint_dir, an empty variable is an unset one
+        return st.sampled_from(["afile", "afile/sub", "no/such/dir", "0"])
     if key in _zero_ok:  # 0 is off: refused are negatives, non-integers, past the bound
         return st.one_of(
             st.sampled_from(["-3", "1e12", "nan", "inf", "x", "", "1.5", "9" * 5000]),
