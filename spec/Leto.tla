@@ -681,9 +681,12 @@ RecoverySpec == Init /\ [][Next]_vars /\ RecoveryFairness
 (* waits for does not.                                                     *)
 
 \* The recovery deadline (--recovery-timeout) passes: the job stops, exit 1,
-\* one line naming what the recovery still waits for.  Not an event of the
-\* protocol (the core's model has none: the driver stops feeding it), so not
-\* in Next.  It may pass at any moment of a recovery.  (Mutant no_timeout:
+\* one line naming what the recovery still waits for.  The core's event
+\* GiveUp (phase FAILED, which accepts no further event), scheduled by
+\* leto.core.schedule when the backend reports the deadline overdue; in
+\* BoundedNext, not Next (the checker's "deadline" configuration adds it, and
+\* its check "Bounded" asks it enabled in every recovery state).  It may
+\* pass at any moment of a recovery.  (Mutant no_timeout:
 \* the deadline does not cover promotion, which waits for shadows: the bug of
 \* a coordinator whose timer ran only while it waited for acknowledgements.)
 GiveUp ==

@@ -26,6 +26,7 @@ EXPECTED_CATCH = {
     Mutant.PARITY_FIRST: "ParityOK",
     Mutant.STALE_SHADOW: "Consistency",
     Mutant.EARLY_DURABLE: "Equivalence",
+    Mutant.NO_TIMEOUT: "Bounded",
 }
 
 
@@ -234,3 +235,41 @@ def test_a_resumed_job_starts_in_a_reachable_state() -> None:
     assert model.initial(1) == attrs.evolve(s, grad=(NONE, NONE), gpar=model.initial().gpar)
     with pytest.raises(ValueError, match="initial step 3 is not in 0..2"):
         model.initial(3)
+
+
+def test_give_up_ends_a_recovery_in_every_phase_and_nothing_follows() -> None:
+    """The recovery deadline is the core's: scheduled when the backend reports it
+    overdue, enabled in every recovery phase, and FAILED accepts nothing after it."""
+    from leto.core import effects as fx
+    from leto.core.recovery import Phase
+    from leto.core.schedule import in_recovery, next_event, next_events
+
+    m = ClusterModel(CHECK_CONFIGS["deadline"])
+    s = m.initial()
+    assert next_events(m, s, overdue=True) == ()  # nothing to give up while running
+    s, _ = m.step(s, ev.Crash(0))
+    # a failure seen while running is detected first, even when overdue
+    assert next_event(m, s, overdue=True) == ev.Detect()
+    seen = []
+    while in_recovery(s):
+        s, _ = m.step(s, next_event(m, s))
+        if s.phase is not Phase.RUNNING:
+            seen.append(s)
+    assert {x.phase for x in seen} >= {Phase.FENCING, Phase.PROMOTING, Phase.REBUILDING}
+    for mid in seen:
+        assert next_event(m, mid, overdue=True) == ev.GiveUp()
+        failed, effects = m.step(mid, ev.GiveUp())
+        assert failed.phase is Phase.FAILED
+        assert effects == (fx.JobFailed(mid.phase.value, mid.gen),)
+        assert m.enabled(failed) == []
+        assert next_events(m, failed, overdue=True) == ()
+        with pytest.raises(ProtocolError, match="the job has failed"):
+            m.step(failed, ev.Detect())
+    with pytest.raises(ProtocolError):
+        m.step(m.initial(), ev.GiveUp())  # no recovery to give up
+
+
+def test_the_deadline_configuration_reaches_gave_up_and_keeps_progress() -> None:
+    res = check(ClusterModel(CHECK_CONFIGS["deadline"]))
+    assert res.complete and not res.violations
+    assert "GaveUp" in res.reached

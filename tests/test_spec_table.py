@@ -34,10 +34,13 @@ def action_table(text: str) -> dict[str, tuple[str, str]]:
 
 
 def next_actions(tla: str) -> set[str]:
+    """The actions of ``Next``, and those ``BoundedNext`` adds (the deadline)."""
     body = re.search(r"^Next ==\n(.*?)(?=^\S)", tla, re.S | re.M)
     assert body is not None, "no Next definition in Leto.tla"
+    bounded = re.search(r"^BoundedNext == Next((?: \\/ \w+)+)$", tla, re.M)
+    assert bounded is not None, "no BoundedNext definition in Leto.tla"
     defined = set(re.findall(r"^([A-Z]\w*)(?:\([^)]*\))? ==", tla, re.M))
-    used = set(re.findall(r"\b([A-Z]\w*)\b", body.group(1)))
+    used = set(re.findall(r"\b([A-Z]\w*)\b", body.group(1) + bounded.group(1)))
     return used & defined - {"Ranks", "Chunks", "Nodes"}
 
 
@@ -79,8 +82,8 @@ def test_the_checks_reject_a_drifted_table() -> None:
     drifted = action_table(text)
     assert {c.removeprefix("events.") for c, _ in drifted.values()} != {c.__name__ for c in ev.ALL}
     assert next_actions(
-        "Next ==\n    \\/ Foo\n    \\/ Bar(r)\n\nFoo == TRUE\nBar(r) == TRUE\n"
-    ) == {
-        "Foo",
-        "Bar",
-    }
+        "Next ==\n    \\/ Foo\n    \\/ Bar(r)\n\nFoo == TRUE\nBar(r) == TRUE\nBaz == TRUE\n"
+        "BoundedNext == Next \\/ Baz\n"
+    ) == {"Foo", "Bar", "Baz"}
+    with pytest.raises(AssertionError, match="no BoundedNext"):
+        next_actions("Next ==\n    \\/ Foo\n\nFoo == TRUE\n")

@@ -7,7 +7,9 @@ and progress checked on the state graph (networkx): from every reachable state s
 RUNNING state is reachable. "Scheduled" checks the recovery order every backend
 takes (:mod:`leto.core.schedule`): from every reachable state, feeding the scheduled
 events alone (no further fault) reaches RUNNING with every trainer alive, each of
-them enabled where it is scheduled. It checks the Python protocol itself, not a copy
+them enabled where it is scheduled. "Bounded" (with ``ClusterConfig.deadline``): in
+every state of a recovery, the deadline's scheduled event (GiveUp) is enabled, so no
+recovery outlives it (TLA+: ``Liveness`` on ``BoundedSpec``). It checks the Python protocol itself, not a copy
 of it: the transitions are the same ``step`` the backends drive.
 """
 
@@ -143,7 +145,8 @@ def check(
                     reached[prop.name] = depth[i] + 1
 
     if progress and complete:
-        running = [i for i, s in enumerate(states) if s.phase is Phase.RUNNING]
+        # a job ends RUNNING or, past its recovery deadline, FAILED
+        running = [i for i, s in enumerate(states) if s.phase in (Phase.RUNNING, Phase.FAILED)]
         sink = -1
         graph.add_edges_from((i, sink) for i in running)
         can_run = nx.ancestors(graph, sink)
@@ -156,6 +159,14 @@ def check(
             run = scheduled_run(model, s, limit=4 * len(s.trainer) + 16)
             if run is not None:
                 violations.append(Violation("Scheduled", trace(i) + run))
+                break
+    if scheduled and complete and model.config.deadline:
+        for i, s in enumerate(states):
+            if s.phase in (Phase.RUNNING, Phase.FAILED):
+                continue
+            give = next_event(model, s, overdue=True)
+            if give is None or model.why_not(s, give) is not None:
+                violations.append(Violation("Bounded", trace(i) + ((give, s),)))
                 break
     unreached = tuple(p.name for p in sometimes if p.name not in reached)
     return CheckResult(

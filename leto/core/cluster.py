@@ -56,6 +56,7 @@ class Mutant(enum.Enum):
     PARITY_FIRST = "parity_first"  # parity updated before the data is complete
     STALE_SHADOW = "stale_shadow"  # a promoted shadow resumes at its own stale step
     EARLY_DURABLE = "early_durable"  # a checkpoint durable before every writer finished
+    NO_TIMEOUT = "no_timeout"  # the recovery deadline does not cover PROMOTING
 
 
 class Aggregation(enum.Enum):
@@ -124,6 +125,9 @@ class ClusterConfig:
     # tier 2's cross-node parities (``tier2_parity`` in a job's config): the snapshot
     # survives that many lost nodes, where some other node holds each lost share
     tier2_parity: int = attrs.field(default=1, validator=_positive)
+    # the recovery deadline (``BoundedNext`` in TLA+): the checker also tries GiveUp in
+    # every recovery phase (``step`` accepts it either way: a backend's deadline)
+    deadline: bool = False
     mutant: Mutant = attrs.field(default=Mutant.NONE, converter=Mutant)
 
     @property
@@ -252,6 +256,8 @@ class ClusterModel:
         """Every event worth trying in ``s`` (a superset of the enabled ones)."""
         cfg = self.config
         R = range(cfg.ranks)
+        if s.phase is Phase.FAILED:
+            return
         if s.phase is Phase.RUNNING:
             for r in R:
                 if s.trainer[r] is not TrainerState.ALIVE or s.tgen[r] != s.gen:
@@ -306,6 +312,8 @@ class ClusterModel:
             yield ev.RestoreCheckpoint()
             yield ev.Rebuild()
             yield ev.Resume()
+            if cfg.deadline:
+                yield ev.GiveUp()
         else:
             yield ev.Detect()
 
@@ -325,6 +333,8 @@ class ClusterModel:
         handler = _HANDLERS.get(type(e))
         if handler is None:
             return ProtocolError("cluster", s.phase, e, "not an event of this protocol")
+        if s.phase is Phase.FAILED:
+            return ProtocolError("cluster", s.phase, e, "the job has failed")
         guard, _ = handler
         return guard(self, s, e)
 
@@ -1082,6 +1092,24 @@ def _u_fence(
         cpend=NONE,
         ckdone=frozenset(),
     ), (fx.Fence(gen), fx.AbortCollectives(gen - 1), *abort)
+
+
+def _g_give_up(m: ClusterModel, s: ClusterState, e: ev.GiveUp) -> ProtocolError | None:
+    err = _phase_guard(m, s, e)
+    if err:
+        return err
+    if m.config.mutant is Mutant.NO_TIMEOUT and s.phase is Phase.PROMOTING:
+        return _err("recovery", s.phase, e, "mutant no_timeout: no deadline while promoting")
+    return None
+
+
+@_handler(ev.GiveUp)(_g_give_up)
+def _u_give_up(
+    m: ClusterModel, s: ClusterState, e: ev.GiveUp
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    return attrs.evolve(s, phase=RECOVERY.next(s.phase, e)), (
+        fx.JobFailed(s.phase.value, s.gen),
+    )
 
 
 def _g_promote(m: ClusterModel, s: ClusterState, e: ev.Promote) -> ProtocolError | None:

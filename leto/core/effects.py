@@ -27,6 +27,7 @@ __all__ = [
     "Fence",
     "ForwardBackward",
     "Hang",
+    "JobFailed",
     "KillStale",
     "LoadCheckpoint",
     "LoseMemory",
@@ -319,6 +320,15 @@ class RebuildCommunicator(Effect):
 @attrs.frozen
 class Resume(Effect):
     step: int = attrs.field(validator=_int)
+    generation: int = attrs.field(validator=_int)
+
+
+@attrs.frozen
+class JobFailed(Effect):
+    """The recovery deadline passed in ``phase``: stop the job, exit 1, one line naming
+    what the recovery still waited for (the backend's observation)."""
+
+    phase: str
     generation: int = attrs.field(validator=_int)
 
 

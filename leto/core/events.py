@@ -230,6 +230,14 @@ class Resume(Event):
     """Every rank resumes training at the recovery's target step."""
 
 
+@attrs.frozen
+class GiveUp(Event):
+    """The recovery deadline passed before the recovery resumed: the job stops (phase
+    FAILED, which accepts no further event). Scheduled by
+    :func:`leto.core.schedule.next_events` when the backend reports the deadline
+    overdue; enabled in every recovery phase, so no recovery can outlive it."""
+
+
 # --- aggregated events of the commit path ----------------------------------------------
 
 
@@ -283,5 +291,5 @@ ALL: tuple[type[Event], ...] = (
     Tier2Snapshot, BeginCheckpoint, WriteShard, CheckpointDurable, ShadowWarm,
     ShadowReclaim, Crash, Hang, LoseMemory, LoseNode,
     StaleWrite, Detect, Fence, Promote, EndPromote, Reconcile, GoFallback,
-    RestoreCheckpoint, Rebuild, Resume,
+    RestoreCheckpoint, Rebuild, Resume, GiveUp,
 )  # fmt: skip

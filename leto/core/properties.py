@@ -235,6 +235,11 @@ SOMETIMES: tuple[Sometimes, ...] = (
         edge=lambda m, pre, e, post: isinstance(e, ev.Fence) and pre.cpend != NONE,
         doc="a recovery aborted a checkpoint in progress",
     ),
+    Sometimes(
+        "GaveUp",
+        edge=lambda m, pre, e, post: isinstance(e, ev.GiveUp) and pre.phase is Phase.PROMOTING,
+        doc="the recovery deadline ended a recovery waiting for a promotion",
+    ),
     Sometimes("FailureDuringRecovery", edge=_fault_in_recovery, doc="a fault while recovering"),
     Sometimes("ColdPromotion", edge=_cold_promotion, doc="a cold shadow was promoted"),
     Sometimes(

@@ -7,7 +7,9 @@ RECONCILE (every chunk rolled forward to the committed step or back to the last 
 lost chunks rebuilt from tier-1 parity; beyond tier 1, every rank restores the tier-2
 snapshot) -> REBUILD (communicator of the new generation) -> RESUME. Beyond both
 tiers: FALLBACK to the disk checkpoint, never silent loss. A failure during recovery
-restarts it at the next generation (Detect from any later phase).
+restarts it at the next generation (Detect from any later phase). The recovery
+deadline passing in any recovery phase ends the job (GiveUp -> FAILED, which accepts
+no further event).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Phase(enum.Enum):
     FALLBACK = "fallback"
     REBUILDING = "rebuilding"
     RESUMING = "resuming"
+    FAILED = "failed"  # the recovery deadline passed: the job stopped
 
 
 class Kind(enum.Enum):
@@ -59,6 +62,11 @@ RECOVERY: Table[Phase] = Table.build(
         (P.FALLBACK, ev.RestoreCheckpoint, P.REBUILDING),
         (P.REBUILDING, ev.Rebuild, P.RESUMING),
         (P.RESUMING, ev.Resume, P.RUNNING),
+        (
+            (P.FENCING, P.PROMOTING, P.RECONCILING, P.FALLBACK, P.REBUILDING, P.RESUMING),
+            ev.GiveUp,
+            P.FAILED,
+        ),
         # Training-path decisions are taken only while running.
         (
             P.RUNNING,
@@ -68,4 +76,4 @@ RECOVERY: Table[Phase] = Table.build(
     ],
 )
 
-RECOVERY_PHASES = frozenset(p for p in Phase if p is not Phase.RUNNING)
+RECOVERY_PHASES = frozenset(p for p in Phase if p not in (Phase.RUNNING, Phase.FAILED))

@@ -26,12 +26,22 @@ __all__ = ["in_recovery", "next_event", "next_events"]
 
 
 def in_recovery(s: ClusterState) -> bool:
-    """A recovery is under way or due (a trainer is not alive)."""
+    """A recovery is under way or due (a trainer is not alive), and the job has not
+    failed."""
+    if s.phase is Phase.FAILED:
+        return False
     return s.phase is not Phase.RUNNING or any(t is not TrainerState.ALIVE for t in s.trainer)
 
 
-def next_events(model: ClusterModel, s: ClusterState) -> tuple[ev.Event, ...]:
+def next_events(
+    model: ClusterModel, s: ClusterState, *, overdue: bool = False
+) -> tuple[ev.Event, ...]:
     """The events the recovery takes next from ``s``, in order; ``()`` when none is due.
+
+    ``overdue``: the backend observed the recovery deadline pass (the clock is the
+    backend's; the decision is this one): a recovery under way gives up, whatever it
+    waits for. A failure seen while running is detected first, so the deadline only
+    ends a recovery that started.
 
     More than one only while promoting: every dead rank whose shadow is not still
     spawning can be promoted at once (each ``Promote`` leaves the others enabled),
@@ -39,6 +49,8 @@ def next_events(model: ClusterModel, s: ClusterState) -> tuple[ev.Event, ...]:
     """
     if not in_recovery(s):
         return ()
+    if overdue and s.phase is not Phase.RUNNING:
+        return (ev.GiveUp(),)
     alive = all(t is TrainerState.ALIVE for t in s.trainer)
     if not alive and s.phase not in (Phase.FENCING, Phase.PROMOTING):
         return (ev.Detect(),)  # a failure while running, or during a recovery: (re)start
@@ -65,7 +77,7 @@ def next_events(model: ClusterModel, s: ClusterState) -> tuple[ev.Event, ...]:
     raise AssertionError(f"no recovery event scheduled in phase {s.phase.name}")  # unreachable
 
 
-def next_event(model: ClusterModel, s: ClusterState) -> ev.Event | None:
+def next_event(model: ClusterModel, s: ClusterState, *, overdue: bool = False) -> ev.Event | None:
     """The first of :func:`next_events`, or None when no recovery is due."""
-    nxt = next_events(model, s)
+    nxt = next_events(model, s, overdue=overdue)
     return nxt[0] if nxt else None

@@ -41,11 +41,18 @@ CHECK_CONFIGS: Mapping[str, ClusterConfig] = {
         reclaim=False,
         tier2_parity=2,
     ),
+    # the recovery deadline: GiveUp in every recovery phase ends the job (FAILED)
+    "deadline": ClusterConfig(
+        topology=Topology((1, 1)), chunks=1, max_step=1, max_faults=1, reclaim=False, deadline=True
+    ),
 }
 
 MUTANT_CONFIG = "three-ranks"
-# mutants whose catch needs a fallback, which needs two faults
-MUTANT_CONFIGS: Mapping[Mutant, str] = {Mutant.EARLY_DURABLE: "two-faults"}
+# mutants whose catch needs a fallback, which needs two faults; or the deadline
+MUTANT_CONFIGS: Mapping[Mutant, str] = {
+    Mutant.EARLY_DURABLE: "two-faults",
+    Mutant.NO_TIMEOUT: "deadline",
+}
 MUTANTS: tuple[Mutant, ...] = tuple(m for m in Mutant if m is not Mutant.NONE)
 
 

@@ -81,6 +81,10 @@ EXPECTED: dict[str, dict[tuple[Any, type], Any]] = {
         (P.RUNNING, ev.BeginCheckpoint): P.RUNNING,
         (P.RUNNING, ev.WriteShard): P.RUNNING,
         (P.RUNNING, ev.CheckpointDurable): P.RUNNING,
+        **{
+            (x, ev.GiveUp): P.FAILED
+            for x in (P.FENCING, P.PROMOTING, P.RECONCILING, P.FALLBACK, P.REBUILDING, P.RESUMING)
+        },
     },
 }
 

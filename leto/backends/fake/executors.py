@@ -331,6 +331,13 @@ def fallback(eng: Engine, a: fx.Fallback, before: ClusterState, after: ClusterSt
         raise UnrecoverableError(eng.lost_message(before, a.reason))
 
 
+def job_failed(eng: Engine, a: fx.JobFailed, before: ClusterState, after: ClusterState) -> None:
+    raise UnrecoverableError(
+        f"the recovery deadline passed while {a.phase} (generation {a.generation}): "
+        "the job stopped"
+    )
+
+
 def save_checkpoint(
     eng: Engine, a: fx.SaveCheckpoint, before: ClusterState, after: ClusterState
 ) -> None:
@@ -440,6 +447,7 @@ EXECUTORS: dict[type[fx.Effect], Executor] = {
     fx.AbortCollectives: abort_collectives,
     fx.Promote: promote,
     fx.Fallback: fallback,
+    fx.JobFailed: job_failed,
     fx.SaveCheckpoint: save_checkpoint,
     fx.PublishCheckpoint: publish_checkpoint,
     fx.AbortCheckpoint: abort_checkpoint,
