@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from leto.spec import tlc
-from leto.spec.cli import SPEC_MUTANTS
+from leto.spec.cli import TEMPORAL_MUTANTS
 from leto.spec.tlc import (
     SPEC_DIR,
     TLCNotAvailable,
@@ -129,8 +129,8 @@ def test_liveness_config_passes() -> None:
 
 
 @needs_java
-@pytest.mark.parametrize(("mutant", "prop"), sorted(SPEC_MUTANTS.items()))
-def test_spec_only_mutant_is_caught_by_its_property(mutant: str, prop: str) -> None:
+@pytest.mark.parametrize(("mutant", "prop"), sorted(TEMPORAL_MUTANTS.items()))
+def test_temporal_mutant_is_caught_by_its_property(mutant: str, prop: str) -> None:
     cfg = f"MCLeto_{mutant}.cfg"
     assert constants(cfg)["Mutant"] == f'"{mutant}"'
     assert config_properties((SPEC_DIR / cfg).read_text()) == [prop]
