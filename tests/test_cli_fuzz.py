@@ -299,6 +299,7 @@ NUMERIC: list[tuple[Command, Num]] = [
     (bench("overhead"), Num("--periods", True, 1, 1000)),
     (bench("overhead"), Num("--tier2-interval", True, 1, 1_000_000)),
     (bench("goodput"), Num("--budget", False, 0, WEEK, True)),
+    (bench("goodput"), Num("--rounds", True, 1, 1000)),
     (SPEC, Num("--workers", True, 1, 256)),
     (SPEC, Num("--timeout", False, 0, WEEK, True)),
     (DEMO, Num("--steps", True, 1, 100_000)),

@@ -4,7 +4,7 @@
 
     leto bench recovery [--params 1M] [--repeats 5] [--mtbf 60] [--json]
     leto bench overhead [--params 1M] [--batch 16384] [--rounds 5] [--json]
-    leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 30] [--json]
+    leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 30] [--rounds 3] [--json]
     leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--json]
     leto bench control  [--ranks 1024] [--chunks 4096] [--per-node 8] [--json]
     leto bench tier2    [--nodes 4] [--mib 64] [--parities 2] [--rounds 5] [--json]
@@ -122,6 +122,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=GOODPUT_MTBF_S,
         help=f"mean time between failures, seconds (default {GOODPUT_MTBF_S:g})",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds, each running every system once in a rotated order (default 3)",
     )
     p = sub.add_parser("scaling", help="the recovery benchmark across model sizes")
     _common(p, size=False)
@@ -366,6 +372,7 @@ def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], prog
             budget_s=args.budget,
             mtbf_s=args.mtbf,
             seed=args.seed,
+            rounds=args.rounds,
             progress=progress,
         )
         return res, report.goodput_table, plots.plot_goodput

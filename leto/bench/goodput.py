@@ -185,13 +185,25 @@ def run_goodput(
     budget_s: float,
     mtbf_s: float,
     seed: int = 0,
+    rounds: int = 1,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """The goodput benchmark's result (the JSON of ``leto bench goodput``)."""
+    """The goodput benchmark's result (the JSON of ``leto bench goodput``).
+
+    ``rounds`` interleaves the systems as the overhead benchmark does: every round runs
+    each system once, in an order rotated by one per round, all on that round's failure
+    schedule (seed ``seed + round``), with plain DDP's step time measured before and
+    after each. The gain is leto's ETTR minus the best baseline's (the baseline with the
+    best mean ETTR), round by round; its mean and a 95% interval over the rounds are what
+    the machine's drift cannot decide alone."""
     import sys
 
+    from .overhead import ci95
+
+    if rounds < 1:
+        raise BenchError(f"goodput needs at least one round, got {rounds}")
     ordered = [s for s in ORDER if s in systems]
-    schedule = failure_times(budget_s, mtbf_s, wl.world, seed)
+    schedules = [failure_times(budget_s, mtbf_s, wl.world, seed + r) for r in range(rounds)]
     live = progress and sys.stderr.isatty()
 
     def tick(system: str, t: float) -> None:
@@ -202,24 +214,32 @@ def run_goodput(
     start = time.monotonic()
     # plain DDP's step time before and after every system (the machine's speed drifts)
     refs = [plain_step_time(wl)]
-    out: dict[str, Any] = {}
-    for system in ordered:
-        if system == "leto":
-            out[system] = run_leto(wl, budget_s=budget_s, schedule=schedule, progress=tick)
-        else:
-            out[system] = run_system(
-                system, wl, budget_s=budget_s, mtbf_s=mtbf_s, schedule=schedule, progress=tick
-            )
-        refs.append(plain_step_time(wl))
-        ref = (refs[-2] + refs[-1]) / 2.0
-        s = out[system]
-        s["plain_step_s"] = ref
-        s["ettr"] = s["steps"] * ref / budget_s
-        s["step_overhead_vs_plain_pct"] = 100.0 * (s["step_s"] / ref - 1.0)
-        for i, (t, n) in enumerate(s["timeline"]):
-            s["timeline"][i] = (t, n, n * ref)
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in ordered}
+    for r in range(rounds):
+        k = r % len(ordered)
+        for system in ordered[k:] + ordered[:k]:
+            if system == "leto":
+                one = run_leto(wl, budget_s=budget_s, schedule=schedules[r], progress=tick)
+            else:
+                one = run_system(
+                    system,
+                    wl,
+                    budget_s=budget_s,
+                    mtbf_s=mtbf_s,
+                    schedule=schedules[r],
+                    progress=tick,
+                )
+            refs.append(plain_step_time(wl))
+            ref = (refs[-2] + refs[-1]) / 2.0
+            one["round"] = r
+            one["plain_step_s"] = ref
+            one["ettr"] = one["steps"] * ref / budget_s
+            one["step_overhead_vs_plain_pct"] = 100.0 * (one["step_s"] / ref - 1.0)
+            one["timeline"] = [(t, n, n * ref) for t, n in one["timeline"]]
+            runs[system].append(one)
     if live:
         sys.stderr.write("\n")
+    out = {system: _summary(rs) for system, rs in runs.items()}
     ettr = {s: r["ettr"] for s, r in out.items()}
     result: dict[str, Any] = {
         "benchmark": "goodput",
@@ -227,7 +247,9 @@ def run_goodput(
         "budget_s": budget_s,
         "mtbf_s": mtbf_s,
         "seed": seed,
-        "schedule": schedule,
+        "rounds": rounds,
+        "schedule": schedules[0],
+        "schedules": schedules,
         "plain_step_s": statistics.fmean(refs),
         "plain_step_s_runs": refs,
         "ettr": ettr,
@@ -239,5 +261,29 @@ def run_goodput(
         best = max(baselines, key=lambda s: baselines[s])
         result["best_baseline"] = best
         if "leto" in ettr:
-            result["gain_pp_vs_best_baseline"] = 100.0 * (ettr["leto"] - baselines[best])
+            by_round = [
+                100.0 * (a["ettr"] - b["ettr"])
+                for a, b in zip(runs["leto"], runs[best], strict=True)
+            ]
+            result["gain_pp_vs_best_baseline"] = statistics.fmean(by_round)
+            result["gain_pp_by_round"] = by_round
+            result["gain_pp_ci95"] = ci95(by_round)
     return result
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system over the rounds: the means, the first round's timeline (the plot's),
+    and every round's own result under ``runs``."""
+    first = runs[0]
+    return {
+        **first,
+        "steps": statistics.fmean(r["steps"] for r in runs),
+        "step_s": statistics.fmean(r["step_s"] for r in runs),
+        "failures": statistics.fmean(r["failures"] for r in runs),
+        "ettr": statistics.fmean(r["ettr"] for r in runs),
+        "ettr_runs": [r["ettr"] for r in runs],
+        "step_overhead_vs_plain_pct": statistics.fmean(
+            r["step_overhead_vs_plain_pct"] for r in runs
+        ),
+        "runs": runs,
+    }

@@ -130,13 +130,16 @@ def goodput_table(res: dict[str, Any]) -> str:
     ]
     for name, s in res["systems"].items():
         lines.append(
-            f"{name:<16}{100 * s['ettr']:>7.1f}%{s['steps']:>8}{s['failures']:>10}"
+            f"{name:<16}{100 * s['ettr']:>7.1f}%{s['steps']:>8.0f}{s['failures']:>10.1f}"
             f"{s['step_s']:>11.3f}s{s['step_overhead_vs_plain_pct']:>+9.0f}%"
         )
     if "gain_pp_vs_best_baseline" in res:
+        rounds = res.get("rounds", 1)
+        ci = res.get("gain_pp_ci95")
+        spread = "" if ci is None else f" (95% CI {ci[0]:+.1f}..{ci[1]:+.1f} over {rounds} rounds)"
         lines.append(
             f"leto vs best baseline ({res['best_baseline']}): "
-            f"{res['gain_pp_vs_best_baseline']:+.1f} percentage points of productive time"
+            f"{res['gain_pp_vs_best_baseline']:+.1f} percentage points of productive time{spread}"
         )
     return "\n".join(lines)
 

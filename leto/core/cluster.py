@@ -1107,9 +1107,7 @@ def _g_give_up(m: ClusterModel, s: ClusterState, e: ev.GiveUp) -> ProtocolError 
 def _u_give_up(
     m: ClusterModel, s: ClusterState, e: ev.GiveUp
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
-    return attrs.evolve(s, phase=RECOVERY.next(s.phase, e)), (
-        fx.JobFailed(s.phase.value, s.gen),
-    )
+    return attrs.evolve(s, phase=RECOVERY.next(s.phase, e)), (fx.JobFailed(s.phase.value, s.gen),)
 
 
 def _g_promote(m: ClusterModel, s: ClusterState, e: ev.Promote) -> ProtocolError | None:

@@ -333,8 +333,7 @@ def fallback(eng: Engine, a: fx.Fallback, before: ClusterState, after: ClusterSt
 
 def job_failed(eng: Engine, a: fx.JobFailed, before: ClusterState, after: ClusterState) -> None:
     raise UnrecoverableError(
-        f"the recovery deadline passed while {a.phase} (generation {a.generation}): "
-        "the job stopped"
+        f"the recovery deadline passed while {a.phase} (generation {a.generation}): the job stopped"
     )
 
 
