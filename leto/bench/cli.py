@@ -4,6 +4,7 @@
 
     leto bench recovery [--params 1M] [--repeats 5] [--mtbf 60] [--json]
     leto bench overhead [--params 1M] [--batch 16384] [--rounds 5] [--json]
+    leto bench overhead --batches 1024,4096,16384 [--rounds 3] [--json]   # against step time
     leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 30] [--rounds 3] [--json]
     leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--json]
     leto bench control  [--ranks 1024] [--chunks 4096] [--per-node 8] [--json]
@@ -23,6 +24,7 @@ status 2, before anything starts. See ``docs/benchmarks.md``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -104,6 +106,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     _common(p, systems=False, batch=TRAINING_BATCH)
     p.add_argument("--rounds", type=int, default=5, help="rounds of interleaved jobs (default 5)")
+    p.add_argument(
+        "--batches",
+        default=None,
+        help="comma-separated batch sizes: the overhead against step time, plain DDP vs "
+        "leto at each (writes overhead-curve.json/.png)",
+    )
     p.add_argument(
         "--periods", type=int, default=2, help="tier-2 periods measured per job (default 2)"
     )
@@ -201,6 +209,26 @@ def _systems(text: str) -> list[str]:
     return names
 
 
+def _batches(text: str) -> list[int]:
+    """``--batches``: at least two different batch sizes, each within ``--batch``'s bounds."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if len(items) > MAX_SIZES:
+        raise BenchError(f"--batches names {len(items)} sizes, more than the limit of {MAX_SIZES}")
+    out: list[int] = []
+    for x in items:
+        try:
+            b = int(x)
+        except ValueError:
+            raise BenchError(f"--batches: not a batch size: {show(x)}") from None
+        problem = BOUNDS["batch"].problem(b)
+        if problem is not None:
+            raise BenchError(f"--batches: {problem}")
+        out.append(b)
+    if len(set(out)) < 2:
+        raise BenchError("--batches must name at least two different batch sizes")
+    return sorted(set(out))
+
+
 def _workload(args: argparse.Namespace, params: str) -> Workload:
     try:
         count = parse_count(params)
@@ -241,6 +269,8 @@ def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
     wls.sort(key=lambda w: w.params)
     if args.bench == "scaling" and len({w.params for w in wls}) < 2:
         raise BenchError("--sizes must name at least two different model sizes to show growth")
+    if getattr(args, "batches", None) is not None:
+        wls = [dataclasses.replace(wls[0], batch=b) for b in _batches(args.batches)]
     mem_systems = systems if args.bench != "overhead" else ["plain", "leto"]
     for wl in wls:
         check_memory(wl, mem_systems)
@@ -281,8 +311,9 @@ def run(args: argparse.Namespace) -> int:
         print("leto bench: interrupted", file=sys.stderr)
         return 130
     out = Path(args.out)
-    path = _write(out, args.bench, res)
-    png = plot(res, out / f"{args.bench}.png")
+    name = "overhead-curve" if res.get("benchmark") == "overhead-curve" else args.bench
+    path = _write(out, name, res)
+    png = plot(res, out / f"{name}.png")
     if args.json:
         print(json.dumps(res, default=float))
     else:
@@ -352,6 +383,17 @@ def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], prog
             progress=progress,
         )
         return res, report.recovery_table, plots.plot_recovery
+    if args.bench == "overhead" and args.batches is not None:
+        from .curve import run_curve
+
+        res = run_curve(
+            wls,
+            rounds=args.rounds,
+            periods=args.periods,
+            tier2_interval=args.tier2_interval,
+            progress=progress,
+        )
+        return res, report.curve_table, plots.plot_curve
     if args.bench == "overhead":
         from .overhead import run_overhead
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from .workload import BenchError, Workload
@@ -131,22 +132,27 @@ def run_overhead(
     periods: int = 2,
     tier2_interval: int = 10,
     warmup: int = 5,
+    configs: Sequence[str] = CONFIGS,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Interleaved short jobs of each configuration (see the module docstring)."""
+    """Interleaved short jobs of each configuration (see the module docstring);
+    ``configs``: which of :data:`CONFIGS` (``plain`` first, always)."""
     from leto.sim.sweep import Progress
 
     if rounds < 1 or periods < 1:
         raise BenchError("overhead needs at least one round and one tier-2 period")
+    configs = tuple(configs)
+    if not configs or configs[0] != "plain" or not set(configs) <= set(CONFIGS):
+        raise BenchError(f"overhead configurations start with plain, from {CONFIGS}: {configs}")
     steps = periods * tier2_interval
-    bar = Progress(rounds * len(CONFIGS), f"overhead {wl.label}") if progress else None
-    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
-    cpus: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
-    steal: dict[str, list[float | None]] = {c: [] for c in CONFIGS}
+    bar = Progress(rounds * len(configs), f"overhead {wl.label}") if progress else None
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    cpus: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    steal: dict[str, list[float | None]] = {c: [] for c in configs}
     start = time.monotonic()
     for r in range(rounds):
-        k = r % len(CONFIGS)
-        order = CONFIGS[k:] + CONFIGS[:k]
+        k = r % len(configs)
+        order = configs[k:] + configs[:k]
         for c in order:
             ticks = machine_ticks()
             if c == "plain":
@@ -168,7 +174,7 @@ def run_overhead(
     mean = {c: statistics.fmean(v) for c, v in times.items()}
     per_round = {
         c: [100.0 * (a / b - 1.0) for a, b in zip(times[c], times["plain"], strict=True)]
-        for c in CONFIGS[1:]
+        for c in configs[1:]
     }
     adjusted = adjusted_by_round(times, cpus)
     return {
@@ -181,9 +187,15 @@ def run_overhead(
         "tier2_interval": tier2_interval,
         "step_s": mean,
         "step_s_runs": times,
-        "overhead_pct": 100.0 * (mean["leto"] / mean["plain"] - 1.0),
-        "overhead_pct_tier2_off": 100.0 * (mean["leto-no-tier2"] / mean["plain"] - 1.0),
-        "overhead_pct_parity": 100.0 * (mean["leto-parity"] / mean["plain"] - 1.0),
+        **{
+            key: 100.0 * (mean[c] / mean["plain"] - 1.0)
+            for key, c in (
+                ("overhead_pct", "leto"),
+                ("overhead_pct_tier2_off", "leto-no-tier2"),
+                ("overhead_pct_parity", "leto-parity"),
+            )
+            if c in mean
+        },
         "overhead_pct_by_round": per_round,
         # the machine's speed drifts by several percent between jobs: the median of the
         # rounds' own ratios is the estimate least moved by one slow or fast job

@@ -121,3 +121,42 @@ def plot_scaling(res: dict[str, Any], path: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_curve(res: dict[str, Any], path: str | Path) -> Path:
+    """Overhead against plain DDP's step time (log x), measured and fitted."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [p["plain_step_s"] for p in res["points"]]
+    ax.errorbar(
+        xs,
+        [p["overhead_pct"] for p in res["points"]],
+        yerr=[
+            [
+                p["overhead_pct"] - (p["overhead_pct_ci95"] or [p["overhead_pct"]] * 2)[0]
+                for p in res["points"]
+            ],
+            [
+                (p["overhead_pct_ci95"] or [p["overhead_pct"]] * 2)[1] - p["overhead_pct"]
+                for p in res["points"]
+            ],
+        ],
+        fmt="o",
+        color="#29335c",
+        label="measured (95% CI over rounds)",
+    )
+    fx, sc = res["fit"]["fixed_s"], res["fit"]["scaling"]
+    lo, hi = min(xs) * 0.8, max(xs) * 1.25
+    grid = [lo * (hi / lo) ** (i / 50) for i in range(51)]
+    ax.plot(grid, [100.0 * (fx / t + sc) for t in grid], color="#f3a712", label="fit c/t + b")
+    ax.axhline(res["target_pct"], color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("plain DDP step time (s)")
+    ax.set_ylabel("leto's failure-free overhead (%)")
+    ax.set_title("Overhead against step time")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -177,3 +177,31 @@ def scaling_table(res: dict[str, Any]) -> str:
             else "leto's total does not grow with the state here"
         )
     return "\n".join(lines)
+
+
+def curve_table(res: dict[str, Any]) -> str:
+    w = res["workload"]
+    lines = [
+        f"overhead curve: model {w['label']} params, {w['world']} ranks; plain DDP vs leto "
+        f"(its defaults); {res['rounds']} interleaved rounds per batch size",
+        f"{'batch/rank':>10}{'plain step':>12}{'leto step':>11}{'overhead':>10}"
+        f"{'95% CI (rounds)':>20}   by round",
+    ]
+    for p in res["points"]:
+        ci = p["overhead_pct_ci95"]
+        ci_txt = f"{ci[0]:+.1f}% .. {ci[1]:+.1f}%" if ci else ""
+        lines.append(
+            f"{p['batch']:>10}{p['plain_step_s']:>11.3f}s{p['leto_step_s']:>10.3f}s"
+            f"{p['overhead_pct']:>+9.1f}%{ci_txt:>20}   "
+            + " ".join(f"{x:+.1f}%" for x in p["overhead_pct_by_round"])
+        )
+    fx, sc = res["fit"]["fixed_s"], res["fit"]["scaling"]
+    at = res["step_s_at_target"]
+    where = "no step time (see the fit)" if at is None else f"{at:.3f} s steps"
+    lines += [
+        f"fit: leto - plain = {1000 * fx:.1f} ms + {100 * sc:+.2f}% x plain step "
+        f"(least squares over every round)",
+        f"leto costs {res['target_pct']:g}% at {where}; "
+        f"at 0.25 s steps {res['overhead_pct_at_0_25_s']:+.1f}%",
+    ]
+    return "\n".join(lines)
