@@ -18,6 +18,14 @@ _COLORS = {
 }
 
 
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def _plt() -> Any:
     import matplotlib
 
@@ -49,11 +57,7 @@ def plot_recovery(res: dict[str, Any], path: str | Path) -> Path:
     ax.set_title(title)
     ax.set_ylabel("seconds")
     ax.legend()
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plot_goodput(res: dict[str, Any], path: str | Path) -> Path:
@@ -76,11 +80,7 @@ def plot_goodput(res: dict[str, Any], path: str | Path) -> Path:
         f"({len(res['schedule'])} failures scheduled)"
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plot_overhead(res: dict[str, Any], path: str | Path) -> Path:
@@ -96,11 +96,7 @@ def plot_overhead(res: dict[str, Any], path: str | Path) -> Path:
     ax.set_ylabel("failure-free step time (s)")
     w = res["workload"]
     ax.set_title(f"Step time, {w['label']} params, {w['world']} ranks ({res['backend']})")
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plot_scaling(res: dict[str, Any], path: str | Path) -> Path:
@@ -116,11 +112,7 @@ def plot_scaling(res: dict[str, Any], path: str | Path) -> Path:
     ax.set_ylabel("recovery time, median (s)")
     ax.set_title("Recovery time vs state size")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plot_curve(res: dict[str, Any], path: str | Path) -> Path:
@@ -155,8 +147,4 @@ def plot_curve(res: dict[str, Any], path: str | Path) -> Path:
     ax.set_ylabel("leto's failure-free overhead (%)")
     ax.set_title("Overhead against step time")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
