@@ -31,9 +31,7 @@ state: it survives a rank's memory loss) and in the tier-2 snapshot.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,7 +45,7 @@ from leto.backends.base import (
 from leto.core import effects as fx
 from leto.core import events as ev
 from leto.core import schedule
-from leto.core.chunk import LOST, NONE, TORN
+from leto.core.chunk import LOST, NONE
 from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Effect
 from leto.core.recovery import Kind, Phase
 from leto.core.shadow import ShadowState
@@ -81,13 +79,14 @@ from leto.retained.parity import (
 from leto.retained.process_state import (
     BatchCursor,
     capture_rng,
-    scheduler_state,
     step_scheduler,
 )
 from leto.retained.recovery import IntegrityError
 
+from . import inspect
 from .backend import RECOVERY_WHERE
 from .executors import EXECUTORS
+from .faults import FaultPoints
 from .rank import (
     EngineOptions,
     InjectedFault,
@@ -163,6 +162,7 @@ class Engine:
         self._ckpt_meta: dict[int, dict[str, Any]] = {}  # written, not yet published
         self._ckpt_interval = options.checkpoint_interval
         self._save_s = 0.0  # the last checkpoint's save cost (Young/Daly)
+        self.points = FaultPoints(self)
         self._open: list[Any] = []  # faults fired since the last resume
         self._rec: RecoveryRecord | None = None
         self._current_step = 0
@@ -215,13 +215,13 @@ class Engine:
         if resume is not None:
             self._resume(*resume)
         for p in self.procs:
-            self._store(p.rank).process_states[p.rank] = {start: self._ps_json(p, start)}
+            self._store(p.rank).process_states[p.rank] = {start: p.ps_json(start)}
         self._after_recovery_state(start)
         self._current_step = start
         if checkpointer is not None:  # the start is durable in the model from the start
             self.write_checkpoint(start)
             self.publish_checkpoint(start)
-        self._log("start", step=start, detail=self._describe())
+        self._log("start", step=start, detail=inspect.describe(self))
 
     def _resume(self, state: dict[str, Any], meta: dict[str, Any] | None, where: str) -> None:
         """Every rank loads the checkpoint (the same state: the ranks are replicas); a
@@ -240,7 +240,7 @@ class Engine:
             if meta is None:
                 continue
             ps = meta["process_states"][str(p.rank) if same_world else "0"]
-            self._load_ps(p, ps)
+            p.load_ps(ps)
             if same_world and meta.get("chunk_numel") == p.layout.chunk_numel:
                 rx.seal_checked(
                     p.layout, step, meta["checksums"][str(p.rank)], where, f"rank {p.rank}"
@@ -275,17 +275,6 @@ class Engine:
     def _member(self, rank: int) -> int:
         return self.backend.ranks_of(self.backend.node_of(rank)).index(rank)
 
-    def _describe(self) -> str:
-        t = self.backend.topology
-        lay = self.procs[0].layout
-        return (
-            f"{self.backend.name} backend, {t.nodes} node(s) x {t.node_sizes[0]} rank(s), "
-            f"{lay.n_chunks} chunks of {lay.chunk_numel} elements, states {list(lay.states)}, "
-            f"tier1={'on' if self.options.tier1 else 'off'}, "
-            f"tier2={'every ' + str(self.options.tier2_interval) + ' steps' if self.options.tier2 else 'off'}, "
-            f"checkpoint={self.checkpointer.describe() if self.checkpointer else 'none'}"
-        )
-
     def _log(self, event: str, **kw: Any) -> None:
         self.timeline.append(
             {"t_ms": round((time.perf_counter() - self._t0) * 1e3, 3), "event": event, **kw}
@@ -317,47 +306,7 @@ class Engine:
             verify=False,
         )
 
-    def _ps_json(self, p: RankProc, step: int) -> str:
-        assert p.ropt is not None
-        return json.dumps(
-            {
-                "step": step,
-                "optimizer": p.ropt.process_state(),
-                "scheduler": scheduler_state(p.replica.scheduler),
-                "sampler": p.sampler_state,
-                "rng": p.rng,
-            }
-        )
-
-    def _load_ps(self, p: RankProc, text: str) -> None:
-        ps = json.loads(text)
-        assert p.ropt is not None
-        p.ropt.load_process_state(ps["optimizer"])
-        if p.replica.scheduler is not None:
-            p.replica.scheduler.load_state_dict(ps["scheduler"])
-        p.rng = ps["rng"]
-        p.sampler_state = ps["sampler"]
-
     # ------------------------------------------------------------ fault points
-
-    def _inside(
-        self,
-        rank: int,
-        step: int,
-        phase: str,
-        chunk: int | None = None,
-        where: str | None = None,
-        *,
-        adopt: bool,
-        tear: Callable[[], None] | None = None,
-    ) -> None:
-        """A fault point inside an event's effects."""
-        if self.injector is None or not self.injector.pending_at(rank, step, phase, chunk, where):
-            return
-        faults = self.injector.take(rank, step, phase, chunk, where)
-        if tear is not None:
-            tear()
-        raise InjectedFault(faults, adopt)
 
     # ================================================================= executor
 
@@ -505,7 +454,7 @@ class Engine:
             target,
             history=store.process_states.get(r, {}),
             pending=rx.load_pending(store.pending.get(r)),
-            load_ps=lambda text: self._load_ps(p, text),
+            load_ps=p.load_ps,
             step_scheduler=lambda: step_scheduler(p.replica.scheduler),
             who=f"rank {r}",
         )
@@ -559,7 +508,7 @@ class Engine:
                 rx.unpack_into(lay, snap.data[j * nb : (j + 1) * nb])
                 rx.seal_checked(lay, step, snap.checksums[r], "tier-2 snapshot", f"rank {r}")
                 lay.clear_prepared()
-                self._load_ps(p, snap.process_states[r])
+                p.load_ps(snap.process_states[r])
 
     def write_checkpoint(self, step: int) -> None:
         """``SaveCheckpoint``: the model's and optimizer's own state dicts at ``step``,
@@ -634,7 +583,7 @@ class Engine:
                 p.layout, step, meta["checksums"][str(p.rank)], "disk checkpoint", f"rank {p.rank}"
             )
             p.layout.clear_prepared()
-            self._load_ps(p, meta["process_states"][str(p.rank)])
+            p.load_ps(meta["process_states"][str(p.rank)])
         self._after_recovery_state(step)
 
     def _after_recovery_state(self, target: int, *, snapshot: bool = True) -> None:
@@ -645,7 +594,7 @@ class Engine:
         for n in range(self.backend.nodes):
             self.backend.node_store(n).pending.clear()
         for p in self.procs:
-            self._store(p.rank).process_states[p.rank] = {target: self._ps_json(p, target)}
+            self._store(p.rank).process_states[p.rank] = {target: p.ps_json(target)}
         self._encode_parity(target)
         if snapshot:
             self._take_snapshot(target)
@@ -710,37 +659,9 @@ class Engine:
     # --- checks (tests and the demo use them) --------------------------------------
 
     def mismatches(self, s: ClusterState | None = None) -> list[str]:
-        """Where the real state disagrees with the core's ``s`` (empty: it refines it)."""
-        s = self.state if s is None else s
-        out: list[str] = []
-        for r in range(self.W):
-            p = self.procs[r]
-            if all(d == LOST for d in s.data[r]) or p.ropt is None or self.backend.memory_lost(r):
-                continue
-            lay = p.layout
-            for c in range(lay.n_chunks):
-                d, u = s.data[r][c], s.undo[r][c]
-                st, v = lay.chunk_status(c), lay.chunk_version(c)
-                if u == NONE:
-                    ok = st is ChunkStatus.CLEAN and v == d
-                elif d == TORN:
-                    ok = st is ChunkStatus.TORN and lay.undo_version(c) == u
-                else:
-                    ok = st is ChunkStatus.APPLIED and v == d and lay.undo_version(c) == u
-                if not ok:
-                    out.append(f"rank {r} chunk {c}: model data={d} undo={u}, real {st.value} v{v}")
-        for n in range(self.backend.nodes):
-            store = self.backend.node_store(n)
-            par, gpar = s.par[n], s.gpar[n]
-            if par is not None and self.options.tier1:
-                real = [list(x) for x in store.parity_versions]
-                if real != [list(x) for x in par]:
-                    out.append(f"node {n}: parity versions {real}, model {par}")
-            if gpar is not None and self.options.tier1 and list(gpar) != store.gparity_versions:
-                out.append(
-                    f"node {n}: gradient parity versions {store.gparity_versions}, model {gpar}"
-                )
-        return out
+        """Where the real state disagrees with the core's ``s`` (default: the current
+        state); empty: it refines it."""
+        return inspect.mismatches(self, self.state if s is None else s)
 
     def parity_exact(self) -> list[str]:
         """Recompute every node's tier-1 parity from the members' bytes and compare."""
@@ -769,21 +690,11 @@ class Engine:
 
     def retained_state(self) -> list[dict[str, torch.Tensor]]:
         """Every rank's params and optimizer state buffers (copies), for bitwise checks."""
-        return [{name: buf.clone() for name, buf in rx.named_buffers(p.layout)} for p in self.procs]
+        return inspect.retained_state(self)
 
     def process_states(self) -> list[dict[str, Any]]:
         """Every rank's optimizer and scheduler process state (JSON-able)."""
-        out = []
-        for p in self.procs:
-            assert p.ropt is not None
-            out.append(
-                {
-                    "optimizer": p.ropt.process_state(),
-                    "scheduler": scheduler_state(p.replica.scheduler),
-                    "rng": p.rng,
-                }
-            )
-        return out
+        return inspect.process_states(self)
 
     def lost_message(self, s: ClusterState, reason: str) -> str:
         topo = self.backend.topology
@@ -817,7 +728,7 @@ class Engine:
             self.execute(e, effects, before, after)
         except InjectedFault as f:
             coord.adopt(after if f.adopt else before)
-            self._fire(f.faults)
+            self.points.fire(f.faults)
             raise _Interrupted from None
         except ChecksumError as err:
             if not isinstance(e, (ev.BeginChunk, ev.Prepare)):
@@ -832,30 +743,6 @@ class Engine:
             return False
         self.feed(e)
         return True
-
-    def _fire(self, faults: list[Any]) -> None:
-        for f in faults:
-            self.stats["failures_injected"] += 1
-            self._open.append(f)
-            self._log("fault", step=f.step, detail=f.label)
-            if f.kind == "crash":
-                self._try(ev.Crash(f.rank))
-            elif f.kind == "hang":
-                self._try(ev.Hang(f.rank))
-            elif f.kind == "lose_memory":
-                self._try(ev.LoseMemory(f.rank))
-            elif f.kind == "lose_node":
-                self._try(ev.LoseNode(f.node))
-            elif f.kind == "corrupt":
-                self._flip(f)
-            else:  # pragma: no cover - the injector validates kinds
-                raise ValueError(f.kind)
-
-    def _flip(self, f: Any) -> None:
-        lay = self.procs[f.rank].layout
-        b = as_bytes(lay.chunk_data(f.target_chunk)[0])
-        with torch.no_grad():
-            b[0] = int(b[0]) ^ (1 << f.bit)
 
     def _integrity_failure(self, r: int, why: str) -> None:
         """A checksum caught bad bytes on rank ``r``: its keeper discards the memory."""
@@ -872,17 +759,6 @@ class Engine:
             "integrity", rank=r, detail=f"checksum mismatch ({why}); memory of rank {r} discarded"
         )
         self._try(ev.LoseMemory(r))
-
-    def _pt(
-        self, rank: int, step: int, phase: str, chunk: int | None = None, where: str | None = None
-    ) -> None:
-        """A fault point between events."""
-        if self.injector is None or not self.injector.pending_at(rank, step, phase, chunk, where):
-            return
-        faults = self.injector.take(rank, step, phase, chunk, where)
-        self._fire(faults)
-        if any(f.kind != "corrupt" for f in faults):
-            raise _Interrupted
 
     def run_step(self, step_fn: StepFn | None = None) -> float | None:
         """One training step on every rank; on a failure, recover in place.
@@ -909,23 +785,23 @@ class Engine:
             for r in R:
                 self.feed(ev.Compute(r))
             for r in R:
-                self._pt(r, V, "allreduce")
+                self.points.between(r, V, "allreduce")
                 self.feed(ev.Reduce(r))
             for r in R:
                 self.feed(ev.Prepare(r))
             for r in R:
-                self._pt(r, V, "decide", where="before")
+                self.points.between(r, V, "decide", where="before")
             self.feed(ev.Decide())
             for r in R:
-                self._pt(r, V, "decide", where="after")
+                self.points.between(r, V, "decide", where="after")
             for c in range(self.n_chunks):
                 for r in R:
                     self.feed(ev.BeginChunk(r, c))
                     self.feed(ev.EndChunk(r, c))
-                    self._pt(r, V, "apply", c, "written")
+                    self.points.between(r, V, "apply", c, "written")
                     self.feed(ev.ParityChunk(r, c))
             for r in R:
-                self._pt(r, V, "finish")
+                self.points.between(r, V, "finish")
                 self.feed(ev.Finish(r))
         except _Interrupted:
             self.recover()
@@ -998,7 +874,7 @@ class Engine:
                     for f in self.injector.take(r, V, "recovery", None, name)
                 ]
                 if hits:
-                    self._fire(hits)
+                    self.points.fire(hits)
                     continue
             self.feed(e)
             if isinstance(e, ev.Fence):
@@ -1071,7 +947,7 @@ class Engine:
             self._attach_layout(p)
         step = s.step[0]
         for p in self.procs:
-            self._load_ps(p, self._store(p.rank).process_states[p.rank][step])
+            p.load_ps(self._store(p.rank).process_states[p.rank][step])
             p.gen = s.gen
             self.backend.spawn_shadow(p.rank, self._shadow_factory)
         sampler = self.procs[0].sampler_state
@@ -1079,4 +955,4 @@ class Engine:
         self.cursor.restore(sampler)
         if self.injector is not None:
             self.injector.n_chunks = self.procs[0].layout.n_chunks
-        self._log("attach", step=step, detail=self._describe())
+        self._log("attach", step=step, detail=inspect.describe(self))

@@ -50,9 +50,9 @@ def forward_backward(
     for prm in model.parameters():
         prm.grad = None
     loss = eng.step_fn(model, batch)
-    eng._inside(r, step, "forward", adopt=False)
+    eng.points.inside(r, step, "forward", adopt=False)
     loss.backward()  # type: ignore[no-untyped-call]
-    eng._inside(r, step, "backward", adopt=False)
+    eng.points.inside(r, step, "backward", adopt=False)
     p.rng = capture_rng()
     lay = p.layout
     flat = torch.zeros(lay.numel, dtype=lay.dtype)
@@ -113,7 +113,7 @@ def write_gradient_parity(
         if bad:
             raise ChecksumError(f"chunks {bad} fail their checksums at PREPARE of step {step}")
     lay.seal_grads(step, p.present)
-    eng._inside(r, step, "prepare", adopt=False)
+    eng.points.inside(r, step, "prepare", adopt=False)
     store = eng._store(r)
     if eng.options.tier1 and store.gparity is not None and p.gdelta is not None:
         store.gparity.add_(p.gdelta)
@@ -149,7 +149,7 @@ def save_undo(eng: Engine, a: fx.SaveUndo, before: ClusterState, after: ClusterS
     if before.pc[r] is TxnState.PREPARED:
         p.ropt.begin(step)
     p.ropt.save_undo(c)  # with verify: the chunk's checksum is checked first
-    eng._inside(r, step, "apply", c, "undo_saved", adopt=True)
+    eng.points.inside(r, step, "apply", chunk=c, where="undo_saved", adopt=True)
 
 
 def apply_chunk(eng: Engine, a: fx.ApplyChunk, before: ClusterState, after: ClusterState) -> None:
@@ -166,7 +166,7 @@ def apply_chunk(eng: Engine, a: fx.ApplyChunk, before: ClusterState, after: Clus
                 h = dst.numel() // 2
                 dst[h:].copy_(src[h:])
 
-    eng._inside(r, step, "apply", c, "mid_write", adopt=True, tear=tear)
+    eng.points.inside(r, step, "apply", chunk=c, where="mid_write", adopt=True, tear=tear)
     ropt.apply_chunk(c, seal=False)
 
 
@@ -197,7 +197,7 @@ def update_parity(
         add_delta_(store.parity[c], lay.undo_data(c), lay.chunk_data(c))
         store.parity_versions[c][m] = step
         store.parity_checksums[c][m] = lay.stored_checksum(c)
-    eng._inside(r, step, "parity", c, adopt=True)
+    eng.points.inside(r, step, "parity", chunk=c, adopt=True)
 
 
 def release_undo(eng: Engine, a: fx.ReleaseUndo, before: ClusterState, after: ClusterState) -> None:
@@ -218,7 +218,7 @@ def step_done(eng: Engine, a: fx.StepDone, before: ClusterState, after: ClusterS
         raise IntegrityError(f"rank {r}: the prepare record is of step {pend['step']}, not {step}")
     p.sampler_state = pend["sampler"]
     hist = store.process_states.setdefault(r, {})
-    hist[step] = eng._ps_json(p, step)
+    hist[step] = p.ps_json(step)
     for old in [s for s in hist if s < step - 2]:
         del hist[old]
 
