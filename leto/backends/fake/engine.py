@@ -40,7 +40,6 @@ from leto.backends.base import (
     Backend,
     NodeStore,
     ProtocolRecord,
-    Snapshot,
 )
 from leto.core import effects as fx
 from leto.core import events as ev
@@ -50,10 +49,7 @@ from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Effect
 from leto.core.recovery import Kind, Phase
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
-from leto.core.txn import TxnState
-from leto.errors import ConfigError
 from leto.retained import recovery as rx
-from leto.retained import rs
 from leto.retained.checkpoint import Checkpointer
 from leto.retained.dcp_state import (
     load_model_state,
@@ -64,18 +60,8 @@ from leto.retained.dcp_state import (
 )
 from leto.retained.layout import (
     ChecksumError,
-    ChunkStatus,
-    LayoutError,
-    RetainedLayout,
-    ShapeMismatchError,
 )
-from leto.retained.optim import check_supported, retain
-from leto.retained.parity import (
-    as_bytes,
-    decode_rotated,
-    encode,
-    encode_rotated,
-)
+from leto.retained.optim import check_supported
 from leto.retained.process_state import (
     BatchCursor,
     capture_rng,
@@ -83,7 +69,7 @@ from leto.retained.process_state import (
 )
 from leto.retained.recovery import IntegrityError
 
-from . import inspect
+from . import inspect, integrity, layouts, snapshots, tier1
 from .backend import RECOVERY_WHERE
 from .executors import EXECUTORS
 from .faults import FaultPoints
@@ -174,10 +160,10 @@ class Engine:
         replicas = [replica] + [copy_replica(replica) for _ in range(1, self.W)]
         self.procs = [RankProc(r, backend.generation, replicas[r]) for r in range(self.W)]
         if attach:
-            self._attach_all()
+            layouts.attach_all(self)
             return
         for p in self.procs:
-            self._create_layout(p)
+            layouts.create(self, p)
         n_chunks = self.procs[0].layout.n_chunks
         if self.injector is not None:
             self.injector.n_chunks = n_chunks
@@ -283,29 +269,6 @@ class Engine:
     def _shadow_factory(self) -> Replica:
         return copy_replica(self.template, clear_state=True)
 
-    def _create_layout(self, p: RankProc) -> None:
-        """Fresh retained state for ``p`` in its keeper (at version 0; repairs follow)."""
-        self.backend.reset_memory(p.rank)
-        self._bind_layout(p, attach=False)
-
-    def _attach_layout(self, p: RankProc) -> None:
-        """Bind ``p`` to the retained state in its keeper (validates shapes first)."""
-        self._bind_layout(p, attach=True)
-
-    def _bind_layout(self, p: RankProc, *, attach: bool) -> None:
-        rep = p.replica
-        p.ropt = retain(
-            rep.model,
-            rep.optimizer,
-            chunk_numel=self.options.chunk_numel,
-            alloc=self.backend.allocator(p.rank),
-            attach=attach,
-            align_bytes=self.options.align_bytes,
-            # chunks are verified at PREPARE (all of them, before the step's vote) and
-            # at every recovery; not again before each chunk's undo copy
-            verify=False,
-        )
-
     # ------------------------------------------------------------ fault points
 
     # ================================================================= executor
@@ -330,36 +293,29 @@ class Engine:
 
     # --- recovery plans on real tensors --------------------------------------------
 
-    def _ensure_layout(self, r: int, lost: bool) -> None:
-        p = self.procs[r]
-        if lost or self.backend.memory_lost(r):
-            self._create_layout(p)
-        elif p.ropt is None:
-            self._attach_layout(p)
-
     def _reconcile(
         self, before: ClusterState, after: ClusterState, effects: tuple[Effect, ...]
     ) -> None:
         target, kind = after.target, after.kind
         lost = {r for r in range(self.W) if all(d == LOST for d in before.data[r])}
         for r in range(self.W):
-            self._ensure_layout(r, r in lost)
+            layouts.ensure(self, r, r in lost)
         reason = next((a.reason for a in effects if isinstance(a, fx.Reconciled)), "")
         rec = self._rec
         if kind is Kind.TIER2:
-            self._restore_snapshot(target)
+            snapshots.restore(self, target)
             self.stats["snapshot_restores"] += 1
         else:
             for a in effects:
                 if not isinstance(a, fx.RunRepair):
                     continue
                 if a.what == "tier1":
-                    self._decode_chunk(a.rank, a.chunk, a.step)
+                    tier1.decode_chunk(self, a.rank, a.chunk, a.step)
                     self.stats["chunks_repaired_from_parity"] += 1
                     if rec:
                         rec.tier1_chunks += 1
                 elif a.what == "grad-tier1":
-                    self._decode_grads(a.rank, a.step)
+                    tier1.decode_grads(self, a.rank, a.step)
                     self.stats["grad_blocks_repaired_from_parity"] += 1
                     if rec:
                         rec.tier1_grads += 1
@@ -389,59 +345,6 @@ class Engine:
             self._rec.loss = loss
             self._rec.reason = reason
 
-    def _decode_chunk(self, r: int, c: int, version: int) -> None:
-        """Tier 1: rank ``r``'s chunk ``c`` at ``version`` from its node's parity
-        (:func:`leto.retained.recovery.decode_chunk` on every member of the node)."""
-        members = self.backend.ranks_of(self.backend.node_of(r))
-        store = self._store(r)
-        if store.parity is None:
-            raise IntegrityError(f"rank {r} chunk {c}: its node's tier-1 parity is gone")
-        mi = members.index(r)
-        versions = list(store.parity_versions[c])
-        checksum = store.parity_checksums[c][mi]
-        parity = store.parity[c]
-
-        def program(coll: Any) -> None:
-            rx.decode_chunk(
-                coll,
-                self.procs[members[coll.rank]].layout,
-                c,
-                lost=mi,
-                version=version,
-                versions=versions,
-                checksum=checksum,
-                parity=parity,
-                who=f"rank {r}",
-            )
-
-        self.backend.spmd(members, program)
-
-    def _decode_grads(self, r: int, step: int) -> None:
-        """Tier 1: rank ``r``'s gradients of ``step`` from its node's gradient parity
-        (:func:`leto.retained.recovery.decode_grads` on every member of the node)."""
-        members = self.backend.ranks_of(self.backend.node_of(r))
-        store = self._store(r)
-        if store.gparity is None:
-            raise IntegrityError(f"rank {r}: its node's gradient parity is gone")
-        mi = members.index(r)
-        versions = list(store.gparity_versions)
-        pending = rx.load_pending(store.pending.get(r))
-        gparity = store.gparity
-
-        def program(coll: Any) -> None:
-            rx.decode_grads(
-                coll,
-                self.procs[members[coll.rank]].layout,
-                lost=mi,
-                step=step,
-                versions=versions,
-                parity=gparity,
-                pending=pending,
-                who=f"rank {r}",
-            )
-
-        self.backend.spmd(members, program)
-
     def _settle(self, r: int, target: int) -> tuple[int, bool]:
         """Bring rank ``r`` to ``target`` (:func:`leto.retained.recovery.settle`).
         Returns (chunks rolled forward, uncommitted gradients dropped)."""
@@ -462,53 +365,6 @@ class Engine:
             p.rng = done.rng
             p.sampler_state = done.sampler
         return done.forward, done.dropped
-
-    def _restore_snapshot(self, step: int) -> None:
-        """Tier 2: every rank restores its node's snapshot (a lost node's is decoded)."""
-        N = self.backend.nodes
-        stores = [self.backend.node_store(n) for n in range(N)]
-        snaps = [st.snapshot for st in stores]
-        missing = [n for n, sn in enumerate(snaps) if sn is None or sn.step != step]
-        m = self.options.tier2_parity
-        if len(missing) > m:
-            raise IntegrityError(f"tier-2 snapshots of nodes {missing} are gone: beyond tier 2")
-        if missing:
-            ref = next(
-                s.snapshot for s in stores if s.snapshot is not None and s.snapshot.step == step
-            )
-            assert ref is not None and ref.share is not None
-            datas = [
-                torch.zeros_like(ref.data) if n in missing else stores[n].snapshot.data  # type: ignore[union-attr]
-                for n in range(N)
-            ]
-            shares = [
-                torch.zeros_like(ref.share) if n in missing else stores[n].snapshot.share  # type: ignore[union-attr]
-                for n in range(N)
-            ]
-
-            def program(coll: Any) -> Any:
-                if m == 1:
-                    return decode_rotated(coll, datas[coll.rank], missing[0], shares[coll.rank])
-                rs.decode_striped(coll, datas[coll.rank], m, missing, shares[coll.rank])
-                return shares[coll.rank]
-
-            out = self.backend.spmd(list(range(N)), program)
-            for lost in missing:
-                stores[lost].snapshot = Snapshot(
-                    step, datas[lost], dict(ref.checksums), dict(ref.process_states), out[lost]
-                )
-        for n in range(N):
-            snap = stores[n].snapshot
-            assert snap is not None
-            for j, r in enumerate(self.backend.ranks_of(n)):
-                p = self.procs[r]
-                lay = p.layout
-                rx.free_undo(lay)
-                nb = rx.packed(lay).numel()
-                rx.unpack_into(lay, snap.data[j * nb : (j + 1) * nb])
-                rx.seal_checked(lay, step, snap.checksums[r], "tier-2 snapshot", f"rank {r}")
-                lay.clear_prepared()
-                p.load_ps(snap.process_states[r])
 
     def write_checkpoint(self, step: int) -> None:
         """``SaveCheckpoint``: the model's and optimizer's own state dicts at ``step``,
@@ -572,7 +428,7 @@ class Engine:
         assert self.checkpointer is not None
         lost = {r for r in range(self.W) if all(d == LOST for d in before.data[r])}
         for r in range(self.W):
-            self._ensure_layout(r, r in lost)
+            layouts.ensure(self, r, r in lost)
             rx.free_undo(self.procs[r].layout)
         state, meta = self.checkpointer.read(step)
         where = f"the checkpoint of step {step} in {self.checkpointer.describe()}"
@@ -595,66 +451,9 @@ class Engine:
             self.backend.node_store(n).pending.clear()
         for p in self.procs:
             self._store(p.rank).process_states[p.rank] = {target: p.ps_json(target)}
-        self._encode_parity(target)
+        tier1.encode_all(self, target)
         if snapshot:
-            self._take_snapshot(target)
-
-    def _encode_parity(self, step: int) -> None:
-        C = self.procs[0].layout.n_chunks
-        for n in range(self.backend.nodes):
-            store = self.backend.node_store(n)
-            members = self.backend.ranks_of(n)
-            if not self.options.tier1:
-                store.parity = None
-                store.gparity = None
-                continue
-            lays = [self.procs[q].layout for q in members]
-
-            def program(coll: Any, lays: list[RetainedLayout] = lays) -> Any:
-                return [encode(coll, lays[coll.rank].chunk_data(c), 0) for c in range(C)]
-
-            out = self.backend.spmd(members, program)
-            store.parity = out[0]
-            store.parity_versions = [[step] * len(members) for _ in range(C)]
-            store.parity_checksums = [[lay.stored_checksum(c) for lay in lays] for c in range(C)]
-            store.gparity = torch.zeros(as_bytes(lays[0].grad_buffer).numel(), dtype=torch.uint8)
-            store.gparity_versions = [NONE] * len(members)
-
-    def _take_snapshot(self, step: int) -> None:
-        self.stats["snapshots_taken"] += 1
-        N = self.backend.nodes
-        rank_bytes = [rx.packed(p.layout) for p in self.procs]
-        nb = rank_bytes[0].numel()
-        width = max(self.backend.topology.node_sizes)
-        checks = {
-            p.rank: [p.layout.stored_checksum(c) for c in range(p.layout.n_chunks)]
-            for p in self.procs
-        }
-        states = {p.rank: self._store(p.rank).process_states[p.rank][step] for p in self.procs}
-        datas = []
-        for n in range(N):
-            d = torch.zeros(width * nb, dtype=torch.uint8)
-            for j, r in enumerate(self.backend.ranks_of(n)):
-                d[j * nb : (j + 1) * nb] = rank_bytes[r]
-            datas.append(d)
-        shares: list[Any] = [None] * N
-        if N >= 2:
-
-            def program(coll: Any) -> Any:
-                m = self.options.tier2_parity
-                if m == 1:
-                    return encode_rotated(coll, datas[coll.rank])
-                share = torch.zeros(
-                    m * rs.striped_share_nbytes(width * nb, N, m), dtype=torch.uint8
-                )
-                rs.encode_striped(coll, datas[coll.rank], m, share)
-                return share
-
-            shares = self.backend.spmd(list(range(N)), program)
-        for n in range(N):
-            self.backend.node_store(n).snapshot = Snapshot(
-                step, datas[n], checks, states, shares[n]
-            )
+            snapshots.take(self, target)
 
     # --- checks (tests and the demo use them) --------------------------------------
 
@@ -665,28 +464,7 @@ class Engine:
 
     def parity_exact(self) -> list[str]:
         """Recompute every node's tier-1 parity from the members' bytes and compare."""
-        from leto.retained.parity import encode_local
-
-        out: list[str] = []
-        if not self.options.tier1:
-            return out
-        for n in range(self.backend.nodes):
-            store = self.backend.node_store(n)
-            if store.parity is None:
-                continue
-            members = self.backend.ranks_of(n)
-            for c in range(self.n_chunks):
-                datas = []
-                for j, q in enumerate(members):
-                    if self.backend.memory_lost(q) or self.procs[q].ropt is None:
-                        break
-                    datas.append(rx.bytes_at(self.procs[q].layout, c, store.parity_versions[c][j]))
-                else:
-                    if not torch.equal(encode_local(datas), store.parity[c]):
-                        out.append(
-                            f"node {n} chunk {c}: parity bytes differ from the members' code"
-                        )
-        return out
+        return tier1.exact(self)
 
     def retained_state(self) -> list[dict[str, torch.Tensor]]:
         """Every rank's params and optimizer state buffers (copies), for bitwise checks."""
@@ -734,7 +512,7 @@ class Engine:
             if not isinstance(e, (ev.BeginChunk, ev.Prepare)):
                 raise
             coord.adopt(before)  # no vote cast / no undo copy taken
-            self._integrity_failure(e.rank, str(err))
+            integrity.failure(self, e.rank, str(err))
             raise _Interrupted from None
         coord.adopt(after)
 
@@ -743,22 +521,6 @@ class Engine:
             return False
         self.feed(e)
         return True
-
-    def _integrity_failure(self, r: int, why: str) -> None:
-        """A checksum caught bad bytes on rank ``r``: its keeper discards the memory."""
-        self.stats["integrity_failures"] += 1
-        if self.injector is not None:
-            for f in self.injector.faults:
-                if f.kind == "corrupt" and f.rank == r and f.fired and not f.detected:
-                    f.detected += 1
-        if self._rec is not None:
-            self._rec.integrity.append(f"rank {r}: {why}")
-        else:
-            self._integrity_notes.append(f"rank {r}: {why}")
-        self._log(
-            "integrity", rank=r, detail=f"checksum mismatch ({why}); memory of rank {r} discarded"
-        )
-        self._try(ev.LoseMemory(r))
 
     def run_step(self, step_fn: StepFn | None = None) -> float | None:
         """One training step on every rank; on a failure, recover in place.
@@ -774,7 +536,7 @@ class Engine:
             s = self.state
         if self.options.tier2 and s.step[0] - s.t2 >= self.options.tier2_interval:
             # a recovery kept a snapshot that is now K steps back: take the next one first
-            if not self._snapshot_capture_clean():
+            if not snapshots.capture_clean(self):
                 self.recover()
             self.feed(ev.Tier2Snapshot())
             s = self.state
@@ -811,7 +573,7 @@ class Engine:
         self.stats["steps_run"] += 1
         s = self.state
         if self.options.tier2 and V - s.t2 >= self.options.tier2_interval:
-            if not self._snapshot_capture_clean():
+            if not snapshots.capture_clean(self):
                 self.recover()
                 return loss
             self.feed(ev.Tier2Snapshot())
@@ -819,23 +581,6 @@ class Engine:
             self._take_checkpoint()
         self._warm_shadows()
         return loss
-
-    def _snapshot_capture_clean(self) -> bool:
-        """PROTOCOL.md, Tier2Snapshot: a snapshot captures verified bytes only.
-
-        Bytes damaged after PREPARE's pass (a silent flip between the vote and the
-        snapshot) would enter the snapshot under the chunk's good checksum and be found
-        only when the snapshot is restored, with no tier left to repair them. A rank whose
-        chunks fail here is an integrity failure (its memory is discarded and rebuilt
-        from tier 1) and the snapshot is taken after that recovery.
-        """
-        if not self.options.verify:
-            return True
-        bad = {p.rank: p.layout.verify() for p in self.procs}
-        bad = {r: cs for r, cs in bad.items() if cs}
-        for r, cs in bad.items():
-            self._integrity_failure(r, f"chunks {cs} fail their checksums at the tier-2 snapshot")
-        return not bad
 
     def _warm_shadows(self) -> None:
         for r in range(self.W):
@@ -854,10 +599,10 @@ class Engine:
         for _ in range(10_000):
             s = self.state
             if s.phase is Phase.RECONCILING:
-                bad = self.integrity_scan(s)
+                bad = integrity.scan(self, s)
                 if bad:
                     for r, why in bad.items():
-                        self._integrity_failure(r, why)
+                        integrity.failure(self, r, why)
                     continue
             e = schedule.next_event(self.model, s)
             if e is None:
@@ -884,35 +629,6 @@ class Engine:
             raise RuntimeError("recovery did not end")
         self._warm_shadows()
 
-    def integrity_scan(self, s: ClusterState) -> dict[int, str]:
-        """Ranks whose retained memory fails a check (chunks, undo copies, sealed grads)."""
-        bad: dict[int, str] = {}
-        for r in range(self.W):
-            if all(d == LOST for d in s.data[r]):
-                continue
-            p = self.procs[r]
-            if p.ropt is None:
-                try:
-                    self._attach_layout(p)
-                except ShapeMismatchError:
-                    raise  # the shadow's model does not fit: a program error, not lost memory
-                except (LayoutError, ChecksumError) as e:
-                    bad[r] = f"cannot attach its retained state: {e}"
-                    continue
-            lay = p.layout
-            chunks = lay.verify()
-            undo = [
-                c
-                for c in range(lay.n_chunks)
-                if lay.chunk_status(c) is not ChunkStatus.CLEAN and not lay.verify_undo(c)
-            ]
-            grads = lay.verify_grads(lay.prepared_step) if lay.prepared_step >= 0 else []
-            if chunks or undo or grads:
-                bad[r] = (
-                    f"chunks {chunks} / undo copies {undo} / gradient chunks {grads} fail their checksums"
-                )
-        return bad
-
     def train(self, steps: int, step_fn: StepFn | None = None) -> None:
         """Train until the committed step reaches ``steps``, recovering in place."""
         if step_fn is not None:
@@ -921,38 +637,3 @@ class Engine:
             self.run_step()
 
     # --- attach to retained state left by an earlier engine ------------------------
-
-    def _attach_all(self) -> None:
-        coord = self.backend.record
-        if coord is None:
-            raise LayoutError("the backend holds no retained job to attach to")
-        s = coord.state
-        if (
-            s.phase is not Phase.RUNNING
-            or len(set(s.step)) != 1
-            or any(pc is not TxnState.IDLE for pc in s.pc)
-        ):
-            raise LayoutError(
-                f"the retained job is not idle between steps (phase {s.phase.name}): "
-                "it must recover first"
-            )
-        meta = RetainedLayout.read_meta(self.backend.allocator(0))
-        if meta["chunk_numel"] != self.options.chunk_numel:
-            raise ConfigError(
-                "chunk_size",
-                f"{self.options.chunk_numel} elements, but the retained state is chunked by "
-                f"{meta['chunk_numel']}",
-            )
-        for p in self.procs:  # validates shapes before binding anything; copies nothing
-            self._attach_layout(p)
-        step = s.step[0]
-        for p in self.procs:
-            p.load_ps(self._store(p.rank).process_states[p.rank][step])
-            p.gen = s.gen
-            self.backend.spawn_shadow(p.rank, self._shadow_factory)
-        sampler = self.procs[0].sampler_state
-        assert sampler is not None
-        self.cursor.restore(sampler)
-        if self.injector is not None:
-            self.injector.n_chunks = self.procs[0].layout.n_chunks
-        self._log("attach", step=step, detail=inspect.describe(self))

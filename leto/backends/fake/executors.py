@@ -28,6 +28,7 @@ from leto.retained.parity import add_delta_, as_bytes
 from leto.retained.process_state import capture_rng, restore_rng, shard, step_scheduler
 from leto.retained.recovery import IntegrityError
 
+from . import snapshots
 from .rank import RankProc, RecoveryRecord, UnrecoverableError
 
 if TYPE_CHECKING:
@@ -226,7 +227,7 @@ def step_done(eng: Engine, a: fx.StepDone, before: ClusterState, after: ClusterS
 def tier2_snapshot(
     eng: Engine, a: fx.TakeSnapshot, before: ClusterState, after: ClusterState
 ) -> None:
-    eng._take_snapshot(a.step)
+    snapshots.take(eng, a.step)
 
 
 def warm_shadow(eng: Engine, a: fx.WarmShadow, before: ClusterState, after: ClusterState) -> None:
