@@ -3,7 +3,7 @@
 ``EXECUTORS`` maps every effect class (:mod:`leto.core.effects`) to the function that
 carries it out on the simulated ranks' real tensors; ``tests/fake`` checks that every
 effect has exactly one. The reconcile plan's ``RunRepair`` and ``Reconciled`` are
-carried out together by the engine's ``_reconcile`` (the ``Reconcile`` event), through
+carried out together by :func:`.recovery.reconcile` (the ``Reconcile`` event), through
 the one recovery executor (:mod:`leto.retained.recovery`).
 """
 
@@ -28,7 +28,7 @@ from leto.retained.parity import add_delta_, as_bytes
 from leto.retained.process_state import capture_rng, restore_rng, shard, step_scheduler
 from leto.retained.recovery import IntegrityError
 
-from . import snapshots
+from . import recovery, snapshots
 from .rank import RankProc, RecoveryRecord, UnrecoverableError
 
 if TYPE_CHECKING:
@@ -329,32 +329,32 @@ def spawn_shadow(eng: Engine, a: fx.SpawnShadow, before: ClusterState, after: Cl
 
 def fallback(eng: Engine, a: fx.Fallback, before: ClusterState, after: ClusterState) -> None:
     if eng.checkpointer is None:
-        raise UnrecoverableError(eng.lost_message(before, a.reason))
+        raise UnrecoverableError(recovery.lost_message(eng, before, a.reason))
 
 
 def save_checkpoint(
     eng: Engine, a: fx.SaveCheckpoint, before: ClusterState, after: ClusterState
 ) -> None:
-    eng.write_checkpoint(a.step)
+    eng.checkpoints.write(a.step)
 
 
 def publish_checkpoint(
     eng: Engine, a: fx.PublishCheckpoint, before: ClusterState, after: ClusterState
 ) -> None:
-    eng.publish_checkpoint(a.step)
+    eng.checkpoints.publish(a.step)
 
 
 def abort_checkpoint(
     eng: Engine, a: fx.AbortCheckpoint, before: ClusterState, after: ClusterState
 ) -> None:
-    eng.abort_checkpoint(a.step)
+    eng.checkpoints.abort(a.step)
 
 
 def load_checkpoint(
     eng: Engine, a: fx.LoadCheckpoint, before: ClusterState, after: ClusterState
 ) -> None:
-    eng._restore_checkpoint(before, a.step)
-    eng._note_recovered(after, Kind.CKPT.value, a.step, before.committed - a.step)
+    eng.checkpoints.restore(before, a.step)
+    recovery.note_recovered(eng, Kind.CKPT.value, a.step, before.committed - a.step)
     eng.stats["checkpoint_restores"] += 1
 
 
@@ -412,7 +412,7 @@ Executor = Callable[["Engine", Any, ClusterState, ClusterState], None]
 
 #: One executor per effect of the core (``tests/fake`` checks every effect has one).
 #: The reconcile plan's ``Repair`` and ``Reconciled`` are carried out together by
-#: :meth:`Engine._reconcile`, which ``execute`` calls for the ``Reconcile`` event.
+#: :func:`.recovery.reconcile`, which ``execute`` calls for the ``Reconcile`` event.
 EXECUTORS: dict[type[fx.Effect], Executor] = {
     fx.ForwardBackward: forward_backward,
     fx.AllReduceGradients: all_reduce_gradients,
@@ -448,5 +448,5 @@ EXECUTORS: dict[type[fx.Effect], Executor] = {
     fx.RebuildCommunicator: rebuild_communicator,
     fx.Resume: resume,
 }
-#: carried out by Engine._reconcile as a whole
+#: carried out by recovery.reconcile as a whole
 RECONCILE_EFFECTS = (fx.RunRepair, fx.Reconciled)
