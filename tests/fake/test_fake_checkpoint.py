@@ -98,11 +98,11 @@ def test_young_daly_interval_from_the_measured_save_cost() -> None:
     # an MTBF of a millisecond: a checkpoint every step (the interval is at least 1)
     eng = make_engine(checkpointer=MemoryCheckpointer(), checkpoint_mtbf=1e-3)
     eng.train(5)
-    assert eng._ckpt_interval == 1 and eng.state.ckpt == 5
+    assert eng.checkpoints.interval == 1 and eng.state.ckpt == 5
     # a year: none within 5 steps
     eng = make_engine(checkpointer=MemoryCheckpointer(), checkpoint_mtbf=3.2e7)
     eng.train(5)
-    assert eng._ckpt_interval > 5 and eng.state.ckpt == 0
+    assert eng.checkpoints.interval > 5 and eng.state.ckpt == 0
 
 
 def test_young_daly() -> None:

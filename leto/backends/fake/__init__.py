@@ -2,7 +2,10 @@
 
 :mod:`.backend` is the machine (memory, collectives, processes, the fault injector);
 :mod:`.engine` drives the core over it with the one recovery executor
-(:mod:`leto.retained.recovery`).
+(:mod:`leto.retained.recovery`): :mod:`.executors` carries out each effect, and
+:mod:`.recovery`, :mod:`.tier1`, :mod:`.snapshots`, :mod:`.checkpoints`,
+:mod:`.layouts`, :mod:`.integrity`, :mod:`.faults` and :mod:`.inspect` hold the rest
+of what the engine does, one concept each.
 """
 
 from __future__ import annotations

@@ -3,91 +3,59 @@
 Two halves:
 
 * the **executor** (:meth:`Engine.execute`) carries out the effects of one core
-  event on real tensors: forward/backward on a rank's model, the gradient
-  all-reduce into retained memory, PREPARE (seal the gradients, gradient parity,
-  the prepare record), APPLY chunk by chunk (undo copy, write, seal, tier-1
-  parity, release), FINISH (process state), tier-2 snapshots, faults, fencing,
-  promotion, and the recovery plan (roll forward from undo copies and retained
-  gradients, roll back, rebuild chunks and gradients from tier-1 parity, restore
-  the tier-2 snapshot, load the disk checkpoint), followed by a check of every
-  chunk's checksum before anything resumes;
+  event on real tensors, one function per effect (:mod:`.executors`): forward/backward
+  on a rank's model, the gradient all-reduce into retained memory, PREPARE, APPLY chunk
+  by chunk, FINISH, faults, fencing, promotion; the ``Reconcile`` event's plan as a
+  whole (:mod:`.recovery`), followed by a check of every chunk's checksum before
+  anything resumes;
 * the **driver** (:meth:`Engine.run_step`, :meth:`Engine.recover`,
   :meth:`Engine.train`) feeds the core's :class:`~leto.core.cluster.ClusterModel`
   the events of each step in a fixed order, consults the backend's fault
-  injector at every point of the step, and on a failure runs the recovery
-  events (Detect, Fence, Promote, EndPromote, Reconcile or GoFallback +
-  RestoreCheckpoint, Rebuild, Resume) through the core.
+  injector at every point of the step (:mod:`.faults`), and on a failure runs the
+  recovery events the core schedules (:mod:`.recovery`).
+
+The rest lives next to it, one concept per module: binding ranks to their retained
+state (:mod:`.layouts`), tier-1 parity (:mod:`.tier1`), tier-2 snapshots
+(:mod:`.snapshots`), disk checkpoints (:mod:`.checkpoints`), checksum failures
+(:mod:`.integrity`) and the read-only checks tests use (:mod:`.inspect`). They are
+functions of the engine (or, for checkpoints and fault points, a collaborator holding
+it) rather than methods, so that each reads on its own; the engine holds the shared
+state.
 
 The core's state and COMMIT records live in the backend's
 :class:`~leto.backends.base.ProtocolRecord`, never in a trainer. The Hypothesis
 machine in ``tests/fake`` drives the executor alone, with events it picks.
 
-Per rank ("process"): a model, its torch optimizer and LR scheduler (one deep copy
-of the user's per simulated rank), a retained layout with a chunked optimizer
-over it, and the rank's RNG state. Process state (optimizer scalars, scheduler,
-sampler position, RNG) is JSON in the node agent's memory (tier 1 of the small
-state: it survives a rank's memory loss) and in the tier-2 snapshot.
+Per rank ("process", :class:`~.rank.RankProc`): a model, its torch optimizer and LR
+scheduler (one deep copy of the user's per simulated rank), a retained layout with a
+chunked optimizer over it, and the rank's RNG state. Process state (optimizer scalars,
+scheduler, sampler position, RNG) is JSON in the node agent's memory (tier 1 of the
+small state: it survives a rank's memory loss) and in the tier-2 snapshot.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from leto.backends.base import (
-    Backend,
-    NodeStore,
-    ProtocolRecord,
-    Snapshot,
-)
-from leto.core import effects as fx
+from leto.backends.base import Backend, NodeStore, ProtocolRecord
 from leto.core import events as ev
-from leto.core import schedule
-from leto.core.chunk import LOST, NONE, TORN
 from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Effect
-from leto.core.recovery import Kind, Phase
+from leto.core.recovery import Phase
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
-from leto.core.txn import TxnState
-from leto.errors import ConfigError
-from leto.retained import recovery as rx
-from leto.retained import rs
 from leto.retained.checkpoint import Checkpointer
-from leto.retained.dcp_state import (
-    load_model_state,
-    load_retained_optimizer_state,
-    load_training_state,
-    training_state,
-    young_daly_interval,
-)
-from leto.retained.layout import (
-    ChecksumError,
-    ChunkStatus,
-    LayoutError,
-    RetainedLayout,
-    ShapeMismatchError,
-)
-from leto.retained.optim import check_supported, retain
-from leto.retained.parity import (
-    as_bytes,
-    decode_rotated,
-    encode,
-    encode_rotated,
-)
-from leto.retained.process_state import (
-    BatchCursor,
-    capture_rng,
-    scheduler_state,
-    step_scheduler,
-)
+from leto.retained.layout import ChecksumError
+from leto.retained.optim import check_supported
+from leto.retained.process_state import BatchCursor, capture_rng
 from leto.retained.recovery import IntegrityError
 
-from .backend import RECOVERY_WHERE
+from . import inspect, integrity, layouts, recovery, snapshots, tier1
+from .checkpoints import Checkpoints
 from .executors import EXECUTORS
+from .faults import FaultPoints
 from .rank import (
     EngineOptions,
     InjectedFault,
@@ -160,9 +128,8 @@ class Engine:
             "snapshots_taken": 0,
             "checkpoints_durable": 0,
         }
-        self._ckpt_meta: dict[int, dict[str, Any]] = {}  # written, not yet published
-        self._ckpt_interval = options.checkpoint_interval
-        self._save_s = 0.0  # the last checkpoint's save cost (Young/Daly)
+        self.checkpoints = Checkpoints(self, options.checkpoint_interval)
+        self.points = FaultPoints(self)
         self._open: list[Any] = []  # faults fired since the last resume
         self._rec: RecoveryRecord | None = None
         self._current_step = 0
@@ -174,10 +141,10 @@ class Engine:
         replicas = [replica] + [copy_replica(replica) for _ in range(1, self.W)]
         self.procs = [RankProc(r, backend.generation, replicas[r]) for r in range(self.W)]
         if attach:
-            self._attach_all()
+            layouts.attach_all(self)
             return
         for p in self.procs:
-            self._create_layout(p)
+            layouts.create(self, p)
         n_chunks = self.procs[0].layout.n_chunks
         if self.injector is not None:
             self.injector.n_chunks = n_chunks
@@ -213,41 +180,15 @@ class Engine:
             p.sampler_state = self.cursor.initial
             self.backend.spawn_shadow(p.rank, self._shadow_factory)
         if resume is not None:
-            self._resume(*resume)
+            self.checkpoints.resume(*resume)
         for p in self.procs:
-            self._store(p.rank).process_states[p.rank] = {start: self._ps_json(p, start)}
-        self._after_recovery_state(start)
+            self._store(p.rank).process_states[p.rank] = {start: p.ps_json(start)}
+        recovery.rebuild_redundancy(self, start)
         self._current_step = start
         if checkpointer is not None:  # the start is durable in the model from the start
-            self.write_checkpoint(start)
-            self.publish_checkpoint(start)
-        self._log("start", step=start, detail=self._describe())
-
-    def _resume(self, state: dict[str, Any], meta: dict[str, Any] | None, where: str) -> None:
-        """Every rank loads the checkpoint (the same state: the ranks are replicas); a
-        leto checkpoint of this world size also restores each rank's process state and
-        is checked bitwise against its checksums."""
-        step = int(meta["step"]) if meta is not None else 0
-        same_world = meta is not None and meta.get("world_size") == self.W
-        for p in self.procs:
-            assert p.ropt is not None
-            if meta is None:
-                load_training_state(p.replica.model, p.ropt, state, where)
-            else:
-                load_model_state(p.replica.model, state, where)
-                load_retained_optimizer_state(p.layout, state, where)
-            p.ropt.set_version(step)
-            if meta is None:
-                continue
-            ps = meta["process_states"][str(p.rank) if same_world else "0"]
-            self._load_ps(p, ps)
-            if same_world and meta.get("chunk_numel") == p.layout.chunk_numel:
-                rx.seal_checked(
-                    p.layout, step, meta["checksums"][str(p.rank)], where, f"rank {p.rank}"
-                )
-        sampler = self.procs[0].sampler_state
-        assert sampler is not None
-        self.cursor.restore(sampler)
+            self.checkpoints.write(start)
+            self.checkpoints.publish(start)
+        self._log("start", step=start, detail=inspect.describe(self))
 
     # ------------------------------------------------------------------ basics
 
@@ -275,17 +216,6 @@ class Engine:
     def _member(self, rank: int) -> int:
         return self.backend.ranks_of(self.backend.node_of(rank)).index(rank)
 
-    def _describe(self) -> str:
-        t = self.backend.topology
-        lay = self.procs[0].layout
-        return (
-            f"{self.backend.name} backend, {t.nodes} node(s) x {t.node_sizes[0]} rank(s), "
-            f"{lay.n_chunks} chunks of {lay.chunk_numel} elements, states {list(lay.states)}, "
-            f"tier1={'on' if self.options.tier1 else 'off'}, "
-            f"tier2={'every ' + str(self.options.tier2_interval) + ' steps' if self.options.tier2 else 'off'}, "
-            f"checkpoint={self.checkpointer.describe() if self.checkpointer else 'none'}"
-        )
-
     def _log(self, event: str, **kw: Any) -> None:
         self.timeline.append(
             {"t_ms": round((time.perf_counter() - self._t0) * 1e3, 3), "event": event, **kw}
@@ -293,71 +223,6 @@ class Engine:
 
     def _shadow_factory(self) -> Replica:
         return copy_replica(self.template, clear_state=True)
-
-    def _create_layout(self, p: RankProc) -> None:
-        """Fresh retained state for ``p`` in its keeper (at version 0; repairs follow)."""
-        self.backend.reset_memory(p.rank)
-        self._bind_layout(p, attach=False)
-
-    def _attach_layout(self, p: RankProc) -> None:
-        """Bind ``p`` to the retained state in its keeper (validates shapes first)."""
-        self._bind_layout(p, attach=True)
-
-    def _bind_layout(self, p: RankProc, *, attach: bool) -> None:
-        rep = p.replica
-        p.ropt = retain(
-            rep.model,
-            rep.optimizer,
-            chunk_numel=self.options.chunk_numel,
-            alloc=self.backend.allocator(p.rank),
-            attach=attach,
-            align_bytes=self.options.align_bytes,
-            # chunks are verified at PREPARE (all of them, before the step's vote) and
-            # at every recovery; not again before each chunk's undo copy
-            verify=False,
-        )
-
-    def _ps_json(self, p: RankProc, step: int) -> str:
-        assert p.ropt is not None
-        return json.dumps(
-            {
-                "step": step,
-                "optimizer": p.ropt.process_state(),
-                "scheduler": scheduler_state(p.replica.scheduler),
-                "sampler": p.sampler_state,
-                "rng": p.rng,
-            }
-        )
-
-    def _load_ps(self, p: RankProc, text: str) -> None:
-        ps = json.loads(text)
-        assert p.ropt is not None
-        p.ropt.load_process_state(ps["optimizer"])
-        if p.replica.scheduler is not None:
-            p.replica.scheduler.load_state_dict(ps["scheduler"])
-        p.rng = ps["rng"]
-        p.sampler_state = ps["sampler"]
-
-    # ------------------------------------------------------------ fault points
-
-    def _inside(
-        self,
-        rank: int,
-        step: int,
-        phase: str,
-        chunk: int | None = None,
-        where: str | None = None,
-        *,
-        adopt: bool,
-        tear: Callable[[], None] | None = None,
-    ) -> None:
-        """A fault point inside an event's effects."""
-        if self.injector is None or not self.injector.pending_at(rank, step, phase, chunk, where):
-            return
-        faults = self.injector.take(rank, step, phase, chunk, where)
-        if tear is not None:
-            tear()
-        raise InjectedFault(faults, adopt)
 
     # ================================================================= executor
 
@@ -370,441 +235,10 @@ class Engine:
     ) -> None:
         """Carry out ``effects`` of ``event`` (``before`` -> ``after``) on real tensors."""
         if isinstance(event, ev.Reconcile):
-            self._reconcile(before, after, effects)
+            recovery.reconcile(self, before, after, effects)
             return
         for effect in effects:
             EXECUTORS[type(effect)](self, effect, before, after)
-
-    # --- a step ---------------------------------------------------------------
-
-    # --- shadows, faults, fencing ------------------------------------------------
-
-    # --- recovery plans on real tensors --------------------------------------------
-
-    def _ensure_layout(self, r: int, lost: bool) -> None:
-        p = self.procs[r]
-        if lost or self.backend.memory_lost(r):
-            self._create_layout(p)
-        elif p.ropt is None:
-            self._attach_layout(p)
-
-    def _reconcile(
-        self, before: ClusterState, after: ClusterState, effects: tuple[Effect, ...]
-    ) -> None:
-        target, kind = after.target, after.kind
-        lost = {r for r in range(self.W) if all(d == LOST for d in before.data[r])}
-        for r in range(self.W):
-            self._ensure_layout(r, r in lost)
-        reason = next((a.reason for a in effects if isinstance(a, fx.Reconciled)), "")
-        rec = self._rec
-        if kind is Kind.TIER2:
-            self._restore_snapshot(target)
-            self.stats["snapshot_restores"] += 1
-        else:
-            for a in effects:
-                if not isinstance(a, fx.RunRepair):
-                    continue
-                if a.what == "tier1":
-                    self._decode_chunk(a.rank, a.chunk, a.step)
-                    self.stats["chunks_repaired_from_parity"] += 1
-                    if rec:
-                        rec.tier1_chunks += 1
-                elif a.what == "grad-tier1":
-                    self._decode_grads(a.rank, a.step)
-                    self.stats["grad_blocks_repaired_from_parity"] += 1
-                    if rec:
-                        rec.tier1_grads += 1
-            rolled, dropped = 0, False
-            for r in range(self.W):
-                n, d = self._settle(r, target)
-                rolled += n
-                dropped = dropped or d
-            self.stats["chunks_rolled_forward"] += rolled
-            if rolled:
-                self.stats["rolled_forward"] += 1
-            if dropped or kind is Kind.BACK:
-                self.stats["rolled_back"] += 1
-            if rec:
-                rec.forward_chunks += rolled
-                rec.dropped = rec.dropped or dropped or kind is Kind.BACK
-        # the tier-2 snapshot is retaken only if it lost blocks (the model's rule)
-        self._after_recovery_state(target, snapshot=bool(before.t2lost))
-        self._note_recovered(after, kind.value, target, after.loss, reason)
-
-    def _note_recovered(
-        self, after: ClusterState, kind: str, target: int, loss: int, reason: str = ""
-    ) -> None:
-        if self._rec is not None:
-            self._rec.kind = kind
-            self._rec.target = target
-            self._rec.loss = loss
-            self._rec.reason = reason
-
-    def _decode_chunk(self, r: int, c: int, version: int) -> None:
-        """Tier 1: rank ``r``'s chunk ``c`` at ``version`` from its node's parity
-        (:func:`leto.retained.recovery.decode_chunk` on every member of the node)."""
-        members = self.backend.ranks_of(self.backend.node_of(r))
-        store = self._store(r)
-        if store.parity is None:
-            raise IntegrityError(f"rank {r} chunk {c}: its node's tier-1 parity is gone")
-        mi = members.index(r)
-        versions = list(store.parity_versions[c])
-        checksum = store.parity_checksums[c][mi]
-        parity = store.parity[c]
-
-        def program(coll: Any) -> None:
-            rx.decode_chunk(
-                coll,
-                self.procs[members[coll.rank]].layout,
-                c,
-                lost=mi,
-                version=version,
-                versions=versions,
-                checksum=checksum,
-                parity=parity,
-                who=f"rank {r}",
-            )
-
-        self.backend.spmd(members, program)
-
-    def _decode_grads(self, r: int, step: int) -> None:
-        """Tier 1: rank ``r``'s gradients of ``step`` from its node's gradient parity
-        (:func:`leto.retained.recovery.decode_grads` on every member of the node)."""
-        members = self.backend.ranks_of(self.backend.node_of(r))
-        store = self._store(r)
-        if store.gparity is None:
-            raise IntegrityError(f"rank {r}: its node's gradient parity is gone")
-        mi = members.index(r)
-        versions = list(store.gparity_versions)
-        pending = rx.load_pending(store.pending.get(r))
-        gparity = store.gparity
-
-        def program(coll: Any) -> None:
-            rx.decode_grads(
-                coll,
-                self.procs[members[coll.rank]].layout,
-                lost=mi,
-                step=step,
-                versions=versions,
-                parity=gparity,
-                pending=pending,
-                who=f"rank {r}",
-            )
-
-        self.backend.spmd(members, program)
-
-    def _settle(self, r: int, target: int) -> tuple[int, bool]:
-        """Bring rank ``r`` to ``target`` (:func:`leto.retained.recovery.settle`).
-        Returns (chunks rolled forward, uncommitted gradients dropped)."""
-        p = self.procs[r]
-        assert p.ropt is not None
-        store = self._store(r)
-        done = rx.settle(
-            p.layout,
-            p.ropt,
-            target,
-            history=store.process_states.get(r, {}),
-            pending=rx.load_pending(store.pending.get(r)),
-            load_ps=lambda text: self._load_ps(p, text),
-            step_scheduler=lambda: step_scheduler(p.replica.scheduler),
-            who=f"rank {r}",
-        )
-        if done.rng is not None:
-            p.rng = done.rng
-            p.sampler_state = done.sampler
-        return done.forward, done.dropped
-
-    def _restore_snapshot(self, step: int) -> None:
-        """Tier 2: every rank restores its node's snapshot (a lost node's is decoded)."""
-        N = self.backend.nodes
-        stores = [self.backend.node_store(n) for n in range(N)]
-        snaps = [st.snapshot for st in stores]
-        missing = [n for n, sn in enumerate(snaps) if sn is None or sn.step != step]
-        m = self.options.tier2_parity
-        if len(missing) > m:
-            raise IntegrityError(f"tier-2 snapshots of nodes {missing} are gone: beyond tier 2")
-        if missing:
-            ref = next(
-                s.snapshot for s in stores if s.snapshot is not None and s.snapshot.step == step
-            )
-            assert ref is not None and ref.share is not None
-            datas = [
-                torch.zeros_like(ref.data) if n in missing else stores[n].snapshot.data  # type: ignore[union-attr]
-                for n in range(N)
-            ]
-            shares = [
-                torch.zeros_like(ref.share) if n in missing else stores[n].snapshot.share  # type: ignore[union-attr]
-                for n in range(N)
-            ]
-
-            def program(coll: Any) -> Any:
-                if m == 1:
-                    return decode_rotated(coll, datas[coll.rank], missing[0], shares[coll.rank])
-                rs.decode_striped(coll, datas[coll.rank], m, missing, shares[coll.rank])
-                return shares[coll.rank]
-
-            out = self.backend.spmd(list(range(N)), program)
-            for lost in missing:
-                stores[lost].snapshot = Snapshot(
-                    step, datas[lost], dict(ref.checksums), dict(ref.process_states), out[lost]
-                )
-        for n in range(N):
-            snap = stores[n].snapshot
-            assert snap is not None
-            for j, r in enumerate(self.backend.ranks_of(n)):
-                p = self.procs[r]
-                lay = p.layout
-                rx.free_undo(lay)
-                nb = rx.packed(lay).numel()
-                rx.unpack_into(lay, snap.data[j * nb : (j + 1) * nb])
-                rx.seal_checked(lay, step, snap.checksums[r], "tier-2 snapshot", f"rank {r}")
-                lay.clear_prepared()
-                self._load_ps(p, snap.process_states[r])
-
-    def write_checkpoint(self, step: int) -> None:
-        """``SaveCheckpoint``: the model's and optimizer's own state dicts at ``step``,
-        written once for the replica group (every simulated rank holds the same
-        replica: rank 0 writes it), the process states and checksums kept for
-        :meth:`publish_checkpoint`."""
-        assert self.checkpointer is not None
-        t0 = time.perf_counter()
-        p0 = self.procs[0]
-        assert p0.ropt is not None
-        self.checkpointer.write(step, training_state(p0.replica.model, p0.ropt, copy=True))
-        self._save_s = time.perf_counter() - t0
-        self._ckpt_meta[step] = {
-            "step": step,
-            "world_size": self.W,
-            "checksums": {
-                str(p.rank): [p.layout.stored_checksum(c) for c in range(p.layout.n_chunks)]
-                for p in self.procs
-            },
-            "process_states": {
-                str(p.rank): self._store(p.rank).process_states[p.rank][step] for p in self.procs
-            },
-            "n_chunks": p0.layout.n_chunks,
-            "chunk_numel": p0.layout.chunk_numel,
-        }
-
-    def publish_checkpoint(self, step: int) -> None:
-        """``PublishCheckpoint``: every writer finished; the checkpoint is the fallback."""
-        assert self.checkpointer is not None
-        self.checkpointer.publish(step, self._ckpt_meta.pop(step))
-        self.stats["checkpoints_durable"] += 1
-        self._log(
-            "checkpoint", step=step, detail=f"step {step} durable in {self.checkpointer.describe()}"
-        )
-
-    def abort_checkpoint(self, step: int) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.abort(step)
-        self._ckpt_meta.pop(step, None)
-
-    def _checkpoint_due(self, step: int) -> bool:
-        s = self.state
-        if self.checkpointer is None or s.cpend != NONE:
-            return False
-        if self._ckpt_interval <= 0 and self.options.checkpoint_mtbf > 0 and self._save_s > 0:
-            step_s = (time.perf_counter() - self._t0) / max(1, self.stats["steps_run"])
-            self._ckpt_interval = young_daly_interval(
-                self._save_s, self.options.checkpoint_mtbf, step_s
-            )
-        return self._ckpt_interval > 0 and step - s.ckpt >= self._ckpt_interval
-
-    def _take_checkpoint(self) -> None:
-        """The protocol's checkpoint: BeginCheckpoint (the writers save), each writer's
-        WriteShard, CheckpointDurable (published). The fake backend writes at once."""
-        self.feed(ev.BeginCheckpoint())
-        for r in range(self.W):
-            self.feed(ev.WriteShard(r))
-        self.feed(ev.CheckpointDurable())
-
-    def _restore_checkpoint(self, before: ClusterState, step: int) -> None:
-        assert self.checkpointer is not None
-        lost = {r for r in range(self.W) if all(d == LOST for d in before.data[r])}
-        for r in range(self.W):
-            self._ensure_layout(r, r in lost)
-            rx.free_undo(self.procs[r].layout)
-        state, meta = self.checkpointer.read(step)
-        where = f"the checkpoint of step {step} in {self.checkpointer.describe()}"
-        for p in self.procs:
-            load_model_state(p.replica.model, state, where)
-            load_retained_optimizer_state(p.layout, state, where)
-            rx.seal_checked(
-                p.layout, step, meta["checksums"][str(p.rank)], "disk checkpoint", f"rank {p.rank}"
-            )
-            p.layout.clear_prepared()
-            self._load_ps(p, meta["process_states"][str(p.rank)])
-        self._after_recovery_state(step)
-
-    def _after_recovery_state(self, target: int, *, snapshot: bool = True) -> None:
-        """Verify every chunk, then rebuild the redundancy at ``target``: process states,
-        tier-1 parity, empty gradient parity, and (``snapshot``) the tier-2 snapshot."""
-        for p in self.procs:
-            rx.check_resumable(p.layout, p.ropt, target, f"rank {p.rank}")
-        for n in range(self.backend.nodes):
-            self.backend.node_store(n).pending.clear()
-        for p in self.procs:
-            self._store(p.rank).process_states[p.rank] = {target: self._ps_json(p, target)}
-        self._encode_parity(target)
-        if snapshot:
-            self._take_snapshot(target)
-
-    def _encode_parity(self, step: int) -> None:
-        C = self.procs[0].layout.n_chunks
-        for n in range(self.backend.nodes):
-            store = self.backend.node_store(n)
-            members = self.backend.ranks_of(n)
-            if not self.options.tier1:
-                store.parity = None
-                store.gparity = None
-                continue
-            lays = [self.procs[q].layout for q in members]
-
-            def program(coll: Any, lays: list[RetainedLayout] = lays) -> Any:
-                return [encode(coll, lays[coll.rank].chunk_data(c), 0) for c in range(C)]
-
-            out = self.backend.spmd(members, program)
-            store.parity = out[0]
-            store.parity_versions = [[step] * len(members) for _ in range(C)]
-            store.parity_checksums = [[lay.stored_checksum(c) for lay in lays] for c in range(C)]
-            store.gparity = torch.zeros(as_bytes(lays[0].grad_buffer).numel(), dtype=torch.uint8)
-            store.gparity_versions = [NONE] * len(members)
-
-    def _take_snapshot(self, step: int) -> None:
-        self.stats["snapshots_taken"] += 1
-        N = self.backend.nodes
-        rank_bytes = [rx.packed(p.layout) for p in self.procs]
-        nb = rank_bytes[0].numel()
-        width = max(self.backend.topology.node_sizes)
-        checks = {
-            p.rank: [p.layout.stored_checksum(c) for c in range(p.layout.n_chunks)]
-            for p in self.procs
-        }
-        states = {p.rank: self._store(p.rank).process_states[p.rank][step] for p in self.procs}
-        datas = []
-        for n in range(N):
-            d = torch.zeros(width * nb, dtype=torch.uint8)
-            for j, r in enumerate(self.backend.ranks_of(n)):
-                d[j * nb : (j + 1) * nb] = rank_bytes[r]
-            datas.append(d)
-        shares: list[Any] = [None] * N
-        if N >= 2:
-
-            def program(coll: Any) -> Any:
-                m = self.options.tier2_parity
-                if m == 1:
-                    return encode_rotated(coll, datas[coll.rank])
-                share = torch.zeros(
-                    m * rs.striped_share_nbytes(width * nb, N, m), dtype=torch.uint8
-                )
-                rs.encode_striped(coll, datas[coll.rank], m, share)
-                return share
-
-            shares = self.backend.spmd(list(range(N)), program)
-        for n in range(N):
-            self.backend.node_store(n).snapshot = Snapshot(
-                step, datas[n], checks, states, shares[n]
-            )
-
-    # --- checks (tests and the demo use them) --------------------------------------
-
-    def mismatches(self, s: ClusterState | None = None) -> list[str]:
-        """Where the real state disagrees with the core's ``s`` (empty: it refines it)."""
-        s = self.state if s is None else s
-        out: list[str] = []
-        for r in range(self.W):
-            p = self.procs[r]
-            if all(d == LOST for d in s.data[r]) or p.ropt is None or self.backend.memory_lost(r):
-                continue
-            lay = p.layout
-            for c in range(lay.n_chunks):
-                d, u = s.data[r][c], s.undo[r][c]
-                st, v = lay.chunk_status(c), lay.chunk_version(c)
-                if u == NONE:
-                    ok = st is ChunkStatus.CLEAN and v == d
-                elif d == TORN:
-                    ok = st is ChunkStatus.TORN and lay.undo_version(c) == u
-                else:
-                    ok = st is ChunkStatus.APPLIED and v == d and lay.undo_version(c) == u
-                if not ok:
-                    out.append(f"rank {r} chunk {c}: model data={d} undo={u}, real {st.value} v{v}")
-        for n in range(self.backend.nodes):
-            store = self.backend.node_store(n)
-            par, gpar = s.par[n], s.gpar[n]
-            if par is not None and self.options.tier1:
-                real = [list(x) for x in store.parity_versions]
-                if real != [list(x) for x in par]:
-                    out.append(f"node {n}: parity versions {real}, model {par}")
-            if gpar is not None and self.options.tier1 and list(gpar) != store.gparity_versions:
-                out.append(
-                    f"node {n}: gradient parity versions {store.gparity_versions}, model {gpar}"
-                )
-        return out
-
-    def parity_exact(self) -> list[str]:
-        """Recompute every node's tier-1 parity from the members' bytes and compare."""
-        from leto.retained.parity import encode_local
-
-        out: list[str] = []
-        if not self.options.tier1:
-            return out
-        for n in range(self.backend.nodes):
-            store = self.backend.node_store(n)
-            if store.parity is None:
-                continue
-            members = self.backend.ranks_of(n)
-            for c in range(self.n_chunks):
-                datas = []
-                for j, q in enumerate(members):
-                    if self.backend.memory_lost(q) or self.procs[q].ropt is None:
-                        break
-                    datas.append(rx.bytes_at(self.procs[q].layout, c, store.parity_versions[c][j]))
-                else:
-                    if not torch.equal(encode_local(datas), store.parity[c]):
-                        out.append(
-                            f"node {n} chunk {c}: parity bytes differ from the members' code"
-                        )
-        return out
-
-    def retained_state(self) -> list[dict[str, torch.Tensor]]:
-        """Every rank's params and optimizer state buffers (copies), for bitwise checks."""
-        return [{name: buf.clone() for name, buf in rx.named_buffers(p.layout)} for p in self.procs]
-
-    def process_states(self) -> list[dict[str, Any]]:
-        """Every rank's optimizer and scheduler process state (JSON-able)."""
-        out = []
-        for p in self.procs:
-            assert p.ropt is not None
-            out.append(
-                {
-                    "optimizer": p.ropt.process_state(),
-                    "scheduler": scheduler_state(p.replica.scheduler),
-                    "rng": p.rng,
-                }
-            )
-        return out
-
-    def lost_message(self, s: ClusterState, reason: str) -> str:
-        topo = self.backend.topology
-        parts = []
-        if s.nlost:
-            parts.append(
-                f"node(s) {sorted(s.nlost)} (their ranks' retained memory, their tier-1 parity "
-                "and their tier-2 snapshot blocks)"
-            )
-        lost_nodes_ranks = {r for n in s.nlost for r in topo.ranks_of(n)}
-        mem = sorted(set(s.mlost) - lost_nodes_ranks)
-        if mem:
-            parts.append(f"the retained memory of rank(s) {mem}")
-        what = "; ".join(parts) or "retained state"
-        return (
-            f"leto: cannot recover in place from step {s.committed}: lost {what}. "
-            f"Why: {reason}; tier 2's single cross-node parity rebuilds at most one node "
-            f"(snapshot blocks lost on nodes {sorted(s.t2lost)}). No checkpoint is configured "
-            "(set checkpoint_dir), so training stops here instead of resuming on wrong "
-            "state; the retained state was left as it was."
-        )
 
     # ==================================================================== driver
 
@@ -817,13 +251,13 @@ class Engine:
             self.execute(e, effects, before, after)
         except InjectedFault as f:
             coord.adopt(after if f.adopt else before)
-            self._fire(f.faults)
+            self.points.fire(f.faults)
             raise _Interrupted from None
         except ChecksumError as err:
             if not isinstance(e, (ev.BeginChunk, ev.Prepare)):
                 raise
             coord.adopt(before)  # no vote cast / no undo copy taken
-            self._integrity_failure(e.rank, str(err))
+            integrity.failure(self, e.rank, str(err))
             raise _Interrupted from None
         coord.adopt(after)
 
@@ -832,57 +266,6 @@ class Engine:
             return False
         self.feed(e)
         return True
-
-    def _fire(self, faults: list[Any]) -> None:
-        for f in faults:
-            self.stats["failures_injected"] += 1
-            self._open.append(f)
-            self._log("fault", step=f.step, detail=f.label)
-            if f.kind == "crash":
-                self._try(ev.Crash(f.rank))
-            elif f.kind == "hang":
-                self._try(ev.Hang(f.rank))
-            elif f.kind == "lose_memory":
-                self._try(ev.LoseMemory(f.rank))
-            elif f.kind == "lose_node":
-                self._try(ev.LoseNode(f.node))
-            elif f.kind == "corrupt":
-                self._flip(f)
-            else:  # pragma: no cover - the injector validates kinds
-                raise ValueError(f.kind)
-
-    def _flip(self, f: Any) -> None:
-        lay = self.procs[f.rank].layout
-        b = as_bytes(lay.chunk_data(f.target_chunk)[0])
-        with torch.no_grad():
-            b[0] = int(b[0]) ^ (1 << f.bit)
-
-    def _integrity_failure(self, r: int, why: str) -> None:
-        """A checksum caught bad bytes on rank ``r``: its keeper discards the memory."""
-        self.stats["integrity_failures"] += 1
-        if self.injector is not None:
-            for f in self.injector.faults:
-                if f.kind == "corrupt" and f.rank == r and f.fired and not f.detected:
-                    f.detected += 1
-        if self._rec is not None:
-            self._rec.integrity.append(f"rank {r}: {why}")
-        else:
-            self._integrity_notes.append(f"rank {r}: {why}")
-        self._log(
-            "integrity", rank=r, detail=f"checksum mismatch ({why}); memory of rank {r} discarded"
-        )
-        self._try(ev.LoseMemory(r))
-
-    def _pt(
-        self, rank: int, step: int, phase: str, chunk: int | None = None, where: str | None = None
-    ) -> None:
-        """A fault point between events."""
-        if self.injector is None or not self.injector.pending_at(rank, step, phase, chunk, where):
-            return
-        faults = self.injector.take(rank, step, phase, chunk, where)
-        self._fire(faults)
-        if any(f.kind != "corrupt" for f in faults):
-            raise _Interrupted
 
     def run_step(self, step_fn: StepFn | None = None) -> float | None:
         """One training step on every rank; on a failure, recover in place.
@@ -898,7 +281,7 @@ class Engine:
             s = self.state
         if self.options.tier2 and s.step[0] - s.t2 >= self.options.tier2_interval:
             # a recovery kept a snapshot that is now K steps back: take the next one first
-            if not self._snapshot_capture_clean():
+            if not snapshots.capture_clean(self):
                 self.recover()
             self.feed(ev.Tier2Snapshot())
             s = self.state
@@ -909,23 +292,23 @@ class Engine:
             for r in R:
                 self.feed(ev.Compute(r))
             for r in R:
-                self._pt(r, V, "allreduce")
+                self.points.between(r, V, "allreduce")
                 self.feed(ev.Reduce(r))
             for r in R:
                 self.feed(ev.Prepare(r))
             for r in R:
-                self._pt(r, V, "decide", where="before")
+                self.points.between(r, V, "decide", where="before")
             self.feed(ev.Decide())
             for r in R:
-                self._pt(r, V, "decide", where="after")
+                self.points.between(r, V, "decide", where="after")
             for c in range(self.n_chunks):
                 for r in R:
                     self.feed(ev.BeginChunk(r, c))
                     self.feed(ev.EndChunk(r, c))
-                    self._pt(r, V, "apply", c, "written")
+                    self.points.between(r, V, "apply", c, "written")
                     self.feed(ev.ParityChunk(r, c))
             for r in R:
-                self._pt(r, V, "finish")
+                self.points.between(r, V, "finish")
                 self.feed(ev.Finish(r))
         except _Interrupted:
             self.recover()
@@ -935,31 +318,14 @@ class Engine:
         self.stats["steps_run"] += 1
         s = self.state
         if self.options.tier2 and V - s.t2 >= self.options.tier2_interval:
-            if not self._snapshot_capture_clean():
+            if not snapshots.capture_clean(self):
                 self.recover()
                 return loss
             self.feed(ev.Tier2Snapshot())
-        if self._checkpoint_due(V):
-            self._take_checkpoint()
+        if self.checkpoints.due(V):
+            self.checkpoints.take()
         self._warm_shadows()
         return loss
-
-    def _snapshot_capture_clean(self) -> bool:
-        """PROTOCOL.md, Tier2Snapshot: a snapshot captures verified bytes only.
-
-        Bytes damaged after PREPARE's pass (a silent flip between the vote and the
-        snapshot) would enter the snapshot under the chunk's good checksum and be found
-        only when the snapshot is restored, with no tier left to repair them. A rank whose
-        chunks fail here is an integrity failure (its memory is discarded and rebuilt
-        from tier 1) and the snapshot is taken after that recovery.
-        """
-        if not self.options.verify:
-            return True
-        bad = {p.rank: p.layout.verify() for p in self.procs}
-        bad = {r: cs for r, cs in bad.items() if cs}
-        for r, cs in bad.items():
-            self._integrity_failure(r, f"chunks {cs} fail their checksums at the tier-2 snapshot")
-        return not bad
 
     def _warm_shadows(self) -> None:
         for r in range(self.W):
@@ -967,75 +333,9 @@ class Engine:
                 self._try(ev.ShadowWarm(r))
 
     def recover(self) -> None:
-        """Feed the recovery the core schedules until every rank runs again (or raise).
-
-        The order is the core's (:func:`leto.core.schedule.next_event`); the engine
-        only gathers what an event needs first: before ``Reconcile`` it checks every
-        rank's retained memory (a checksum failure is a lost memory), and a shadow
-        still spawning warms at once (simulated ranks start instantly).
-        """
-        V = self._current_step
-        for _ in range(10_000):
-            s = self.state
-            if s.phase is Phase.RECONCILING:
-                bad = self.integrity_scan(s)
-                if bad:
-                    for r, why in bad.items():
-                        self._integrity_failure(r, why)
-                    continue
-            e = schedule.next_event(self.model, s)
-            if e is None:
-                break
-            if isinstance(e, ev.GoFallback) and self.checkpointer is None:
-                reason = self.model.plan(s).reason
-                self._log("unrecoverable", step=V, detail=reason)
-                raise UnrecoverableError(self.lost_message(s, reason))
-            name = type(e).__name__
-            if self.injector is not None and name in RECOVERY_WHERE:
-                hits = [
-                    f
-                    for r in range(self.W)
-                    for f in self.injector.take(r, V, "recovery", None, name)
-                ]
-                if hits:
-                    self._fire(hits)
-                    continue
-            self.feed(e)
-            if isinstance(e, ev.Fence):
-                for r in sorted(self.stale):  # the fenced process wakes up and tries to write
-                    self._try(ev.StaleWrite(r, 0))
-        else:  # pragma: no cover
-            raise RuntimeError("recovery did not end")
-        self._warm_shadows()
-
-    def integrity_scan(self, s: ClusterState) -> dict[int, str]:
-        """Ranks whose retained memory fails a check (chunks, undo copies, sealed grads)."""
-        bad: dict[int, str] = {}
-        for r in range(self.W):
-            if all(d == LOST for d in s.data[r]):
-                continue
-            p = self.procs[r]
-            if p.ropt is None:
-                try:
-                    self._attach_layout(p)
-                except ShapeMismatchError:
-                    raise  # the shadow's model does not fit: a program error, not lost memory
-                except (LayoutError, ChecksumError) as e:
-                    bad[r] = f"cannot attach its retained state: {e}"
-                    continue
-            lay = p.layout
-            chunks = lay.verify()
-            undo = [
-                c
-                for c in range(lay.n_chunks)
-                if lay.chunk_status(c) is not ChunkStatus.CLEAN and not lay.verify_undo(c)
-            ]
-            grads = lay.verify_grads(lay.prepared_step) if lay.prepared_step >= 0 else []
-            if chunks or undo or grads:
-                bad[r] = (
-                    f"chunks {chunks} / undo copies {undo} / gradient chunks {grads} fail their checksums"
-                )
-        return bad
+        """Feed the recovery the core schedules until every rank runs again (or raise):
+        :func:`leto.backends.fake.recovery.run`."""
+        recovery.run(self)
 
     def train(self, steps: int, step_fn: StepFn | None = None) -> None:
         """Train until the committed step reaches ``steps``, recovering in place."""
@@ -1044,39 +344,21 @@ class Engine:
         while self.state.committed < steps or self.state.phase is not Phase.RUNNING:
             self.run_step()
 
-    # --- attach to retained state left by an earlier engine ------------------------
+    # --- checks (tests and the demo use them): :mod:`.inspect`, :mod:`.tier1` ------
 
-    def _attach_all(self) -> None:
-        coord = self.backend.record
-        if coord is None:
-            raise LayoutError("the backend holds no retained job to attach to")
-        s = coord.state
-        if (
-            s.phase is not Phase.RUNNING
-            or len(set(s.step)) != 1
-            or any(pc is not TxnState.IDLE for pc in s.pc)
-        ):
-            raise LayoutError(
-                f"the retained job is not idle between steps (phase {s.phase.name}): "
-                "it must recover first"
-            )
-        meta = RetainedLayout.read_meta(self.backend.allocator(0))
-        if meta["chunk_numel"] != self.options.chunk_numel:
-            raise ConfigError(
-                "chunk_size",
-                f"{self.options.chunk_numel} elements, but the retained state is chunked by "
-                f"{meta['chunk_numel']}",
-            )
-        for p in self.procs:  # validates shapes before binding anything; copies nothing
-            self._attach_layout(p)
-        step = s.step[0]
-        for p in self.procs:
-            self._load_ps(p, self._store(p.rank).process_states[p.rank][step])
-            p.gen = s.gen
-            self.backend.spawn_shadow(p.rank, self._shadow_factory)
-        sampler = self.procs[0].sampler_state
-        assert sampler is not None
-        self.cursor.restore(sampler)
-        if self.injector is not None:
-            self.injector.n_chunks = self.procs[0].layout.n_chunks
-        self._log("attach", step=step, detail=self._describe())
+    def mismatches(self, s: ClusterState | None = None) -> list[str]:
+        """Where the real state disagrees with the core's ``s`` (default: the current
+        state); empty: it refines it."""
+        return inspect.mismatches(self, self.state if s is None else s)
+
+    def parity_exact(self) -> list[str]:
+        """Recompute every node's tier-1 parity from the members' bytes and compare."""
+        return tier1.exact(self)
+
+    def retained_state(self) -> list[dict[str, torch.Tensor]]:
+        """Every rank's params and optimizer state buffers (copies), for bitwise checks."""
+        return inspect.retained_state(self)
+
+    def process_states(self) -> list[dict[str, Any]]:
+        """Every rank's optimizer and scheduler process state (JSON-able)."""
+        return inspect.process_states(self)

@@ -3,7 +3,7 @@
 ``EXECUTORS`` maps every effect class (:mod:`leto.core.effects`) to the function that
 carries it out on the simulated ranks' real tensors; ``tests/fake`` checks that every
 effect has exactly one. The reconcile plan's ``RunRepair`` and ``Reconciled`` are
-carried out together by the engine's ``_reconcile`` (the ``Reconcile`` event), through
+carried out together by :func:`.recovery.reconcile` (the ``Reconcile`` event), through
 the one recovery executor (:mod:`leto.retained.recovery`).
 """
 
@@ -28,6 +28,7 @@ from leto.retained.parity import add_delta_, as_bytes
 from leto.retained.process_state import capture_rng, restore_rng, shard, step_scheduler
 from leto.retained.recovery import IntegrityError
 
+from . import recovery, snapshots
 from .rank import RankProc, RecoveryRecord, UnrecoverableError
 
 if TYPE_CHECKING:
@@ -50,9 +51,9 @@ def forward_backward(
     for prm in model.parameters():
         prm.grad = None
     loss = eng.step_fn(model, batch)
-    eng._inside(r, step, "forward", adopt=False)
+    eng.points.inside(r, step, "forward", adopt=False)
     loss.backward()  # type: ignore[no-untyped-call]
-    eng._inside(r, step, "backward", adopt=False)
+    eng.points.inside(r, step, "backward", adopt=False)
     p.rng = capture_rng()
     lay = p.layout
     flat = torch.zeros(lay.numel, dtype=lay.dtype)
@@ -113,7 +114,7 @@ def write_gradient_parity(
         if bad:
             raise ChecksumError(f"chunks {bad} fail their checksums at PREPARE of step {step}")
     lay.seal_grads(step, p.present)
-    eng._inside(r, step, "prepare", adopt=False)
+    eng.points.inside(r, step, "prepare", adopt=False)
     store = eng._store(r)
     if eng.options.tier1 and store.gparity is not None and p.gdelta is not None:
         store.gparity.add_(p.gdelta)
@@ -149,7 +150,7 @@ def save_undo(eng: Engine, a: fx.SaveUndo, before: ClusterState, after: ClusterS
     if before.pc[r] is TxnState.PREPARED:
         p.ropt.begin(step)
     p.ropt.save_undo(c)  # with verify: the chunk's checksum is checked first
-    eng._inside(r, step, "apply", c, "undo_saved", adopt=True)
+    eng.points.inside(r, step, "apply", chunk=c, where="undo_saved", adopt=True)
 
 
 def apply_chunk(eng: Engine, a: fx.ApplyChunk, before: ClusterState, after: ClusterState) -> None:
@@ -166,7 +167,7 @@ def apply_chunk(eng: Engine, a: fx.ApplyChunk, before: ClusterState, after: Clus
                 h = dst.numel() // 2
                 dst[h:].copy_(src[h:])
 
-    eng._inside(r, step, "apply", c, "mid_write", adopt=True, tear=tear)
+    eng.points.inside(r, step, "apply", chunk=c, where="mid_write", adopt=True, tear=tear)
     ropt.apply_chunk(c, seal=False)
 
 
@@ -197,7 +198,7 @@ def update_parity(
         add_delta_(store.parity[c], lay.undo_data(c), lay.chunk_data(c))
         store.parity_versions[c][m] = step
         store.parity_checksums[c][m] = lay.stored_checksum(c)
-    eng._inside(r, step, "parity", c, adopt=True)
+    eng.points.inside(r, step, "parity", chunk=c, adopt=True)
 
 
 def release_undo(eng: Engine, a: fx.ReleaseUndo, before: ClusterState, after: ClusterState) -> None:
@@ -218,7 +219,7 @@ def step_done(eng: Engine, a: fx.StepDone, before: ClusterState, after: ClusterS
         raise IntegrityError(f"rank {r}: the prepare record is of step {pend['step']}, not {step}")
     p.sampler_state = pend["sampler"]
     hist = store.process_states.setdefault(r, {})
-    hist[step] = eng._ps_json(p, step)
+    hist[step] = p.ps_json(step)
     for old in [s for s in hist if s < step - 2]:
         del hist[old]
 
@@ -226,7 +227,7 @@ def step_done(eng: Engine, a: fx.StepDone, before: ClusterState, after: ClusterS
 def tier2_snapshot(
     eng: Engine, a: fx.TakeSnapshot, before: ClusterState, after: ClusterState
 ) -> None:
-    eng._take_snapshot(a.step)
+    snapshots.take(eng, a.step)
 
 
 def warm_shadow(eng: Engine, a: fx.WarmShadow, before: ClusterState, after: ClusterState) -> None:
@@ -328,7 +329,7 @@ def spawn_shadow(eng: Engine, a: fx.SpawnShadow, before: ClusterState, after: Cl
 
 def fallback(eng: Engine, a: fx.Fallback, before: ClusterState, after: ClusterState) -> None:
     if eng.checkpointer is None:
-        raise UnrecoverableError(eng.lost_message(before, a.reason))
+        raise UnrecoverableError(recovery.lost_message(eng, before, a.reason))
 
 
 def job_failed(eng: Engine, a: fx.JobFailed, before: ClusterState, after: ClusterState) -> None:
@@ -340,26 +341,26 @@ def job_failed(eng: Engine, a: fx.JobFailed, before: ClusterState, after: Cluste
 def save_checkpoint(
     eng: Engine, a: fx.SaveCheckpoint, before: ClusterState, after: ClusterState
 ) -> None:
-    eng.write_checkpoint(a.step)
+    eng.checkpoints.write(a.step)
 
 
 def publish_checkpoint(
     eng: Engine, a: fx.PublishCheckpoint, before: ClusterState, after: ClusterState
 ) -> None:
-    eng.publish_checkpoint(a.step)
+    eng.checkpoints.publish(a.step)
 
 
 def abort_checkpoint(
     eng: Engine, a: fx.AbortCheckpoint, before: ClusterState, after: ClusterState
 ) -> None:
-    eng.abort_checkpoint(a.step)
+    eng.checkpoints.abort(a.step)
 
 
 def load_checkpoint(
     eng: Engine, a: fx.LoadCheckpoint, before: ClusterState, after: ClusterState
 ) -> None:
-    eng._restore_checkpoint(before, a.step)
-    eng._note_recovered(after, Kind.CKPT.value, a.step, before.committed - a.step)
+    eng.checkpoints.restore(before, a.step)
+    recovery.note_recovered(eng, Kind.CKPT.value, a.step, before.committed - a.step)
     eng.stats["checkpoint_restores"] += 1
 
 
@@ -417,7 +418,7 @@ Executor = Callable[["Engine", Any, ClusterState, ClusterState], None]
 
 #: One executor per effect of the core (``tests/fake`` checks every effect has one).
 #: The reconcile plan's ``Repair`` and ``Reconciled`` are carried out together by
-#: :meth:`Engine._reconcile`, which ``execute`` calls for the ``Reconcile`` event.
+#: :func:`.recovery.reconcile`, which ``execute`` calls for the ``Reconcile`` event.
 EXECUTORS: dict[type[fx.Effect], Executor] = {
     fx.ForwardBackward: forward_backward,
     fx.AllReduceGradients: all_reduce_gradients,
@@ -454,5 +455,5 @@ EXECUTORS: dict[type[fx.Effect], Executor] = {
     fx.RebuildCommunicator: rebuild_communicator,
     fx.Resume: resume,
 }
-#: carried out by Engine._reconcile as a whole
+#: carried out by recovery.reconcile as a whole
 RECONCILE_EFFECTS = (fx.RunRepair, fx.Reconciled)

@@ -8,6 +8,7 @@ did, for the timeline.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from leto.backends.base import Work
 from leto.retained import recovery as rx
 from leto.retained.layout import RetainedLayout
 from leto.retained.optim import RetainedOptimizer
+from leto.retained.process_state import scheduler_state
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -68,6 +70,30 @@ class RankProc:
     @property
     def layout(self) -> RetainedLayout:
         return rx.layout_of(self.ropt, f"rank {self.rank}")
+
+    def ps_json(self, step: int) -> str:
+        """The process state at ``step`` as the node agent keeps it (JSON: it survives
+        the rank's memory loss, and goes into the tier-2 snapshot and checkpoints)."""
+        assert self.ropt is not None
+        return json.dumps(
+            {
+                "step": step,
+                "optimizer": self.ropt.process_state(),
+                "scheduler": scheduler_state(self.replica.scheduler),
+                "sampler": self.sampler_state,
+                "rng": self.rng,
+            }
+        )
+
+    def load_ps(self, text: str) -> None:
+        """Restore what :meth:`ps_json` wrote."""
+        ps = json.loads(text)
+        assert self.ropt is not None
+        self.ropt.load_process_state(ps["optimizer"])
+        if self.replica.scheduler is not None:
+            self.replica.scheduler.load_state_dict(ps["scheduler"])
+        self.rng = ps["rng"]
+        self.sampler_state = ps["sampler"]
 
 
 @dataclass
