@@ -2,7 +2,7 @@
 
 :meth:`leto.core.cluster.ClusterModel.step` returns the next state and a tuple of
 these; a backend carries each out (the fake engine's table
-``leto.backends.fake.engine.EXECUTORS`` has one executor per class, and a test checks that
+``leto.backends.fake.executors.EXECUTORS`` has one executor per class, and a test checks that
 every class here has one). They are values: equal when their fields are, hashable,
 validated on construction like the events.
 """
