@@ -196,7 +196,7 @@ class Coordinator:
             return
         for node, since in list(self.nodes_lost_at.items()):
             if now - since > self.opt.spare_timeout and node not in self.nodes_up:
-                self.fail(
+                self.driver.give_up(
                     f"node {node} was lost and no replacement joined within "
                     f"{self.opt.spare_timeout:g} s: start `leto launch` with --node-rank {node} "
                     "on a spare node (same arguments) to recover in place"
@@ -205,7 +205,7 @@ class Coordinator:
         rec = self.rec
         if rec is not None and not self.nodes_lost_at:
             if now - max(rec.started, self.node_back_at) > self.opt.recovery_timeout:
-                self.fail(
+                self.driver.give_up(
                     f"the recovery from the failure of {failed_what(rec)} did not end within "
                     f"{self.opt.recovery_timeout:g} s: {self.driver.waiting_for()}"
                 )

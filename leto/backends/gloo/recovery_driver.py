@@ -227,6 +227,21 @@ class RecoveryDriver:
             raise AssertionError(f"no executor for the scheduled {first!r}")  # pragma: no cover
         raise RuntimeError("recovery driver did not settle")  # pragma: no cover
 
+    def give_up(self, message: str) -> None:
+        """A deadline passed (the clock is the coordinator's): the core decides what ends
+        the recovery under way (``GiveUp``: phase FAILED, effect ``JobFailed``), then the
+        job stops with ``message``, one line naming what the recovery still waited for."""
+        s, model = self.c.state, self.c.model
+        assert s is not None and model is not None
+        fields: dict[str, Any] = {}
+        e = schedule.next_event(model, s, overdue=True)
+        if isinstance(e, ev.GiveUp):
+            with self.c.feeder.judging():
+                for effect in self.c.feeder.feed_event(e):
+                    if isinstance(effect, fx.JobFailed):
+                        fields = {"phase": effect.phase, "generation": effect.generation}
+        self.c.fail(message, **fields)
+
     def _detect(self, now: float) -> None:
         s = self.c.state
         assert s is not None
