@@ -276,6 +276,7 @@ NUMERIC: list[tuple[Command, Num]] = [
     (LAUNCH, Num("--recovery-timeout", False, 0, WEEK, True)),
     (LAUNCH, Num("--shadow-memory-budget", False, 0, float(1 << 30))),
     (LAUNCH, Num("--threads", True, 1, 1024)),
+    (LAUNCH, Num("--progress-every", False, 0, WEEK, True)),
     (SIMULATE, Num("--gpus", True, 1, 10_000_000, names=("gpus",))),
     (SIMULATE, Num("--gpus-per-node", True, 1, 1024, names=("gpus_per_node",))),
     (SIMULATE, Num("--days", False, 0, 36_500, True, names=("days",))),
@@ -355,6 +356,8 @@ BAD_PARAMS = ("lots", "0", "-1M", "", "1e400", "9" * 400, "3G", "1.5.5M", "M")
 WORDY: list[tuple[list[str], tuple[str, ...]]] = [
     *[(LAUNCH.argv(f"--rdzv-endpoint={e}"), ("--rdzv-endpoint",)) for e in ENDPOINTS],
     *[(LAUNCH.argv(f"--run-dir={d}"), ("--run-dir",)) for d in BAD_DIRS],
+    *[(LAUNCH.argv(f"--metrics={e}"), ("--metrics",)) for e in ENDPOINTS if e != "127.0.0.1:0"],
+    *[(LAUNCH.argv(f"--tensorboard={d}"), ("--tensorboard",)) for d in BAD_DIRS],
     *[(LAUNCH.argv(f"--faults={p}"), ("--faults",)) for p in FAULT_PLANS],
     *[
         (["launch", "--quiet", script], ("script",))

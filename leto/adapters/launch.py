@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import os
 import socket
 import sys
@@ -104,6 +105,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "one step-N of it, or any DCP checkpoint of the same model) with its process state",
     )
     r.add_argument("--quiet", action="store_true", help="no status lines from the agent")
+    w = parser.add_argument_group("seeing the job run (node 0)")
+    w.add_argument(
+        "--progress-every",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a progress line (step, loss, step time, recoveries) at most every S seconds "
+        "(default 10)",
+    )
+    w.add_argument("--no-progress", action="store_true", help="no progress line")
+    w.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics there (port 0: a free one); off by default",
+    )
+    w.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="TensorBoard scalars (loss, step time, recoveries) in DIR; needs tensorboard",
+    )
     r.add_argument("--no-echo", action="store_true", help="do not copy the trainers' output here")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -123,10 +146,15 @@ BOUNDS: dict[str, Bound] = {
     "recovery_timeout": seconds(),
     "shadow_memory_budget": Bound(lo=0, hi=float(1 << 30), unit="MB", why_hi="a petabyte"),
     "threads": positive_int(1024),
+    "progress_every": seconds(),
 }
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
+def parse_endpoint(
+    text: str, flag: str = "--rdzv-endpoint", *, free_port: bool = False
+) -> tuple[str, int]:
+    """HOST:PORT (``[v6]:PORT`` too); port 0 (any free one) only with ``free_port``."""
+    lowest = 0 if free_port else 1
     host, sep, port = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):  # [::1]:29400
         host = host[1:-1]
@@ -135,23 +163,36 @@ def parse_endpoint(text: str) -> tuple[str, int]:
         or not host
         or not (port.isascii() and port.isdecimal())
         or len(port) > 5
-        or not 0 < int(port) < 65536
+        or not lowest <= int(port) < 65536
     ):
         raise ValueError(
-            f"--rdzv-endpoint {show(text)} is not HOST:PORT with a port in 1..65535 "
+            f"{flag} {show(text)} is not HOST:PORT with a port in {lowest}..65535 "
             "(e.g. 127.0.0.1:29400)"
         )
     return host, int(port)
 
 
-def _addresses(host: str, port: int) -> list[tuple[Any, Any]]:
+def _addresses(host: str, port: int, flag: str = "--rdzv-endpoint") -> list[tuple[Any, Any]]:
     """(family, socket address) for each address ``host`` resolves to; BadInput if none."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError, ValueError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise BadInput(f"--rdzv-endpoint: cannot resolve host {show(host)} ({why})") from None
+        raise BadInput(f"{flag}: cannot resolve host {show(host)} ({why})") from None
     return [(family, addr) for family, _, _, _, addr in infos]
+
+
+def _can_listen(host: str, port: int, flag: str) -> None:
+    """BadInput unless this machine can listen on ``host:port``."""
+    why = "no address"
+    for family, addr in _addresses(host, port, flag):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(addr)
+                return
+            except OSError as e:
+                why = e.strerror or str(e)
+    raise BadInput(f"{flag}: cannot listen on {host}:{port} ({why})")
 
 
 def _listen_problem(host: str, port: int) -> tuple[int, str] | None:
@@ -182,7 +223,7 @@ def _listen_problem(host: str, port: int) -> tuple[int, str] | None:
     return problem
 
 
-def _check(args: argparse.Namespace) -> tuple[str, int, Any] | int:
+def _check(args: argparse.Namespace) -> tuple[str, int, Any, tuple[str, int] | None] | int:
     """Every flag, before anything is imported or started: the rendezvous address and
     the fault plan; or an exit status when a refusal has been printed."""
     file_to_read("script", args.script, "script")
@@ -209,6 +250,18 @@ def _check(args: argparse.Namespace) -> tuple[str, int, Any] | int:
             host, port = parse_endpoint(args.rdzv_endpoint)
         except ValueError as e:
             raise BadInput(str(e)) from None
+    metrics = None
+    if args.metrics is not None:
+        try:
+            metrics = parse_endpoint(args.metrics, "--metrics", free_port=True)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        if args.node_rank == 0:  # node 0 serves them
+            _can_listen(*metrics, flag="--metrics")
+    if args.tensorboard is not None:
+        dir_to_create("--tensorboard", args.tensorboard)
+        if importlib.util.find_spec("tensorboard") is None:
+            raise BadInput("--tensorboard needs the tensorboard package (pip install tensorboard)")
     if args.faults is not None and not args.faults.strip():
         raise BadInput("--faults is empty: give a JSON list of faults or a file that holds one")
     from leto.backends.gloo.faults import FaultPlanError, load_plan
@@ -223,7 +276,7 @@ def _check(args: argparse.Namespace) -> tuple[str, int, Any] | int:
             return refuse("launch", problem[1], problem[0])
     else:
         _addresses(host, port)
-    return host, port, faults
+    return host, port, faults, metrics
 
 
 def resume_problem(path: str) -> str | None:
@@ -274,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(e))
     if isinstance(checked, int):
         return checked
-    host, port, faults = checked
+    host, port, faults, metrics = checked
     if args.resume is not None:
         problem = resume_problem(args.resume)
         if problem is not None:
@@ -319,6 +372,9 @@ def run(args: argparse.Namespace) -> int:
         faults=faults,
         echo=not args.no_echo,
         quiet=args.quiet,
+        progress_every=None if args.no_progress else args.progress_every,
+        metrics=metrics,
+        tensorboard=args.tensorboard,
         preload=("leto.adapters.api",),
     )
     code = Agent(opts).run()

@@ -63,6 +63,7 @@ from .records import AgentOptions, LaunchError, Link, Proc, ProcConn
 from .routing import Routing
 from .shadows import Shadows
 from .supervisor import Supervisor
+from .watch import Watchers
 from .wire import Conn
 
 __all__ = ["Agent", "AgentOptions", "LaunchError"]
@@ -113,6 +114,7 @@ class Agent:
         self.store: Any = None
         self.job = ""
         self.log: EventLog | None = None
+        self.watchers: Watchers | None = None  # node 0: progress line, metrics (watch.py)
         self.zygote: Any = None
         self.listener: socket.socket | None = None  # the coordinator's (node 0)
         self.agent_listener: socket.socket | None = None  # the node's Unix socket

@@ -44,6 +44,11 @@ class AgentOptions:
     faults: list[dict[str, Any]] = field(default_factory=list)
     echo: bool = True
     quiet: bool = False
+    # seeing the job run (node 0; leto.backends.gloo.watch): the progress line's period
+    # (None: off), the metrics' address (None: off), the TensorBoard directory
+    progress_every: float | None = 10.0
+    metrics: tuple[str, int] | None = None
+    tensorboard: str | None = None
     # modules every trainer imports, imported once here so that the zygote's children
     # inherit them (the launcher names its training API: this layer does not know it)
     preload: tuple[str, ...] = ()

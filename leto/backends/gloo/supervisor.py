@@ -27,6 +27,7 @@ from . import procs as P
 from .coordinator import Coordinator, CoordinatorOptions
 from .eventlog import EventLog
 from .records import LaunchError, look
+from .watch import Watchers
 from .wire import Conn, WireError, abstract_name, listen_unix
 
 if TYPE_CHECKING:
@@ -177,6 +178,16 @@ class Supervisor:
                     spare_timeout=o.spare_timeout, recovery_timeout=o.recovery_timeout
                 ),
             )
+            try:
+                a.watchers = Watchers(
+                    a.log,
+                    say=a.say,
+                    progress_every=None if o.quiet else o.progress_every,
+                    metrics=o.metrics,
+                    tensorboard=o.tensorboard,
+                )
+            except OSError as e:
+                raise LaunchError(f"cannot serve the metrics at {o.metrics}: {e}") from None
             a.sel.register(a.listener, selectors.EVENT_READ, ("agent_listener", None))
             a.joined.add(0)
             a.coord.node_up(0, spare=False, now=time.monotonic())
@@ -478,6 +489,8 @@ class Supervisor:
             else:
                 a.log.write("job_end", status="failed", error=a.failed)
             a.log.close()
+        if a.watchers is not None:
+            a.watchers.close()
         for c in list(a.links.values()):
             c.close()
         for link in list(a.unproven.values()):
