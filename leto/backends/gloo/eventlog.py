@@ -24,6 +24,8 @@ class EventLog:
         self.t0 = time.time() if t0 is None else t0
         self.path = Path(path) if path is not None else None
         self._f: TextIO | None = None
+        # an in-memory log (no path: tests, probes) keeps its records; a file log does
+        # not, so a long job's log does not grow the agent's memory
         self.records: list[dict[str, Any]] = []
         # who watches the job (leto.backends.gloo.watch): called with every record
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -34,8 +36,9 @@ class EventLog:
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         now = time.time()
         rec = {"t": round(now, 6), "t_rel": round(now - self.t0, 6), "event": event, **fields}
-        self.records.append(rec)
-        if self._f is not None:
+        if self._f is None:
+            self.records.append(rec)
+        else:
             self._f.write(json.dumps(rec, separators=(",", ":"), default=str) + "\n")
             self._f.flush()
         for listen in list(self.listeners):
