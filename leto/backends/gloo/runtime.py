@@ -98,6 +98,7 @@ from .follow import Follower
 from .keeper_client import FencedError, KeeperClient
 from .parity_block import ParityBlock, block_bytes
 from .step import UserLoop
+from .stops import StopPoints
 
 __all__ = ["GlooSession", "IntegrityError", "finish", "wrap_gloo"]
 
@@ -290,6 +291,7 @@ class GlooSession:
         self.keeper_pid: int = spec.get("keeper_pid", 0)
         self._step_in_progress = 0
         self.follower = Follower(self)  # carries out recoveries (follow.py)
+        self.stops = StopPoints(model, lambda: ch.aborted_since(self.gen), _Interrupted)
         self.loop: Any = None  # the user's own loop (step.py), once wrap installs it
 
     # ================================================================ properties
@@ -640,10 +642,11 @@ class GlooSession:
         for prm in self.model.parameters():
             prm.grad = None
         assert self.step_fn is not None
-        loss = self.step_fn(self.model, batch)
-        self._point("forward")
-        self.ch.mark("backward")
-        loss.backward()
+        with self.stops.armed():  # a recovery stops the compute at the next layer
+            loss = self.step_fn(self.model, batch)
+            self._point("forward")
+            self.ch.mark("backward")
+            loss.backward()
         self._point("backward")
         rng_after = capture_rng()
         # one buffer: the gradients, then a presence flag per parameter (small integers,
