@@ -117,7 +117,7 @@ class KeeperClient:
         if len(fds) != 1:
             raise KeeperError(f"keeper sent {len(fds)} descriptors for {name!r}")
         try:
-            return segments.as_tensor(fds[0], nbytes, populate=True)
+            return segments.as_tensor(fds[0], nbytes)
         finally:
             os.close(fds[0])
 

@@ -15,12 +15,6 @@ with ``F_SEAL_FUTURE_WRITE`` once its creator has mapped it (:func:`seal_writes`
 the creator's mapping still writes, but no descriptor of it, even one reopened
 read-write through ``/proc/PID/fd``, can be written or mapped writable again.
 
-A trainer's mapping of its retained state is *populated* (``MAP_POPULATE``): its page
-tables are built in one call instead of one fault per 4 KiB page at first touch. A
-promoted shadow maps the whole state and reads all of it at once (the recovery's
-checksum pass): faulting it in page by page took 2.5 times as long as populating and
-reading it (96 ms against 38 ms for 257 MiB here), on the recovery's critical path.
-
 This module imports torch only in :func:`as_tensor`.
 """
 
@@ -62,9 +56,6 @@ def seal_writes(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
 
 
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in
-
-
 def size_of(fd: int) -> int:
     return os.fstat(fd).st_size
 
@@ -72,33 +63,28 @@ def size_of(fd: int) -> int:
 class Mapping:
     """A shared, writable mapping of a segment (``MAP_SHARED``)."""
 
-    def __init__(
-        self, fd: int, nbytes: int | None = None, *, writable: bool = True, populate: bool = False
-    ) -> None:
+    def __init__(self, fd: int, nbytes: int | None = None, *, writable: bool = True) -> None:
         size = size_of(fd)
         if nbytes is not None and nbytes != size:
             raise ValueError(f"segment has {size} bytes, {nbytes} expected")
         self.nbytes = size
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
-        self.mm: mmap.mmap | None = mmap.mmap(fd, size, flags, prot) if size else None
+        self.mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, prot) if size else None
 
     def buffer(self) -> Any:
         return self.mm if self.mm is not None else bytearray()
 
 
-def as_tensor(fd: int, nbytes: int | None = None, *, populate: bool = False) -> torch.Tensor:
+def as_tensor(fd: int, nbytes: int | None = None) -> torch.Tensor:
     """Map segment ``fd`` and return a 1-D uint8 tensor over the mapping (no copy).
 
     The tensor keeps the mapping alive; the descriptor may be closed afterwards.
-    ``populate``: build the whole mapping's page tables now (for memory read in full
-    soon, as retained state is; see the module docstring).
     """
     import warnings
 
     import torch
 
-    m = Mapping(fd, nbytes, populate=populate)
+    m = Mapping(fd, nbytes)
     if m.mm is None:
         return torch.empty(0, dtype=torch.uint8)
     with warnings.catch_warnings():
