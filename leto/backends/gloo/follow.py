@@ -110,9 +110,9 @@ class Follower:
         self.s.gen = gen
         assert self.s.keeper is not None
         self.s.keeper.readmit(gen)
-        t0 = time.perf_counter()
-        self.s._init_pg(gen)
-        pg_ms = round((time.perf_counter() - t0) * 1e3, 3)
+        # This rank's own memory first: nothing but this process writes it now (the fence
+        # killed any stale writer before the promotion), so its checksum pass runs while
+        # the other ranks are still stopping their step, not after they all joined.
         lost = self.s._ensure_layout()
         if not self.s.parity and self.s.cfg.tier1:
             self.s._node_memory()
@@ -126,6 +126,9 @@ class Follower:
             self.intact = (gen, rx.intact_at(lay, data))
             ps = lay.prepared_step
             grad = ps if ps >= 0 and not lay.verify_grads(ps) else (NONE if ps < 0 else LOST)
+        t0 = time.perf_counter()
+        self.s._init_pg(gen)  # every rank has stopped: the node's shared records hold still
+        pg_ms = round((time.perf_counter() - t0) * 1e3, 3)
         node_par = node_gpar = None
         if self.s.lr == 0:  # the node's first rank: its parity records, if valid
             if self.s.cfg.tier1 and self.s.parity and all(b.valid for b in self.s.parity):
