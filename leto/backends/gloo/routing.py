@@ -430,6 +430,7 @@ class Routing:
                 a.recovering = True
             case M.Resume():
                 a.recovering = False
+                a.shadows.resumed()
             case M.Tier2():
                 a.memory.snapshot_current(msg.step)
             case M.Complete():
