@@ -25,6 +25,8 @@ def job(
     extra: list[str] | None = None,
     script: str = TRAIN,
     timeout: float = 150.0,
+    respawn: bool = True,
+    spares: int = 0,
 ) -> JobResult:
     e = {"TOPO": f"{nnodes}x{nproc}", "STEPS": str(steps), **(env or {})}
     res = run_local(
@@ -36,6 +38,8 @@ def job(
         env=e,
         extra=["--quiet", "--hang-timeout", "3", "--heartbeat", "0.25", *(extra or [])],
         timeout=timeout,
+        respawn_lost_nodes=respawn,
+        spares=spares,
     )
     assert not res.leftovers, f"processes left running after the job: {res.leftovers}"
     assert_trace(res.run_dir)

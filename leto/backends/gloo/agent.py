@@ -73,7 +73,7 @@ class Agent:
 
     def __init__(self, opts: AgentOptions) -> None:
         self.o = opts
-        self.node = opts.node_rank
+        self.node = -1 if opts.spare else opts.node_rank
         self.nproc = opts.nproc_per_node
         self.W = opts.nnodes * opts.nproc_per_node
         self.local_ranks = range(self.nproc)
@@ -95,7 +95,11 @@ class Agent:
         self.incarnation = 0
         self.generation = 0
         self.started = False
-        self.spare = False
+        self.spare = False  # a replacement node (it joined a started job)
+        # a spare agent in the job's pool (no node rank yet: self.node is -1)
+        self.pooled = opts.spare
+        self.spare_id: int | None = None
+        self.spare_procs: list[Any] = []  # node 0: the spare agents it started (Popen)
         self.complete = False
         self.failed: str | None = None
         self.stop = False
@@ -104,6 +108,7 @@ class Agent:
         self.coord: Coordinator | None = None
         self.coord_conn: Conn | None = None
         self.links: dict[int, Conn] = {}
+        self.pool_links: dict[int, Link] = {}  # node 0: pooled spares' links, by spare id
         self.unproven: dict[int, Link] = {}  # by id()
         self.refusals = 0
         self.secret: bytes | None = None  # the job's (auth); read by a node != 0 at rendezvous
@@ -129,9 +134,16 @@ class Agent:
         """Start, run the loop, clean up; the process exit code."""
         return self.supervisor.run()
 
+    @property
+    def who(self) -> str:
+        """How this agent names itself: "node 1", or "spare 0" while in the pool."""
+        if self.pooled:
+            return "spare" if self.spare_id is None else f"spare {self.spare_id}"
+        return f"node {self.node}"
+
     def say(self, text: str) -> None:
         if not self.o.quiet:
-            print(f"leto[node {self.node}]: {text}", flush=True)
+            print(f"leto[{self.who}]: {text}", flush=True)
 
     def rank(self, lr: int) -> int:
         return self.node * self.nproc + lr
