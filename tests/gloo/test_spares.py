@@ -1,26 +1,34 @@
 """The spare pool (issue 20, part 3): warm spare agents take a lost node's place
 without anyone starting anything.
 
-A job of 3 nodes x 1 rank whose node 0 starts two spare agents (``--spares 2``)
+A job of 3 nodes x 1 rank whose node 0 starts three spare agents (``--spares 3``)
 loses node 1 and then node 2 (each agent SIGKILLed, its processes with it, at two
 different steps); the harness restarts nothing: each place is taken by a spare from
 the pool, lowest id first, and the job ends bitwise equal to the failure-free run,
-its trace replayed through the core's model. The pieces (assignment order, the empty
-pool, a spare that cannot prove the job's secret) are tested in process below.
+its trace replayed through the core's model. The third spare, never needed, ends
+with the job, and SIGKILL of node 0 takes its pooled spares with it. The pieces
+(assignment order, the empty pool, a spare that cannot prove the job's secret) are
+tested in process.
 """
 
 from __future__ import annotations
 
+import os
 import select
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from jobs import digests_equal, explain, job
+from jobs import TRAIN, digests_equal, explain, job
 from test_coordinator import Harness
 
 from leto.backends.gloo import auth
 from leto.backends.gloo import messages as M
 from leto.backends.gloo.agent import Agent, AgentOptions
+from leto.backends.gloo.procs import free_port, processes_with
 from leto.backends.gloo.wire import Conn
 from leto.core.recovery import Phase
 from leto.spec.trace import replay
@@ -44,7 +52,7 @@ def test_two_lost_nodes_are_replaced_from_the_pool_bitwise(session_dir: Path) ->
         # slow steps: the spares (importing torch beside three nodes) are in the pool,
         # warm, before the first loss
         env={"STEP_SLEEP": "0.4"},
-        spares=2,
+        spares=3,  # the third is left in the pool: it ends with the job
         extra=["--spare-timeout", "60"],
         respawn=False,  # nobody restarts a lost node: the pool does
         timeout=120.0,
@@ -53,10 +61,9 @@ def test_two_lost_nodes_are_replaced_from_the_pool_bitwise(session_dir: Path) ->
     assert [len(res.codes[n]) for n in (1, 2)] == [1, 1], res.codes  # no agent restarted
     lost = [f["node"] for f in res.of("failure") if f["kind"] == "node_lost"]
     assert lost == [1, 2], res.of("failure")
-    pooled = res.of("spare_joined")
-    assert sorted(e["spare"] for e in pooled) == [0, 1], pooled
     first_loss = res.of("failure")[0]["t_rel"]
-    assert all(e["t_rel"] < first_loss for e in pooled), "the spares were not waiting"
+    waiting = [e["spare"] for e in res.of("spare_joined") if e["t_rel"] < first_loss]
+    assert waiting[:2] == [0, 1], f"the spares were not waiting: {res.of('spare_joined')}"
     assigned = [(e["spare"], e["node"]) for e in res.of("spare_assigned")]
     assert assigned == [(0, 1), (1, 2)], assigned
     joined = [(e["node"], e["spare"]) for e in res.of("node_joined")]
@@ -180,3 +187,33 @@ def test_a_spare_proves_the_secret_waits_and_is_assigned_a_bad_one_is_refused() 
         for conn in list(ag.links.values()):
             conn.close()
         ag.listener.close()  # type: ignore[union-attr]
+
+
+def test_sigkill_of_node_0_takes_its_pooled_spares_with_it(tag: str) -> None:
+    """Node 0 of a 2-node job waits for node 1 with a spare in its pool; SIGKILLed, it
+    takes the spare (and the spare's zygote) with it: no process is left (the ``tag``
+    fixture also checks /dev/shm)."""
+    run = Path(tag) / "run"
+    port = free_port()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "leto.cli", "launch", "--nnodes", "2", "--node-rank", "0",
+         "--spares", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--quiet", "--no-echo",
+         "--run-dir", str(run), TRAIN],
+        env={**os.environ, "TOPO": "2x1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        log = run / "events.jsonl"
+        pooled = False
+        while time.monotonic() < deadline and not pooled:
+            time.sleep(0.1)
+            pooled = log.exists() and '"event":"spare_joined"' in log.read_text()
+        assert pooled, "the spare did not join the pool"
+        assert len(processes_with(tag)) >= 4  # node 0, its zygote, the spare, its zygote
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    deadline = time.monotonic() + 5
+    while processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(tag) == []

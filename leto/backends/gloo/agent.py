@@ -24,7 +24,11 @@ One thread runs everything (a selector loop), so there are no locks. Agents talk
 to the coordinator over TCP (JSON frames); the coordinator's address is published
 in the TCPStore at rendezvous. A node whose agent link closes is lost; starting
 ``leto launch`` again with the same ``--node-rank`` brings a replacement (spare)
-node into the running job.
+node into the running job, and so does, without anyone starting anything, a *spare
+agent* (``leto launch --spare``, or ``--spares N`` on node 0): it proves the job's
+secret, waits in the coordinator's pool with torch imported and its zygote forked,
+and when a node is lost the coordinator assigns it that node's rank
+(:meth:`.Coordinator.assign_spares`); from there on it is that node's agent.
 
 What comes in from outside is checked where it arrives (``docs/security.md``): a
 TCP connection to the coordinator is a node only once it has proven the job's
