@@ -4,10 +4,12 @@ and that its event log replays through the core's model (``leto spec trace``).""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from leto.backends.gloo.harness import JobResult, run_local
+from leto.backends.gloo.procs import processes_with
 from leto.spec.trace import InputError, check
 
 HERE = Path(__file__).resolve().parent
@@ -57,6 +59,14 @@ def assert_trace(run_dir: Path) -> None:
         assert not started, f"training started but the log has no trace: {e}"
         return
     assert report.ok, report.line()
+
+
+def left_after(tag: str, seconds: float = 5.0) -> list[int]:
+    """The processes of ``tag`` still running after up to ``seconds`` for them to go."""
+    deadline = time.monotonic() + seconds
+    while processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return processes_with(tag)
 
 
 def explain(res: JobResult) -> str:

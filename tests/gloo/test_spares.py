@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs import TRAIN, digests_equal, explain, job
+from jobs import TRAIN, digests_equal, explain, job, left_after
 from test_coordinator import Harness
 
 from leto.backends.gloo import auth
@@ -213,7 +213,4 @@ def test_sigkill_of_node_0_takes_its_pooled_spares_with_it(tag: str) -> None:
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
-    deadline = time.monotonic() + 5
-    while processes_with(tag) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert processes_with(tag) == []
+    assert left_after(tag) == []
