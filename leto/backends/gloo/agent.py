@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import selectors
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,7 @@ class Agent:
         # a spare agent in the job's pool (no node rank yet: self.node is -1)
         self.pooled = opts.spare
         self.spare_id: int | None = None
-        self.spare_procs: list[Any] = []  # node 0: the spare agents it started (Popen)
+        self.spare_procs: list[subprocess.Popen[bytes]] = []  # node 0: spares it started
         self.complete = False
         self.failed: str | None = None
         self.stop = False

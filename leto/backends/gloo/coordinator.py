@@ -18,6 +18,11 @@ each rank, :mod:`leto.core.aggregate`) is fed once every rank finished, or befor
 anything else is fed: O(ranks) per step, not O(ranks x chunks). Every K steps the ranks' ``snapshot_done`` feed ``Tier2Snapshot``. So
 between failures the model's state is exactly the job's at step boundaries.
 
+Node membership (the nodes up, the lost ones awaiting a replacement, the pool of spare
+agents and which spare takes which lost node: :meth:`Coordinator.assign_spares`) is
+kept here too, but it is the agents' business, not the protocol's: nothing of it is
+fed to the model, which sees a ``LoseNode`` and later the new node's ``ShadowWarm``.
+
 Recovery (a failure report, then the core's schedule to ``Resume``) is carried out by
 :class:`~.recovery_driver.RecoveryDriver`; everything fed to the model goes through
 :class:`~.model_feed.ModelFeeder`, which judges what the model refuses.
