@@ -33,15 +33,15 @@ from leto.backends.gloo.wire import Conn
 from leto.core.recovery import Phase
 from leto.spec.trace import replay
 
-STEPS = 9
+STEPS = 10
 
 
 def test_two_lost_nodes_are_replaced_from_the_pool_bitwise(session_dir: Path) -> None:
     ref = job(session_dir / "ref-3x1", nnodes=3, nproc=1, steps=STEPS)
     assert ref.ok and ref.digests, explain(ref)
     faults = [
-        {"kind": "lose_node", "rank": 1, "step": 4, "phase": "backward"},
-        {"kind": "lose_node", "rank": 2, "step": 7, "phase": "prepare"},
+        {"kind": "lose_node", "rank": 1, "step": 5, "phase": "backward"},
+        {"kind": "lose_node", "rank": 2, "step": 8, "phase": "prepare"},
     ]
     res = job(
         session_dir / "spares-3x1",
