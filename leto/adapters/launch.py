@@ -16,7 +16,13 @@ usual variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``backend = "gloo"``. Every failure and recovery goes to ``RUN_DIR/events.jsonl``;
 ``leto report RUN_DIR`` prints the timeline and plots it. Starting the same
 command again for a node that was lost brings a replacement (spare) node into the
-running job.
+running job; so does a *spare agent* waiting in the job's pool, without anyone
+starting anything::
+
+    leto launch --nnodes 3 --nproc-per-node 1 --node-rank 0 --spares 2 \\
+        --rdzv-endpoint 10.0.0.1:29400 train.py                          # + 2 local spares
+    leto launch --nnodes 3 --nproc-per-node 1 --spare \\
+        --rdzv-endpoint 10.0.0.1:29400 train.py                          # a spare elsewhere
 
 Exit status: 0 when training completed, 1 on a failure leto could not recover
 from (the reason is printed and logged), 2 for bad arguments, 130 on Ctrl-C.
@@ -60,7 +66,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("topology (as torchrun)")
     g.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N")
     g.add_argument("--nnodes", type=int, default=1, metavar="M")
-    g.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="K")
+    g.add_argument(
+        "--node-rank", "--node_rank", type=int, default=None, metavar="K", help="(default 0)"
+    )
     g.add_argument(
         "--rdzv-endpoint",
         "--rdzv_endpoint",
@@ -82,9 +90,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         metavar="S",
-        help="how long to wait for a replacement of a lost node",
+        help="how long a lost node waits for a replacement when the spare pool is empty",
     )
     r.add_argument("--recovery-timeout", type=float, default=180.0, metavar="S")
+    r.add_argument(
+        "--spare",
+        action="store_true",
+        help="start a spare agent, not a node (no --node-rank): it joins the job's spare "
+        "pool, warm, and takes the place of the next node that is lost",
+    )
+    r.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="N",
+        help="node 0: start N spare agents on this machine (as --spare would); they end "
+        "with the job (default 0: a lost node waits --spare-timeout for a replacement)",
+    )
     r.add_argument(
         "--shadow-memory-budget",
         type=float,
@@ -147,6 +169,9 @@ BOUNDS: dict[str, Bound] = {
     "shadow_memory_budget": Bound(lo=0, hi=float(1 << 30), unit="MB", why_hi="a petabyte"),
     "threads": positive_int(1024),
     "progress_every": seconds(),
+    "spares": Bound(
+        lo=0, hi=256, integer=True, why_hi="each spare is an agent with torch imported"
+    ),
 }
 
 
@@ -228,8 +253,31 @@ def _check(args: argparse.Namespace) -> tuple[str, int, Any, tuple[str, int] | N
     the fault plan; or an exit status when a refusal has been printed."""
     file_to_read("script", args.script, "script")
     check_args(args, BOUNDS)
-    if not args.node_rank < args.nnodes:
+    if args.spare:
+        if args.node_rank is not None:
+            raise BadInput(
+                "--spare takes no --node-rank: a spare agent is given the rank of the node "
+                "whose place it takes"
+            )
+        if args.spares:
+            raise BadInput("--spare and --spares: a spare agent starts no other spares")
+    if (args.spare or args.spares) and args.nnodes < 2:
+        flag = "--spare" if args.spare else "--spares"
+        raise BadInput(
+            f"{flag}: a job of one node has no node a spare could replace (node 0, which "
+            "serves the rendezvous and the coordinator, is not replaced); use --nnodes 2 or more"
+        )
+    if args.spare and args.rdzv_endpoint is None:
+        raise BadInput("--spare needs --rdzv-endpoint HOST:PORT, where node 0 serves the job")
+    if args.node_rank is None:
+        args.node_rank = -1 if args.spare else 0
+    elif not args.node_rank < args.nnodes:
         raise BadInput(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1}")
+    if args.spares and args.node_rank != 0:
+        raise BadInput(
+            f"--spares: only node 0 starts spare agents (this is node {args.node_rank}); "
+            "start one elsewhere with --spare"
+        )
     if not args.heartbeat < args.hang_timeout:
         raise BadInput(
             f"--heartbeat {args.heartbeat:g} s must be shorter than --hang-timeout "
@@ -316,6 +364,33 @@ def _error(msg: str) -> int:
     return refuse("launch", msg)
 
 
+def spare_command(args: argparse.Namespace, host: str, port: int, run_dir: str) -> list[str]:
+    """The command line of a spare agent of this job (``--spares``): this launch's
+    options, as ``--spare`` instead of a node rank."""
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    cmd = [
+        sys.executable, "-m", "leto.cli", "launch", "--spare",
+        "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
+        "--rdzv-endpoint", endpoint, "--run-dir", os.path.abspath(run_dir),
+        "--heartbeat", repr(args.heartbeat), "--hang-timeout", repr(args.hang_timeout),
+        "--collective-timeout", repr(args.collective_timeout),
+        "--rdzv-timeout", repr(args.rdzv_timeout), "--spare-timeout", repr(args.spare_timeout),
+        "--recovery-timeout", repr(args.recovery_timeout), "--threads", str(args.threads),
+    ]  # fmt: skip
+    if args.shadow_memory_budget is not None:
+        cmd += ["--shadow-memory-budget", repr(args.shadow_memory_budget)]
+    if args.faults is not None:  # inline JSON, or a file (by its absolute path)
+        plan = args.faults.strip()
+        cmd += ["--faults", plan if plan.startswith("[") else os.path.abspath(plan)]
+    if args.resume is not None:
+        cmd += ["--resume", os.path.abspath(args.resume)]
+    for flag, on in (("--no-shadows", args.no_shadows), ("--quiet", args.quiet),
+                     ("--no-echo", args.no_echo)):  # fmt: skip
+        if on:
+            cmd.append(flag)
+    return [*cmd, os.path.abspath(args.script), *args.script_args]
+
+
 def run(args: argparse.Namespace) -> int:
     from leto.backends.gloo.procs import die_with_starter
 
@@ -334,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
             return _error(f"--resume: {problem}")
         # every trainer's config takes it (leto.wrap), whatever the script's own config
         os.environ["LETO_RESUME"] = os.path.abspath(args.resume)
-    if args.node_rank > 0 and not _reachable(host, port, args.rdzv_timeout):
+    if args.node_rank != 0 and not _reachable(host, port, args.rdzv_timeout):
         print(
             f"leto launch: error: cannot reach the rendezvous endpoint {host}:{port} within "
             f"{args.rdzv_timeout:g} s; is node 0's `leto launch` running there with the same "
@@ -370,6 +445,9 @@ def run(args: argparse.Namespace) -> int:
         shadows=not args.no_shadows,
         threads=args.threads,
         faults=faults,
+        spare=args.spare,
+        spares=args.spares,
+        spare_command=spare_command(args, host, port, run_dir) if args.spares else [],
         echo=not args.no_echo,
         quiet=args.quiet,
         progress_every=None if args.no_progress else args.progress_every,

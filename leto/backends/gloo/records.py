@@ -42,6 +42,11 @@ class AgentOptions:
     shadows: bool = True
     threads: int = 1
     faults: list[dict[str, Any]] = field(default_factory=list)
+    # a spare agent: no node rank until the coordinator assigns it a lost node's place
+    spare: bool = False
+    # node 0: spare agents to start here, each with this command line (the launcher's)
+    spares: int = 0
+    spare_command: list[str] = field(default_factory=list)
     echo: bool = True
     quiet: bool = False
     # seeing the job run (node 0; leto.backends.gloo.watch): the progress line's period
@@ -94,6 +99,7 @@ class Link:
     challenge: str
     since: float
     node: int | None = None
+    spare: int | None = None  # a pooled spare agent's id, until it is assigned a node
 
 
 @dataclass(eq=False)
