@@ -130,8 +130,18 @@ def check_demo_json(cmd: str, tmp_path: Path) -> None:
 
 
 def check_spec(cmd: str, tmp_path: Path) -> None:
+    """The whole check: TLC on MCLeto.cfg (exhaustive, every invariant and Progress:
+    the one TLC run of it in the tests) and the liveness configuration, the core's
+    checker reaching every 'sometimes' property, every mutant caught on both sides."""
+    from leto.core.verify import MUTANTS
+
     out = _ok(run(cmd, _scratch(tmp_path)))
     assert "violations: 0" in out, out[-2000:]
+    main = re.search(r"TLC MCLeto\.cfg: (\d+) distinct states, violations none", out)
+    assert main is not None and int(main.group(1)) > 10_000, out[-2000:]
+    assert re.search(r"TLC MCLetoLiveness\.cfg: \d+ distinct states, violations none", out)
+    assert "unreached 'sometimes' properties: none" in out, out[-2000:]
+    assert f"mutants caught: {len(MUTANTS)}/{len(MUTANTS)}" in out, out[-2000:]
 
 
 def check_simulate(cmd: str, tmp_path: Path) -> None:
