@@ -71,7 +71,11 @@ def by_hand(m: nn.Module, make: Any, steps: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("opt", sorted(OPTS))
 @pytest.mark.parametrize(
     "dtypes",
-    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float32)],
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+    ],
     ids=["bf16", "bf16+fp32", "fp16+fp32"],
 )
 def test_master_weights_are_the_recipe_by_hand_bitwise(
@@ -80,7 +84,9 @@ def test_master_weights_are_the_recipe_by_hand_bitwise(
     ref = model(*dtypes)
     master = by_hand(ref, OPTS[opt], 4)
     m = model(*dtypes)
-    ro = retain(m, OPTS[opt](list(m.parameters())), chunk_numel=8, master_weights=True, align_bytes=4)
+    ro = retain(
+        m, OPTS[opt](list(m.parameters())), chunk_numel=8, master_weights=True, align_bytes=4
+    )
     lay = ro.layout
     assert lay.dtype == torch.float32
     assert [p.dtype for p in m.parameters()] == [dtypes[0]] * 2 + [dtypes[1]] * 2
@@ -101,7 +107,9 @@ def test_an_fp32_model_is_as_without_master_weights() -> None:
     for mw in (False, True):
         m = model(torch.float32)
         store = InMemorySegments()
-        ro = retain(m, OPTS["adamw"](list(m.parameters())), chunk_numel=8, alloc=store, master_weights=mw)
+        ro = retain(
+            m, OPTS["adamw"](list(m.parameters())), chunk_numel=8, alloc=store, master_weights=mw
+        )
         assert ro.layout.derived == ()
         for _ in range(3):
             ro.zero_grad()
@@ -114,7 +122,9 @@ def test_an_fp32_model_is_as_without_master_weights() -> None:
 def test_master_dtype_and_bad_arguments() -> None:
     assert master_dtype([torch.bfloat16, torch.float16]) == torch.float32
     assert master_dtype([torch.bfloat16, torch.float64]) == torch.float64
-    with pytest.raises(LayoutError, match=r"^parameter '2\.weight' has dtype torch\.float32.*master_weights=True"):
+    with pytest.raises(
+        LayoutError, match=r"^parameter '2\.weight' has dtype torch\.float32.*master_weights=True"
+    ):
         RetainedLayout.create(model(), chunk_numel=8)
     with pytest.raises(LayoutError, match="^master_weights must be true or false, got 'yes'$"):
         RetainedLayout.create(model(), chunk_numel=8, master_weights="yes")  # type: ignore[arg-type]
@@ -125,13 +135,15 @@ def test_master_dtype_and_bad_arguments() -> None:
 def test_attach_derives_and_checks_dtypes() -> None:
     m = model()
     store = InMemorySegments()
-    ro = retain(m, OPTS["adamw"](list(m.parameters())), chunk_numel=8, alloc=store, master_weights=True)
+    ro = retain(
+        m, OPTS["adamw"](list(m.parameters())), chunk_numel=8, alloc=store, master_weights=True
+    )
     for _ in range(2):
         ro.zero_grad()
         loss(m).backward()
         ro.step()
     skel = model().to("meta")
-    lay = RetainedLayout.attach(skel, alloc=store)
+    RetainedLayout.attach(skel, alloc=store)
     for p, q in zip(skel.parameters(), m.parameters(), strict=True):
         assert p.device.type == "cpu" and p.dtype == q.dtype and torch.equal(p, q)
     wrong = model(torch.float32).to("meta")
@@ -201,7 +213,9 @@ def test_buffers_round_trip_exactly_through_json() -> None:
 def test_buffers_refuse_another_model_in_one_line() -> None:
     state = capture_buffers(bn_model())
     other = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(5), nn.Linear(5, 2))
-    with pytest.raises(ProcessStateError, match=r"^buffer '1\.running_mean': retained torch\.float32 \(4,\)"):
+    with pytest.raises(
+        ProcessStateError, match=r"^buffer '1\.running_mean': retained torch\.float32 \(4,\)"
+    ):
         restore_buffers(other, state)
     with pytest.raises(ProcessStateError, match="^the retained buffers .*first difference"):
         restore_buffers(model(), state)
