@@ -56,8 +56,9 @@ settings without copying gradients on the normal path.
 **Master weights (mixed precision, opt-in: ``master_weights=True``).** The
 buffers hold one dtype, the *master* dtype: ``torch.promote_types`` of float32 and
 every parameter's dtype (float32 for a model of bf16, fp16 and fp32 parameters;
-float64 if one is float64). A parameter of the master dtype is a view, as above. A parameter of another dtype (bf16, fp16)
-is *derived*: it keeps storage of its own in the trainer, and
+float64 if one is float64). A parameter of the master dtype is a view, as above.
+A parameter of another dtype (bf16, fp16) is *derived*: it keeps storage of its
+own in the trainer, and
 :meth:`RetainedLayout.derive_params` writes it as the cast of its master copy
 (round to nearest even: deterministic); the optimizer calls it after every
 applied step and whenever it loads the state of a step, so the model always
