@@ -67,6 +67,7 @@ __all__ = [
 
 Data = torch.Tensor | Sequence[torch.Tensor]
 T = TypeVar("T")
+C_co = TypeVar("C_co", covariant=True)
 
 
 @runtime_checkable
@@ -494,7 +495,22 @@ def run_spmd(size: int, fn: Callable[[InProcessCollective], T], timeout: float =
     The first exception raised by any rank is re-raised here (after the others
     have been released).
     """
-    group = InProcessGroup(size, timeout=timeout)
+    return run_on_threads(InProcessGroup(size, timeout=timeout), size, fn)
+
+
+class ThreadGroup(Protocol[C_co]):
+    """An in-process group whose members threads can run: ``member(r)`` is rank ``r``'s
+    collective, ``abort()`` releases every member waiting in one."""
+
+    def member(self, rank: int) -> C_co: ...
+
+    def abort(self) -> None: ...
+
+
+def run_on_threads(group: ThreadGroup[C_co], size: int, fn: Callable[[C_co], T]) -> list[T]:
+    """``fn(group.member(r))`` on one thread per rank; results by rank. A rank that
+    raises aborts the group (releasing the others); the first error that is not a
+    released barrier is re-raised here, else the first error."""
     results: list[Any] = [None] * size
     errors: list[BaseException | None] = [None] * size
 

@@ -24,7 +24,8 @@ Records (one JSON object per line of ``RUN_DIR/events.jsonl``; other records pas
 * ``core`` with ``adopt``: the retained state the trainers reported during a recovery
   replaces the model's (:func:`adopt`, which refuses what the model cannot have come to).
 * ``job_failed`` with ``feed`` or ``adopt``: what the coordinator refused, stopping the
-  job; replayed, it is refused again, so such a trace never passes.
+  job; replayed, it is refused again, so such a trace never passes. With ``phase``: the
+  recovery deadline passed, and the ``GiveUp`` fed before it left the model FAILED.
 
 What is checked after each record, against the replayed state: ``step`` (every rank
 finished the step, and it is the committed one), ``tier2_snapshot``, ``failure`` (a
@@ -511,6 +512,10 @@ def _c_recovery_end(r: _Replay, rec: dict[str, Any]) -> None:
 
 def _c_failed(r: _Replay, rec: dict[str, Any]) -> None:
     if "feed" not in rec and "adopt" not in rec:
+        if "phase" in rec and r.state is not None:  # the deadline: GiveUp was fed
+            s = r.state
+            _expect(s.phase is Phase.FAILED, f"the model is {s.phase.value}, not failed")
+            _expect(s.gen == _get_int(rec, "generation"), "the log names another generation")
         return
     try:
         if "feed" in rec:

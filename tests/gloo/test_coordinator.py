@@ -10,6 +10,7 @@ from leto.backends.gloo.coordinator import Coordinator, CoordinatorOptions
 from leto.backends.gloo.eventlog import EventLog
 from leto.backends.gloo.messages import Fail, decode
 from leto.core.chunk import LOST, NONE, TORN
+from leto.core.recovery import Phase
 from leto.spec.trace import replay
 
 CHUNKS = 2
@@ -189,6 +190,8 @@ def test_a_lost_node_without_replacement_fails_with_a_clear_error() -> None:
     h.c.outbox.clear()
     h.c.tick(h.now + 6.0)
     assert h.c.failed is not None and "--node-rank 1" in h.c.failed
+    assert h.c.state is not None and h.c.state.phase is Phase.FAILED
+    assert replay(enumerate(h.log.records, 1)).divergence is None
 
 
 def test_beyond_both_tiers_without_checkpoint_stops_with_the_reason() -> None:
@@ -352,6 +355,18 @@ def test_a_shadow_that_never_comes_fails_the_job_within_the_recovery_timeout() -
         "a shadow of rank(s) [1] (phase promoting, generation 1)"
     )
     assert h.c.outbox[-1] == (None, Fail(error=h.c.failed))
+    # the deadline is the core's event: the model ends FAILED, the log replays it
+    assert h.c.state is not None and h.c.state.phase is Phase.FAILED
+    (failed,) = h.events("job_failed")
+    assert failed["phase"] == "promoting" and failed["generation"] == 1
+    rep = replay(enumerate(h.log.records, 1))
+    assert rep.divergence is None, rep.divergence
+    assert rep.events > 0
+    # doctored: the GiveUp record gone, the job_failed record no longer replays
+    doctored = [x for x in h.log.records if x.get("feed") != [["GiveUp"]]]
+    assert len(doctored) == len(h.log.records) - 1
+    bad = replay(enumerate(doctored, 1)).divergence
+    assert bad is not None and bad.event == "job_failed" and "not failed" in bad.why
 
 
 def test_a_shadow_warm_while_the_recovery_waits_is_promoted() -> None:

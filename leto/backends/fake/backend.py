@@ -26,7 +26,6 @@ recovered.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +44,7 @@ from leto.core import faultpoints as fp
 from leto.core.erasure import Topology
 from leto.core.faultpoints import APPLY_WHERE, DECIDE_WHERE, PHASES
 from leto.retained.layout import LayoutError
-from leto.retained.parity import Collective, InProcessGroup
+from leto.retained.parity import Collective, InProcessGroup, run_on_threads
 
 __all__ = [
     "APPLY_WHERE",
@@ -447,28 +446,7 @@ class FakeBackend(Backend):
         """One thread per member over an in-process group (exact, deterministic sums)."""
         self.stats["spmd_calls"] += 1
         size = len(members)
-        group = _ByteGroup(size)
-        results: list[Any] = [None] * size
-        errors: list[BaseException | None] = [None] * size
-
-        def body(r: int) -> None:
-            try:
-                results[r] = fn(group.member(r))
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors[r] = e
-                group.abort()
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        first = [
-            e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)
-        ]
-        for e in first + [e for e in errors if e is not None]:
-            raise e
-        return results
+        return run_on_threads(_ByteGroup(size), size, fn)
 
     def barrier(self, generation: int) -> None:
         missing = [r for r, p in enumerate(self.procs) if p is not ProcState.ALIVE]

@@ -48,11 +48,11 @@ class Follower:
 
     def _follow(self) -> None:
         """Carry out the coordinator's recovery commands until ``resume``."""
-        self.s._destroy_pg()
+        self.s.groups.destroy()
         while True:
             msg = self.s.ch.next_command()
             if isinstance(msg, M.Abort):
-                self.s._destroy_pg()
+                self.s.groups.destroy()
                 continue
             if isinstance(msg, M.Complete):
                 self.s.completed = True
@@ -64,7 +64,7 @@ class Follower:
             if gen < self.s.gen or self.s.ch.aborted_since(gen):
                 continue  # a command of a generation that has been aborted since
             self.s.ch.mark(t)
-            self.s._point("recovery", where=COMMAND_POINT[type(msg)])
+            self.s.fault_points.point("recovery", where=COMMAND_POINT[type(msg)])
             try:
                 match msg:
                     case M.CallReports():
@@ -85,7 +85,7 @@ class Follower:
                 while time.monotonic() < deadline and not self.s.ch.aborted_since(gen):
                     time.sleep(0.01)
                 if self.s.ch.aborted_since(gen):
-                    self.s._stopped(f"generation {gen} was overtaken")
+                    self.s.txn.stopped(f"generation {gen} was overtaken")
                     continue
                 sys.stderr.write(f"leto: rank {self.s.rank}: fenced off ({e}); exiting\n")
                 os._exit(4)
@@ -96,7 +96,7 @@ class Follower:
                         + traceback.format_exc()
                     )
                 # a collective of the recovery failed (another failure): wait for the restart
-                self.s._stopped(
+                self.s.txn.stopped(
                     f"recovery step {t} failed: {str(e).splitlines()[0] if str(e) else e}"
                 )
 
@@ -106,11 +106,11 @@ class Follower:
         assert self.s.keeper is not None
         self.s.keeper.readmit(gen)
         t0 = time.perf_counter()
-        self.s._init_pg(gen)
+        self.s.groups.init(gen)
         pg_ms = round((time.perf_counter() - t0) * 1e3, 3)
-        lost = self.s._ensure_layout()
+        lost = self.s.memory.ensure_layout()
         if not self.s.parity and self.s.cfg.tier1:
-            self.s._node_memory()
+            self.s.memory.node_memory()
         lay = self.s.layout
         C = lay.n_chunks
         if lost:
@@ -142,7 +142,7 @@ class Follower:
     def _reconcile(self, msg: M.Reconcile) -> None:
         self.s.ch.mark("reconcile")
         gen, kind, target = msg.gen, msg.kind, msg.target
-        self.s._init_pg(gen)
+        self.s.groups.init(gen)
         t0 = time.perf_counter()
         summary: dict[str, Any] = {
             "chunks_repaired_tier1": 0,
@@ -175,7 +175,7 @@ class Follower:
                 if x["what"] == "tier1"
             ]
             lost = {base + m for m, _, _ in chunks}
-            ex = TorchDistCollective(self.s.node_group)
+            ex = TorchDistCollective(self.s.groups.node_group)
             for rep in repairs:
                 if rep["what"] == "grad-tier1":
                     r = int(rep["rank"])
@@ -185,7 +185,7 @@ class Follower:
                             self.s.layout,
                             r - base,
                             int(rep["step"]),
-                            pending=lambda: self.s._node_state()[1],
+                            pending=lambda: self.s.ps.node_state()[1],
                             who=self._who,
                         )
                         and r == self.s.rank
@@ -213,7 +213,7 @@ class Follower:
                     self.s.layout,
                     target,
                     lost_any=self.s.rank in lost,
-                    pending=lambda: self.s._node_state()[1],
+                    pending=lambda: self.s.ps.node_state()[1],
                     who=self._who,
                 )
             if self.s.rank in lost:
@@ -246,7 +246,7 @@ class Follower:
         summary["redundancy_ms"] = round((time.perf_counter() - t1) * 1e3, 3)
         summary["parity_reencoded"] = int(self.s._reencoded)
         summary["parity_checked"] = int(self.s._parity_checked)
-        self.s.status_lost(False)
+        self.s.memory.status_lost(False)
         self.s.ch.send(M.Reconciled(rank=self.s.rank, gen=gen, summary=summary, snapshot=meta))
 
     def _resume(self, msg: M.Resume) -> None:
@@ -257,8 +257,8 @@ class Follower:
             self.s._fatal(
                 f"resume at step {step}, but this rank's state is at {self.s.ropt.version}"
             )
-        self.s.t2 = step if msg.t2 is None else msg.t2
-        self.s._t2_pending = None
+        self.s.snapshots.t2 = step if msg.t2 is None else msg.t2
+        self.s.snapshots.pending = None
         assert self.s.sampler_state is not None
         self.s.cursor.restore(self.s.sampler_state)
         self.s.stats["recoveries"] += 1
@@ -271,7 +271,7 @@ class Follower:
         block = self.s.parity[c]
         mi = r - self.s.node * self.s.nproc
         rx.decode_chunk(
-            TorchDistCollective(self.s.node_group),
+            TorchDistCollective(self.s.groups.node_group),
             self.s.layout,
             c,
             lost=mi,
@@ -285,9 +285,9 @@ class Follower:
     def _decode_grads(self, r: int, step: int) -> None:
         """Tier 1: rank ``r``'s gradients of ``step`` from the node's gradient parity."""
         assert self.s.gparity is not None
-        pending = self.s._node_state()[1] if r == self.s.rank else None
+        pending = self.s.ps.node_state()[1] if r == self.s.rank else None
         rx.decode_grads(
-            TorchDistCollective(self.s.node_group),
+            TorchDistCollective(self.s.groups.node_group),
             self.s.layout,
             lost=r - self.s.node * self.s.nproc,
             step=step,
@@ -301,7 +301,7 @@ class Follower:
         """This rank's gradients of ``step``, rebuilt: sealed with the present mask of
         its prepare record and checked against that record's checksums."""
         rx.seal_rebuilt_grads(
-            self.s.layout, step, self.s._node_state()[1], how, f"rank {self.s.rank}"
+            self.s.layout, step, self.s.ps.node_state()[1], how, f"rank {self.s.rank}"
         )
 
     def _who(self, member: int) -> str:
@@ -312,15 +312,15 @@ class Follower:
         """Roll this rank to ``target`` (:func:`leto.retained.recovery.settle`);
         (chunks rolled forward, chunks rolled back)."""
         assert self.s.ropt is not None
-        hist, pend = self.s._node_state()
+        hist, pend = self.s.ps.node_state()
         done = rx.settle(
             self.s.layout,
             self.s.ropt,
             target,
             history=hist,
             pending=pend,
-            load_ps=self.s._load_ps,
-            step_scheduler=lambda: self.s.replay_scheduler(pend),
+            load_ps=self.s.ps.load,
+            step_scheduler=lambda: self.s.ps.replay_scheduler(pend),
             who=f"rank {self.s.rank}",
             on_applied=lambda c: self._parity_follows(c, target),
         )
@@ -360,7 +360,7 @@ class Follower:
             return
         block = self.s.parity[c]
         if block.valid and block.versions()[self.s.lr] == step - 1:
-            self.s._tier1_chunk(c, step)
+            self.s.txn.tier1_chunk(c, step)
 
     def _restore_snapshot(self, step: int, snap: dict[str, Any]) -> None:
         meta = snap["meta"][str(self.s.rank)]
@@ -372,16 +372,16 @@ class Follower:
         flags[self.s.rank] = 1 if have else 0
         dist.all_reduce(flags)
         missing_nodes = sorted({q // self.s.nproc for q in range(self.s.W) if not flags[q]})
-        m = self.s.t2_parity
+        m = self.s.snapshots.t2_parity
         if len(missing_nodes) > m:
             raise IntegrityError(
                 f"tier-2 snapshots of nodes {missing_nodes} are gone: beyond tier 2 "
                 f"({m} parit{'y' if m == 1 else 'ies'})"
             )
-        nb, share = self.s._snapshot_layout()
+        nb, share = self.s.snapshots.layout()
         lay = self.s.layout
         if have:
-            seg = self.s._snap_seg(int(reply["active"]))
+            seg = self.s.snapshots.segment(int(reply["active"]))
             data = seg[self.s.lr * nb : (self.s.lr + 1) * nb].clone()
             base = self.s.nproc * nb
             sh = seg[base + self.s.lr * share : base + (self.s.lr + 1) * share]
@@ -389,7 +389,7 @@ class Follower:
             data = torch.zeros(nb, dtype=torch.uint8)
             sh = None
         if missing_nodes:
-            coll = TorchDistCollective(self.s.cross_group)
+            coll = TorchDistCollective(self.s.groups.cross_group)
             if m == 1:
                 decode_rotated(coll, data, missing_nodes[0], sh)
             else:  # a lost node's own shares are not kept: the snapshot is retaken
@@ -399,7 +399,7 @@ class Follower:
         rx.unpack_into(lay, data)
         rx.seal_checked(lay, step, meta["checksums"], "tier-2 snapshot", f"rank {self.s.rank}")
         lay.clear_prepared()
-        self.s._load_ps(meta["ps"])
+        self.s.ps.load(meta["ps"])
 
     def _restore_checkpoint(self, step: int) -> None:
         """The latest durable checkpoint (``step``): the model's and optimizer's state
@@ -417,7 +417,7 @@ class Follower:
         r = str(self.s.rank)
         rx.seal_checked(lay, step, meta["checksums"][r], "disk checkpoint", f"rank {r}")
         lay.clear_prepared()
-        self.s._load_ps(meta["process_states"][r])
+        self.s.ps.load(meta["process_states"][r])
 
     def _after_recovery_state(self, target: int, *, snapshot: bool = True) -> dict[str, Any] | None:
         """Verify, then rebuild the redundancy at ``target``: parity, gradient parity, and
@@ -427,16 +427,16 @@ class Follower:
         self.s._parity_checked = False
         rx.check_resumable(lay, self.s.ropt, target, f"rank {self.s.rank}")
         self.s.ch.send(M.Pending(rank=self.s.rank, json=""))
-        self.s._send_ps(target)
+        self.s.ps.send(target)
         if self.s.cfg.tier1:
             if not self.s.parity:
-                self.s._node_memory()
-            coll = TorchDistCollective(self.s.node_group)
+                self.s.memory.node_memory()
+            coll = TorchDistCollective(self.s.groups.node_group)
             sums = torch.tensor(
                 [lay.stored_checksum(c) for c in range(lay.n_chunks)], dtype=torch.int64
             )
             allsums = [torch.zeros_like(sums) for _ in range(self.s.nproc)]
-            dist.all_gather(allsums, sums, group=self.s.node_group)
+            dist.all_gather(allsums, sums, group=self.s.groups.node_group)
             want = [[int(s[c]) for s in allsums] for c in range(lay.n_chunks)]
             # The node's parity already encodes every member at ``target`` (a recovery
             # that changed no byte: a crash before PREPARE, a hang): it is, byte for
@@ -477,7 +477,7 @@ class Follower:
             if self.s.lr == 0:
                 assert self.s.gparity is not None
                 self.s.gparity.write_full(None, [NONE] * self.s.nproc, [0] * self.s.nproc)
-            dist.barrier(group=self.s.node_group)
-        meta = self.s._snapshot(target) if self.s.cfg.tier2 and snapshot else None
+            dist.barrier(group=self.s.groups.node_group)
+        meta = self.s.snapshots.take(target) if self.s.cfg.tier2 and snapshot else None
         dist.barrier()
         return meta

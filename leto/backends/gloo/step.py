@@ -16,8 +16,8 @@ at four places and runs the same transaction as the step-function form there:
   view of it, so ``clip_grad_norm_`` and ``scaler.unscale_`` act on the retained
   gradients; inside ``no_sync`` they accumulate in ordinary tensors;
 * **``optimizer.step()``**: PREPARE (checksums, seal, vote), DECIDE, APPLY chunk by
-  chunk, FINISH (:meth:`GlooSession._commit`); afterwards ``.grad`` is ``None``
-  (nothing outside the transaction writes retained gradients);
+  chunk, FINISH (:meth:`.transaction.StepTransaction.commit`); afterwards ``.grad``
+  is ``None`` (nothing outside the transaction writes retained gradients);
 * **a forward**: a fault point, and where a recovery under way is noticed.
 
 A recovery (a peer died, this rank was told to abort) is carried out where it is
@@ -96,8 +96,8 @@ class UserLoop:
         """The session started (a promoted shadow: recovered): the loop begins there."""
         s = self.s
         if s.stats["recoveries"] == 0 and s.role == "trainer":
-            s._send_ps(s.step)  # the state the loop starts from, with the stateful objects
-        self.resumed = s._ps_json(s.step)  # restored at the first batch
+            s.ps.send(s.step)  # the state the loop starts from, with the stateful objects
+        self.resumed = s.ps.to_json(s.step)  # restored at the first batch
 
     # ------------------------------------------------------------ process state
 
@@ -134,12 +134,12 @@ class UserLoop:
         return False
 
     def _recover(self, reason: str) -> None:
-        self.s._stopped(reason)
+        self.s.txn.stopped(reason)
         self.s.follower._follow()
         self._resumed()
 
     def _resumed(self) -> None:
-        self.resumed = self.s._ps_json(self.s.step)
+        self.resumed = self.s.ps.to_json(self.s.step)
         self.void = True
         self.queued = False
         self._scratch_grads()
@@ -171,7 +171,7 @@ class UserLoop:
             self._guard(self._post if self.stepped else self._empty_step)
         if self.resumed is not None:
             text, self.resumed = self.resumed, None
-            s._load_ps(text)
+            s.ps.load(text)
             assert s.rng is not None and s.sampler_state is not None
             restore_rng(s.rng)
             s.cursor.restore(s.sampler_state)
@@ -182,10 +182,10 @@ class UserLoop:
     def next_batch(self) -> Any:
         s = self.s
         self._close()
-        while not self._guard(lambda: s._tier2(s.step)):
+        while not self._guard(lambda: s.snapshots.maybe_take(s.step)):
             self._close()
         self.V = s.step + 1
-        s._step_in_progress = self.V
+        s.txn.in_progress = self.V
         batch = s.cursor.batch(self.V)
         self.open, self.stepped, self.reduced = True, False, False
         s.ch.mark("forward", s.step)
@@ -196,7 +196,7 @@ class UserLoop:
         s = self.s
         s.rng = capture_rng()
         s.sampler_state = s.cursor.state_after(s.step)
-        s._send_ps(s.step)
+        s.ps.send(s.step)
 
     def _empty_step(self) -> None:
         """A step whose optimizer step was skipped: committed with no gradient present."""
@@ -223,7 +223,7 @@ class UserLoop:
         if not self.open or not torch.is_grad_enabled():
             return  # outside leto's batches (an evaluation)
         self._hook_params()
-        self._guard(lambda: self.s._point("forward"))
+        self._guard(lambda: self.s.fault_points.point("forward"))
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.queued and self.open:
@@ -236,7 +236,7 @@ class UserLoop:
             self._scratch_grads()
             return
         if not self.sync:  # a micro-batch: the gradients accumulate, nothing is reduced
-            self._guard(lambda: self.s._point("backward"))
+            self._guard(lambda: self.s.fault_points.point("backward"))
             return
         self._guard(self._reduce)
 
@@ -254,7 +254,7 @@ class UserLoop:
         s = self.s
         lay = s.layout
         assert s.keeper is not None
-        s._point("backward")
+        s.fault_points.point("backward")
         s.ch.mark("allreduce")
         n, k = lay.numel, len(lay.params)
         if self.buf is None or self.buf.numel() != n + k:
@@ -271,7 +271,7 @@ class UserLoop:
                 flat[sl.offset : sl.offset + sl.numel].zero_()
             prm.grad = None
         work = _coll(dist.all_reduce, buf, op=dist.ReduceOp.SUM, async_op=True)
-        s._point("allreduce")
+        s.fault_points.point("allreduce")
         _coll(work.wait)
         flat.div_(s.W)
         s.keeper.check_writer()
@@ -323,7 +323,7 @@ class UserLoop:
             gdelta = as_bytes(lay.grad_buffer).clone()
             if self.old is not None:
                 gdelta.sub_(self.old)
-        s._commit(V, bad, self.present, gdelta, capture_rng(), None, scheduler=False)
+        s.txn.commit(V, bad, self.present, gdelta, capture_rng(), None, scheduler=False)
 
 
 def finite_update(st: dict[str, Any]) -> dict[str, Any]:

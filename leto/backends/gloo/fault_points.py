@@ -1,0 +1,89 @@
+"""Where a trainer checks for an abort and fires the faults of its plan (:mod:`.faults`).
+
+Every safe point of the step and of a recovery command is also a fault point: the
+plan's faults that name this phase, chunk, place and step fire there, each once per
+job (claimed on the job's store first, so a restarted trainer does not fire it again).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from leto.retained.parity import as_bytes
+
+from .collective import Interrupted
+from .faults import label as fault_label
+
+if TYPE_CHECKING:
+    from .runtime import GlooSession
+
+__all__ = ["FaultPoints"]
+
+
+class FaultPoints:
+    """One rank's fault plan, fired at its points (see the module docstring)."""
+
+    def __init__(self, session: GlooSession, plan: list[dict[str, Any]]) -> None:
+        self.s = session
+        self.faults = plan
+
+    def point(
+        self, phase: str, chunk: int | None = None, where: str | None = None, *, tear: Any = None
+    ) -> None:
+        """A safe point (abort check) and a fault point of the plan."""
+        s = self.s
+        step = s.txn.in_progress
+        for f in self.faults:
+            if f.get("_fired"):
+                continue
+            at_chunk = f["chunk"] if phase in ("apply", "parity") else None  # corrupt: its target
+            if f["phase"] != phase or (at_chunk is not None and at_chunk != chunk):
+                continue
+            if f["where"] is not None and f["where"] != where:
+                continue
+            if phase == "recovery":
+                if step < f["step"]:
+                    continue
+            elif f["step"] != step:
+                continue
+            f["_fired"] = True
+            if int(s.store.add(f"leto/{s.spec['job']}/fault/{f['id']}", 1)) != 1:
+                continue  # fired by an earlier incarnation
+            self._fire(f, tear)
+        if phase != "recovery" and s.ch.aborted_since(s.gen):
+            raise Interrupted
+
+    def _fire(self, f: dict[str, Any], tear: Any) -> None:
+        s = self.s
+        what = fault_label(f)
+        print(f"leto: injecting fault: {what}", flush=True)
+        sys.stdout.flush()
+        kind = f["kind"]
+        if kind == "crash":
+            if tear is not None:
+                tear()
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif kind == "exception":
+            raise RuntimeError(f"injected exception: {what}")
+        elif kind == "lose_memory":
+            os.kill(s.keeper_pid, signal.SIGKILL)
+            time.sleep(120)  # the agent kills this process (the last holder of the memory)
+        elif kind == "lose_node":
+            os.kill(int(s.spec["agent_pid"]), signal.SIGKILL)
+            time.sleep(120)  # dies with its agent
+        elif kind == "corrupt":
+            if not s.cfg.verify_chunks:
+                s._fatal(f"fault {what}: needs verify_chunks (PREPARE's checksum pass)")
+            c = int(f["chunk"] or 0)
+            if not 0 <= c < s.layout.n_chunks:
+                s._fatal(f"fault {what}: this rank has chunks 0..{s.layout.n_chunks - 1}")
+            first = as_bytes(s.layout.chunk_data(c)[0])
+            first[0] ^= 0x10  # and train on: nothing reported a memory error
+            return
+        time.sleep(120)

@@ -1,0 +1,91 @@
+"""What the gloo coordinator feeds the core's model, and how it judges a refusal.
+
+The model judges. An event it refuses stops the job (``CoordinatorOptions.strict``,
+on by default) with one line naming what was refused, the error and the model's
+state; only messages of an old generation are dropped before it (the keeper's
+fence), and votes wait while a recovery runs. What the coordinator feeds the
+model and the retained state it adopts are written to the event log as ``core``
+records (:mod:`leto.spec.trace`, O(ranks) per step), so that ``leto spec trace
+RUN_DIR`` replays the run through the model and checks it against the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from leto.core import events as ev
+from leto.core.cluster import Effect
+from leto.core.errors import ProtocolError
+from leto.spec.trace import Item, describe, encode, run
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
+
+__all__ = ["ModelFeeder", "ModelRefused"]
+
+
+class ModelRefused(Exception):
+    """The model refused what the coordinator fed it (judged by :meth:`ModelFeeder.judge`)."""
+
+    def __init__(self, what: str, source: str, error: ProtocolError, record: dict[str, Any]):
+        super().__init__(f"{what} ({source}): {error}")
+        self.what, self.source, self.error, self.record = what, source, error, record
+
+
+class ModelFeeder:
+    """Feeds the coordinator's model (``c.model``, ``c.state``), all or nothing, and
+    logs each feed as one ``core`` record (see the module docstring)."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.c = coordinator
+
+    def feed_event(self, e: ev.Event) -> tuple[Effect, ...]:
+        return self.run([e], "the recovery driver")
+
+    def run(self, items: list[Item], source: str) -> tuple[Effect, ...]:
+        """Feed ``items`` to the model, all or nothing, and log them as one ``core`` record;
+        a refusal raises :class:`ModelRefused` and leaves the state as it was."""
+        assert self.c.model is not None and self.c.state is not None
+        self.flush_applied()
+        feed = [encode(i) for i in items]
+        try:
+            self.c.state, effects = run(self.c.model, self.c.state, items)
+        except ProtocolError as err:
+            what = ", ".join(repr(i) for i in items)
+            raise ModelRefused(what, source, err, {"feed": feed}) from None
+        self.c.log.write("core", feed=feed)
+        return effects
+
+    def flush_applied(self) -> None:
+        """Feed the finished ranks gathered for a step as one ``ApplyStep``."""
+        if self.c.applied is not None:
+            (step, ranks), self.c.applied = self.c.applied, None
+            what = f"{len(ranks)} rank(s) finished step {step}"
+            self.run([ev.ApplyStep(step, sorted(ranks))], what)
+
+    @contextlib.contextmanager
+    def judging(self) -> Iterator[None]:
+        try:
+            yield
+        except ModelRefused as refused:
+            self.judge(refused)
+
+    def judge(self, refused: ModelRefused) -> None:
+        """The model refused an input: stop the job, naming it (strict), or log it."""
+        line = (
+            f"the protocol model refused {refused.what} ({refused.source}): {refused.error}; "
+            f"model: {describe(self.c.state)}"
+        )
+        if self.c.opt.strict:
+            self.c.fail(line, **refused.record)
+        else:
+            self.c.log.write("model_mismatch", error=line, **refused.record)
+
+    def try_event(self, e: ev.Event) -> bool:
+        assert self.c.model is not None and self.c.state is not None
+        if self.c.model.why_not(self.c.state, e) is not None:
+            return False
+        self.feed_event(e)
+        return True

@@ -1,0 +1,94 @@
+"""One rank's gloo communicators: formed per generation, torn down at every recovery.
+
+A generation's communicator is the whole job's process group plus, on every rank and in
+the same order, one group per node (tier 1: the node's parity) and one per local rank
+across nodes (tier 2: the snapshot's cross-node code). A recovery tears them down (a
+broken gloo group cannot be reused) and the next generation forms them anew, behind an
+abortable barrier so that a recovery restarting meanwhile is not stuck in gloo's own
+rendezvous.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from .channel import Aborted
+from .collective import CollectiveFailed
+
+if TYPE_CHECKING:
+    from .runtime import GlooSession
+
+__all__ = ["ProcessGroups"]
+
+
+class ProcessGroups:
+    """The communicators of the generation ``pg_gen`` (None: none formed)."""
+
+    def __init__(self, session: GlooSession) -> None:
+        self.s = session
+        self.pg_gen: int | None = None
+        self.node_group: Any = None
+        self.cross_group: Any = None
+
+    def init(self, gen: int) -> None:
+        """Form generation ``gen``'s communicators (nothing if they are formed already)."""
+        s = self.s
+        if self.pg_gen == gen and dist.is_initialized():
+            return
+        self.destroy()
+        t = time.perf_counter()
+        base = f"leto/{s.spec['job']}/pg/{gen}"
+        # An abortable barrier first: gloo's own rendezvous blocks (up to the collective
+        # timeout) on a peer that never comes; here every rank polls, and a recovery that
+        # restarts meanwhile (a peer died or hangs) interrupts the wait at once.
+        s.store.set(f"{base}/here/{s.rank}", "1")
+        keys = [f"{base}/here/{q}" for q in range(s.W)]
+        deadline = time.monotonic() + float(s.spec["collective_timeout"])
+        while not s.store.check(keys):
+            if s.ch.aborted_since(gen):
+                raise Aborted(f"generation {gen} was aborted while its communicator formed")
+            if time.monotonic() > deadline:
+                raise CollectiveFailed(f"not every rank joined generation {gen} in time")
+            time.sleep(0.005)
+        t_barrier = time.perf_counter()
+        prefix = dist.PrefixStore(base, s.store)  # type: ignore[attr-defined]
+        dist.init_process_group(
+            "gloo",
+            store=prefix,
+            rank=s.rank,
+            world_size=s.W,
+            timeout=timedelta(seconds=float(s.spec["collective_timeout"])),
+        )
+        # every rank creates every group, in the same order (gloo: tier-1 groups of each
+        # node, then tier-2 groups of each local rank across nodes)
+        for n in range(s.nnodes):
+            g = dist.new_group(list(range(n * s.nproc, (n + 1) * s.nproc)))
+            if n == s.node:
+                self.node_group = g
+        self.cross_group = None
+        if s.nnodes >= 2:
+            for lr in range(s.nproc):
+                g = dist.new_group([n * s.nproc + lr for n in range(s.nnodes)])
+                if lr == s.lr:
+                    self.cross_group = g
+        self.pg_gen = gen
+        s._log(
+            "process_group",
+            generation=gen,
+            ms=round((time.perf_counter() - t) * 1e3, 3),
+            barrier_ms=round((t_barrier - t) * 1e3, 3),
+        )
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group is torn down regardless
+                pass
+        self.pg_gen = None
+        self.node_group = None
+        self.cross_group = None

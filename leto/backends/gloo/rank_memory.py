@@ -1,0 +1,149 @@
+"""Where one rank's state lives: retained segments of its keeper, node segments of its agent.
+
+A trainer owns no memory of its own that a recovery needs: its parameters, gradients
+and optimizer state are views into memfd segments its keeper holds (they outlive the
+trainer), and its node's tier-1 blocks and tier-2 snapshot slots are segments the node
+agent holds (they outlive the node's trainers and keepers). :class:`RankMemory` binds
+the session's optimizer to the former (fresh, or attached after a restart) and maps the
+latter. A shadow keeps a skeleton of the model (:func:`to_meta`) until it is promoted.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from leto.retained.layout import ShapeMismatchError
+from leto.retained.optim import retain
+from leto.retained.recovery import IntegrityError
+
+from . import messages as M
+from .parity_block import ParityBlock, block_bytes
+
+if TYPE_CHECKING:
+    from .runtime import GlooSession
+
+__all__ = ["RankMemory", "materialize", "to_meta"]
+
+_STATUS = "gloo.status"  # keeper segment: int64 [lost flag]
+
+
+def to_meta(model: nn.Module) -> None:
+    """Release the parameters' memory: the shadow keeps a skeleton of the same objects.
+
+    A parameter is swapped for a meta-device one in place (``swap_tensors``: the
+    optimizer and the module keep the same object). ``swap_tensors`` refuses a tensor
+    that has weak references (RNN modules keep them in ``_flat_weight_refs``): such a
+    parameter keeps its object and its device, and its ``.data`` becomes one element
+    broadcast to its shape, so its storage is released all the same and attaching the
+    retained state later rebinds ``.data`` (the module sees the same object).
+    """
+    for p in model.parameters():
+        if p.device.type == "meta" or _is_placeholder(p):
+            continue
+        if weakref.getweakrefcount(p):
+            p.data = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
+        else:
+            torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
+                p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            )
+
+
+def _is_placeholder(p: torch.Tensor) -> bool:
+    """A skeleton parameter of :func:`to_meta` that kept its device (no storage of its own)."""
+    return p.numel() > 1 and p.untyped_storage().nbytes() < p.numel() * p.element_size()
+
+
+def materialize(model: nn.Module) -> None:
+    """Give skeleton parameters (uninitialised) CPU memory; buffers are left alone."""
+    for p in model.parameters():
+        if p.device.type == "meta":
+            torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
+                p, nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+            )
+        elif _is_placeholder(p):
+            p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+
+
+class RankMemory:
+    """Binds a session to its keeper's and its node agent's segments (see the module docstring)."""
+
+    def __init__(self, session: GlooSession) -> None:
+        self.s = session
+        self.status: torch.Tensor | None = None
+
+    def _status_seg(self) -> torch.Tensor:
+        if self.status is None:
+            assert self.s.keeper is not None
+            self.status = self.s.keeper.alloc(_STATUS, 8).view(torch.int64)
+        return self.status
+
+    def status_lost(self, lost: bool) -> None:
+        """Mark the keeper's memory lost (a restart must rebuild it) or whole again."""
+        self._status_seg()[0] = 1 if lost else 0
+
+    def bind(self, *, attach: bool) -> None:
+        s = self.s
+        assert s.keeper is not None
+        if not attach:
+            materialize(s.model)  # a skeleton has no values: garbage until repaired
+        s.ropt = retain(
+            s.model,
+            s.user_optimizer,
+            chunk_numel=int(s.cfg.chunk_size),
+            alloc=s.keeper.alloc,
+            attach=attach,
+            # verify_chunks is done once per step, for every chunk, before the vote
+            # (during the gradient all-reduce, so a corrupt chunk stops the step
+            # before its commit); checking each chunk again at its undo copy would
+            # read the whole state a second time for nothing
+            verify=False,
+        )
+
+    def ensure_layout(self) -> bool:
+        """Attach to the retained state, or create it fresh if the keeper lost it.
+
+        Returns True if the memory was lost (the rank must be rebuilt).
+        """
+        s = self.s
+        assert s.keeper is not None
+        if s.ropt is not None:
+            return bool(self._status_seg()[0])
+        have = s.keeper.listing()
+        if "leto.super" in have:
+            try:
+                self.bind(attach=True)
+            except ShapeMismatchError as e:
+                s._fatal(
+                    f"the script's model does not match the retained state: {e}. "
+                    "Every process of a rank must build the same model (shapes, names, dtype)."
+                )
+            return bool(self._status_seg()[0])
+        self.status_lost(True)  # until the rebuild completes, a restart sees LOST
+        self.bind(attach=False)
+        return True
+
+    def node_memory(self) -> None:
+        """Map this node's parity blocks (tier 1); created empty by the agent."""
+        s = self.s
+        lay = s.layout
+        if not s.cfg.tier1:
+            return
+        item = 0 if s.replica else lay.dtype.itemsize  # replicas: the records only
+        cbytes = (1 + len(lay.states)) * lay.chunk_numel * item
+        s.parity = [self._block(f"parity.{c}", cbytes) for c in range(lay.n_chunks)]
+        s.gparity = self._block("gparity", lay.numel * item)
+
+    def _block(self, name: str, nbytes: int) -> ParityBlock:
+        fd = self.segment(name, block_bytes(self.s.members, nbytes))
+        return ParityBlock(fd, self.s.members, nbytes)
+
+    def segment(self, name: str, nbytes: int) -> int:
+        """A descriptor of the node agent's segment ``name`` (created on first ask)."""
+        _, fds = self.s.ch.request(M.NodeSegment(name=name, nbytes=nbytes))
+        if len(fds) != 1:
+            raise IntegrityError(f"the agent sent no segment for {name}")
+        return fds[0]

@@ -1,0 +1,74 @@
+"""One rank's process state: what a step leaves besides its retained bytes.
+
+The optimizer's scalars, the LR scheduler, the sampler's position, the RNG and the
+user's loop's own objects (a ``GradScaler``) as one JSON text per step. The node agent
+keeps each rank's texts (it outlives the trainer) and its pending prepare record; a
+recovery reads them back (:meth:`RankState.node_state`) to roll a rank forward or back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from leto.retained.process_state import scheduler_state, step_scheduler
+
+from . import messages as M
+
+if TYPE_CHECKING:
+    from .runtime import GlooSession
+
+__all__ = ["RankState"]
+
+
+class RankState:
+    """This rank's process state, as JSON, loaded, sent to and read back from its agent."""
+
+    def __init__(self, session: GlooSession) -> None:
+        self.s = session
+
+    def to_json(self, step: int) -> str:
+        s = self.s
+        assert s.ropt is not None
+        return json.dumps(
+            {
+                "step": step,
+                "optimizer": s.ropt.process_state(),
+                "scheduler": scheduler_state(s.scheduler),
+                "sampler": s.sampler_state,
+                "rng": s.rng,
+                "extra": s.loop.state() if s.loop is not None else None,
+            }
+        )
+
+    def replay_scheduler(self, pending: dict[str, Any] | None) -> None:
+        """A roll-forward's stand-in for what followed step ``V``'s apply on a rank that
+        did not finish it: the scheduler's step (the user's loop: :mod:`.step`)."""
+        s = self.s
+        if s.loop is not None and s.step_fn is None:
+            s.loop.replay(pending)
+        else:
+            step_scheduler(s.scheduler, (pending or {}).get("metric"))
+
+    def send(self, step: int) -> None:
+        s = self.s
+        s.ch.send(M.ProcessState(rank=s.rank, step=step, json=self.to_json(step)))
+
+    def load(self, text: str) -> None:
+        s = self.s
+        ps = json.loads(text)
+        assert s.ropt is not None
+        s.ropt.load_process_state(ps["optimizer"])
+        if s.scheduler is not None:
+            s.scheduler.load_state_dict(ps["scheduler"])
+        s.rng = ps["rng"]
+        s.sampler_state = ps["sampler"]
+        if s.loop is not None:
+            s.loop.load_state(ps.get("extra"))
+
+    def node_state(self) -> tuple[dict[int, str], dict[str, Any] | None]:
+        """(step -> process state kept by the node agent, the pending prepare record)."""
+        reply, _ = self.s.ch.request(M.GetState(rank=self.s.rank))
+        hist = {int(k): v for k, v in reply.get("ps", {}).items()}
+        pend = reply.get("pending")
+        return hist, (json.loads(pend) if pend else None)

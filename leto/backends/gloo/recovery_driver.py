@@ -1,0 +1,554 @@
+"""The gloo coordinator's recovery driver: from a failure report to ``Resume``.
+
+Recovery: a failure report becomes ``Crash``/``Hang``/``LoseMemory``/``LoseNode``;
+then, as the core allows: ``Detect`` (abort broadcast), ``Fence`` (agents kill the
+stale processes and fence the keepers; promotion waits for their answer),
+``Promote`` per failed rank (warm or cold shadow), ``EndPromote``, then every
+trainer joins the communicator of the new generation and reports the *truth*
+of its retained state (chunk versions, undo copies, sealed gradients, its node's
+parity records), which the model adopts as its picture of memory (a trainer
+that died between doing something and reporting it leaves the model one event
+behind; the retained headers never are) before the core computes the reconcile
+plan (:func:`leto.core.adopt.adopt`, which refuses a report the model cannot have
+come to: another phase, another shape, memory the model lost found again).
+``Reconcile`` (or ``GoFallback`` + ``RestoreCheckpoint``) is carried out by every
+trainer, then ``Rebuild`` and ``Resume``. A failure during any of it feeds
+``Detect`` again where the core allows it: recovery restarts at the next
+generation.
+
+The core picks every next event (:mod:`leto.core.schedule`); the driver only carries
+them out and waits for what an event needs from the world. Its state (the recovery
+under way, ``rec``; what it waits for, ``wait``; the trainers' reports) lives in the
+coordinator, which the driver holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from leto.core import effects as fx
+from leto.core import events as ev
+from leto.core import schedule
+from leto.core.adopt import Retained, adopt
+from leto.core.cluster import ClusterState
+from leto.core.errors import ProtocolError
+from leto.core.recovery import Kind, Phase
+from leto.core.shadow import ShadowState
+from leto.core.trainer import TrainerState
+from leto.spec.trace import encode
+
+from . import messages as M
+from .model_feed import ModelRefused
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
+
+__all__ = ["Recovery", "RecoveryDriver", "Wait", "failed_what"]
+
+
+@dataclass
+class Recovery:
+    started: float
+    from_step: int
+    generation: int = 0
+    restarts: int = 0
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    phase_start: float = 0.0
+    phase_name: str = "detect"
+    phases: dict[str, float] = field(default_factory=dict)
+    promoted: list[dict[str, Any]] = field(default_factory=list)
+    plan: dict[str, Any] = field(default_factory=dict)
+    summaries: dict[int, dict[str, Any]] = field(default_factory=dict)
+    snapshot: dict[int, Any] = field(default_factory=dict)
+    truth_notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Wait:
+    what: str  # "fence" | "shadow" | "promote" | "report" | "reconcile" | "rebuild"
+    generation: int
+    pending: set[int]  # nodes (fence) or ranks
+    since: float
+
+
+def failed_what(rec: Recovery) -> str:
+    """The failures a recovery is for, in words: "rank 1", "node 1", "rank 0, rank 2"."""
+    names = []
+    for f in rec.failures:
+        name = f"node {f['node']}" if f.get("rank") is None else f"rank {f['rank']}"
+        if name not in names:
+            names.append(name)
+    return ", ".join(names) or "a process"
+
+
+class RecoveryDriver:
+    """Carries out a gloo job's recoveries for its coordinator (see the module docstring)."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.c = coordinator
+
+    def failure(self, msg: dict[str, Any], now: float) -> None:
+        """A failure (``msg``: its record, as reported or as the coordinator saw it)."""
+        s = self.c.state
+        assert s is not None and self.c.model is not None
+        kind = msg.get("kind")
+        rank = msg.get("rank")
+        fault: ev.Event
+        if kind == "node_lost":
+            fault = ev.LoseNode(int(msg["node"]))
+        elif kind == "keeper_lost":
+            fault = ev.LoseMemory(int(rank))  # type: ignore[arg-type]
+        elif kind == "hang":
+            fault = ev.Hang(int(rank))  # type: ignore[arg-type]
+        else:
+            fault = ev.Crash(int(rank))  # type: ignore[arg-type]
+        why = self.c.model.why_not(s, fault)
+        record = dict(msg)
+        record["step"] = s.committed
+        record["phase"] = s.phase.value
+        if why is not None:
+            # e.g. a crash of a rank already dead, or of a process of an old generation
+            self.c.log.write("failure_ignored", **record, why=str(why), refused=encode(fault))
+            return
+        self.c.feeder.run([fault], "a failure report")
+        self.c.log.write("failure", **record, generation=s.gen)
+        if isinstance(fault, ev.LoseNode):
+            self.c.nodes_lost_at.setdefault(fault.node, now)
+        if self.c.rec is None:
+            self.c.rec = Recovery(started=now, from_step=s.committed, phase_start=now)
+        self.c.rec.failures.append(record)
+        if self.c.wait is not None and self.c.wait.what == "promote" and rank is not None:
+            self.c.wait.pending.discard(int(rank))
+        if self.c.wait is not None and kind == "node_lost" and self.c.wait.what == "fence":
+            self.c.wait.pending.discard(int(msg["node"]))
+
+    def on_failure(self, msg: M.Failure, now: float) -> None:
+        if self.c.model is None:
+            tb = (msg.traceback or "").strip()
+            what = msg.detail or msg.kind
+            last = tb.splitlines()[-1] if tb else ""
+            self.c.fail(
+                f"rank {msg.rank} failed before training started ({what})"
+                + (f": {last}" if last else ""),
+                rank=msg.rank,
+                traceback=tb or None,
+            )
+            return
+        record = msg.to_wire()
+        del record["t"]
+        self.failure(record, now)
+
+    def on_stopped(self, msg: M.Stopped, now: float) -> None:
+        s = self.c.state
+        if s is None:
+            return
+        if s.phase is Phase.RUNNING and msg.reason and self.c._current(msg.gen):
+            self.c.stopped_at.setdefault(msg.rank, now)
+
+    def ack(self, what: str, key: int, gen: int) -> bool:
+        w = self.c.wait
+        if w is None or w.what != what or gen != w.generation:
+            return False
+        w.pending.discard(key)
+        return True
+
+    def on_promoted(self, msg: M.Promoted) -> None:
+        if self.ack("promote", msg.rank, msg.gen) and self.c.rec is not None:
+            self.c.rec.promoted.append({"rank": msg.rank, "warm": bool(msg.warm), "ms": msg.ms})
+            self.c.log.write(
+                "promoted",
+                rank=msg.rank,
+                warm=bool(msg.warm),
+                ms=msg.ms,
+                generation=self.c.generation,
+            )
+
+    def on_reconciled(self, msg: M.Reconciled) -> None:
+        if self.ack("reconcile", msg.rank, msg.gen) and self.c.rec is not None:
+            self.c.rec.summaries[msg.rank] = msg.summary
+            self.c.rec.snapshot[msg.rank] = msg.snapshot
+
+    def _phase(self, name: str, now: float) -> None:
+        rec = self.c.rec
+        if rec is None:
+            return
+        rec.phases[rec.phase_name] = rec.phases.get(rec.phase_name, 0.0) + (now - rec.phase_start)
+        rec.phase_name = name
+        rec.phase_start = now
+
+    def _wait(self, what: str, pending: set[int], now: float) -> None:
+        self.c.wait = Wait(what, self.c.generation, set(pending), now)
+
+    def advance(self, now: float) -> None:
+        """Carry out the recovery the core schedules (:mod:`leto.core.schedule`).
+
+        The core picks the next event; this driver only waits for what an event needs
+        from the world (the trainers' acknowledgements, their reports, a warm shadow).
+        """
+        for _ in range(1000):
+            if self.c.failed is not None or self.c.complete:
+                return
+            s = self.c.state
+            assert s is not None and self.c.model is not None
+            nxt = schedule.next_events(self.c.model, s)
+            if not nxt:
+                return
+            first = nxt[0]
+            if isinstance(first, ev.Detect):
+                self._detect(now)
+                continue
+            if self.c.wait is not None and self.c.wait.pending:
+                return
+            if isinstance(first, ev.Fence):
+                self._fence(now)
+                return
+            if isinstance(first, (ev.Promote, ev.ShadowWarm, ev.EndPromote)):
+                if not self._promote(nxt, now):
+                    return
+                continue
+            if isinstance(first, (ev.Reconcile, ev.GoFallback)):
+                if not self._reconcile(now):
+                    return
+                continue
+            if isinstance(first, ev.RestoreCheckpoint):
+                self._restore_checkpoint(now)
+                return
+            if isinstance(first, ev.Rebuild):
+                self._log_reconciled(now)
+                self._phase("rebuild", now)
+                self.c.feeder.feed_event(first)
+                self.c._send(None, M.Rebuild(gen=s.gen))
+                self._wait("rebuild", set(range(self.c.W)), now)
+                return
+            if isinstance(first, ev.Resume):
+                self._resume(now)
+                return
+            raise AssertionError(f"no executor for the scheduled {first!r}")  # pragma: no cover
+        raise RuntimeError("recovery driver did not settle")  # pragma: no cover
+
+    def give_up(self, message: str) -> None:
+        """A deadline passed (the clock is the coordinator's): the core decides what ends
+        the recovery under way (``GiveUp``: phase FAILED, effect ``JobFailed``), then the
+        job stops with ``message``, one line naming what the recovery still waited for."""
+        s, model = self.c.state, self.c.model
+        assert s is not None and model is not None
+        fields: dict[str, Any] = {}
+        e = schedule.next_event(model, s, overdue=True)
+        if isinstance(e, ev.GiveUp):
+            with self.c.feeder.judging():
+                for effect in self.c.feeder.feed_event(e):
+                    if isinstance(effect, fx.JobFailed):
+                        fields = {"phase": effect.phase, "generation": effect.generation}
+        self.c.fail(message, **fields)
+
+    def _detect(self, now: float) -> None:
+        s = self.c.state
+        assert s is not None
+        during = s.phase is not Phase.RUNNING
+        if self.c.rec is None:
+            self.c.rec = Recovery(started=now, from_step=s.committed, phase_start=now)
+        rec = self.c.rec
+        if len(self.c.recoveries) >= self.c.opt.max_recoveries:
+            self.c.fail(f"more than {self.c.opt.max_recoveries} recoveries: giving up")
+            return
+        self.c.feeder.feed_event(ev.Detect())
+        self.c.wait = None
+        self.c.done.clear()
+        self.c.stopped_at.clear()  # collective errors seen so far are explained by this failure
+        if during:
+            rec.restarts += 1
+            self.c.log.write(
+                "recovery_restart",
+                generation=s.gen,
+                phase=s.phase.value,
+                cause=[f for f in rec.failures[-1:]],
+            )
+        else:
+            self.c.log.write("recovery_start", generation=s.gen, from_step=s.committed)
+        self._phase("fence", now)
+        self.c._send(None, M.Abort(gen=s.gen))
+
+    def _fence(self, now: float) -> None:
+        s = self.c.state
+        assert s is not None
+        hung = [r for r, t in enumerate(s.trainer) if t is TrainerState.HUNG]
+        self.c.feeder.feed_event(ev.Fence())
+        gen = self.c.generation
+        assert self.c.rec is not None
+        self.c.rec.generation = gen
+        self.c._send(None, M.Fence(gen=gen, kill=hung))
+        self._wait("fence", set(self.c.nodes_up), now)
+        self.c.log.write("fence", generation=gen, stale_killed=hung)
+
+    def _promote(self, nxt: tuple[ev.Event, ...], now: float) -> bool:
+        """Carry out the scheduled promotions; True once EndPromote was fed."""
+        s = self.c.state
+        assert s is not None and self.c.model is not None
+        if self.c.wait is not None and self.c.wait.what == "fence":
+            for r, stale in enumerate(s.stale):
+                if stale:  # the fence killed it: its writes can no longer happen
+                    self.c.feeder.try_event(ev.StaleWrite(r, 0))
+            self.c.wait = None
+            self._phase("promote", now)
+            s = self.c.state
+            assert s is not None
+            nxt = schedule.next_events(self.c.model, s)
+        if any(isinstance(e, ev.EndPromote) for e in nxt):
+            self.c.feeder.feed_event(ev.EndPromote())
+            self._phase("rejoin", now)  # the new generation's communicator + retained truth
+            return True
+        sent, needed = set(), set()
+        for e in nxt:
+            r = e.rank  # type: ignore[attr-defined]
+            if self.c._node_of(r) not in self.c.nodes_up:
+                continue  # its node is being replaced
+            if isinstance(e, ev.ShadowWarm):
+                # its replacement shadow must be warm first: make sure one is coming
+                # (the shadow's warm report feeds ShadowWarm)
+                if (r, s.gen) not in self.c.asked_shadow:
+                    self.c.asked_shadow.add((r, s.gen))
+                    self.c._send(self.c._node_of(r), M.NeedShadow(rank=r))
+                needed.add(r)
+                continue
+            warm = s.shadow[r] is ShadowState.WARM
+            self.c.feeder.feed_event(e)
+            self.c._send(self.c._node_of(r), M.PromoteRank(rank=r, gen=s.gen, warm=warm))
+            sent.add(r)
+        if sent:
+            pending = set(sent)
+            if self.c.wait is not None and self.c.wait.what == "promote":
+                pending |= self.c.wait.pending
+            self._wait("promote", pending, now)
+        elif needed:
+            self._wait("shadow", needed, now)  # until their warm reports
+        return False
+
+    def _reconcile(self, now: float) -> bool:
+        s = self.c.state
+        assert s is not None and self.c.model is not None
+        if self.c.wait is None or self.c.wait.what not in ("report",):
+            self.c.reports = {}
+            self.c._send(None, M.CallReports(gen=s.gen))
+            self._wait("report", set(range(self.c.W)), now)
+            return False
+        # every trainer reported: the truth of the retained state replaces the model's
+        self._phase("reconcile", now)
+        self.c.state = self._truth(s)
+        s = self.c.state
+        plan = self.c.model.plan(s)
+        fallback = isinstance(schedule.next_event(self.c.model, s), ev.GoFallback)
+        self.c.wait = None
+        if fallback and not self.c.info.get("checkpoint"):
+            self.c.fail(
+                "cannot recover in place: "
+                + plan.reason
+                + ". No checkpoint is configured (set checkpoint_dir in the leto config), "
+                "so training stops here instead of resuming on wrong state",
+                plan=plan.reason,
+            )
+            return False
+        assert self.c.rec is not None
+        if fallback:
+            self.c.feeder.feed_event(ev.GoFallback())
+            self.c.rec.plan = {
+                "kind": "ckpt",
+                "target": s.ckpt,  # the latest durable checkpoint
+                "reason": plan.reason,
+                "steps_lost": s.committed - s.ckpt,
+                "repairs": [],
+                "tier2_retaken": bool(self.c.info.get("tier2")),
+            }
+            return True
+        effects = self.c.feeder.feed_event(ev.Reconcile())
+        repairs = [
+            {"what": x.what, "rank": x.rank, "chunk": x.chunk, "step": x.step}
+            for x in effects
+            if isinstance(x, fx.RunRepair)
+        ]
+        after = self.c.state
+        assert after is not None
+        self.c.rec.plan = {
+            "kind": after.kind.value,
+            "target": after.target,
+            "reason": plan.reason,
+            "steps_lost": after.loss,
+            "repairs": repairs,
+            # the tier-2 snapshot is retaken only if it lost blocks (the model's rule)
+            "tier2_retaken": bool(s.t2lost) and bool(self.c.info.get("tier2")),
+        }
+        cmd = self._reconcile_cmd(after.kind, after.target, repairs, retake_t2=bool(s.t2lost))
+        self.c._send(None, cmd)
+        self._wait("reconcile", set(range(self.c.W)), now)
+        return False
+
+    def _reconcile_cmd(
+        self, kind: Kind, target: int, repairs: list[dict[str, Any]], *, retake_t2: bool = True
+    ) -> M.Reconcile:
+        snapshot = None
+        if kind is Kind.TIER2:
+            snapshot = {
+                "step": self.c.t2_step,
+                "meta": {str(r): m for r, m in self.c.t2_meta.items()},
+            }
+        return M.Reconcile(
+            gen=self.c.generation,
+            kind=kind.value,
+            target=target,
+            repairs=repairs,
+            retake_t2=retake_t2,
+            snapshot=snapshot,
+        )
+
+    def _restore_checkpoint(self, now: float) -> None:
+        assert self.c.state is not None
+        step = self.c.state.ckpt  # the latest durable checkpoint
+        self.c.feeder.feed_event(ev.RestoreCheckpoint())
+        self.c._send(None, self._reconcile_cmd(Kind.CKPT, step, []))
+        self._wait("reconcile", set(range(self.c.W)), now)
+
+    def _truth(self, s: ClusterState) -> ClusterState:
+        """The model's state with the retained state as the trainers found it: adopted
+        through :func:`leto.core.adopt.adopt` (which refuses what the model cannot have
+        come to) and logged as a ``core`` record, so the trace replays it."""
+        assert self.c.model is not None
+        data, undo, grad = [], [], []
+        notes = []
+        for r in range(self.c.W):
+            rep = self.c.reports[r]
+            d = tuple(int(x) for x in rep["data"])
+            u = tuple(int(x) for x in rep["undo"])
+            g = int(rep["grad"])
+            if (d, u, g) != (s.data[r], s.undo[r], s.grad[r]):
+                notes.append(
+                    f"rank {r}: model data={list(s.data[r])} undo={list(s.undo[r])} grad={s.grad[r]}, retained data={list(d)} undo={list(u)} grad={g}"
+                )
+            data.append(d)
+            undo.append(u)
+            grad.append(g)
+        par, gpar = [], []
+        for n in range(self.c.topology.nodes):
+            head = self.c.reports[self.c.topology.ranks_of(n)[0]]
+            p = head.get("node_par")
+            gp = head.get("node_gpar")
+            newp = None if p is None else tuple(tuple(int(v) for v in row) for row in p)
+            newg = None if gp is None else tuple(int(v) for v in gp)
+            if newp != s.par[n] or newg != s.gpar[n]:
+                notes.append(
+                    f"node {n}: model par={s.par[n]} gpar={s.gpar[n]}, retained par={newp} gpar={newg}"
+                )
+            par.append(newp)
+            gpar.append(newg)
+        t2lost = s.t2lost if self.c.info.get("tier2") else frozenset(range(self.c.topology.nodes))
+        retained = Retained(
+            data=tuple(data),
+            undo=tuple(undo),
+            grad=tuple(grad),
+            par=tuple(par),
+            gpar=tuple(gpar),
+            t2=self.c.t2_step,
+            t2lost=t2lost,
+        )
+        try:
+            after = adopt(self.c.model, s, retained)
+        except ProtocolError as err:
+            what = "the retained state the trainers reported"
+            source = f"generation {s.gen}"
+            raise ModelRefused(what, source, err, {"adopt": retained.to_record()}) from None
+        self.c.log.write("core", adopt=retained.to_record())
+        if self.c.rec is not None:
+            self.c.rec.truth_notes.extend(notes)
+        if notes:
+            self.c.log.write("retained_truth", generation=s.gen, differences=notes)
+        return after
+
+    def _log_reconciled(self, now: float) -> None:
+        rec = self.c.rec
+        if rec is None:
+            return
+        # every rank took the snapshot of the target step: it becomes the tier-2 snapshot
+        s = self.c.state
+        assert s is not None
+        snaps = rec.snapshot
+        if (
+            self.c.info.get("tier2")
+            and len(snaps) == self.c.W
+            and all(m is not None for m in snaps.values())
+        ):
+            self.c.t2_step = s.target
+            self.c.t2_meta = dict(rec.snapshot)
+            self.c._send(None, M.Tier2(step=s.target, gen=s.gen))
+        sums = rec.summaries
+        total = {
+            k: sum(int(x.get(k, 0)) for x in sums.values())
+            for k in (
+                "chunks_repaired_tier1",
+                "grads_repaired_tier1",
+                "chunks_rolled_forward",
+                "chunks_rolled_back",
+                "chunks_restored",
+                "tier1_from_replicas",
+                "parity_reencoded",
+                "parity_checked",
+            )
+        }
+        slowest = {
+            k: max((float(x.get(k, 0.0)) for x in sums.values()), default=0.0)
+            for k in ("repair_ms", "redundancy_ms")
+        }
+        pg = [float(r.get("pg_ms", 0.0)) for r in self.c.reports.values()]
+        slowest["communicator_ms"] = max(pg, default=0.0)
+        self.c.log.write("reconciled", generation=self.c.generation, **rec.plan, **total, **slowest)
+        rec.plan.update(total)
+        rec.plan["slowest_rank_ms"] = slowest
+
+    def _resume(self, now: float) -> None:
+        s = self.c.state
+        assert s is not None
+        target = s.target
+        self._phase("resume", now)
+        self.c.feeder.feed_event(ev.Resume())
+        self.c.wait = None
+        self.c._send(None, M.Resume(gen=s.gen, step=target, t2=self.c.t2_step))
+        rec = self.c.rec
+        self.c.rec = None
+        self.c.votes.clear()
+        self.c.finished.clear()
+        self.c.snaps.clear()
+        if rec is None:
+            return
+        self._phase("done", now)
+        total = now - rec.started
+        entry = {
+            "generation": s.gen,
+            "from_step": rec.from_step,
+            "resumed_at": target,
+            "failures": rec.failures,
+            "promoted": rec.promoted,
+            "restarts": rec.restarts,
+            "phases_ms": {k: round(v * 1e3, 3) for k, v in rec.phases.items() if k != "done"},
+            "seconds": round(total, 6),
+            **rec.plan,
+        }
+        if rec.truth_notes:
+            entry["truth_notes"] = rec.truth_notes
+        self.c.recoveries.append(entry)
+        self.c.log.write("recovery_end", **entry)
+
+    def waiting_for(self) -> str:
+        """What a recovery is waiting for, in words (its timeout's message)."""
+        s = self.c.state
+        assert s is not None
+        w = self.c.wait
+        where = f"phase {s.phase.value}, generation {s.gen}"
+        if w is None or not w.pending:
+            return f"it made no progress ({where})"
+        who = {
+            "fence": "the fence of node(s)",
+            "shadow": "a shadow of rank(s)",
+            "promote": "the promotion of rank(s)",
+            "report": "the retained-state report of rank(s)",
+            "reconcile": "the reconcile of rank(s)",
+            "rebuild": "the rebuild of rank(s)",
+        }.get(w.what, w.what + " of")
+        return f"still waiting for {who} {sorted(w.pending)} ({where})"

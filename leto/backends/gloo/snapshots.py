@@ -1,0 +1,115 @@
+"""Tier 2 on a gloo rank: every K steps, its bytes into its node's slot plus a cross-node code.
+
+A snapshot survives the loss of ``m`` whole nodes: each rank copies its retained bytes
+into a slot of its node agent's snapshot segment and, with two nodes or more, stores
+its share of the code across the ranks of the same local rank on every node (``m =
+1``: the rotated sum; ``m >= 2``: :mod:`leto.retained.rs`, striped). A recovery
+restores from the active slot (:mod:`.follow`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from leto.retained import rs
+from leto.retained.parity import (
+    TorchDistCollective,
+    as_bytes,
+    encode_rotated,
+    rotated_share_nbytes,
+)
+from leto.retained.recovery import IntegrityError
+
+from . import messages as M
+from . import segments
+from .collective import coll as _coll
+
+if TYPE_CHECKING:
+    from .runtime import GlooSession
+
+__all__ = ["Tier2Snapshots"]
+
+
+class Tier2Snapshots:
+    """One rank's tier-2 snapshots: the last one's step, and one sent but not yet confirmed."""
+
+    def __init__(self, session: GlooSession, config: Any) -> None:
+        self.s = session
+        self.t2 = 0
+        self.pending: int | None = None  # a snapshot sent, its "t2" not yet seen
+        self.K = config.tier2_interval if config.tier2 else 10**12
+        # m: lost nodes the snapshot survives (m >= 2: leto.retained.rs, striped)
+        self.t2_parity = int(getattr(config, "tier2_parity", 1))
+
+    def maybe_take(self, V: int) -> None:
+        """The tier-2 snapshot of step ``V`` if the last one is K steps back."""
+        s = self.s
+        if not s.cfg.tier2 or V - self.t2 < self.K:
+            return
+        if self.pending is not None:  # the previous snapshot is complete (long since)
+            s.ch.wait_for("t2", self.pending, s.gen)
+        bad = s.layout.verify() if s.cfg.verify_chunks else []
+        if bad:  # PROTOCOL.md, Tier2Snapshot: a snapshot captures verified bytes only
+            raise IntegrityError(
+                f"chunks {bad} fail their checksums at the tier-2 snapshot of step {V}"
+            )
+        meta = _coll(self.take, V)
+        s.ch.send(M.SnapshotDone(rank=s.rank, step=V, gen=s.gen, meta=meta))
+        # No wait for the coordinator's "t2" here (it was a barrier of every rank each
+        # K steps): step V+1 cannot commit before it anyway, since the coordinator
+        # receives this rank's snapshot_done before its vote for V+1 (one FIFO path)
+        # and feeds the model's Tier2Snapshot before that step's Compute events.
+        self.pending = V
+        self.t2 = V
+
+    def layout(self) -> tuple[int, int]:
+        """(snapshot bytes of this rank, parity bytes it stores for tier 2)."""
+        s = self.s
+        nb = sum(as_bytes(b).numel() for b in s.layout.data_buffers())
+        m = self.t2_parity
+        if s.nnodes < 2:
+            return nb, 0
+        if m == 1:
+            return nb, rotated_share_nbytes(nb, s.nnodes)
+        return nb, m * rs.striped_share_nbytes(nb, s.nnodes, m)
+
+    def segment(self, slot: int) -> torch.Tensor:
+        """The node's snapshot slot ``slot``, mapped (every local rank's bytes, then shares)."""
+        nb, share = self.layout()
+        total = self.s.nproc * (nb + share)
+        fd = self.s.memory.segment(f"snap.{slot}", total)
+        try:
+            return segments.as_tensor(fd, total)
+        finally:
+            os.close(fd)
+
+    def take(self, step: int) -> dict[str, Any]:
+        """Tier 2: this rank's bytes at ``step`` into its node's slot + the cross-node code."""
+        s = self.s
+        s.ch.mark("snapshot")
+        reply, _ = s.ch.request(M.SnapshotSlot(step=step))
+        seg = self.segment(int(reply["write"]))
+        nb, share = self.layout()
+        own = seg[s.lr * nb : (s.lr + 1) * nb]
+        off = 0
+        for b in s.layout.data_buffers():  # straight into the slot: no packed copy
+            bb = as_bytes(b)
+            own[off : off + bb.numel()].copy_(bb)
+            off += bb.numel()
+        if s.nnodes >= 2:
+            base = s.nproc * nb
+            out = seg[base + s.lr * share : base + (s.lr + 1) * share]
+            coll = TorchDistCollective(s.groups.cross_group)
+            if self.t2_parity == 1:
+                encode_rotated(coll, own, out=out)
+            else:
+                rs.encode_striped(coll, own, self.t2_parity, out)
+        lay = s.layout
+        return {
+            "step": step,
+            "checksums": [lay.stored_checksum(c) for c in range(lay.n_chunks)],
+            "ps": s.ps.to_json(step),
+        }

@@ -1,0 +1,271 @@
+"""One step of one gloo rank as a transaction (the fake backend's engine, for real).
+
+One step ``V`` (the protocol's events in brackets):
+
+1. forward and backward on the rank's shard of the global batch [Compute];
+2. the gradients' sum all-reduce over gloo, divided by the world size, copied into
+   the retained gradient buffer [Reduce];
+3. checksums verified, gradients sealed, this rank's delta added to the node's
+   gradient parity (with replicas: only the record of their step), the prepare
+   record (RNG, sampler position, present mask, gradient checksums) sent to the
+   node agent, the vote sent [Prepare];
+4. wait for ``commit(V)`` from the coordinator [Decide];
+5. per chunk: undo copy [BeginChunk], new bytes written and sealed [EndChunk],
+   the node's chunk parity (with replicas: its record) updated [ParityChunk],
+   undo released;
+6. the process state of ``V`` to the node agent, ``finished`` [Finish]; every K
+   steps the tier-2 snapshot (own bytes into the node's slot, rotated parity
+   across nodes) and a wait for its confirmation [Tier2Snapshot].
+
+The step-function form runs all six here (:meth:`StepTransaction.run`); the user's own
+loop (:mod:`.step`) runs 1-2 itself and steps 3-6 through :meth:`StepTransaction.commit`.
+A step stopped by a recovery (:meth:`StepTransaction.stopped`) hands over to
+:mod:`.follow`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from leto.core.chunk import NONE
+from leto.retained.parity import as_bytes
+from leto.retained.process_state import capture_rng, restore_rng, shard, step_scheduler
+from leto.retained.recovery import IntegrityError
+
+from . import messages as M
+from .channel import Aborted
+from .collective import CollectiveFailed, Interrupted
+from .collective import coll as _coll
+from .keeper_client import FencedError
+
+if TYPE_CHECKING:
+    from .runtime import GlooSession, StepFn
+
+__all__ = ["StepTransaction"]
+
+
+class StepTransaction:
+    """One rank's steps (see the module docstring); ``in_progress``: the step under way."""
+
+    def __init__(self, session: GlooSession) -> None:
+        self.s = session
+        self.in_progress = 0
+        self._red: torch.Tensor | None = None  # the all-reduce buffer, reused
+        self._gdelta: torch.Tensor | None = None  # the gradient parity's delta, reused
+
+    def run(self, step_fn: StepFn | None = None) -> float | None:
+        """One step (every rank runs it); its loss on this rank, or None if interrupted."""
+        s = self.s
+        if step_fn is not None:
+            s.step_fn = step_fn
+        if s.step_fn is None:
+            raise RuntimeError("no step function: pass one to train() / run_step()")
+        try:
+            return self._step()
+        except (Interrupted, Aborted, FencedError):
+            self.stopped("")
+        except CollectiveFailed as e:
+            self.stopped(f"collective failed: {e}")
+        s.follower._follow()
+        return None
+
+    def stopped(self, reason: str) -> None:
+        """This rank stopped its step (a recovery): tell the coordinator."""
+        s = self.s
+        s.groups.destroy()
+        s.ch.mark("stopped")
+        s.ch.send(M.Stopped(rank=s.rank, gen=s.gen, reason=reason[: M.MAX_TEXT]))
+
+    def _step(self) -> float:
+        s = self.s
+        assert s.ropt is not None and s.keeper is not None
+        ropt, lay = s.ropt, s.layout
+        # a recovery may have kept a snapshot that is now K steps back: take it first
+        s.snapshots.maybe_take(ropt.version)
+        V = ropt.version + 1
+        self.in_progress = V
+        r, W = s.rank, s.W
+        point = s.fault_points.point
+
+        # 1. compute
+        s.ch.mark("forward", ropt.version)
+        point("forward_start")
+        batch = shard(s.cursor.batch(V), r, W)
+        assert s.rng is not None
+        restore_rng(s.rng)
+        for prm in s.model.parameters():
+            prm.grad = None
+        assert s.step_fn is not None
+        loss = s.step_fn(s.model, batch)
+        point("forward")
+        s.ch.mark("backward")
+        loss.backward()
+        point("backward")
+        rng_after = capture_rng()
+        # one buffer: the gradients, then a presence flag per parameter (small integers,
+        # exact in floating point), so one collective is in flight, never two (a gloo
+        # group torn down with a second operation pending waits for its timeout)
+        n = lay.numel
+        if self._red is None or self._red.numel() != n + len(lay.params) + 1:
+            self._red = torch.zeros(n + len(lay.params) + 1, dtype=lay.dtype)
+        buf = self._red  # reused every step: no fresh pages to fault in
+        flat = buf[:n]
+        buf[n:].zero_()
+        buf[-1] = float(loss.detach())  # summed with the gradients: the mean loss
+        for i, prm in enumerate(lay.params):
+            g = prm.grad
+            sl = lay.slots[i]
+            if g is not None:
+                flat[sl.offset : sl.offset + sl.numel].copy_(g.reshape(-1))
+                buf[n + i] = 1
+            else:
+                flat[sl.offset : sl.offset + sl.numel].zero_()
+            prm.grad = None
+        # 2. reduce
+        s.ch.mark("allreduce")
+        work = _coll(dist.all_reduce, buf, op=dist.ReduceOp.SUM, async_op=True)
+        point("allreduce")
+        # PREPARE's checksum pass over the chunks runs while the all-reduce is in
+        # flight: it reads only the chunks, which nothing writes before APPLY, and a
+        # rank mostly waits for the slowest one here (its CPU counts as "allreduce")
+        bad = lay.verify() if s.cfg.verify_chunks else []
+        _coll(work.wait)
+        present = buf[n:-1]
+        mean_loss = (
+            float(buf[-1]) / W
+        )  # a metric scheduler's (ReduceLROnPlateau), alike on every rank
+        flat.div_(W)
+        point("reduced")
+        s.keeper.check_writer()
+        m = s.lr
+        gdelta = None
+        if s.gparity is not None and not s.replica:
+            # this member's change of the gradient parity: new bytes - old bytes
+            # (old: zeros if the parity never held this member's gradients)
+            comp = s.gparity.versions()[m]
+            if self._gdelta is None or self._gdelta.numel() != flat.numel() * flat.element_size():
+                self._gdelta = torch.empty(flat.numel() * flat.element_size(), dtype=torch.uint8)
+            gdelta = self._gdelta
+            if comp != NONE:
+                torch.sub(as_bytes(flat), as_bytes(lay.grad_buffer), out=gdelta)
+            else:
+                gdelta.copy_(as_bytes(flat))
+        lay.clear_prepared()
+        with torch.no_grad():
+            lay.grad_buffer.copy_(flat)
+        present_mask = [bool(c > 0) for c in present.tolist()]
+        return self.commit(
+            V, bad, present_mask, gdelta, rng_after, float(loss.detach()), metric=mean_loss
+        )
+
+    def commit(
+        self,
+        V: int,
+        bad: list[int],
+        present_mask: list[bool],
+        gdelta: torch.Tensor | None,
+        rng_after: dict[str, Any],
+        lval: float | None,
+        *,
+        scheduler: bool = True,
+        metric: float | None = None,
+    ) -> float:
+        """Steps 3-6 of step ``V``, its gradients in retained memory: prepare (seal, the
+        gradient parity's ``gdelta``, the vote), decide, apply chunk by chunk, finish
+        (``scheduler``: step the LR scheduler, as the step-function form does, with
+        ``metric``, the mean loss, for one that takes a metric; the user's loop steps
+        its own)."""
+        s = self.s
+        assert s.ropt is not None and s.keeper is not None
+        ropt, lay, r = s.ropt, s.layout, s.rank
+        m = s.lr
+        point = s.fault_points.point
+        # 3. prepare
+        s.ch.mark("prepare")
+        if bad:
+            raise IntegrityError(f"chunks {bad} fail their checksums at PREPARE of step {V}")
+        lay.seal_grads(V, present_mask)
+        point("prepare")
+        if s.gparity is not None:
+            if s.replica:  # the record that this member's gradients are of step V
+                s.gparity.record(m, V)
+            else:
+                assert gdelta is not None
+                s.gparity.add_delta(m, gdelta, V)
+        n = lay.n_chunks
+        pending = {
+            "step": V,
+            "rng": rng_after,
+            "sampler": s.cursor.state_after(V),
+            "present": present_mask,
+            "grad_checksums": lay.grad_checksums(),
+            "metric": metric,  # a metric scheduler's, for a roll-forward
+        }
+        # the agent keeps the pending state (a recovery may need it) before it passes
+        # the vote on: one message, one wakeup of the agent
+        s.ch.send(M.Vote(rank=r, step=V, gen=s.gen, pending=json.dumps(pending)))
+        # 4. decide
+        s.ch.mark("decide")
+        point("decide", where="before")
+        s.ch.wait_for("commit", (s.gen, V), s.gen)
+        point("decide", where="after")
+        # 5. apply, chunk by chunk, each member of the node's parity group starting at
+        # another chunk: the parity updates under each block's lock seldom collide
+        s.ch.mark("apply")
+        ropt.begin(V)
+        for c in [(m + i) % n for i in range(n)]:
+            s.keeper.check_writer()
+            ropt.save_undo(c)
+            point("apply", c, "undo_saved")
+
+            def tear(c: int = c) -> None:  # the trainer dies half way through the chunk
+                ropt.apply_chunk(c, seal=False)
+                with torch.no_grad():
+                    for dst, src in zip(lay.chunk_data(c), lay.undo_data(c), strict=True):
+                        h = dst.numel() // 2
+                        dst[h:].copy_(src[h:])
+
+            point("apply", c, "mid_write", tear=tear)
+            ropt.apply_chunk(c, seal=False)
+            lay.seal_chunk(c, V)
+            point("apply", c, "written")
+            self.tier1_chunk(c, V)
+            point("parity", c)
+            ropt.finish_chunk(c)
+        # 6. finish
+        point("finish")
+        ropt.end()
+        if scheduler:
+            step_scheduler(s.scheduler, metric)
+        s.rng = rng_after
+        s.sampler_state = s.cursor.state_after(V)
+        if lval is not None:
+            s.losses[V] = lval
+        s.stats["steps_run"] += 1
+        # with the process state after the step, which the agent keeps
+        loss = lval if lval is not None else 0.0
+        s.ch.send(M.Finished(rank=r, step=V, gen=s.gen, loss=loss, ps=s.ps.to_json(V)))
+        s.ch.mark("idle", V)
+        s.snapshots.maybe_take(V)
+        interval = s.checkpoints.interval(V)
+        if interval and V % interval == 0:
+            s.checkpoints.write(V)
+        return lval if lval is not None else 0.0
+
+    def tier1_chunk(self, c: int, step: int) -> None:
+        """Chunk ``c``'s new bytes (its undo copy holds the old) into the node's tier 1:
+        the parity's change, or for replicas only the record of its version."""
+        s = self.s
+        if not s.parity:
+            return
+        lay = s.layout
+        if s.replica:
+            s.parity[c].record(s.lr, step, lay.stored_checksum(c))
+        else:
+            s.parity[c].update(
+                s.lr, lay.undo_data(c), lay.chunk_data(c), step, lay.stored_checksum(c)
+            )
