@@ -120,6 +120,10 @@ NoGradParity == [n \in Nodes |-> [m \in RanksOf(n) |-> NONE]]
 \* A chunk whose checksum holds: clean, written, or torn with its undo copy.
 Intact(r, c) == data[r][c] \in Steps \/ (data[r][c] = TORN /\ undo[r][c] # NONE)
 
+\* Every shadow at the start: warm.  (A trace of a real run, TraceLeto.tla,
+\* starts with none, NONE: the agents start them with the trainers.)
+InitShadow == "WARM"
+
 Init ==
     /\ trainer = [r \in Ranks |-> "ALIVE"]
     /\ tgen = [r \in Ranks |-> 0]
@@ -128,7 +132,7 @@ Init ==
     /\ data = [r \in Ranks |-> [c \in Chunks |-> 0]]
     /\ undo = [r \in Ranks |-> [c \in Chunks |-> NONE]]
     /\ grad = [r \in Ranks |-> NONE]
-    /\ shadow = [r \in Ranks |-> "WARM"]
+    /\ shadow = [r \in Ranks |-> InitShadow]
     /\ stale = [r \in Ranks |-> FALSE]
     /\ par = ParityAt(0)
     /\ gpar = NoGradParity

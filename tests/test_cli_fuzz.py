@@ -276,6 +276,8 @@ NUMERIC: list[tuple[Command, Num]] = [
     (LAUNCH, Num("--recovery-timeout", False, 0, WEEK, True)),
     (LAUNCH, Num("--shadow-memory-budget", False, 0, float(1 << 30))),
     (LAUNCH, Num("--threads", True, 1, 1024)),
+    (LAUNCH, Num("--progress-every", False, 0, WEEK, True)),
+    (LAUNCH, Num("--spares", True, 0, 256)),
     (SIMULATE, Num("--gpus", True, 1, 10_000_000, names=("gpus",))),
     (SIMULATE, Num("--gpus-per-node", True, 1, 1024, names=("gpus_per_node",))),
     (SIMULATE, Num("--days", False, 0, 36_500, True, names=("days",))),
@@ -355,12 +357,26 @@ BAD_PARAMS = ("lots", "0", "-1M", "", "1e400", "9" * 400, "3G", "1.5.5M", "M")
 WORDY: list[tuple[list[str], tuple[str, ...]]] = [
     *[(LAUNCH.argv(f"--rdzv-endpoint={e}"), ("--rdzv-endpoint",)) for e in ENDPOINTS],
     *[(LAUNCH.argv(f"--run-dir={d}"), ("--run-dir",)) for d in BAD_DIRS],
+    *[(LAUNCH.argv(f"--metrics={e}"), ("--metrics",)) for e in ENDPOINTS if e != "127.0.0.1:0"],
+    *[(LAUNCH.argv(f"--tensorboard={d}"), ("--tensorboard",)) for d in BAD_DIRS],
     *[(LAUNCH.argv(f"--faults={p}"), ("--faults",)) for p in FAULT_PLANS],
     *[
         (["launch", "--quiet", script], ("script",))
         for script in ("nothere.py", "adir", "", "afile/x", "q" * 300)
     ],
     (LAUNCH.argv("--nnodes=2"), ("--rdzv-endpoint",)),
+    # the spare pool: a spare has no node rank, starts no spares, needs a job of nodes to
+    # replace and node 0's endpoint; only node 0 starts spares
+    (LAUNCH.argv("--spare", "--node-rank=1", "--nnodes=2"), ("--spare",)),
+    (LAUNCH.argv("--spare", "--node-rank=0"), ("--spare",)),
+    (LAUNCH.argv("--spare", "--spares=1", "--nnodes=2"), ("--spare",)),
+    (LAUNCH.argv("--spare"), ("--spare",)),
+    (LAUNCH.argv("--spares=2"), ("--spares",)),
+    (LAUNCH.argv("--spare", "--nnodes=2", "--standalone"), ("--spare", "--rdzv-endpoint")),
+    (
+        LAUNCH.argv("--spares=1", "--nnodes=2", "--node-rank=1", "--rdzv-endpoint=127.0.0.1:29400"),
+        ("--spares",),
+    ),
     *[
         (SIMULATE.argv(f"--set={f}={v}"), (f,))
         for f in ("gpus", "days", "hof_fraction")

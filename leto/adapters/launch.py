@@ -16,7 +16,13 @@ usual variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``backend = "gloo"``. Every failure and recovery goes to ``RUN_DIR/events.jsonl``;
 ``leto report RUN_DIR`` prints the timeline and plots it. Starting the same
 command again for a node that was lost brings a replacement (spare) node into the
-running job.
+running job; so does a *spare agent* waiting in the job's pool, without anyone
+starting anything::
+
+    leto launch --nnodes 3 --nproc-per-node 1 --node-rank 0 --spares 2 \\
+        --rdzv-endpoint 10.0.0.1:29400 train.py                          # + 2 local spares
+    leto launch --nnodes 3 --nproc-per-node 1 --spare \\
+        --rdzv-endpoint 10.0.0.1:29400 train.py                          # a spare elsewhere
 
 Exit status: 0 when training completed, 1 on a failure leto could not recover
 from (the reason is printed and logged), 2 for bad arguments, 130 on Ctrl-C.
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import os
 import socket
 import sys
@@ -59,7 +66,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("topology (as torchrun)")
     g.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N")
     g.add_argument("--nnodes", type=int, default=1, metavar="M")
-    g.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="K")
+    g.add_argument(
+        "--node-rank", "--node_rank", type=int, default=None, metavar="K", help="(default 0)"
+    )
     g.add_argument(
         "--rdzv-endpoint",
         "--rdzv_endpoint",
@@ -81,9 +90,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         metavar="S",
-        help="how long to wait for a replacement of a lost node",
+        help="how long a lost node waits for a replacement when the spare pool is empty",
     )
     r.add_argument("--recovery-timeout", type=float, default=180.0, metavar="S")
+    r.add_argument(
+        "--spare",
+        action="store_true",
+        help="start a spare agent, not a node (no --node-rank): it joins the job's spare "
+        "pool, warm, and takes the place of the next node that is lost",
+    )
+    r.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="N",
+        help="node 0: start N spare agents on this machine (as --spare would); they end "
+        "with the job (default 0: a lost node waits --spare-timeout for a replacement)",
+    )
     r.add_argument(
         "--shadow-memory-budget",
         type=float,
@@ -104,6 +127,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "one step-N of it, or any DCP checkpoint of the same model) with its process state",
     )
     r.add_argument("--quiet", action="store_true", help="no status lines from the agent")
+    w = parser.add_argument_group("seeing the job run (node 0)")
+    w.add_argument(
+        "--progress-every",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a progress line (step, loss, step time, recoveries) at most every S seconds "
+        "(default 10)",
+    )
+    w.add_argument("--no-progress", action="store_true", help="no progress line")
+    w.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics there (port 0: a free one); off by default",
+    )
+    w.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="TensorBoard scalars (loss, step time, recoveries) in DIR; needs tensorboard",
+    )
     r.add_argument("--no-echo", action="store_true", help="do not copy the trainers' output here")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -123,10 +168,18 @@ BOUNDS: dict[str, Bound] = {
     "recovery_timeout": seconds(),
     "shadow_memory_budget": Bound(lo=0, hi=float(1 << 30), unit="MB", why_hi="a petabyte"),
     "threads": positive_int(1024),
+    "progress_every": seconds(),
+    "spares": Bound(
+        lo=0, hi=256, integer=True, why_hi="each spare is an agent with torch imported"
+    ),
 }
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
+def parse_endpoint(
+    text: str, flag: str = "--rdzv-endpoint", *, free_port: bool = False
+) -> tuple[str, int]:
+    """HOST:PORT (``[v6]:PORT`` too); port 0 (any free one) only with ``free_port``."""
+    lowest = 0 if free_port else 1
     host, sep, port = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):  # [::1]:29400
         host = host[1:-1]
@@ -135,23 +188,36 @@ def parse_endpoint(text: str) -> tuple[str, int]:
         or not host
         or not (port.isascii() and port.isdecimal())
         or len(port) > 5
-        or not 0 < int(port) < 65536
+        or not lowest <= int(port) < 65536
     ):
         raise ValueError(
-            f"--rdzv-endpoint {show(text)} is not HOST:PORT with a port in 1..65535 "
+            f"{flag} {show(text)} is not HOST:PORT with a port in {lowest}..65535 "
             "(e.g. 127.0.0.1:29400)"
         )
     return host, int(port)
 
 
-def _addresses(host: str, port: int) -> list[tuple[Any, Any]]:
+def _addresses(host: str, port: int, flag: str = "--rdzv-endpoint") -> list[tuple[Any, Any]]:
     """(family, socket address) for each address ``host`` resolves to; BadInput if none."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError, ValueError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise BadInput(f"--rdzv-endpoint: cannot resolve host {show(host)} ({why})") from None
+        raise BadInput(f"{flag}: cannot resolve host {show(host)} ({why})") from None
     return [(family, addr) for family, _, _, _, addr in infos]
+
+
+def _can_listen(host: str, port: int, flag: str) -> None:
+    """BadInput unless this machine can listen on ``host:port``."""
+    why = "no address"
+    for family, addr in _addresses(host, port, flag):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(addr)
+                return
+            except OSError as e:
+                why = e.strerror or str(e)
+    raise BadInput(f"{flag}: cannot listen on {host}:{port} ({why})")
 
 
 def _listen_problem(host: str, port: int) -> tuple[int, str] | None:
@@ -182,13 +248,36 @@ def _listen_problem(host: str, port: int) -> tuple[int, str] | None:
     return problem
 
 
-def _check(args: argparse.Namespace) -> tuple[str, int, Any] | int:
+def _check(args: argparse.Namespace) -> tuple[str, int, Any, tuple[str, int] | None] | int:
     """Every flag, before anything is imported or started: the rendezvous address and
     the fault plan; or an exit status when a refusal has been printed."""
     file_to_read("script", args.script, "script")
     check_args(args, BOUNDS)
-    if not args.node_rank < args.nnodes:
+    if args.spare:
+        if args.node_rank is not None:
+            raise BadInput(
+                "--spare takes no --node-rank: a spare agent is given the rank of the node "
+                "whose place it takes"
+            )
+        if args.spares:
+            raise BadInput("--spare and --spares: a spare agent starts no other spares")
+    if (args.spare or args.spares) and args.nnodes < 2:
+        flag = "--spare" if args.spare else "--spares"
+        raise BadInput(
+            f"{flag}: a job of one node has no node a spare could replace (node 0, which "
+            "serves the rendezvous and the coordinator, is not replaced); use --nnodes 2 or more"
+        )
+    if args.spare and args.rdzv_endpoint is None:
+        raise BadInput("--spare needs --rdzv-endpoint HOST:PORT, where node 0 serves the job")
+    if args.node_rank is None:
+        args.node_rank = -1 if args.spare else 0
+    elif not args.node_rank < args.nnodes:
         raise BadInput(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1}")
+    if args.spares and args.node_rank != 0:
+        raise BadInput(
+            f"--spares: only node 0 starts spare agents (this is node {args.node_rank}); "
+            "start one elsewhere with --spare"
+        )
     if not args.heartbeat < args.hang_timeout:
         raise BadInput(
             f"--heartbeat {args.heartbeat:g} s must be shorter than --hang-timeout "
@@ -209,6 +298,18 @@ def _check(args: argparse.Namespace) -> tuple[str, int, Any] | int:
             host, port = parse_endpoint(args.rdzv_endpoint)
         except ValueError as e:
             raise BadInput(str(e)) from None
+    metrics = None
+    if args.metrics is not None:
+        try:
+            metrics = parse_endpoint(args.metrics, "--metrics", free_port=True)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        if args.node_rank == 0:  # node 0 serves them
+            _can_listen(*metrics, flag="--metrics")
+    if args.tensorboard is not None:
+        dir_to_create("--tensorboard", args.tensorboard)
+        if importlib.util.find_spec("tensorboard") is None:
+            raise BadInput("--tensorboard needs the tensorboard package (pip install tensorboard)")
     if args.faults is not None and not args.faults.strip():
         raise BadInput("--faults is empty: give a JSON list of faults or a file that holds one")
     from leto.backends.gloo.faults import FaultPlanError, load_plan
@@ -223,7 +324,7 @@ def _check(args: argparse.Namespace) -> tuple[str, int, Any] | int:
             return refuse("launch", problem[1], problem[0])
     else:
         _addresses(host, port)
-    return host, port, faults
+    return host, port, faults, metrics
 
 
 def resume_problem(path: str) -> str | None:
@@ -263,6 +364,33 @@ def _error(msg: str) -> int:
     return refuse("launch", msg)
 
 
+def spare_command(args: argparse.Namespace, host: str, port: int, run_dir: str) -> list[str]:
+    """The command line of a spare agent of this job (``--spares``): this launch's
+    options, as ``--spare`` instead of a node rank."""
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    cmd = [
+        sys.executable, "-m", "leto.cli", "launch", "--spare",
+        "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
+        "--rdzv-endpoint", endpoint, "--run-dir", os.path.abspath(run_dir),
+        "--heartbeat", repr(args.heartbeat), "--hang-timeout", repr(args.hang_timeout),
+        "--collective-timeout", repr(args.collective_timeout),
+        "--rdzv-timeout", repr(args.rdzv_timeout), "--spare-timeout", repr(args.spare_timeout),
+        "--recovery-timeout", repr(args.recovery_timeout), "--threads", str(args.threads),
+    ]  # fmt: skip
+    if args.shadow_memory_budget is not None:
+        cmd += ["--shadow-memory-budget", repr(args.shadow_memory_budget)]
+    if args.faults is not None:  # inline JSON, or a file (by its absolute path)
+        plan = args.faults.strip()
+        cmd += ["--faults", plan if plan.startswith("[") else os.path.abspath(plan)]
+    if args.resume is not None:
+        cmd += ["--resume", os.path.abspath(args.resume)]
+    for flag, on in (("--no-shadows", args.no_shadows), ("--quiet", args.quiet),
+                     ("--no-echo", args.no_echo)):  # fmt: skip
+        if on:
+            cmd.append(flag)
+    return [*cmd, os.path.abspath(args.script), *args.script_args]
+
+
 def run(args: argparse.Namespace) -> int:
     from leto.backends.gloo.procs import die_with_starter
 
@@ -274,14 +402,14 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(e))
     if isinstance(checked, int):
         return checked
-    host, port, faults = checked
+    host, port, faults, metrics = checked
     if args.resume is not None:
         problem = resume_problem(args.resume)
         if problem is not None:
             return _error(f"--resume: {problem}")
         # every trainer's config takes it (leto.wrap), whatever the script's own config
         os.environ["LETO_RESUME"] = os.path.abspath(args.resume)
-    if args.node_rank > 0 and not _reachable(host, port, args.rdzv_timeout):
+    if args.node_rank != 0 and not _reachable(host, port, args.rdzv_timeout):
         print(
             f"leto launch: error: cannot reach the rendezvous endpoint {host}:{port} within "
             f"{args.rdzv_timeout:g} s; is node 0's `leto launch` running there with the same "
@@ -317,8 +445,14 @@ def run(args: argparse.Namespace) -> int:
         shadows=not args.no_shadows,
         threads=args.threads,
         faults=faults,
+        spare=args.spare,
+        spares=args.spares,
+        spare_command=spare_command(args, host, port, run_dir) if args.spares else [],
         echo=not args.no_echo,
         quiet=args.quiet,
+        progress_every=None if args.no_progress else args.progress_every,
+        metrics=metrics,
+        tensorboard=args.tensorboard,
         preload=("leto.adapters.api",),
     )
     code = Agent(opts).run()

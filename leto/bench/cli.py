@@ -2,11 +2,11 @@
 
 ::
 
-    leto bench recovery [--params 1M] [--repeats 5] [--mtbf 60] [--json]
+    leto bench recovery [--params 1M] [--repeats 5] [--mtbf 60] [--no-tier2] [--json]
     leto bench overhead [--params 1M] [--batch 16384] [--rounds 5] [--json]
     leto bench overhead --batches 1024,4096,16384 [--rounds 3] [--json]   # against step time
     leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 30] [--rounds 3] [--json]
-    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--json]
+    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--no-tier2] [--json]
     leto bench control  [--ranks 1024] [--chunks 4096] [--per-node 8] [--json]
     leto bench tier2    [--nodes 4] [--mib 64] [--parities 2] [--rounds 5] [--json]
 
@@ -18,7 +18,10 @@ benchmark prints a table, and writes its JSON and a PNG plot to ``--out``
 (default ``bench-results``); ``--json`` prints the JSON instead of the table.
 Bad input (an unknown system, a non-positive MTBF or budget, a model too large
 for this machine's memory) is one line ``leto bench: error: ...`` and exit
-status 2, before anything starts. See ``docs/benchmarks.md``.
+status 2, before anything starts. ``--no-tier2`` runs leto's job without its tier-2
+snapshot (two host-memory copies of the state and their cross-node parity, about four
+times the state per rank), which a recovery of intact memory does not read: what lets
+1 GiB of state per rank fit a 24 GiB machine. See ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -83,6 +86,15 @@ def _common(
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _no_tier2(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-tier2",
+        action="store_true",
+        help="leto's job without its tier-2 snapshot (about 4x the state per rank in host "
+        "memory), which an in-place recovery does not read",
+    )
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("::", 1)[1] if __doc__ else None
@@ -99,6 +111,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gap", type=float, default=10.0, help="seconds of training between failures (default 10)"
     )
+    _no_tier2(p)
     p = sub.add_parser(
         "overhead",
         help="failure-free step time: plain DDP vs leto (its defaults: tier 1 as replicas on gloo), "
@@ -145,6 +158,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--mtbf", type=float, default=60.0)
     p.add_argument("--gap", type=float, default=10.0)
+    _no_tier2(p)
     p = sub.add_parser(
         "control",
         help="the coordinator's protocol-model CPU per step and per recovery plan "
@@ -237,13 +251,15 @@ def _workload(args: argparse.Namespace, params: str) -> Workload:
     return Workload.for_params(count, batch=args.batch, world=args.world, seed=args.seed)
 
 
-def check_memory(wl: Workload, systems: list[str], available: int | None = None) -> None:
+def check_memory(
+    wl: Workload, systems: list[str], available: int | None = None, *, tier2: bool = True
+) -> None:
     """Refuse a model that does not fit this machine's memory (systems run one at a time)."""
     avail = available_memory() if available is None else available
     if avail <= 0:
         return
     usable = MEMORY_FRACTION * avail
-    need, worst = max((wl.memory_estimate(s), s) for s in systems)
+    need, worst = max((wl.memory_estimate(s, tier2=tier2), s) for s in systems)
     if need > usable:
         raise BenchError(
             f"model size {format_count(wl.params)} params x {wl.world} ranks needs about "
@@ -272,8 +288,9 @@ def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
     if getattr(args, "batches", None) is not None:
         wls = [dataclasses.replace(wls[0], batch=b) for b in _batches(args.batches)]
     mem_systems = systems if args.bench != "overhead" else ["plain", "leto"]
+    tier2 = not getattr(args, "no_tier2", False)
     for wl in wls:
-        check_memory(wl, mem_systems)
+        check_memory(wl, mem_systems, tier2=tier2)
     return wls, systems
 
 
@@ -381,6 +398,7 @@ def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], prog
             repeats=args.repeats,
             gap_s=args.gap,
             progress=progress,
+            tier2=not args.no_tier2,
         )
         return res, report.recovery_table, plots.plot_recovery
     if args.bench == "overhead" and args.batches is not None:
@@ -421,6 +439,12 @@ def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], prog
     from .recovery import run_scaling
 
     res = run_scaling(
-        systems, wls, mtbf_s=args.mtbf, repeats=args.repeats, gap_s=args.gap, progress=progress
+        systems,
+        wls,
+        mtbf_s=args.mtbf,
+        repeats=args.repeats,
+        gap_s=args.gap,
+        progress=progress,
+        tier2=not args.no_tier2,
     )
     return res, report.scaling_table, plots.plot_scaling

@@ -138,12 +138,14 @@ def measure_leto(
     schedule: list[dict[str, int]] | None,
     gap_s: float,
     progress: Any = None,
+    tier2: bool = True,
 ) -> dict[str, Any]:
-    """leto through ``leto launch``: the same failures, recovered in place."""
+    """leto through ``leto launch``: the same failures, recovered in place (``tier2``:
+    with its tier-2 snapshot, leto's default)."""
     from .gloojob import GlooJob, leto_breakdown, step_time
 
     if schedule is None:  # no baseline ran: leto's own step time spaces the failures
-        with GlooJob(wl, steps=CAL_STEPS + 5) as cal_job:
+        with GlooJob(wl, steps=CAL_STEPS + 5, tier2=tier2) as cal_job:
             cal_job.start()
             cal_job.wait(lambda: bool(cal_job.seen("job_end")), _TIMEOUT_S, "calibration")
             step_s = step_time(cal_job.events, 2)
@@ -151,7 +153,7 @@ def measure_leto(
             repeats, 1, step_s=step_s, world=wl.world, after_step=CAL_STEPS, gap_s=gap_s
         )
     last = schedule[-1]["step"]
-    with GlooJob(wl, steps=last, failures=schedule) as job:
+    with GlooJob(wl, steps=last, failures=schedule, tier2=tier2) as job:
         job.start()
         for j in range(len(schedule)):
             job.wait(lambda j=j: len(job.seen("recovery_end")) > j, _TIMEOUT_S, f"recovery {j + 1}")
@@ -168,6 +170,7 @@ def measure_leto(
         "runs": runs,
         "schedule": schedule,
         "backend": f"leto launch, gloo, {job.nodes} nodes x {wl.world // job.nodes} ranks",
+        "tier2": tier2,
     }
 
 
@@ -179,8 +182,10 @@ def run_recovery(
     repeats: int,
     gap_s: float = 10.0,
     progress: bool = True,
+    tier2: bool = True,
 ) -> dict[str, Any]:
-    """The recovery benchmark's result (the JSON of ``leto bench recovery``)."""
+    """The recovery benchmark's result (the JSON of ``leto bench recovery``); ``tier2``:
+    leto's job keeps its tier-2 snapshot."""
     from leto.sim.sweep import Progress
 
     ordered = [s for s in ORDER if s in systems]
@@ -191,7 +196,9 @@ def run_recovery(
     out: dict[str, Any] = {}
     for system in ordered:
         if system == "leto":
-            res = measure_leto(wl, repeats=repeats, schedule=schedule, gap_s=gap_s, progress=bar)
+            res = measure_leto(
+                wl, repeats=repeats, schedule=schedule, gap_s=gap_s, progress=bar, tier2=tier2
+            )
             if bar is not None:
                 bar.advance("leto done")
         else:
@@ -254,11 +261,20 @@ def run_scaling(
     repeats: int,
     gap_s: float = 10.0,
     progress: bool = True,
+    tier2: bool = True,
 ) -> dict[str, Any]:
     """The recovery benchmark at several model sizes (``leto bench scaling``)."""
     start = time.monotonic()
     results = [
-        run_recovery(systems, wl, mtbf_s=mtbf_s, repeats=repeats, gap_s=gap_s, progress=progress)
+        run_recovery(
+            systems,
+            wl,
+            mtbf_s=mtbf_s,
+            repeats=repeats,
+            gap_s=gap_s,
+            progress=progress,
+            tier2=tier2,
+        )
         for wl in workloads
     ]
     totals: dict[str, list[float]] = {}
@@ -273,6 +289,7 @@ def run_scaling(
             "totals": totals,
             "growth": {n: t[-1] / t[0] for n, t in totals.items()},
             "ratio_vs_best_baseline": [r.get("ratio_vs_best_baseline") for r in results],
+            "leto_tier2": tier2,
             "results": results,
             "elapsed_s": time.monotonic() - start,
         }

@@ -158,7 +158,7 @@ def scaling_table(res: dict[str, Any]) -> str:
             lines.append(
                 f"{name:<16}"
                 + "".join(f"{t:>9.2f}s" for t in vals)
-                + f"{res['added_s'][key][name]:>+9.2f}s{res['slope_s_per_gib'][key][name]:>9.1f}"
+                + f"{res['added_s'][key][name]:>+9.2f}s{res['slope_s_per_gib'][key][name]:>9.2f}"
             )
     mib = ", ".join(
         f"{s} -> {b / 2**20:.0f} MiB"
@@ -169,6 +169,8 @@ def scaling_table(res: dict[str, Any]) -> str:
         "added: at the largest size minus at the smallest; s/GiB: least-squares slope over "
         f"the state per rank ({mib})"
     )
+    if res.get("leto_tier2") is False:
+        lines.append("leto ran without its tier-2 snapshot (--no-tier2)")
     if "leto_slope_vs_disk" in res:
         lines.append(
             f"leto's total grows {1 / res['leto_slope_vs_disk']:.1f}x slower than ckpt-disk's "

@@ -129,12 +129,13 @@ class Workload:
 
     # ------------------------------------------------------------------ memory
 
-    def memory_estimate(self, system: str) -> int:
+    def memory_estimate(self, system: str, *, tier2: bool = True) -> int:
         """Peak bytes of the whole machine while ``system`` runs (all its processes).
 
         Deliberately generous: every torch process costs ~350 MB before any
         tensor; a plain replica holds params, grads and two AdamW moments
-        (16 B/param) plus DDP's gradient buckets (4 B/param).
+        (16 B/param) plus DDP's gradient buckets (4 B/param). ``tier2``: leto's
+        job keeps its tier-2 snapshot (``leto bench scaling --no-tier2``: not).
         """
         P, W = self.params, self.world
         proc = 350 * 2**20
@@ -147,10 +148,19 @@ class Workload:
         if system == "gemini":
             return W * (proc + replica + 12 * P + 48 * P)  # + 2 slots x (own + peer) in host memory
         if system == "leto":
-            # leto launch: per rank a trainer and a warm shadow (forks of a zygote that
-            # imported torch), retained state in its keeper (16 B/param + undo), its
-            # node's tier-1 parity and tier-2 snapshot, the trainer's gradient copies
-            return W * (2 * proc + 48 * P + data)
+            # leto launch (GlooJob: 2 nodes when the ranks split evenly): per rank a
+            # trainer and a warm shadow (forks of a zygote that imported torch); the
+            # retained state in its keeper (16 B/param, + one chunk's undo copy); the
+            # trainer's own gradients and all-reduce buffer (8 B/param); a shadow's model
+            # before it becomes a skeleton (4 B/param); with tier 2, the node's two
+            # snapshot slots, each with the rank's state (12 B/param) and its parity
+            # share for the other nodes (12 B/param / (nodes - 1)): measured 65 B/param
+            # of shared memory per rank with tier 2 (22.5M params, 4 ranks, 2 nodes)
+            nodes = 2 if W % 2 == 0 else 1
+            undo = 3 * 4 * self.chunk_numel
+            own = 2 * proc + data + 28 * P + undo
+            snap = 2 * (12 * P + (12 * P // (nodes - 1) if nodes > 1 else 0)) if tier2 else 0
+            return W * (own + snap)
         raise BenchError(f"unknown system {system!r}")
 
     # ------------------------------------------------------------- torch parts

@@ -78,7 +78,7 @@ import enum
 import json
 import re
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -793,31 +793,36 @@ class RetainedLayout:
         """Do chunk i's bytes match its recorded checksum and version?"""
         return bool(self.compute_checksum(i, self._ver[i]).item() == self.stored_checksum(i))
 
-    def verify(self) -> list[int]:
+    def verify(self, intact: Collection[int] = ()) -> list[int]:
         """Indices of CLEAN or APPLIED chunks whose bytes fail their checksum.
 
         TORN chunks are skipped: their bytes are untrusted by definition; check
-        their undo copy with :meth:`verify_undo`.
+        their undo copy with :meth:`verify_undo`. ``intact``: chunks the caller
+        checked since anything last wrote them (not read again).
         """
-        bad = (self.data_checksums(self._ver) != self._table[:, 1]).tolist()
+        if intact:
+            bad = [i not in intact and not self.verify_chunk(i) for i in range(self.n_chunks)]
+        else:
+            bad = (self.data_checksums(self._ver) != self._table[:, 1]).tolist()
         return [
             i
             for i in range(self.n_chunks)
             if bad[i] and self.chunk_status(i) is not ChunkStatus.TORN
         ]
 
-    def unresumable(self, target: int) -> str | None:
+    def unresumable(self, target: int, intact: Collection[int] = ()) -> str | None:
         """Why this state cannot resume at step ``target``, or None if it can.
 
         Every chunk must be CLEAN at version ``target`` and pass its checksum (what a
-        recovery checks before training goes on).
+        recovery checks before training goes on); the checksums of ``intact`` chunks
+        (checked since anything last wrote them) are not computed again.
         """
         wrong = [
             c
             for c in range(self.n_chunks)
             if self.chunk_status(c) is not ChunkStatus.CLEAN or self.chunk_version(c) != target
         ]
-        bad = self.verify()
+        bad = self.verify(intact)
         if not wrong and not bad:
             return None
         return f"chunks {wrong} not clean at step {target}, chunks {bad} fail their checksums"

@@ -30,7 +30,7 @@ group runs them on gloo and an in-process group runs them on the fake backend.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import attrs
@@ -49,6 +49,7 @@ __all__ = [
     "decode_chunk",
     "decode_grads",
     "free_undo",
+    "intact_at",
     "layout_of",
     "named_buffers",
     "observe",
@@ -91,6 +92,18 @@ def observe(lay: RetainedLayout, bad: set[int] | None = None) -> tuple[list[int]
         data.append(d)
         undo.append(u)
     return data, undo
+
+
+def intact_at(lay: RetainedLayout, data: list[int]) -> dict[int, int]:
+    """The chunks :func:`observe` found CLEAN with their checksums holding (``data``: its
+    values), with their versions. A reconcile to step ``t`` writes no chunk CLEAN at ``t``
+    unless the plan repairs or restores it, so its check before resuming need not read
+    the others again (:func:`check_resumable`'s ``intact``)."""
+    return {
+        c: data[c]
+        for c in range(lay.n_chunks)
+        if data[c] >= 0 and lay.chunk_status(c) is ChunkStatus.CLEAN
+    }
 
 
 def bytes_at(lay: RetainedLayout, c: int, version: int) -> list[torch.Tensor]:
@@ -221,11 +234,19 @@ def settle(
 
 
 def check_resumable(
-    lay: RetainedLayout, ropt: RetainedOptimizer | None, target: int, who: str
+    lay: RetainedLayout,
+    ropt: RetainedOptimizer | None,
+    target: int,
+    who: str,
+    intact: Collection[int] = (),
 ) -> None:
-    """Every chunk clean at ``target`` and its checksum holding, the optimizer there too."""
+    """Every chunk clean at ``target`` and its checksum holding, the optimizer there too.
+
+    ``intact``: chunks whose checksums this recovery already checked (:func:`intact_at`)
+    and nothing wrote since; their bytes are not read a second time.
+    """
     lay.clear_prepared()
-    why = lay.unresumable(target)
+    why = lay.unresumable(target, intact)
     if why is None and (ropt is None or ropt.version != target):
         why = f"the optimizer is not at step {target}"
     if why is not None:

@@ -67,6 +67,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     t.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or its events.jsonl")
     t.add_argument("--json", action="store_true", help="print one JSON object")
+    t.add_argument(
+        "--tlc",
+        action="store_true",
+        help="also check the trace with TLC against Leto.tla (spec/TraceLeto.tla)",
+    )
 
 
 BOUNDS: dict[str, Bound] = {"workers": positive_int(256), "timeout": seconds()}
@@ -249,8 +254,22 @@ def run_trace(args: argparse.Namespace) -> int:
         report = check(args.run_dir)
     except InputError as exc:
         return refuse("spec trace", exc)
-    print(json.dumps(report.as_dict()) if args.json else report.line())
-    return 0 if report.ok else 1
+    if not args.tlc:
+        print(json.dumps(report.as_dict()) if args.json else report.line())
+        return 0 if report.ok else 1
+    from leto.spec.tlatrace import check_tlc
+    from leto.spec.tlc import TLCNotAvailable
+
+    try:
+        tla = check_tlc(args.run_dir)
+    except (InputError, TLCNotAvailable) as exc:
+        return refuse("spec trace", exc)
+    if args.json:
+        print(json.dumps({**report.as_dict(), "tlc": {"ok": tla.ok, "line": tla.line()}}))
+    else:
+        print(report.line())
+        print(tla.line())
+    return 0 if report.ok and tla.ok else 1
 
 
 def run(args: argparse.Namespace) -> int:

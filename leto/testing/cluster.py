@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from leto.core import events as ev
+from leto.core import schedule
 from leto.core.chunk import NONE, TORN
 from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Effect
 from leto.core.erasure import Failure, NodeLoss, RankMemory, decode, lost_blocks, place
@@ -243,6 +244,18 @@ class ClusterMachine(RuleBasedStateMachine):
     def core_invariants_hold(self) -> None:
         broken = violated(self.model, self.state)
         assert not broken, f"invariants {broken} broken in {self.state}"
+
+    @invariant()
+    def the_deadline_can_end_every_recovery(self) -> None:
+        """In every phase of a recovery, the deadline's scheduled ``GiveUp`` is enabled
+        (the checker's "Bounded"; TLA+'s ``Liveness`` on ``BoundedSpec``)."""
+        s = self.state
+        if s.phase in (Phase.RUNNING, Phase.FAILED):
+            return
+        give = schedule.next_event(self.model, s, overdue=True)
+        assert give == ev.GiveUp(), f"the deadline schedules {give!r} in {s.phase.name}"
+        err = self.model.why_not(s, give)
+        assert err is None, f"the deadline cannot end a recovery in {s.phase.name}: {err}"
 
     @invariant()
     def recovery_matches_plain_model(self) -> None:

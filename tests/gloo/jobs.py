@@ -4,10 +4,12 @@ and that its event log replays through the core's model (``leto spec trace``).""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from leto.backends.gloo.harness import JobResult, run_local
+from leto.backends.gloo.procs import processes_with
 from leto.spec.trace import InputError, check
 
 HERE = Path(__file__).resolve().parent
@@ -25,6 +27,8 @@ def job(
     extra: list[str] | None = None,
     script: str = TRAIN,
     timeout: float = 150.0,
+    respawn: bool = True,
+    spares: int = 0,
 ) -> JobResult:
     e = {"TOPO": f"{nnodes}x{nproc}", "STEPS": str(steps), **(env or {})}
     res = run_local(
@@ -36,6 +40,8 @@ def job(
         env=e,
         extra=["--quiet", "--hang-timeout", "3", "--heartbeat", "0.25", *(extra or [])],
         timeout=timeout,
+        respawn_lost_nodes=respawn,
+        spares=spares,
     )
     assert not res.leftovers, f"processes left running after the job: {res.leftovers}"
     assert_trace(res.run_dir)
@@ -53,6 +59,14 @@ def assert_trace(run_dir: Path) -> None:
         assert not started, f"training started but the log has no trace: {e}"
         return
     assert report.ok, report.line()
+
+
+def left_after(tag: str, seconds: float = 5.0) -> list[int]:
+    """The processes of ``tag`` still running after up to ``seconds`` for them to go."""
+    deadline = time.monotonic() + seconds
+    while processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return processes_with(tag)
 
 
 def explain(res: JobResult) -> str:

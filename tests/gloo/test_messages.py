@@ -70,6 +70,7 @@ GOOD: dict[str, Any] = {
     "nonce": "00ff",
     "proof": "ab" * 32,
     "spare": False,
+    "spare_id": 0,
     "why": "refused",
     "kill": [1],
     "keeper_pid": 8,

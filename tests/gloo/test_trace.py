@@ -121,3 +121,28 @@ def test_a_doctored_copy_of_the_log_fails_naming_the_line(
     assert code == 1, out
     assert out.startswith(f"trace DIVERGES at {path}:{line} ({event}): "), out
     assert "[model: phase " in out, out
+
+
+def test_the_log_is_a_behaviour_of_the_tla_spec_under_tlc(
+    faulted: JobResult, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TraceLeto.tla: every event the coordinator fed, expanded to the spec's actions,
+    is one TLC step of Leto.tla; a copy with two events swapped deadlocks there."""
+    from leto.spec.tlatrace import run_module, to_tla
+    from leto.spec.trace import read
+
+    code = main(["spec", "trace", str(faulted.run_dir), "--tlc"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and out[0].startswith("trace OK: ") and out[1].startswith("TLC trace OK: ")
+    module, cfg, n = to_tla(read(faulted.run_dir)[1])
+    head, body = module.split("Trace == <<\n    ", 1)
+    events = body.removesuffix("\n>>\n====\n").split(",\n    ")
+    assert len(events) == n > 100
+    # the first Finish before the last chunk's ParityChunk of the same rank and step
+    i = next(k for k, e in enumerate(events) if e.startswith('[a |-> "Finish"'))
+    events[i - 1], events[i] = events[i], events[i - 1]
+    doctored = head + "Trace == <<\n    " + ",\n    ".join(events) + "\n>>\n====\n"
+    bad = run_module(doctored, cfg, n)
+    assert not bad.ok and "Deadlock" in bad.result.violations
+    assert bad.replayed == i - 1, (bad.replayed, i)
+    assert bad.line().startswith(f"TLC trace DIVERGES at event {i} of {n}")

@@ -151,6 +151,27 @@ def test_unresumable_names_chunks_off_target_and_corrupt_ones() -> None:
     assert lay.unresumable(0) == "chunks [] not clean at step 0, chunks [0] fail their checksums"
 
 
+def test_chunks_a_recovery_found_intact_are_not_read_again_the_others_are() -> None:
+    from leto.retained.recovery import IntegrityError, check_resumable, intact_at, observe
+
+    lay = RetainedLayout.create(mlp(), chunk_numel=16, states=["s"], undo_slots=2)
+    good = float(lay.param_buffer[16])
+    lay.param_buffer[16] += 1  # chunk 1 corrupted before the report
+    lay.save_undo(2)  # chunk 2 torn
+    data, _ = observe(lay)
+    intact = intact_at(lay, data)
+    assert 1 not in intact and 2 not in intact
+    assert intact == {c: 0 for c in range(lay.n_chunks) if c not in (1, 2)}
+    assert lay.verify(intact) == [1]  # chunk 1 is read again and still fails
+    lay.restore_undo(2)
+    with pytest.raises(IntegrityError, match=r"chunks \[1\] fail their checksums"):
+        check_resumable(lay, None, 0, "rank 0", intact)
+    lay.param_buffer[16] = good  # repaired (as a tier-1 repair would)
+    lay.param_buffer[0] += 1  # a chunk the caller vouches for is not read (its bytes fail)
+    assert lay.unresumable(0, intact) is None
+    assert lay.unresumable(0) is not None  # a full check still finds it
+
+
 def test_attach_binds_a_skeleton_without_copying_and_keeps_the_header() -> None:
     store = InMemorySegments()
     model = mlp()

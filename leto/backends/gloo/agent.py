@@ -24,7 +24,11 @@ One thread runs everything (a selector loop), so there are no locks. Agents talk
 to the coordinator over TCP (JSON frames); the coordinator's address is published
 in the TCPStore at rendezvous. A node whose agent link closes is lost; starting
 ``leto launch`` again with the same ``--node-rank`` brings a replacement (spare)
-node into the running job.
+node into the running job, and so does, without anyone starting anything, a *spare
+agent* (``leto launch --spare``, or ``--spares N`` on node 0): it proves the job's
+secret, waits in the coordinator's pool with torch imported and its zygote forked,
+and when a node is lost the coordinator assigns it that node's rank
+(:meth:`.Coordinator.assign_spares`); from there on it is that node's agent.
 
 What comes in from outside is checked where it arrives (``docs/security.md``): a
 TCP connection to the coordinator is a node only once it has proven the job's
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import selectors
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -63,6 +68,7 @@ from .records import AgentOptions, LaunchError, Link, Proc, ProcConn
 from .routing import Routing
 from .shadows import Shadows
 from .supervisor import Supervisor
+from .watch import Watchers
 from .wire import Conn
 
 __all__ = ["Agent", "AgentOptions", "LaunchError"]
@@ -73,7 +79,7 @@ class Agent:
 
     def __init__(self, opts: AgentOptions) -> None:
         self.o = opts
-        self.node = opts.node_rank
+        self.node = -1 if opts.spare else opts.node_rank
         self.nproc = opts.nproc_per_node
         self.W = opts.nnodes * opts.nproc_per_node
         self.local_ranks = range(self.nproc)
@@ -95,7 +101,11 @@ class Agent:
         self.incarnation = 0
         self.generation = 0
         self.started = False
-        self.spare = False
+        self.spare = False  # a replacement node (it joined a started job)
+        # a spare agent in the job's pool (no node rank yet: self.node is -1)
+        self.pooled = opts.spare
+        self.spare_id: int | None = None
+        self.spare_procs: list[subprocess.Popen[bytes]] = []  # node 0: spares it started
         self.complete = False
         self.failed: str | None = None
         self.stop = False
@@ -104,6 +114,7 @@ class Agent:
         self.coord: Coordinator | None = None
         self.coord_conn: Conn | None = None
         self.links: dict[int, Conn] = {}
+        self.pool_links: dict[int, Link] = {}  # node 0: pooled spares' links, by spare id
         self.unproven: dict[int, Link] = {}  # by id()
         self.refusals = 0
         self.secret: bytes | None = None  # the job's (auth); read by a node != 0 at rendezvous
@@ -113,6 +124,7 @@ class Agent:
         self.store: Any = None
         self.job = ""
         self.log: EventLog | None = None
+        self.watchers: Watchers | None = None  # node 0: progress line, metrics (watch.py)
         self.zygote: Any = None
         self.listener: socket.socket | None = None  # the coordinator's (node 0)
         self.agent_listener: socket.socket | None = None  # the node's Unix socket
@@ -129,9 +141,16 @@ class Agent:
         """Start, run the loop, clean up; the process exit code."""
         return self.supervisor.run()
 
+    @property
+    def who(self) -> str:
+        """How this agent names itself: "node 1", or "spare 0" while in the pool."""
+        if self.pooled:
+            return "spare" if self.spare_id is None else f"spare {self.spare_id}"
+        return f"node {self.node}"
+
     def say(self, text: str) -> None:
         if not self.o.quiet:
-            print(f"leto[node {self.node}]: {text}", flush=True)
+            print(f"leto[{self.who}]: {text}", flush=True)
 
     def rank(self, lr: int) -> int:
         return self.node * self.nproc + lr

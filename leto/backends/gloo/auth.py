@@ -17,6 +17,12 @@ Each side's nonce is fresh, so a recorded exchange proves nothing later, and the
 two roles are part of what is signed, so neither side's proof can be replayed as
 the other's.
 
+A spare agent (``leto launch --spare``) has no node rank when it joins: it answers
+the same challenge with ``{"t": "spare_hello", "nonce": Nc, "proof": HMAC(secret,
+"spare", POOL, Ns, Nc)}``, and the coordinator's ``pooled`` carries ``HMAC(secret,
+"pool", spare_id, Ns, Nc)``: two more roles, so no proof of a node or of a spare
+serves as another's.
+
 Where the secret comes from, never from a command line:
 
 * ``LETO_JOB_SECRET`` in the environment, if set (the same value on every node,
@@ -43,6 +49,7 @@ __all__ = [
     "ENV",
     "FILE",
     "MIN_BYTES",
+    "POOL",
     "SecretError",
     "from_environment",
     "new_nonce",
@@ -56,6 +63,7 @@ __all__ = [
 ENV = "LETO_JOB_SECRET"
 FILE = "secret"
 MIN_BYTES = 16
+POOL = -1  # the node a pooled spare's proof names: it has no node rank yet
 _LABEL = b"leto-link-v1"
 
 
@@ -127,7 +135,8 @@ def new_nonce() -> str:
 
 
 def proof(secret: bytes, role: str, node: int, challenge: str, nonce: str) -> str:
-    """What ``role`` ("node" or "coordinator") sends to prove it holds ``secret``."""
+    """What ``role`` ("node", "coordinator", "spare" or "pool") sends to prove it holds
+    ``secret``."""
     text = b"\0".join(
         [_LABEL, role.encode(), str(node).encode(), challenge.encode(), nonce.encode()]
     )

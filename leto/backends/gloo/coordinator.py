@@ -18,6 +18,11 @@ each rank, :mod:`leto.core.aggregate`) is fed once every rank finished, or befor
 anything else is fed: O(ranks) per step, not O(ranks x chunks). Every K steps the ranks' ``snapshot_done`` feed ``Tier2Snapshot``. So
 between failures the model's state is exactly the job's at step boundaries.
 
+Node membership (the nodes up, the lost ones awaiting a replacement, the pool of spare
+agents and which spare takes which lost node: :meth:`Coordinator.assign_spares`) is
+kept here too, but it is the agents' business, not the protocol's: nothing of it is
+fed to the model, which sees a ``LoseNode`` and later the new node's ``ShadowWarm``.
+
 Recovery (a failure report, then the core's schedule to ``Resume``) is carried out by
 :class:`~.recovery_driver.RecoveryDriver`; everything fed to the model goes through
 :class:`~.model_feed.ModelFeeder`, which judges what the model refuses.
@@ -88,6 +93,8 @@ class Coordinator:
         self.nodes_up: set[int] = set()
         self.nodes_lost_at: dict[int, float] = {}
         self.node_back_at = 0.0  # when the last lost node's replacement joined
+        self.pool: list[int] = []  # the pooled spare agents' ids, lowest first
+        self.spares_joined = 0  # ids are given in the order the spares joined
         self.degraded: dict[int, str] = {}  # ranks whose shadow could not be built: why
         self.shadow_pending: list[tuple[int, str]] = []
         self.asked_shadow: set[tuple[int, int]] = set()  # shadow reports before the model exists
@@ -190,6 +197,44 @@ class Coordinator:
             )
             self.driver.advance(now)
 
+    # --- the spare pool (node membership: the agents', not a protocol event) -----
+
+    def spare_joined(self, peer: str) -> int:
+        """A spare agent proved the job's secret: it waits in the pool; its id."""
+        sid = self.spares_joined
+        self.spares_joined += 1
+        self.pool.append(sid)  # ids only grow: the pool stays sorted
+        self.log.write("spare_joined", spare=sid, peer=peer, pool=len(self.pool))
+        return sid
+
+    def spare_left(self, sid: int) -> None:
+        """A pooled spare's link closed (it died, or the job ended)."""
+        if sid in self.pool:
+            self.pool.remove(sid)
+            if not self.complete and self.failed is None:
+                self.log.write("spare_left", spare=sid, pool=len(self.pool))
+
+    def assign_spares(self) -> list[tuple[int, int]]:
+        """Which pooled spare takes which lost node, decided here only: each lost node
+        still awaiting its replacement, the one lost first first (then the lowest node
+        rank), takes the lowest spare id in the pool. ``(spare id, node)`` pairs; the
+        agent tells each spare, and the spare joins as that node (:meth:`node_up`). A
+        node lost while the pool is empty waits ``spare_timeout`` for a replacement
+        started by hand, or for a spare that joins the pool meanwhile."""
+        if self.failed is not None or self.complete or self.model is None:
+            return []
+        out = []
+        waiting = sorted(self.nodes_lost_at, key=lambda n: (self.nodes_lost_at[n], n))
+        for node in waiting:
+            if not self.pool:
+                break
+            if node in self.nodes_up:
+                continue
+            sid = self.pool.pop(0)
+            self.log.write("spare_assigned", spare=sid, node=node, pool=len(self.pool))
+            out.append((sid, node))
+        return out
+
     def tick(self, now: float) -> None:
         """Timers: a spare that does not come, a recovery stuck waiting."""
         if self.failed is not None or self.complete or self.model is None:
@@ -198,8 +243,9 @@ class Coordinator:
             if now - since > self.opt.spare_timeout and node not in self.nodes_up:
                 self.driver.give_up(
                     f"node {node} was lost and no replacement joined within "
-                    f"{self.opt.spare_timeout:g} s: start `leto launch` with --node-rank {node} "
-                    "on a spare node (same arguments) to recover in place"
+                    f"{self.opt.spare_timeout:g} s (the spare pool was empty): start "
+                    f"`leto launch` with --node-rank {node} on a spare node (same arguments), "
+                    "or keep spare agents in the pool (--spare, --spares N), to recover in place"
                 )
                 return
         rec = self.rec

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -22,7 +24,11 @@ class EventLog:
         self.t0 = time.time() if t0 is None else t0
         self.path = Path(path) if path is not None else None
         self._f: TextIO | None = None
+        # an in-memory log (no path: tests, probes) keeps its records; a file log does
+        # not, so a long job's log does not grow the agent's memory
         self.records: list[dict[str, Any]] = []
+        # who watches the job (leto.backends.gloo.watch): called with every record
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
@@ -30,10 +36,22 @@ class EventLog:
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         now = time.time()
         rec = {"t": round(now, 6), "t_rel": round(now - self.t0, 6), "event": event, **fields}
-        self.records.append(rec)
-        if self._f is not None:
+        if self._f is None:
+            self.records.append(rec)
+        else:
             self._f.write(json.dumps(rec, separators=(",", ":"), default=str) + "\n")
             self._f.flush()
+        for listen in list(self.listeners):
+            try:
+                listen(rec)
+            except Exception as e:  # noqa: BLE001 - a watcher never stops the job
+                self.listeners.remove(listen)
+                print(
+                    f"leto: {type(listen).__name__} stopped watching the job: "
+                    f"{type(e).__name__}: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return rec
 
     def close(self) -> None:

@@ -8,7 +8,8 @@ Used by the tests, the gloo demo and anyone who wants "N nodes" on one host::
 
 A node whose agent dies while the job runs (a ``lose_node`` fault, or a test that
 SIGKILLs it) is started again with the same arguments, as a replacement (spare)
-node would be by a cluster scheduler (``respawn_lost_nodes``). Everything the job
+node would be by a cluster scheduler (``respawn_lost_nodes``); with ``spares=N``,
+node 0 starts N spare agents (``--spares``) that take lost nodes' places instead. Everything the job
 started is gone when :func:`run_local` returns (it kills what is left and says so).
 """
 
@@ -104,6 +105,7 @@ def run_local(
     respawn_lost_nodes: bool = True,
     port: int | None = None,
     kill_node_after: tuple[int, float] | None = None,
+    spares: int = 0,
 ) -> JobResult:
     """Run the job to its end; see the module docstring."""
     run = Path(run_dir).resolve()
@@ -118,8 +120,9 @@ def run_local(
     def start(n: int) -> None:
         path = run / f"agent{n}.{len(codes[n])}.out"
         logs[n] = open(path, "w+")  # noqa: SIM115
+        more = [*(extra or []), *(["--spares", str(spares)] if n == 0 and spares else [])]
         procs[n] = subprocess.Popen(
-            _cmd(script, n, nnodes, nproc, port, run, faults, extra or [], script_args or []),
+            _cmd(script, n, nnodes, nproc, port, run, faults, more, script_args or []),
             stdout=logs[n],
             stderr=subprocess.STDOUT,
             text=True,

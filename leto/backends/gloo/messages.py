@@ -14,9 +14,12 @@ Fields whose default is None are left off the wire while they are None (the JSON
 keeps the shape it had before these classes existed).
 
 Endpoints: a **trainer** (or shadow) process, its node's **agent**, the job's
-**coordinator** (in node 0's agent), and a **node** (another node's agent on its TCP
-link to the coordinator). Messages between trainers and the coordinator pass through
-the agent, which decodes them on arrival and forwards them typed.
+**coordinator** (in node 0's agent), a **node** (another node's agent on its TCP
+link to the coordinator) and a **spare** (a spare agent in the job's pool, on its TCP
+link: it hears only its :class:`Pooled`, its :class:`Assign` and the job's end, a
+:class:`Fail` or :class:`Complete`; once assigned it is a node). Messages between
+trainers and the coordinator pass through the agent, which decodes them on arrival and
+forwards them typed.
 
 Not here, and why:
 
@@ -60,6 +63,7 @@ class End(enum.Enum):
     AGENT = "agent"  # its node's agent
     COORDINATOR = "coordinator"  # the job's coordinator, in node 0's agent
     NODE = "node"  # another node's agent, on its TCP link to the coordinator
+    SPARE = "spare"  # a pooled spare agent (no node rank yet), on its TCP link to it
 
 
 # --- validators ------------------------------------------------------------------
@@ -151,7 +155,7 @@ class Message:
         return out
 
 
-T, A, C, N = End.TRAINER, End.AGENT, End.COORDINATOR, End.NODE
+T, A, C, N, S = End.TRAINER, End.AGENT, End.COORDINATOR, End.NODE, End.SPARE
 
 
 # trainer -> agent (the agent's own business)
@@ -496,6 +500,42 @@ class Reject(Message):
     why: str = _f(TEXT)
 
 
+# the spare pool (``leto launch --spare``): a spare proves the job's secret like a node
+# (see .auth), waits in the pool, and is assigned the place of a lost node
+
+
+@attrs.frozen
+class SpareHello(Message):
+    """A spare agent's answer to the challenge: it has no node rank yet."""
+
+    TAG = "spare_hello"
+    ROUTE = (S, C)
+    nonce: str = _f(NAME)
+    proof: str = _f(NAME)
+
+
+@attrs.frozen
+class Pooled(Message):
+    """The spare is in the pool as ``spare_id`` (the coordinator's proof rides along)."""
+
+    TAG = "pooled"
+    ROUTE = (C, S)
+    spare_id: int = _f(_nat)
+    proof: str = _f(NAME)
+
+
+@attrs.frozen
+class Assign(Message):
+    """Take the place of the lost ``node`` at generation ``gen``: from now on the spare's
+    link is that node's, and it proceeds as a replacement node started by hand (a
+    :class:`Go` with ``spare=True`` follows)."""
+
+    TAG = "assign"
+    ROUTE = (C, S)
+    node: int = _f(_nat)
+    gen: int = _f(_nat)
+
+
 @attrs.frozen
 class Go(Message):
     """Every node has joined (or this one is a spare): start the processes."""
@@ -653,6 +693,9 @@ KINDS: tuple[type[Message], ...] = (
     NodeHello,
     Welcome,
     Reject,
+    SpareHello,
+    Pooled,
+    Assign,
     Go,
     Fail,
     Commit,

@@ -42,8 +42,18 @@ class AgentOptions:
     shadows: bool = True
     threads: int = 1
     faults: list[dict[str, Any]] = field(default_factory=list)
+    # a spare agent: no node rank until the coordinator assigns it a lost node's place
+    spare: bool = False
+    # node 0: spare agents to start here, each with this command line (the launcher's)
+    spares: int = 0
+    spare_command: list[str] = field(default_factory=list)
     echo: bool = True
     quiet: bool = False
+    # seeing the job run (node 0; leto.backends.gloo.watch): the progress line's period
+    # (None: off), the metrics' address (None: off), the TensorBoard directory
+    progress_every: float | None = 10.0
+    metrics: tuple[str, int] | None = None
+    tensorboard: str | None = None
     # modules every trainer imports, imported once here so that the zygote's children
     # inherit them (the launcher names its training API: this layer does not know it)
     preload: tuple[str, ...] = ()
@@ -89,6 +99,7 @@ class Link:
     challenge: str
     since: float
     node: int | None = None
+    spare: int | None = None  # a pooled spare agent's id, until it is assigned a node
 
 
 @dataclass(eq=False)

@@ -43,6 +43,7 @@ TO_TRAINERS = (
 UNPROVEN_FRAME = 4096  # bytes a TCP peer may send before it has proven the job's secret
 UNPROVEN_SECONDS = 10.0  # and how long it has to do so
 UNPROVEN_MAX = 16  # connections waiting to prove it at once (the oldest is closed)
+POOL_MAX = 256  # spare agents waiting in the pool at once
 HELD_MAX = 256  # messages held for a process whose spawn report has not been read yet
 REFUSALS_LOGGED = 100
 
@@ -254,6 +255,9 @@ class Routing:
                         a.links[n].send(msg.to_wire())
                     except WireError:
                         pass
+            if node is None and isinstance(msg, (M.Complete, M.Fail)):
+                for link in list(a.pool_links.values()):  # the job's end: spares leave
+                    _send_link(link.conn, msg)
 
     def accept_link(self) -> None:
         """A TCP connection to the coordinator: challenged at once (:mod:`.auth`); it
@@ -304,6 +308,8 @@ class Routing:
         except WireError as e:
             self.refuse(link, f"not a leto node's hello: {e}: {json.dumps(obj)[:80]}")
             return False
+        if isinstance(msg, M.SpareHello):
+            return self.prove_spare(link, msg)
         if not isinstance(msg, M.NodeHello):
             self.refuse(link, f"not a leto node's hello: {json.dumps(obj)[:80]}")
             return False
@@ -345,6 +351,55 @@ class Routing:
             a.supervisor.go()
         return True
 
+    def prove_spare(self, link: Link, msg: M.SpareHello) -> bool:
+        """A spare agent's hello: proven as a node's is (:mod:`.auth`), it joins the
+        pool, or its connection is closed with the reason and the job goes on."""
+        a = self.a
+        assert a.coord is not None and a.secret is not None
+        if not auth.verify(a.secret, "spare", auth.POOL, link.challenge, msg.nonce, msg.proof):
+            self.refuse(
+                link,
+                "a spare agent did not prove the job's secret",
+                tell="authentication failed: this spare agent does not hold the job's secret "
+                f"(node 0's RUN_DIR/{auth.FILE}, or {auth.ENV})",
+            )
+            return False
+        why = None
+        if a.coord.complete or a.coord.failed is not None:
+            why = "the job has ended"
+        elif len(a.pool_links) >= POOL_MAX:
+            why = f"the spare pool is full ({POOL_MAX} spare agents)"
+        if why is not None:
+            self.refuse(link, why, tell=why)
+            return False
+        del a.unproven[id(link)]
+        link.conn.max_frame = MAX_FRAME
+        link.conn.sock.settimeout(30.0)
+        sid = a.coord.spare_joined(link.peer)
+        link.spare = sid
+        a.pool_links[sid] = link
+        proof = auth.proof(a.secret, "pool", sid, link.challenge, msg.nonce)
+        _send_link(link.conn, M.Pooled(spare_id=sid, proof=proof))
+        a.say(f"spare {sid} joined the pool ({link.peer}; {len(a.pool_links)} waiting)")
+        self.assign_spares(time.monotonic())  # a node may be waiting for it
+        return True
+
+    def assign_spares(self, now: float) -> None:
+        """Send the spares the coordinator assigns (:meth:`.Coordinator.assign_spares`,
+        where it is decided) to the lost nodes' places: each link becomes its node's,
+        and the spare proceeds as a replacement started by hand would."""
+        a = self.a
+        assert a.coord is not None
+        for sid, n in a.coord.assign_spares():
+            link = a.pool_links.pop(sid)
+            link.spare, link.node = None, n
+            a.links[n] = link.conn
+            a.joined.add(n)
+            a.say(f"spare {sid} takes the place of node {n}")
+            _send_link(link.conn, M.Assign(node=n, gen=a.coord.generation))
+            a.coord.node_up(n, spare=True, now=now)
+            _send_link(link.conn, M.Go(spare=True))
+
     def on_link(self, link: Link) -> None:
         a = self.a
         conn = link.conn
@@ -353,6 +408,9 @@ class Routing:
         got, bad = conn.drain()
         now = time.monotonic()
         for obj, _fds in got:
+            if link.spare is not None:
+                bad = WireError("a pooled spare agent speaks only once it is assigned a node")
+                break
             if link.node is None:
                 if not self.prove(link, obj, now):
                     return
@@ -363,6 +421,10 @@ class Routing:
                 bad = e  # the messages before it were good, the link is not
                 break
             a.coord.handle(link.node, msg, now)
+        if link.spare is not None:
+            if bad is not None or not alive:
+                self.drop_spare(link, str(bad) if bad else "its link closed")
+            return
         if link.node is None:
             if bad is not None or not alive:
                 self.refuse(link, str(bad) if bad else "closed before its hello")
@@ -378,7 +440,20 @@ class Routing:
             if not a.stop and not a.coord.complete:
                 a.say(f"lost node {n} (its agent's link closed)")
             a.coord.node_down(n, now)
+            self.flush_coord()  # the recovery's orders so far go to the nodes up before
+            self.assign_spares(now)
         self.flush_coord()
+
+    def drop_spare(self, link: Link, why: str) -> None:
+        """A pooled spare is gone (or misbehaved): out of the pool."""
+        a = self.a
+        assert a.coord is not None and link.spare is not None
+        sid = link.spare
+        a.pool_links.pop(sid, None)
+        self.drop_conn(link.conn)
+        if not a.stop and not a.coord.complete and a.coord.failed is None:
+            a.say(f"spare {sid} left the pool ({why})")
+        a.coord.spare_left(sid)
 
     def on_coord(self) -> None:
         a = self.a
@@ -407,13 +482,27 @@ class Routing:
 
     def from_coord(self, msg: M.Message) -> None:
         a = self.a
+        if a.pooled and not isinstance(msg, (M.Assign, M.Fail, M.Complete)):
+            return  # a spare has no processes yet: nothing else concerns it
         match msg:
+            case M.Assign():
+                a.supervisor.take_place(msg.node, msg.gen)
+                return
             case M.Go():
                 a.supervisor.go(spare=msg.spare)
                 return
+            case M.Fail() if a.pooled:
+                a.say(f"the job failed; leaving the pool ({msg.error})")
+                a.failed = msg.error
+                a.stop = True
+                return
+            case M.Complete() if a.pooled:
+                a.complete = True
+                a.stop = True
+                return
             case M.Fail():
                 a.failed = msg.error
-                print(f"leto[node {a.node}]: job failed: {a.failed}", file=sys.stderr, flush=True)
+                print(f"leto[{a.who}]: job failed: {a.failed}", file=sys.stderr, flush=True)
                 a.stop = True
                 return
             case M.Fence():
@@ -430,6 +519,7 @@ class Routing:
                 a.recovering = True
             case M.Resume():
                 a.recovering = False
+                a.shadows.resumed()
             case M.Tier2():
                 a.memory.snapshot_current(msg.step)
             case M.Complete():

@@ -55,6 +55,7 @@ from . import bootstrap
 from . import messages as M
 from .channel import AgentChannel
 from .checkpoints import Checkpoints
+from .collective import Interrupted
 from .fault_points import FaultPoints
 from .follow import Follower
 from .keeper_client import KeeperClient
@@ -64,6 +65,7 @@ from .rank_memory import RankMemory, to_meta
 from .rank_state import RankState
 from .snapshots import Tier2Snapshots
 from .step import UserLoop
+from .stops import StopPoints
 from .transaction import StepTransaction
 
 __all__ = ["GlooSession", "IntegrityError", "finish", "wrap_gloo"]
@@ -211,6 +213,7 @@ class GlooSession:
         self.snapshots = Tier2Snapshots(self, config)
         self.checkpoints = Checkpoints(self)
         self.follower = Follower(self)  # carries out recoveries (follow.py)
+        self.stops = StopPoints(model, lambda: ch.aborted_since(self.gen), Interrupted)
         self.loop: Any = None  # the user's own loop (step.py), once wrap installs it
 
     # ================================================================ properties

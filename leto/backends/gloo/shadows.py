@@ -1,8 +1,12 @@
 """A node's shadows: one per local rank, the script run up to ``leto.wrap`` with a
 meta-device skeleton, connected and waiting (warm), so that a failed trainer is
 replaced by promoting it in milliseconds. A promoted shadow is replaced in the
-background; a rank whose skeleton cannot be built runs degraded (its replacement
-starts cold, on demand); while the trainers' memory is over
+background once the recovery that promoted it has resumed training: building the
+replacement (the script up to ``leto.wrap``: the model, its initialisation, the data)
+costs CPU in proportion to the model, which the recovery's ranks would otherwise
+share with it on the critical path (a failure of the same rank meanwhile is promoted
+from a cold start, as without shadows). A rank whose skeleton cannot be built runs
+degraded (its replacement starts cold, on demand); while the trainers' memory is over
 ``shadow_memory_budget`` the shadows are killed (cold) and re-warmed under 90 % of
 it."""
 
@@ -27,6 +31,7 @@ class Shadows:
 
     def __init__(self, agent: Agent) -> None:
         self.a = agent
+        self.after_recovery: set[int] = set()  # local ranks to re-warm once training resumes
 
     def promote(self, lr: int, gen: int) -> None:
         a = self.a
@@ -65,7 +70,16 @@ class Shadows:
         a.children.keeper(lr, "admit", gen, sh.pid)
         h = a.keepers[lr]
         a.routing.send_proc(sh, M.Promote(gen=gen, keeper_pid=h.pid, keeper_socket=h.socket_name))
-        self.ensure(lr)  # the replacement warms in the background
+        if a.recovering:  # the replacement warms in the background, after the recovery
+            self.after_recovery.add(lr)
+        else:
+            self.ensure(lr)
+
+    def resumed(self) -> None:
+        """Training resumed: warm the replacements of the shadows the recovery promoted."""
+        todo, self.after_recovery = sorted(self.after_recovery), set()
+        for lr in todo:
+            self.ensure(lr)
 
     def ensure(self, lr: int, *, force: bool = False) -> None:
         """A shadow for ``lr`` if it has none (not while shadows are reclaimed, unless the

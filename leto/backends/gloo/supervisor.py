@@ -15,6 +15,7 @@ import secrets
 import selectors
 import signal
 import socket
+import subprocess
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from . import procs as P
 from .coordinator import Coordinator, CoordinatorOptions
 from .eventlog import EventLog
 from .records import LaunchError, look
+from .watch import Watchers
 from .wire import Conn, WireError, abstract_name, listen_unix
 
 if TYPE_CHECKING:
@@ -49,7 +51,7 @@ class Supervisor:
         try:
             self.private()
         except (InsecurePathError, auth.SecretError, OSError) as e:
-            print(f"leto[node {a.node}]: error: {e}", file=sys.stderr, flush=True)
+            print(f"leto[{a.who}]: error: {e}", file=sys.stderr, flush=True)
             return 1
         import torch._dynamo  # noqa: F401 - creating any torch optimizer imports it
         import torch.distributed  # noqa: F401 - paid once here; the zygote inherits it
@@ -66,11 +68,14 @@ class Supervisor:
             signal.signal(sig, self.on_signal)
         try:
             self.rendezvous()
-            self.start_node()
+            self.watch_zygote()
+            if not a.pooled:
+                self.start_node()
+            self.start_spares()
             self.loop()
         except LaunchError as e:
             a.failed = str(e)
-            print(f"leto[node {a.node}]: error: {e}", file=sys.stderr, flush=True)
+            print(f"leto[{a.who}]: error: {e}", file=sys.stderr, flush=True)
             if a.log is not None:
                 a.log.write("job_failed", error=str(e))
         except KeyboardInterrupt:
@@ -82,7 +87,7 @@ class Supervisor:
 
             tb = traceback.format_exc()
             a.failed = f"internal error in the agent: {type(e).__name__}: {e}"
-            print(f"leto[node {a.node}]: {a.failed}\n{tb}", file=sys.stderr, flush=True)
+            print(f"leto[{a.who}]: {a.failed}\n{tb}", file=sys.stderr, flush=True)
             if a.log is not None:
                 a.log.write("job_failed", error=a.failed, traceback=tb)
         finally:
@@ -177,41 +182,69 @@ class Supervisor:
                     spare_timeout=o.spare_timeout, recovery_timeout=o.recovery_timeout
                 ),
             )
+            try:
+                a.watchers = Watchers(
+                    a.log,
+                    say=a.say,
+                    progress_every=None if o.quiet else o.progress_every,
+                    metrics=o.metrics,
+                    tensorboard=o.tensorboard,
+                )
+            except OSError as e:
+                raise LaunchError(f"cannot serve the metrics at {o.metrics}: {e}") from None
             a.sel.register(a.listener, selectors.EVENT_READ, ("agent_listener", None))
             a.joined.add(0)
             a.coord.node_up(0, spare=False, now=time.monotonic())
             a.say(f"job {a.job}: rendezvous at {endpoint}, waiting for {o.nnodes} node(s)")
         else:
-            try:
-                a.store = TCPStore(o.rdzv_host, o.rdzv_port, None, False, timeout)
-                info = json.loads(a.store.get("leto/job"))
-            except Exception as e:  # noqa: BLE001
-                raise LaunchError(
-                    f"cannot reach the rendezvous endpoint {endpoint} within {o.rdzv_timeout:g} s "
-                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is node 0's "
-                    "`leto launch` running there with the same --rdzv-endpoint?"
-                ) from None
-            if info["nnodes"] != o.nnodes or info["nproc_per_node"] != o.nproc_per_node:
-                raise LaunchError(
-                    f"this node was started with --nnodes {o.nnodes} --nproc-per-node "
-                    f"{o.nproc_per_node}, node 0 with --nnodes {info['nnodes']} "
-                    f"--nproc-per-node {info['nproc_per_node']}"
-                )
-            a.job = info["job"]
-            host, port = info["coordinator"].rsplit(":", 1)
-            welcome = self.join(host, int(port))
+            host, port = self.reach_job()
+            answer = self.join(host, port)
             assert a.coord_conn is not None
-            a.spare = welcome.spare
-            a.generation = welcome.gen
             a.sel.register(a.coord_conn, selectors.EVENT_READ, ("coord", None))
+            if isinstance(answer, M.Pooled):
+                a.spare_id = answer.spare_id
+                a.say(f"waiting in the spare pool of job {a.job} at {endpoint}, warm")
+                return
+            a.spare = answer.spare
+            a.generation = answer.gen
             a.say(
                 f"joined job {a.job} at {endpoint}"
                 + (" as a replacement (spare) node" if a.spare else "")
             )
 
-    def join(self, host: str, port: int) -> M.Welcome:
+    def reach_job(self) -> tuple[str, int]:
+        """A node other than 0, or a spare: reach the job's store, check the job's
+        topology, and read the address of its coordinator."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        a = self.a
+        o = a.o
+        endpoint = f"{o.rdzv_host}:{o.rdzv_port}"
+        timeout = timedelta(seconds=o.rdzv_timeout)
+        try:
+            a.store = TCPStore(o.rdzv_host, o.rdzv_port, None, False, timeout)
+            info = json.loads(a.store.get("leto/job"))
+        except Exception as e:  # noqa: BLE001
+            raise LaunchError(
+                f"cannot reach the rendezvous endpoint {endpoint} within {o.rdzv_timeout:g} s "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is node 0's "
+                "`leto launch` running there with the same --rdzv-endpoint?"
+            ) from None
+        if info["nnodes"] != o.nnodes or info["nproc_per_node"] != o.nproc_per_node:
+            raise LaunchError(
+                f"this {'spare' if a.pooled else 'node'} was started with --nnodes {o.nnodes} "
+                f"--nproc-per-node {o.nproc_per_node}, node 0 with --nnodes {info['nnodes']} "
+                f"--nproc-per-node {info['nproc_per_node']}"
+            )
+        a.job = info["job"]
+        host, port = info["coordinator"].rsplit(":", 1)
+        return host, int(port)
+
+    def join(self, host: str, port: int) -> M.Welcome | M.Pooled:
         """Connect to the coordinator, prove the job's secret and check its proof (see
-        :mod:`.auth`); the welcome."""
+        :mod:`.auth`): a node's welcome, or a spare agent's place in the pool."""
         a = self.a
         o = a.o
         if a.secret is None:
@@ -232,36 +265,79 @@ class Supervisor:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         a.coord_conn = Conn(sock, send_timeout=30.0)
         nonce = auth.new_nonce()
+        hello: M.Message
         try:
             challenge = M.decode(a.coord_conn.recv(timeout=o.rdzv_timeout)[0])
             if not isinstance(challenge, M.Challenge):
                 raise WireError(f"expected a challenge, got {challenge.TAG!r}")
             ns = challenge.nonce
-            proof = auth.proof(a.secret, "node", a.node, ns, nonce)
-            a.coord_conn.send(M.NodeHello(node=a.node, nonce=nonce, proof=proof).to_wire())
-            welcome = M.decode(a.coord_conn.recv(timeout=o.rdzv_timeout)[0])
+            if a.pooled:
+                proof = auth.proof(a.secret, "spare", auth.POOL, ns, nonce)
+                hello = M.SpareHello(nonce=nonce, proof=proof)
+            else:
+                proof = auth.proof(a.secret, "node", a.node, ns, nonce)
+                hello = M.NodeHello(node=a.node, nonce=nonce, proof=proof)
+            a.coord_conn.send(hello.to_wire())
+            answer = M.decode(a.coord_conn.recv(timeout=o.rdzv_timeout)[0])
         except (WireError, TimeoutError) as e:
             raise LaunchError(f"the coordinator at {host}:{port} did not answer: {e}") from None
-        if isinstance(welcome, M.Reject):
-            raise LaunchError(welcome.why)
-        if not isinstance(welcome, M.Welcome):
-            raise LaunchError(
-                f"the coordinator at {host}:{port} sent {welcome.TAG!r}, not a welcome"
-            )
-        if not auth.verify(a.secret, "coordinator", a.node, ns, nonce, welcome.proof):
+        if isinstance(answer, M.Reject):
+            raise LaunchError(answer.why)
+        if isinstance(answer, M.Pooled) and a.pooled:
+            proven = auth.verify(a.secret, "pool", answer.spare_id, ns, nonce, answer.proof)
+        elif isinstance(answer, M.Welcome) and not a.pooled:
+            proven = auth.verify(a.secret, "coordinator", a.node, ns, nonce, answer.proof)
+        else:
+            want = "a place in the pool" if a.pooled else "a welcome"
+            raise LaunchError(f"the coordinator at {host}:{port} sent {answer.TAG!r}, not {want}")
+        if not proven:
             raise LaunchError(
                 f"the coordinator at {host}:{port} did not prove the job's secret: "
                 "not this job's node 0 (or a different secret)"
             )
-        return welcome
+        return answer
+
+    def watch_zygote(self) -> None:
+        a = self.a
+        a.sel.register(a.zygote.conn, selectors.EVENT_READ, ("zygote", None))
+        a.sel.register(a.zygote.pidfd, selectors.EVENT_READ, ("zygote_dead", None))
+
+    def take_place(self, node: int, gen: int) -> None:
+        """A pooled spare is assigned the place of the lost ``node``: from here on it is
+        that node's agent, joined as a replacement (the coordinator's :class:`Go`
+        follows, which starts its shadows)."""
+        a = self.a
+        if not a.pooled:
+            raise LaunchError(f"the coordinator assigned node {node} to an agent not in the pool")
+        if not 0 < node < a.o.nnodes:
+            raise LaunchError(f"the coordinator assigned node {node}, not in 1..{a.o.nnodes - 1}")
+        a.say(f"takes the place of node {node}, which was lost")
+        a.pooled = False
+        a.node = node
+        a.spare = True
+        a.generation = gen
+        self.start_node()
+
+    def start_spares(self) -> None:
+        """Node 0 with ``--spares N``: N spare agents, started here as children that
+        die with this agent (``LETO_PARENT_PID``, see :func:`.procs.die_with_starter`;
+        their own processes die with them), given the job's secret in the environment
+        (the spare takes it out of it)."""
+        a = self.a
+        o = a.o
+        if a.node != 0 or not o.spares:
+            return
+        assert a.secret is not None
+        env = P.tie_to_parent({**os.environ, auth.ENV: a.secret.decode()})
+        for _ in range(o.spares):
+            a.spare_procs.append(subprocess.Popen(o.spare_command, env=env))
+        a.say(f"started {o.spares} spare agent(s) for the pool")
 
     def start_node(self) -> None:
         a = self.a
         a.agent_socket = abstract_name(f"{a.job}-agent{a.node}")
         a.agent_listener = listen_unix(a.agent_socket)
         a.sel.register(a.agent_listener, selectors.EVENT_READ, ("listener", None))
-        a.sel.register(a.zygote.conn, selectors.EVENT_READ, ("zygote", None))
-        a.sel.register(a.zygote.pidfd, selectors.EVENT_READ, ("zygote_dead", None))
         for lr in a.local_ranks:
             a.children.start_keeper(lr)
         if a.node == 0 and a.o.nnodes == 1:
@@ -344,6 +420,8 @@ class Supervisor:
 
     def check_node_finished(self) -> None:
         a = self.a
+        if a.pooled:
+            return
         if self.node_done() and not a._finished_sent:
             a._finished_sent = True
             a.routing.to_coord(M.NodeFinished(node=a.node))
@@ -478,12 +556,28 @@ class Supervisor:
             else:
                 a.log.write("job_end", status="failed", error=a.failed)
             a.log.close()
+        if a.watchers is not None:
+            a.watchers.close()
         for c in list(a.links.values()):
             c.close()
         for link in list(a.unproven.values()):
+            link.conn.close()
+        for link in list(a.pool_links.values()):
             link.conn.close()
         if a.coord_conn is not None:
             a.coord_conn.close()
         if a.listener is not None:
             a.listener.close()
+        self.end_spares()
         a.store = None
+
+    def end_spares(self) -> None:
+        """The spare agents this node started: told of the job's end (or their link
+        closed), they exit; any still running after a few seconds is killed."""
+        deadline = time.monotonic() + 5.0
+        for p in self.a.spare_procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -100,10 +100,11 @@ class StepTransaction:
         for prm in s.model.parameters():
             prm.grad = None
         assert s.step_fn is not None
-        loss = s.step_fn(s.model, batch)
-        point("forward")
-        s.ch.mark("backward")
-        loss.backward()
+        with s.stops.armed():  # a recovery stops the compute at the next layer
+            loss = s.step_fn(s.model, batch)
+            point("forward")
+            s.ch.mark("backward")
+            loss.backward()
         point("backward")
         rng_after = capture_rng()
         # one buffer: the gradients, then a presence flag per parameter (small integers,

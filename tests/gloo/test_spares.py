@@ -1,0 +1,216 @@
+"""The spare pool (issue 20, part 3): warm spare agents take a lost node's place
+without anyone starting anything.
+
+A job of 3 nodes x 1 rank whose node 0 starts three spare agents (``--spares 3``)
+loses node 1 and then node 2 (each agent SIGKILLed, its processes with it, at two
+different steps); the harness restarts nothing: each place is taken by a spare from
+the pool, lowest id first, and the job ends bitwise equal to the failure-free run,
+its trace replayed through the core's model. The third spare, never needed, ends
+with the job, and SIGKILL of node 0 takes its pooled spares with it. The pieces
+(assignment order, the empty pool, a spare that cannot prove the job's secret) are
+tested in process.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jobs import TRAIN, digests_equal, explain, job, left_after
+from test_coordinator import Harness
+
+from leto.backends.gloo import auth
+from leto.backends.gloo import messages as M
+from leto.backends.gloo.agent import Agent, AgentOptions
+from leto.backends.gloo.procs import free_port, processes_with
+from leto.backends.gloo.wire import Conn
+from leto.core.recovery import Phase
+from leto.spec.trace import replay
+
+STEPS = 10
+
+
+def test_two_lost_nodes_are_replaced_from_the_pool_bitwise(session_dir: Path) -> None:
+    ref = job(session_dir / "ref-3x1", nnodes=3, nproc=1, steps=STEPS)
+    assert ref.ok and ref.digests, explain(ref)
+    faults = [
+        {"kind": "lose_node", "rank": 1, "step": 5, "phase": "backward"},
+        {"kind": "lose_node", "rank": 2, "step": 8, "phase": "prepare"},
+    ]
+    res = job(
+        session_dir / "spares-3x1",
+        nnodes=3,
+        nproc=1,
+        steps=STEPS,
+        faults=faults,
+        # slow steps: the spares (importing torch beside three nodes) are in the pool,
+        # warm, before the first loss
+        env={"STEP_SLEEP": "0.4"},
+        spares=3,  # the third is left in the pool: it ends with the job
+        extra=["--spare-timeout", "60"],
+        respawn=False,  # nobody restarts a lost node: the pool does
+        timeout=120.0,
+    )
+    assert res.ok, explain(res)
+    assert [len(res.codes[n]) for n in (1, 2)] == [1, 1], res.codes  # no agent restarted
+    lost = [f["node"] for f in res.of("failure") if f["kind"] == "node_lost"]
+    assert lost == [1, 2], res.of("failure")
+    first_loss = res.of("failure")[0]["t_rel"]
+    waiting = [e["spare"] for e in res.of("spare_joined") if e["t_rel"] < first_loss]
+    assert waiting[:2] == [0, 1], f"the spares were not waiting: {res.of('spare_joined')}"
+    assigned = [(e["spare"], e["node"]) for e in res.of("spare_assigned")]
+    assert assigned == [(0, 1), (1, 2)], assigned
+    joined = [(e["node"], e["spare"]) for e in res.of("node_joined")]
+    assert joined[-2:] == [(1, True), (2, True)], joined
+    assert len(res.recoveries) == 2 and all(r["kind"] == "tier2" for r in res.recoveries)
+    assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
+
+
+# --- in process: the pool's bookkeeping (the coordinator) and its links (routing) -------
+
+
+def test_lost_nodes_take_the_lowest_spare_ids_in_the_order_they_were_lost() -> None:
+    h = Harness(nodes=4, per_node=1)
+    h.step(1)
+    c = h.c
+    assert [c.spare_joined(f"peer{i}") for i in range(3)] == [0, 1, 2]
+    c.spare_left(1)  # a pooled spare died: out of the pool
+    assert c.pool == [0, 2]
+    c.node_down(3, h.now)  # lost first
+    c.node_down(2, h.now + 0.1)
+    c.node_down(1, h.now + 0.1)  # lost at the same instant as node 2: the lower rank first
+    assert c.assign_spares() == [(0, 3), (2, 1)]
+    for n in (3, 1):
+        c.node_up(n, spare=True, now=h.now + 1)
+    assert c.pool == [] and c.assign_spares() == []  # node 2 waits: the pool is empty
+    assert c.spare_joined("late") == 3  # ids are never reused
+    assert c.assign_spares() == [(3, 2)]
+    assigned = [(e["spare"], e["node"]) for e in h.events("spare_assigned")]
+    assert assigned == [(0, 3), (2, 1), (3, 2)]
+    assert [e["spare"] for e in h.events("spare_left")] == [1]
+    assert c.failed is None
+    assert replay(enumerate(h.log.records, 1)).divergence is None
+
+
+def test_a_node_lost_with_the_pool_empty_waits_the_spare_timeout_then_fails() -> None:
+    h = Harness(nodes=2, per_node=1, spare_timeout=5.0)
+    h.step(1)
+    h.c.node_down(1, h.now)
+    assert h.c.assign_spares() == []
+    h.c.tick(h.now + 4.0)
+    assert h.c.failed is None  # a spare (or a replacement by hand) may still come
+    h.c.tick(h.now + 6.0)
+    err = h.c.failed
+    assert err is not None and "the spare pool was empty" in err and "--node-rank 1" in err
+    assert "\n" not in err
+    assert h.c.state is not None and h.c.state.phase is Phase.FAILED
+    assert h.c.assign_spares() == []  # the job is over: nobody is assigned
+    assert replay(enumerate(h.log.records, 1)).divergence is None
+
+
+def test_a_spare_that_joins_while_a_node_waits_takes_its_place() -> None:
+    h = Harness(nodes=2, per_node=1, spare_timeout=5.0)
+    h.step(1)
+    h.c.node_down(1, h.now)
+    assert h.c.spare_joined("late") == 0
+    assert h.c.assign_spares() == [(0, 1)]
+    h.c.node_up(1, spare=True, now=h.now + 2.0)
+    h.c.tick(h.now + 6.0)
+    assert h.c.failed is None and not h.c.nodes_lost_at
+
+
+SECRET = b"0123456789abcdef" * 4
+
+
+def _agent(h: Harness) -> Agent:
+    """Node 0's agent around the coordinator ``h.c``: its listener, the secret."""
+    ag = Agent(AgentOptions(script="x.py", script_args=[], nnodes=h.c.topology.nodes, quiet=True))
+    ag.secret = SECRET
+    ag.coord = h.c
+    ag.log = h.log
+    ag.listener = socket.create_server(("127.0.0.1", 0))
+    ag.joined = set(range(h.c.topology.nodes))
+    return ag
+
+
+def _spare(ag: Agent, secret: bytes) -> tuple[Conn, M.Message, str, str]:
+    """A spare agent's handshake with ``ag``: its connection, the answer, both nonces."""
+    conn = Conn(socket.create_connection(ag.listener.getsockname()), send_timeout=5.0)  # type: ignore[union-attr]
+    ag.routing.accept_link()
+    link = list(ag.unproven.values())[-1]  # the connection just accepted
+    challenge = M.decode(conn.recv(timeout=5)[0])
+    assert isinstance(challenge, M.Challenge)
+    nonce = auth.new_nonce()
+    proof = auth.proof(secret, "spare", auth.POOL, challenge.nonce, nonce)
+    conn.send(M.SpareHello(nonce=nonce, proof=proof).to_wire())
+    select.select([link.conn], [], [], 5)
+    ag.routing.on_link(link)
+    return conn, M.decode(conn.recv(timeout=5)[0]), challenge.nonce, nonce
+
+
+def test_a_spare_proves_the_secret_waits_and_is_assigned_a_bad_one_is_refused() -> None:
+    h = Harness(nodes=2, per_node=1)
+    h.step(1)
+    ag = _agent(h)
+    good = bad = None
+    try:
+        good, pooled, ns, nc = _spare(ag, SECRET)
+        assert isinstance(pooled, M.Pooled) and pooled.spare_id == 0
+        assert auth.verify(SECRET, "pool", 0, ns, nc, pooled.proof)  # the coordinator's proof
+        # a spare without the job's secret: told so in one line, its connection closed
+        bad, reject, _, _ = _spare(ag, b"not the job's secret, not at all")
+        assert isinstance(reject, M.Reject) and "authentication failed" in reject.why
+        assert bad.sock.recv(1) == b""  # closed
+        (refused,) = h.events("connection_refused")
+        assert "did not prove the job's secret" in refused["why"]
+        assert list(ag.pool_links) == [0] and h.c.pool == [0] and h.c.failed is None
+        # the job goes on; node 1 is lost: the pooled spare takes its place
+        h.step(2)
+        h.c.node_down(1, h.now)
+        ag.routing.assign_spares(h.now)
+        assign = M.decode(good.recv(timeout=5)[0])
+        go = M.decode(good.recv(timeout=5)[0])
+        assert assign == M.Assign(node=1, gen=h.c.generation) and go == M.Go(spare=True)
+        assert ag.pool_links == {} and 1 in ag.links and 1 in h.c.nodes_up
+        assert [(e["spare"], e["node"]) for e in h.events("spare_assigned")] == [(0, 1)]
+        assert h.c.failed is None
+    finally:
+        for c in (good, bad):
+            if c is not None:
+                c.close()
+        for conn in list(ag.links.values()):
+            conn.close()
+        ag.listener.close()  # type: ignore[union-attr]
+
+
+def test_sigkill_of_node_0_takes_its_pooled_spares_with_it(tag: str) -> None:
+    """Node 0 of a 2-node job waits for node 1 with a spare in its pool; SIGKILLed, it
+    takes the spare (and the spare's zygote) with it: no process is left (the ``tag``
+    fixture also checks /dev/shm)."""
+    run = Path(tag) / "run"
+    port = free_port()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "leto.cli", "launch", "--nnodes", "2", "--node-rank", "0",
+         "--spares", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--quiet", "--no-echo",
+         "--run-dir", str(run), TRAIN],
+        env={**os.environ, "TOPO": "2x1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        log = run / "events.jsonl"
+        pooled = False
+        while time.monotonic() < deadline and not pooled:
+            time.sleep(0.1)
+            pooled = log.exists() and '"event":"spare_joined"' in log.read_text()
+        assert pooled, "the spare did not join the pool"
+        assert len(processes_with(tag)) >= 4  # node 0, its zygote, the spare, its zygote
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert left_after(tag) == []
