@@ -231,6 +231,7 @@ def wrap(
         tier2_interval=cfg.tier2_interval,
         tier2_parity=cfg.tier2_parity,
         verify=cfg.verify_chunks,
+        master_weights=cfg.master_weights,
         check=check,
         checkpoint_interval=cfg.checkpoint_interval,
         checkpoint_mtbf=float(cfg.checkpoint_mtbf),

@@ -41,6 +41,11 @@ resume               none      start from this torch.distributed.checkpoint dire
                                (leto's checkpoint_dir or one step of it, or any DCP
                                checkpoint of the same model); ``leto launch --resume DIR``
 verify_chunks        true      check each chunk's checksum before its step overwrites it
+master_weights       false     float32 master weights, gradients and optimizer state in
+                               retained memory for bf16/fp16 parameters (and models that
+                               mix dtypes); the model's parameters are cast from them after
+                               every step (docs/loop.md, "Mixed precision"); fake backend
+                               only so far
 ===================  ========  ==========================================================
 
 ``LETO_CONFIG=path.toml`` makes :meth:`Config.from_env` read that file first; the
@@ -205,6 +210,7 @@ class Config:
     checkpoint_mtbf: int = attrs.field(default=0, validator=_v_count)
     resume: str | None = attrs.field(default=None, validator=_v_resume)
     verify_chunks: bool = attrs.field(default=True, validator=_v_bool)
+    master_weights: bool = attrs.field(default=False, validator=_v_bool)
 
     def __attrs_post_init__(self) -> None:
         n = self.nodes * self.ranks_per_node
@@ -225,6 +231,12 @@ class Config:
                 "tier2_parity",
                 f"{self.tier2_parity} parities across {self.nodes} node(s): tier 2 with m "
                 "parities needs more than m nodes (each lost node's share lives on another)",
+            )
+        if self.master_weights and self.backend != "fake":
+            raise ConfigError(
+                "master_weights",
+                f"float32 master weights run on the fake backend only so far, not on "
+                f"{self.backend!r}",
             )
         if self.tier1_code == "replica":
             if not self.tier1:

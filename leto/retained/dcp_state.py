@@ -9,6 +9,12 @@ and the checksums the retained chunks must have after loading. ``leto.json`` is 
 last (:meth:`CheckpointStore.publish`, the protocol's ``PublishCheckpoint``): a
 directory without it is a checkpoint some writer had not finished, never loaded.
 
+With float32 master weights (``master_weights = true``) the model's bf16/fp16
+parameters are casts of them, so the checkpoint also holds ``"master_weights"``: the
+master copy of each such parameter, by name (the model entry stays the model's own,
+loadable into the bf16 model by any DCP user). A checkpoint without it (a DCP
+checkpoint of the model alone) starts the master weights from the model's values.
+
 Why it matters that the names are the model's: a checkpoint of retained flat buffers
 (``param``, ``state.exp_avg``) could be read only by leto with the same chunking; this
 one is read by ``dcp.load`` into any model with these parameter names, and a leto job
@@ -30,8 +36,10 @@ from torch import nn
 
 from leto.retained.checkpoint import CheckpointError, CheckpointStore, load_all, read_meta
 from leto.retained.layout import RetainedLayout
+from leto.retained.optim import RetainedOptimizer
 
 __all__ = [
+    "load_master_weights",
     "load_model_state",
     "load_retained_optimizer_state",
     "load_training_state",
@@ -43,6 +51,7 @@ __all__ = [
 
 MODEL_KEYS = ("model",)
 OPTIM_KEYS = ("optim", "optimizer")
+MASTER_KEY = "master_weights"
 
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
@@ -82,13 +91,38 @@ def training_state(
     that training may go on while it is written."""
     msd = {k: v.detach() for k, v in model.state_dict().items()}
     osd = optimizer_state_by_name(model, optimizer)
+    master = {}
+    if isinstance(optimizer, RetainedOptimizer):
+        lay = optimizer.layout
+        master = {lay.slots[i].name: lay.param_view(i) for i in lay.derived}
     if copy:
         msd = {k: v.clone() for k, v in msd.items()}
+        master = {k: v.clone() for k, v in master.items()}
         osd["state"] = {
             n: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
             for n, st in osd["state"].items()
         }
-    return {"model": msd, "optim": osd}
+    out: dict[str, Any] = {"model": msd, "optim": osd}
+    if master:  # float32 master weights: the model's own parameters are casts of them
+        out[MASTER_KEY] = master
+    return out
+
+
+def load_master_weights(lay: RetainedLayout, state: dict[str, Any], where: str) -> None:
+    """The master copies of ``lay``'s derived (bf16/fp16) parameters: the checkpoint's,
+    or, where it has none, the cast up of the model's parameters (so call it after
+    :func:`load_model_state`). Nothing to do without derived parameters."""
+    saved = state.get(MASTER_KEY) or {}
+    with torch.no_grad():
+        for i in lay.derived:
+            name, view = lay.slots[i].name, lay.param_view(i)
+            v = saved.get(name)
+            if v is None:
+                view.copy_(lay.params[i])
+            elif not isinstance(v, torch.Tensor) or v.shape != view.shape:
+                raise CheckpointError(f"{where}: the master weight of {name!r} does not fit")
+            else:
+                view.copy_(v)
 
 
 def _pick(state: dict[str, Any], keys: tuple[str, ...]) -> Any:
@@ -125,7 +159,9 @@ def load_model_state(model: nn.Module, state: dict[str, Any], where: str) -> Non
 def load_retained_optimizer_state(lay: RetainedLayout, state: dict[str, Any], where: str) -> None:
     """A checkpoint's optimizer state tensors into ``lay``'s retained state buffers, by
     parameter name; a state the checkpoint lacks (not created yet) is zero. The
-    optimizer's scalars come from the process state."""
+    optimizer's scalars come from the process state. Master weights too
+    (:func:`load_master_weights`: after :func:`load_model_state`)."""
+    load_master_weights(lay, state, where)
     osd = _pick(state, OPTIM_KEYS) or {}
     by_name = osd.get("state", {})
     with torch.no_grad():
@@ -150,6 +186,8 @@ def load_training_state(
     """Copy a checkpoint's model and optimizer state into ``model``/``optimizer`` (torch's
     ``load_state_dict`` for the optimizer: its scalars and hyper-parameters too)."""
     load_model_state(model, state, where)
+    if isinstance(optimizer, RetainedOptimizer):
+        load_master_weights(optimizer.layout, state, where)
     osd = _pick(state, OPTIM_KEYS)
     if optimizer is None or osd is None:
         return

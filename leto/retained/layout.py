@@ -52,6 +52,24 @@ user replaced (or set to None) is copied in (or counted absent) at PREPARE. The
 mask is written to the header, so a roll-forward in a new process skips the same
 parameters. This reproduces torch.optim's semantics for both ``set_to_none``
 settings without copying gradients on the normal path.
+
+**Master weights (mixed precision, opt-in: ``master_weights=True``).** The
+buffers hold one dtype, the *master* dtype: ``torch.promote_types`` of float32 and
+every parameter's dtype (float32 for a model of bf16, fp16 and fp32 parameters;
+float64 if one is float64). A parameter of the master dtype is a view, as above.
+A parameter of another dtype (bf16, fp16) is *derived*: it keeps storage of its
+own in the trainer, and
+:meth:`RetainedLayout.derive_params` writes it as the cast of its master copy
+(round to nearest even: deterministic); the optimizer calls it after every
+applied step and whenever it loads the state of a step, so the model always
+holds the cast of the committed master weights. Its ``.grad`` is a tensor of its
+own dtype too, cast into the float32 gradient buffer at PREPARE
+(:meth:`RetainedLayout.collect_grads`); present is ``.grad is not None``, torch's
+own rule. Without it (the default) the buffers are of the parameters' own single
+dtype (a bf16 model trains in bf16, bitwise as plain torch does) and mixed dtypes
+are refused: master weights change the math (the update is computed in float32
+and rounded once), so they are the user's choice. An all-float32 model has no
+derived parameter either way: nothing changes for it (the same meta bytes, no copy).
 """
 
 from __future__ import annotations
@@ -89,6 +107,7 @@ __all__ = [
     "Piece",
     "RetainedLayout",
     "DEFAULT_CHUNK_NUMEL",
+    "master_dtype",
 ]
 
 Allocator = Callable[[str, int], torch.Tensor]
@@ -214,8 +233,20 @@ def _copy_in(t: torch.Tensor, view: torch.Tensor, what: str) -> torch.Tensor:
     return view
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _fmt(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def master_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype that holds every one of ``dtypes`` exactly: float32 promoted with each."""
+    out = torch.float32
+    for d in dtypes:
+        out = torch.promote_types(out, d)
+    return out
 
 
 class RetainedLayout:
@@ -249,6 +280,14 @@ class RetainedLayout:
         )
         by_name = dict(named)
         self.params: list[nn.Parameter] = [by_name[s.name] for s in self.slots]
+        own = meta.get("model_dtypes") or [meta["dtype"]] * len(self.slots)
+        #: each parameter's own dtype in the model (the master dtype unless derived)
+        self.model_dtypes: tuple[torch.dtype, ...] = tuple(getattr(torch, d) for d in own)
+        #: the parameters that are casts of their master copy, not views of it
+        self.derived: tuple[int, ...] = tuple(
+            i for i, d in enumerate(self.model_dtypes) if d != self.dtype
+        )
+        self._derived = set(self.derived)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.device = segs["param"].device
         self.param_buffer = segs["param"].view(self.dtype)
@@ -279,20 +318,30 @@ class RetainedLayout:
         states: Sequence[str],
         undo_slots: int | None,
         align_bytes: int,
+        master_weights: bool = False,
     ) -> dict[str, Any]:
         if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0:
             raise LayoutError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
         if not named:
             raise LayoutError("the model has no parameters")
-        dtype = named[0][1].dtype
+        if not isinstance(master_weights, bool):
+            raise LayoutError(f"master_weights must be true or false, got {master_weights!r}")
         for name, p in named:
-            if p.dtype != dtype:
+            if not p.dtype.is_floating_point:
                 raise LayoutError(
-                    f"parameter {name!r} has dtype {p.dtype}, but {named[0][0]!r} has {dtype}: "
-                    "one layout holds one dtype (make one layout per dtype)"
+                    f"parameter {name!r} has dtype {p.dtype}: parameters must be floating point"
                 )
-        if not dtype.is_floating_point:
-            raise LayoutError(f"parameters must be floating point, got {dtype}")
+        dtype = named[0][1].dtype
+        if master_weights:
+            dtype = master_dtype(p.dtype for _, p in named)
+        else:
+            for name, p in named:
+                if p.dtype != dtype:
+                    raise LayoutError(
+                        f"parameter {name!r} has dtype {p.dtype}, but {named[0][0]!r} has "
+                        f"{dtype}: one layout holds one dtype (master_weights=True keeps a "
+                        "float32 master copy of every parameter)"
+                    )
         item = torch.empty((), dtype=dtype).element_size()
         if (chunk_numel * item) % 4:
             raise LayoutError(
@@ -324,9 +373,12 @@ class RetainedLayout:
             undo_slots = n_chunks
         if isinstance(undo_slots, bool) or not isinstance(undo_slots, int) or undo_slots < 1:
             raise LayoutError(f"undo_slots must be a positive int or None, got {undo_slots!r}")
+        own = [_dtype_name(p.dtype) for _, p in named]
+        extra = {} if all(p.dtype == dtype for _, p in named) else {"model_dtypes": own}
         return {
+            **extra,
             "format": FORMAT,
-            "dtype": str(dtype).removeprefix("torch."),
+            "dtype": _dtype_name(dtype),
             "chunk_numel": chunk_numel,
             "n_chunks": n_chunks,
             "numel": n_chunks * chunk_numel,
@@ -384,6 +436,7 @@ class RetainedLayout:
         prefix: str = "leto",
         align_bytes: int = 256,
         checksum_algorithm: str | None = None,
+        master_weights: bool = False,
     ) -> RetainedLayout:
         """Pack ``model``'s parameters into fresh retained buffers and bind views.
 
@@ -392,13 +445,16 @@ class RetainedLayout:
         hold an undo copy at once (None: one per chunk, what the whole-step
         fallback needs); ``checksum_algorithm``: one of
         ``leto.retained.checksum.ALGORITHMS`` (None: xxh3 in host memory, Fletcher
-        on a GPU). Every chunk starts at version 0.
+        on a GPU); ``master_weights=True``: the buffers are of :func:`master_dtype`
+        and bf16/fp16 parameters are derived from them (see the module docstring;
+        False, the default: one dtype, the parameters' own). Every chunk starts at
+        version 0.
         """
         why = None if checksum_algorithm is None else algorithm_error(checksum_algorithm)
         if why:
             raise LayoutError(why)
         named = _named(model)
-        meta = cls._plan(named, chunk_numel, states, undo_slots, align_bytes)
+        meta = cls._plan(named, chunk_numel, states, undo_slots, align_bytes, master_weights)
         for name, p in named:
             if p.device.type == "meta":
                 raise LayoutError(
@@ -433,10 +489,11 @@ class RetainedLayout:
         layout.seal_all(0)
         old_grads = [p.grad for p in layout.params]
         layout._bind_all()
+        layout.derive_params()  # exact (the master is the cast up); a no-op without any
         with torch.no_grad():
             for i, g in enumerate(old_grads):
                 if g is not None and layout.params[i].requires_grad:
-                    layout.grad_view(i).copy_(g)
+                    layout.grad_view(i).copy_(g)  # a derived parameter keeps its own too
                     layout._flags[i] = True
         mseg.copy_(torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(mseg.device))
         sv = sup.view(torch.int64)
@@ -481,6 +538,8 @@ class RetainedLayout:
         meta = cls.read_meta(alloc, prefix)
         have = {n: p for n, p in named}
         want = {n: (tuple(s), c) for n, s, _, c in meta["params"]}
+        dtypes = meta.get("model_dtypes") or [meta["dtype"]] * len(meta["params"])
+        own = {n: d for (n, _, _, _), d in zip(meta["params"], dtypes, strict=True)}
         for name, p in named:
             if name not in want:
                 raise ShapeMismatchError(
@@ -491,9 +550,9 @@ class RetainedLayout:
                     f"parameter {name!r}: the model has shape {_fmt(p.shape)}, "
                     f"the retained layout has {_fmt(want[name][0])}"
                 )
-            if str(p.dtype).removeprefix("torch.") != meta["dtype"]:
+            if _dtype_name(p.dtype) != own[name]:
                 raise ShapeMismatchError(
-                    f"parameter {name!r}: the model has dtype {p.dtype}, the retained layout has {meta['dtype']}"
+                    f"parameter {name!r}: the model has dtype {p.dtype}, the retained layout has {own[name]}"
                 )
         missing = [n for n in want if n not in have]
         if missing:
@@ -509,12 +568,17 @@ class RetainedLayout:
         named = sorted(named, key=lambda np_: order[np_[0]])
         layout = cls(meta, segs, named, prefix)
         layout._bind_all()
+        layout.derive_params()
         mask = layout.present_mask()
         layout._flags = list(mask)
         return layout
 
     def _bind_all(self) -> None:
         for i, p in enumerate(self.params):
+            if i in self._derived:
+                if p.device != self.device or not p.is_contiguous():  # e.g. a meta skeleton
+                    _bind(p, torch.empty(p.shape, dtype=p.dtype, device=self.device))
+                continue
             _bind(p, self.param_view(i))
             if p.requires_grad:
                 p.grad = self.grad_view(i)
@@ -525,6 +589,16 @@ class RetainedLayout:
             self._flags[i] = True
 
         return hook
+
+    def derive_params(self) -> None:
+        """Write every derived (bf16/fp16) parameter as the cast of its master copy.
+
+        Round to nearest even, elementwise: the same bytes in every process. A no-op
+        for a layout without derived parameters (every parameter a view).
+        """
+        with torch.no_grad():
+            for i in self.derived:
+                self.params[i].data.copy_(self.param_view(i))
 
     def close(self) -> None:
         """Remove the grad hooks (the views stay)."""
@@ -760,10 +834,18 @@ class RetainedLayout:
 
         ``set_to_none=True`` fills ``-0.0`` and marks every gradient absent (what
         torch's None means); ``False`` fills ``+0.0`` and keeps present marks,
-        like torch's ``grad.zero_()``.
+        like torch's ``grad.zero_()``. A derived parameter's own ``.grad`` is set
+        to None or zeroed, as torch does.
         """
         for i, p in enumerate(self.params):
             if not p.requires_grad:
+                continue
+            if i in self._derived:
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:
+                    with torch.no_grad():
+                        p.grad.zero_()
                 continue
             view = self.grad_view(i)
             if p.grad is None:
@@ -781,13 +863,18 @@ class RetainedLayout:
         """Which parameters have a gradient now; copies in any ``.grad`` the user replaced.
 
         A ``.grad`` of None counts absent (and stays None); a foreign tensor is
-        copied into the flat buffer and the view re-bound.
+        copied into the flat buffer and the view re-bound. A derived parameter's
+        ``.grad`` (its own dtype) is cast into the buffer and stays its own.
         """
         present = []
         for i, p in enumerate(self.params):
             g = p.grad
             if g is None:
                 present.append(False)
+                continue
+            if i in self._derived:
+                _copy_in(g, self.grad_view(i), f"the .grad of {self.slots[i].name!r}")
+                present.append(True)
                 continue
             view = self.grad_view(i)
             if not _aliases(g, view):

@@ -41,6 +41,12 @@ disk checkpoints: the retained state tensors appear as views); they are not the
 retained path. A torch-format state dict can be loaded (it is copied into the
 retained buffers).
 
+Master weights (``retain(..., master_weights=True)``): the math runs on the layout's
+float32 buffers whatever the parameters' dtype (a bf16 parameter's update, state and
+gradient are float32), and ``end()`` -- like loading a step's state -- writes the
+model's bf16/fp16 parameters as the cast of the new master weights
+(:meth:`~leto.retained.layout.RetainedLayout.derive_params`).
+
 Any other ``torch.optim.Optimizer`` runs through :class:`WholeStepOptimizer`: the
 same API, but the step is one unit (the first ``apply_chunk`` runs the whole
 torch step and seals every chunk), so it needs an undo copy of *every* chunk (a
@@ -260,6 +266,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
         self._commit(plan)
         self.version = plan.step
         self._plan = None
+        self.layout.derive_params()
 
     def roll_forward(self, on_applied: Callable[[int], None] | None = None) -> None:
         """Finish step ``version + 1`` from whatever state its chunks are in.
@@ -419,6 +426,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
         self.state.update(new_state)
         self.version = version
         self._plan = None
+        self.layout.derive_params()
 
     def set_version(self, step: int) -> None:
         """Declare the current bytes to be step ``step`` (after loading a checkpoint taken then).
@@ -428,6 +436,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
         self._require_idle("set_version")
         self.layout.seal_all(step)
         self.version = step
+        self.layout.derive_params()
 
     # -------------------------------------------------- torch-format state dict
 
@@ -466,6 +475,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._adopt_state(clone_rest=True)
         self.layout.seal_all(self.version)
+        self.layout.derive_params()
 
     # ---------------------------------------------------------- to implement
 
@@ -1007,6 +1017,7 @@ class WholeStepOptimizer(RetainedOptimizer):
         self.state = self.inner.state
         self._adopt_state(clone_rest=True)
         self.layout.seal_all(self.version)
+        self.layout.derive_params()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
@@ -1107,13 +1118,17 @@ def retain(
     attach: bool = False,
     align_bytes: int = 256,
     verify: bool = False,
+    master_weights: bool = False,
 ) -> RetainedOptimizer:
     """Create (or ``attach`` to) the retained layout of ``model`` and retain ``optimizer``.
 
     The layout gets the state buffers the optimizer needs (the generic path's
     before copy comes from ``alloc`` too). With ``attach=True`` the
     existing layout is validated against the model (shapes) and the optimizer
-    (states); load the process state afterwards.
+    (states); load the process state afterwards. ``master_weights=True``: float32
+    master weights, gradients and optimizer state for bf16/fp16 parameters
+    (:class:`~leto.retained.layout.RetainedLayout`); on attach the retained layout
+    says which.
     """
     states = required_states(optimizer)
     if attach:
@@ -1132,5 +1147,6 @@ def retain(
             alloc=alloc,
             prefix=prefix,
             align_bytes=align_bytes,
+            master_weights=master_weights,
         )
     return to_retained(optimizer, layout, alloc=alloc, adopt=not attach, verify=verify)

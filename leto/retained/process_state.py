@@ -1,9 +1,12 @@
-"""Reusable process state as JSON: RNG states, the data sampler's position, the scheduler.
+"""Reusable process state as JSON: RNG states, the data sampler's position, the scheduler,
+the model's buffers.
 
 A resumed rank must continue *bitwise* as the run that never failed, so besides the
 retained tensors it needs the small state a training process carries: the RNG
 streams (torch's CPU generator, Python's ``random``, NumPy's global generator when
-NumPy is loaded), the position of the data sampler and the LR scheduler's state.
+NumPy is loaded), the position of the data sampler, the LR scheduler's state and
+the model's persistent buffers (BatchNorm's running statistics, which a forward
+changes: kept with the step, so a rolled-back step gets the committed step's).
 All of it is encoded as JSON here (never pickle: it is read back by another process).
 
 Data: :class:`ResumableBatchSampler` is a deterministic, resumable sampler of global
@@ -33,10 +36,12 @@ __all__ = [
     "BatchCursor",
     "ProcessStateError",
     "ResumableBatchSampler",
+    "capture_buffers",
     "capture_rng",
     "check_json",
     "from_json",
     "is_per_rank",
+    "restore_buffers",
     "restore_rng",
     "scheduler_state",
     "shard",
@@ -73,7 +78,7 @@ def to_json(value: Any, what: str) -> Any:
         return {
             "__tensor__": str(t.dtype).removeprefix("torch."),
             "shape": list(t.shape),
-            "b64": base64.b64encode(t.view(torch.uint8).numpy().tobytes()).decode(),
+            "b64": base64.b64encode(t.reshape(-1).view(torch.uint8).numpy().tobytes()).decode(),
         }
     if isinstance(value, dict):
         return {k: to_json(v, what) for k, v in value.items()}
@@ -191,6 +196,50 @@ def step_scheduler(scheduler: Any, metric: float | None = None) -> None:
             scheduler.step(metric)
         else:
             scheduler.step()
+
+
+# ------------------------------------------------------------------ module buffers
+
+
+def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers ``model.state_dict()`` holds (a non-persistent one, such as a causal
+    mask, is rebuilt by the constructor and not state)."""
+    out = []
+    for name, buf in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
+            out.append((name, buf))
+    return out
+
+
+def capture_buffers(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's persistent buffers (BatchNorm's running statistics and batch count)
+    as JSON: each its exact bytes (:func:`to_json`). Empty for a model without any."""
+    return {name: to_json(buf, f"buffer {name!r}") for name, buf in _persistent_buffers(model)}
+
+
+def restore_buffers(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Write :func:`capture_buffers`'s ``state`` back into the model's buffers, in place
+    (checked first: the same names, shapes and dtypes, else one line naming the first
+    that differs, nothing written)."""
+    have = dict(_persistent_buffers(model))
+    if set(have) != set(state):
+        odd = sorted(set(have) ^ set(state))
+        raise ProcessStateError(
+            f"the retained buffers {sorted(state)} are not the model's {sorted(have)} "
+            f"(first difference: {odd[0]!r})"
+        )
+    values = {name: from_json(v) for name, v in state.items()}
+    for name, t in values.items():
+        buf = have[name]
+        if t.shape != buf.shape or t.dtype != buf.dtype:
+            raise ProcessStateError(
+                f"buffer {name!r}: retained {t.dtype} {tuple(t.shape)}, the model has "
+                f"{buf.dtype} {tuple(buf.shape)}"
+            )
+    with torch.no_grad():
+        for name, t in values.items():
+            have[name].copy_(t)
 
 
 # --------------------------------------------------------------------------- data

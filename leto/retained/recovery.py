@@ -168,6 +168,7 @@ class Settled:
     dropped: bool  # gradients prepared for a step beyond the target were dropped
     rng: Any = None  # rolled forward: the RNG and sampler state after the target
     sampler: Any = None
+    buffers: Any = None  # rolled forward: the module buffers after the target's forward
 
 
 def settle(
@@ -185,7 +186,8 @@ def settle(
     """Bring one rank to ``target`` (PROTOCOL.md, the reconcile plan).
 
     ``history``: the rank's process states by step (JSON); ``pending``: its prepare
-    record (the step, RNG and sampler after it, the present mask). ``on_applied(c)``:
+    record (the step, RNG and sampler after it, the present mask, the module buffers
+    after its forward where the backend keeps them). ``on_applied(c)``:
     called after each chunk rolled forward (a backend keeps its tier 1 up to date).
     """
     dropped = lay.prepared_step > target
@@ -226,7 +228,9 @@ def settle(
         ropt.end()
     step_scheduler()
     lay.clear_prepared()
-    return Settled(len(behind), back, dropped, pending["rng"], pending["sampler"])
+    return Settled(
+        len(behind), back, dropped, pending["rng"], pending["sampler"], pending.get("buffers")
+    )
 
 
 def check_resumable(

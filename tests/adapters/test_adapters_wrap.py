@@ -13,7 +13,7 @@ from torch import nn
 
 import leto
 from leto.adapters.config import ConfigError
-from leto.retained.layout import ShapeMismatchError
+from leto.retained.layout import LayoutError, ShapeMismatchError
 from leto.retained.optim import WholeStepOptimizer
 from leto.retained.process_state import ResumableBatchSampler
 
@@ -178,3 +178,39 @@ def test_a_new_trainer_attaches_and_continues_bitwise() -> None:
     for a, b in zip(s2.retained_state(), r.retained_state(), strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert s2.engine.process_states() == r.engine.process_states()
+
+
+def test_master_weights_are_a_config_setting() -> None:
+    """A model mixing bf16 and float32 parameters: refused in one line naming the
+    setting without it; with ``master_weights = true`` it trains through a fault,
+    bitwise the failure-free run, its bf16 parameters staying bf16."""
+
+    def mixed_job() -> dict[str, Any]:
+        j = job()
+        j["model"][0].bfloat16()
+        X, Y = j["X"], j["Y"]
+
+        def step_fn(m: nn.Module, idx: list[int]) -> torch.Tensor:
+            i = torch.tensor(idx)
+            h = m[1](m[0](X[i].bfloat16())).float()
+            return F.cross_entropy(m[2](h), Y[i])
+
+        j["step_fn"] = step_fn
+        return j
+
+    j = mixed_job()
+    with pytest.raises(LayoutError, match=r"^parameter '2\.weight' has dtype.*master_weights=True"):
+        wrap(j)
+    cfg = dict(CFG, master_weights=True)
+    j = mixed_job()
+    s = wrap(j, config=cfg)
+    s.faults.fail_at(rank=1, step=2, phase="apply", chunk=0, where="mid_write")
+    s.train(j["step_fn"], 4)
+    assert s.faults.counters()["recovered"] == 1
+    assert s.model[0].weight.dtype == torch.bfloat16
+    r = mixed_job()
+    ref = wrap(r, config=cfg)
+    ref.train(r["step_fn"], 4)
+    for a, b in zip(s.retained_state(), ref.retained_state(), strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "model.0.weight" in a

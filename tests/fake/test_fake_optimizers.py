@@ -14,11 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from fakejob import make_engine, same_state
+from fakejob import every_fault_point, make_engine
 from torch import nn
 
 from leto.backends.fake.engine import Engine
-from leto.core.faultpoints import APPLY_WHERE, DECIDE_WHERE, PHASES
 from leto.retained.layout import ChunkStateError
 from leto.retained.optim import UnsupportedOptimizerError, WholeStepOptimizer, is_chunkable
 
@@ -88,20 +87,6 @@ def engine(cls: type[torch.optim.Optimizer]) -> Engine:
     return make_engine(make_opt=lambda params: build(cls, params))
 
 
-def fault_points(n_chunks: int) -> list[dict[str, Any]]:
-    """Every phase of a step (each ``where``; the first and the last chunk)."""
-    wheres = {"decide": DECIDE_WHERE, "apply": APPLY_WHERE}
-    out: list[dict[str, Any]] = []
-    for phase in PHASES:
-        if phase == "recovery":
-            continue  # not a phase of a step
-        chunks = [0, n_chunks - 1] if phase in ("apply", "parity") else [None]
-        for where in wheres.get(phase, (None,)):
-            for chunk in chunks:
-                out.append({"phase": phase, "where": where, "chunk": chunk})
-    return out
-
-
 STEPS = 4
 
 
@@ -126,16 +111,8 @@ def test_faults_at_every_phase_are_bitwise_the_failure_free_run(
     ropt = ref.procs[0].ropt
     assert isinstance(ropt, WholeStepOptimizer) != is_chunkable(ref.procs[0].replica.optimizer)
     ref.train(STEPS)
-    points = fault_points(ref.n_chunks)
-    for k, point in enumerate(points):  # one run per point: step 2, ranks in turn
-        eng = engine(cls)
-        inj = eng.injector
-        inj.fail_at(rank=k % eng.W, step=2, **point)
-        eng.train(STEPS)
-        label = f"{cls.__name__} at {point}"
-        assert inj.unfired() == [] and inj.unrecovered() == [], label
-        assert eng.mismatches() == [] and eng.parity_exact() == [], label
-        assert same_state(eng, ref) == [], f"{label}: not bitwise the failure-free run"
+    runs = list(every_fault_point(lambda: engine(cls), ref, STEPS, cls.__name__))
+    assert len(runs) > 10
     assert not torch.equal(ref.procs[0].layout.param_buffer, start)  # it did train
 
 

@@ -25,7 +25,13 @@ from leto.core.trainer import TrainerState
 from leto.core.txn import TxnState
 from leto.retained.layout import ChecksumError
 from leto.retained.parity import add_delta_, as_bytes
-from leto.retained.process_state import capture_rng, restore_rng, shard, step_scheduler
+from leto.retained.process_state import (
+    capture_buffers,
+    capture_rng,
+    restore_rng,
+    shard,
+    step_scheduler,
+)
 from leto.retained.recovery import IntegrityError
 
 from . import recovery, snapshots
@@ -124,6 +130,7 @@ def write_gradient_parity(
             "step": step,
             "rng": p.rng,
             "sampler": eng.cursor.state_after(step),
+            "buffers": capture_buffers(p.replica.model),  # after this step's forward
             "present": p.present,
             "grad_checksums": lay.grad_checksums(),
         }

@@ -15,7 +15,7 @@ from leto.core.chunk import LOST, NONE, TORN
 from leto.core.cluster import ClusterState
 from leto.retained import recovery as rx
 from leto.retained.layout import ChunkStatus
-from leto.retained.process_state import scheduler_state
+from leto.retained.process_state import capture_buffers, scheduler_state
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -55,12 +55,21 @@ def mismatches(eng: Engine, s: ClusterState) -> list[str]:
 
 
 def retained_state(eng: Engine) -> list[dict[str, torch.Tensor]]:
-    """Every rank's params and optimizer state buffers (copies), for bitwise checks."""
-    return [{name: buf.clone() for name, buf in rx.named_buffers(p.layout)} for p in eng.procs]
+    """Every rank's params and optimizer state buffers (copies), for bitwise checks,
+    with the model's parameters derived from them (``model.<name>``; master weights)."""
+    out = []
+    for p in eng.procs:
+        lay = p.layout
+        state = {name: buf.clone() for name, buf in rx.named_buffers(lay)}
+        for i in lay.derived:
+            state["model." + lay.slots[i].name] = lay.params[i].detach().clone()
+        out.append(state)
+    return out
 
 
 def process_states(eng: Engine) -> list[dict[str, Any]]:
-    """Every rank's optimizer and scheduler process state (JSON-able)."""
+    """Every rank's optimizer and scheduler process state, RNG and module buffers
+    (JSON-able)."""
     out = []
     for p in eng.procs:
         assert p.ropt is not None
@@ -69,20 +78,27 @@ def process_states(eng: Engine) -> list[dict[str, Any]]:
                 "optimizer": p.ropt.process_state(),
                 "scheduler": scheduler_state(p.replica.scheduler),
                 "rng": p.rng,
+                "buffers": capture_buffers(p.replica.model),
             }
         )
     return out
 
 
 def describe(eng: Engine) -> str:
-    """The run in one line: machine, chunking, tiers, checkpoint."""
+    """The run in one line: machine, chunking, master weights, tiers, checkpoint."""
     t = eng.backend.topology
     lay = eng.procs[0].layout
     opt = eng.options
+    master = (
+        f"{str(lay.dtype).removeprefix('torch.')} master weights "
+        f"({len(lay.derived)} parameters derived), "
+        if lay.derived
+        else ""
+    )
     return (
         f"{eng.backend.name} backend, {t.nodes} node(s) x {t.node_sizes[0]} rank(s), "
         f"{lay.n_chunks} chunks of {lay.chunk_numel} elements, states {list(lay.states)}, "
-        f"tier1={'on' if opt.tier1 else 'off'}, "
+        f"{master}tier1={'on' if opt.tier1 else 'off'}, "
         f"tier2={'every ' + str(opt.tier2_interval) + ' steps' if opt.tier2 else 'off'}, "
         f"checkpoint={eng.checkpointer.describe() if eng.checkpointer else 'none'}"
     )

@@ -55,6 +55,7 @@ def _bind(eng: Engine, p: RankProc, *, attach: bool) -> None:
         alloc=eng.backend.allocator(p.rank),
         attach=attach,
         align_bytes=eng.options.align_bytes,
+        master_weights=eng.options.master_weights,
         # chunks are verified at PREPARE (all of them, before the step's vote) and
         # at every recovery; not again before each chunk's undo copy
         verify=False,

@@ -20,7 +20,7 @@ from leto.backends.base import Work
 from leto.retained import recovery as rx
 from leto.retained.layout import RetainedLayout
 from leto.retained.optim import RetainedOptimizer
-from leto.retained.process_state import scheduler_state
+from leto.retained.process_state import capture_buffers, restore_buffers, scheduler_state
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -82,6 +82,7 @@ class RankProc:
                 "scheduler": scheduler_state(self.replica.scheduler),
                 "sampler": self.sampler_state,
                 "rng": self.rng,
+                "buffers": capture_buffers(self.replica.model),
             }
         )
 
@@ -94,6 +95,8 @@ class RankProc:
             self.replica.scheduler.load_state_dict(ps["scheduler"])
         self.rng = ps["rng"]
         self.sampler_state = ps["sampler"]
+        if "buffers" in ps:  # absent in the process state of an older leto
+            restore_buffers(self.replica.model, ps["buffers"])
 
 
 @dataclass
@@ -105,6 +108,7 @@ class EngineOptions:
     tier2_parity: int = 1  # m: lost nodes the snapshot survives (m >= 2: leto.retained.rs)
     verify: bool = True
     align_bytes: int = 256
+    master_weights: bool = False  # float32 master weights for bf16/fp16 parameters
     max_steps: int = 10**9
     check: bool = False  # after each recovery: real state vs the core's, parity bytes exact
     # periodic disk checkpoints every this many steps (0: only step 0's); with

@@ -20,7 +20,7 @@ from leto.core.chunk import LOST
 from leto.core.cluster import ClusterState, Effect
 from leto.core.recovery import Kind, Phase
 from leto.retained import recovery as rx
-from leto.retained.process_state import step_scheduler
+from leto.retained.process_state import restore_buffers, step_scheduler
 
 from . import integrity, snapshots, tier1
 from .backend import RECOVERY_WHERE
@@ -139,6 +139,8 @@ def _settle(eng: Engine, r: int, target: int) -> tuple[int, bool]:
     if done.rng is not None:
         p.rng = done.rng
         p.sampler_state = done.sampler
+    if done.buffers is not None:
+        restore_buffers(p.replica.model, done.buffers)
     return done.forward, done.dropped
 
 

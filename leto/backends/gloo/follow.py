@@ -29,6 +29,7 @@ from leto.retained import rs
 from leto.retained.checkpoint import CheckpointError, CheckpointStore
 from leto.retained.dcp_state import load_model_state, load_retained_optimizer_state
 from leto.retained.parity import TorchDistCollective, decode_rotated, encode
+from leto.retained.process_state import restore_buffers
 from leto.retained.recovery import IntegrityError
 
 from . import messages as M
@@ -351,6 +352,8 @@ class Follower:
         if done.rng is not None:
             self.s.rng = done.rng
             self.s.sampler_state = done.sampler
+        if done.buffers is not None:
+            restore_buffers(self.s.model, done.buffers)
         return done.forward, done.back
 
     def _check_kept_parity(self, coll: TorchDistCollective, target: int) -> None:

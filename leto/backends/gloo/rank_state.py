@@ -1,7 +1,8 @@
 """One rank's process state: what a step leaves besides its retained bytes.
 
-The optimizer's scalars, the LR scheduler, the sampler's position, the RNG and the
-user's loop's own objects (a ``GradScaler``) as one JSON text per step. The node agent
+The optimizer's scalars, the LR scheduler, the sampler's position, the RNG, the
+model's persistent buffers (BatchNorm's running statistics) and the user's loop's own
+objects (a ``GradScaler``) as one JSON text per step. The node agent
 keeps each rank's texts (it outlives the trainer) and its pending prepare record; a
 recovery reads them back (:meth:`RankState.node_state`) to roll a rank forward or back.
 """
@@ -11,7 +12,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from leto.retained.process_state import scheduler_state, step_scheduler
+from leto.retained.process_state import (
+    capture_buffers,
+    restore_buffers,
+    scheduler_state,
+    step_scheduler,
+)
 
 from . import messages as M
 
@@ -37,6 +43,7 @@ class RankState:
                 "scheduler": scheduler_state(s.scheduler),
                 "sampler": s.sampler_state,
                 "rng": s.rng,
+                "buffers": capture_buffers(s.model),
                 "extra": s.loop.state() if s.loop is not None else None,
             }
         )
@@ -63,6 +70,8 @@ class RankState:
             s.scheduler.load_state_dict(ps["scheduler"])
         s.rng = ps["rng"]
         s.sampler_state = ps["sampler"]
+        if "buffers" in ps:  # absent in the process state of an older leto
+            restore_buffers(s.model, ps["buffers"])
         if s.loop is not None:
             s.loop.load_state(ps.get("extra"))
 

@@ -33,7 +33,13 @@ import torch.distributed as dist
 
 from leto.core.chunk import NONE
 from leto.retained.parity import as_bytes
-from leto.retained.process_state import capture_rng, restore_rng, shard, step_scheduler
+from leto.retained.process_state import (
+    capture_buffers,
+    capture_rng,
+    restore_rng,
+    shard,
+    step_scheduler,
+)
 from leto.retained.recovery import IntegrityError
 
 from . import messages as M
@@ -205,6 +211,7 @@ class StepTransaction:
             "present": present_mask,
             "grad_checksums": lay.grad_checksums(),
             "metric": metric,  # a metric scheduler's, for a roll-forward
+            "buffers": capture_buffers(s.model),  # after this step's forward
         }
         # the agent keeps the pending state (a recovery may need it) before it passes
         # the vote on: one message, one wakeup of the agent
