@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from .overhead import ci95, run_overhead
+from .overhead import run_overhead
 from .workload import BenchError, Workload
 
 __all__ = ["fit", "run_curve", "step_at"]
@@ -86,8 +86,8 @@ def run_curve(
                 "leto_step_s": res["step_s"]["leto"],
                 "overhead_pct": res["overhead_pct"],
                 "overhead_pct_by_round": by_round,
-                "overhead_pct_ci95": ci95(by_round),
-                "overhead_pct_median_round": statistics.median(by_round),
+                "overhead_pct_ci95": res["overhead_pct_ci95"]["leto"],
+                "overhead_pct_median_round": res["overhead_pct_median_round"]["leto"],
                 "step_s_runs": runs,
                 "elapsed_s": res["elapsed_s"],
             }

@@ -4,6 +4,7 @@ step time at which leto costs 2%. The jobs are stubbed; the refusals are the CLI
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from leto.bench import curve
+from leto.bench.overhead import ci95
 from leto.bench.plots import plot_curve
 from leto.bench.report import curve_table
 from leto.bench.workload import BenchError, Workload
@@ -48,6 +50,8 @@ def test_run_curve_measures_each_batch_and_fits_every_round(
             "step_s_runs": {"plain": plain, "leto": leto},
             "overhead_pct": 100 * (sum(leto) / sum(plain) - 1),
             "overhead_pct_by_round": {"leto": by_round},
+            "overhead_pct_ci95": {"leto": ci95(by_round)},
+            "overhead_pct_median_round": {"leto": statistics.median(by_round)},
             "elapsed_s": 1.0,
         }
 
