@@ -26,9 +26,13 @@ def test_then_the_recorded_version_as_the_parity_would_decode_it() -> None:
 
 def test_then_the_target_then_the_step_before_it() -> None:
     offers = [Offer(NONE, NONE), Offer(NONE, 7), Offer(NONE, NONE)]
-    assert replica_source(offers, missing={0}, lost_any={0, 1}, recorded=3, target=7) == Source(1, 7)
+    assert replica_source(offers, missing={0}, lost_any={0, 1}, recorded=3, target=7) == Source(
+        1, 7
+    )
     offers = [Offer(NONE, NONE), Offer(6, NONE)]
-    assert replica_source(offers, missing={0}, lost_any={0, 1}, recorded=3, target=7) == Source(1, 6)
+    assert replica_source(offers, missing={0}, lost_any={0, 1}, recorded=3, target=7) == Source(
+        1, 6
+    )
 
 
 def test_a_member_missing_the_chunk_is_never_a_source() -> None:

@@ -173,9 +173,14 @@ def test_adoption_is_checked() -> None:
         ({"data": [[1, -3], [LOST, LOST]]}, "rank 0 chunk 1: no chunk value -3"),
         ({"par": [[[1, 1]]]}, "node 0: parity of 2 chunks x 2 members expected"),
         ({"t2lost": [3]}, "lost blocks of nodes [3]"),
+        # gradients released while the node's gradient parity still names them
+        ({"grad": [NONE, LOST]}, "the reported state breaks ParityOK"),
     ]:
         with pytest.raises(ProtocolError, match=why.replace("[", r"\[").replace("]", r"\]")):
             adopt(model, s, Retained.from_record({**lost, **change}))
+    # the same released gradients with the node's gradient parity LOST: a state of the spec
+    released = adopt(model, s, Retained.from_record({**lost, "grad": [NONE, LOST], "gpar": [None]}))
+    assert released.gpar == (None,) and released.grad == (NONE, LOST)
     running = SETUP.initial(model)
     with pytest.raises(ProtocolError, match="adopted only while reconciling"):
         adopt(model, running, Retained.from_record(lost))

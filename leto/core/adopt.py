@@ -20,6 +20,7 @@ import attrs
 from leto.core.chunk import LOST, NONE, TORN
 from leto.core.cluster import ClusterModel, ClusterState
 from leto.core.errors import ProtocolError
+from leto.core.properties import INVARIANTS
 from leto.core.recovery import Phase
 from leto.core.trainer import TrainerState
 
@@ -152,7 +153,28 @@ def adoption_refusal(model: ClusterModel, s: ClusterState, r: Retained) -> str |
             return f"node {n}: no parity version in {p} / {gp}"
     if r.t2 < 0 or not r.t2lost <= set(range(len(groups))):
         return f"tier 2: snapshot step {r.t2}, lost blocks of nodes {sorted(r.t2lost)}"
+    after = _adopted(model, s, r)
+    broken = [name for name in _ADOPTED_INVARIANTS if not _holds(name, model, after)]
+    if broken:
+        return f"the reported state breaks {', '.join(broken)}"
     return None
+
+
+# What the spec's TraceLeto checks after its Adopt: the report itself must be a state
+# the protocol allows (a node's parity records agreeing with its members' memory).
+_ADOPTED_INVARIANTS = ("TypeOK", "ParityOK")
+
+
+def _holds(name: str, model: ClusterModel, s: ClusterState) -> bool:
+    return next(inv for inv in INVARIANTS if inv.name == name).holds(model, s)
+
+
+def _adopted(model: ClusterModel, s: ClusterState, r: Retained) -> ClusterState:
+    par = r.par if model.config.tier1 else (None,) * len(r.par)
+    gpar = r.gpar if model.config.tier1 else (None,) * len(r.gpar)
+    return attrs.evolve(
+        s, data=r.data, undo=r.undo, grad=r.grad, par=par, gpar=gpar, t2=r.t2, t2lost=r.t2lost
+    )
 
 
 def adopt(model: ClusterModel, s: ClusterState, r: Retained) -> ClusterState:
@@ -161,8 +183,4 @@ def adopt(model: ClusterModel, s: ClusterState, r: Retained) -> ClusterState:
     why = adoption_refusal(model, s, r)
     if why is not None:
         raise ProtocolError("cluster", s.phase, Adopt(s.gen), why)
-    par = r.par if model.config.tier1 else (None,) * len(r.par)
-    gpar = r.gpar if model.config.tier1 else (None,) * len(r.gpar)
-    return attrs.evolve(
-        s, data=r.data, undo=r.undo, grad=r.grad, par=par, gpar=gpar, t2=r.t2, t2lost=r.t2lost
-    )
+    return _adopted(model, s, r)

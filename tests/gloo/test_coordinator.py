@@ -147,9 +147,10 @@ def test_torn_chunk_with_commit_rolls_forward_from_the_retained_truth() -> None:
     h.send(0, {"t": "failure", "kind": "crash", "rank": 0, "detected_by": "pidfd"})
     h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     h.send(0, {"t": "promoted", "rank": 0, "gen": 1, "warm": True, "ms": 1.0})
-    # rank 0 died mid-chunk: chunk 0 torn (undo at 1), sealed gradients of step 2
+    # rank 0 died mid-chunk: chunk 0 torn (undo at 1), sealed gradients of step 2; rank 1
+    # finished step 2, so the node's parity records it at 2 (ParityChunk before Finish)
     r0 = {"t": "report", "rank": 0, "gen": 1, "data": [TORN, 1], "undo": [1, NONE], "grad": 2,
-          "node_par": [[1, 1], [1, 1]], "node_gpar": [2, 2]}  # fmt: skip
+          "node_par": [[1, 2], [1, 2]], "node_gpar": [2, 2]}  # fmt: skip
     h.send(0, r0)
     out = h.send(0, {**report(1, 1, 2, node_par=None), "grad": 2})
     cmd = out[0][1]

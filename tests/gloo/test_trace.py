@@ -146,3 +146,25 @@ def test_the_log_is_a_behaviour_of_the_tla_spec_under_tlc(
     assert not bad.ok and "Deadlock" in bad.result.violations
     assert bad.replayed == i - 1, (bad.replayed, i)
     assert bad.line().startswith(f"TLC trace DIVERGES at event {i} of {n}")
+
+
+# The demo's failure during a recovery: rank 3 dies in the backward of step 5, then
+# rank 1 before carrying out that recovery's Reconcile, so the survivors' reconcile is
+# interrupted. The node's gradient parity must not outlive the gradients it names.
+INTERRUPTED = [
+    {"kind": "crash", "rank": 3, "step": 5, "phase": "backward"},
+    {"kind": "crash", "rank": 1, "step": 5, "phase": "recovery", "where": "Reconcile"},
+]
+
+
+def test_an_interrupted_reconcile_replays_under_tlc(
+    session_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    res = job(session_dir / "trace-interrupted", nnodes=2, nproc=2, steps=7, faults=INTERRUPTED)
+    assert res.ok, explain(res)
+    recs = records(res)
+    assert [r["in_phase"] for r in recs if r["event"] == "failure"] == ["backward", "reconcile"]
+    code = main(["spec", "trace", str(res.run_dir), "--tlc"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0, out
+    assert out[0].startswith("trace OK: ") and out[1].startswith("TLC trace OK: "), out

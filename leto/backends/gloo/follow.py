@@ -166,10 +166,12 @@ class Follower:
         if kind == "tier2":
             if msg.snapshot is None:
                 raise IntegrityError("a tier-2 reconcile without the snapshot's record")
+            self._forget_grad_parity()
             self._restore_snapshot(target, msg.snapshot)
             summary["chunks_restored"] = self.s.layout.n_chunks
             self.s.stats["snapshot_restores"] += 1
         elif kind == "ckpt":
+            self._forget_grad_parity()
             self._restore_checkpoint(target)
             summary["chunks_restored"] = self.s.layout.n_chunks
             self.s.stats["checkpoint_restores"] += 1
@@ -203,6 +205,7 @@ class Follower:
                     ):
                         summary["grads_repaired_tier1"] += 1
                         summary["tier1_from_replicas"] += 1
+            self._forget_grad_parity()
             fwd = back = 0
             if self.s.rank not in lost:
                 fwd, back = self._settle(target)
@@ -244,6 +247,7 @@ class Follower:
                     self._decode_grads(int(rep["rank"]), int(rep["step"]))
                     if rep["rank"] == self.s.rank:
                         summary["grads_repaired_tier1"] += 1
+            self._forget_grad_parity()
             fwd, back = self._settle(target)
             summary["chunks_rolled_forward"] = fwd
             summary["chunks_rolled_back"] = back
@@ -261,6 +265,22 @@ class Follower:
         summary["parity_checked"] = int(self.s._parity_checked)
         self.s.memory.status_lost(False)
         self.s.ch.send(M.Reconciled(rank=self.s.rank, gen=gen, summary=summary, snapshot=meta))
+
+    def _forget_grad_parity(self) -> None:
+        """The node's gradient parity is LOST from here until :meth:`_after_recovery_state`
+        writes it again (PROTOCOL.md, "Gradient parity during a reconcile").
+
+        The spec's Reconcile releases every gradient and resets the gradient parity in
+        one step; here each rank releases its own (``settle``) while the node's record
+        would still name the released step. Invalidated first, behind a barrier of the
+        node, a recovery that interrupts this one reads no record of gradients that are
+        gone (found by ``leto spec trace --tlc`` on the demo's faulted run).
+        """
+        if not self.s.cfg.tier1 or self.s.gparity is None:
+            return
+        if self.s.lr == 0:
+            self.s.gparity.invalidate()
+        dist.barrier(group=self.s.groups.node_group)
 
     def _untouched(self, msg: M.Reconcile) -> list[int]:
         """The chunks this rank's report of ``msg``'s generation found intact at the

@@ -169,6 +169,15 @@ class ParityBlock:
             self.hn[1] = b
             self.hn[0] = MAGIC
 
+    def invalidate(self) -> None:
+        """Forget the parity (the protocol's LOST) until the next :meth:`write_full`.
+
+        One aligned store; a block whose members are about to change without updating
+        it says so here first, so no reader takes the stale records for current ones.
+        """
+        with self.lock():
+            self.hn[0] = 0
+
     def state(self) -> list[int] | None:
         """The versions the parity encodes, or None if it was never encoded (LOST)."""
         return self.versions() if self.valid else None
