@@ -122,8 +122,9 @@ DEFAULT_CHUNK_NUMEL = 1 << 20
 MAGIC = 0x4C45544F52544E44  # "LETORTND"
 FORMAT = 2  # 2: the meta records the checksum algorithm
 _SUPER_WORDS = 8
-_H_FIXED = 8  # header: magic, format, n_chunks, undo_slots, n_params, prepared, 2 spare
+_H_FIXED = 8  # header: magic, format, n_chunks, undo_slots, n_params, prepared, suspect, spare
 _H_PREPARED = 5
+_H_SUSPECT = 6  # 1: a checksum pass found a chunk failing: the next report reads every chunk
 _CHUNK_WORDS = 4  # version, checksum, grad version, grad checksum
 _SLOT_WORDS = 3  # chunk (-1 = free), version, checksum
 _STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -901,6 +902,15 @@ class RetainedLayout:
         self._gver = [step] * self.n_chunks
         self._hw(_H_PREPARED, step)
         self._prepared = step
+
+    @property
+    def suspect(self) -> bool:
+        """A checksum pass found some chunk failing since the last recovery ended: the
+        next recovery's report reads every chunk, none is deferred."""
+        return int(self._hdr[_H_SUSPECT]) != 0
+
+    def mark_suspect(self, value: bool = True) -> None:
+        self._hw(_H_SUSPECT, int(value))
 
     def clear_prepared(self) -> None:
         """Forget the prepared gradients (a rolled-back step: nothing in flight survives)."""

@@ -48,6 +48,7 @@ __all__ = [
     "check_resumable",
     "decode_chunk",
     "decode_grads",
+    "deferrable",
     "free_undo",
     "intact_at",
     "layout_of",
@@ -92,6 +93,29 @@ def observe(lay: RetainedLayout, bad: set[int] | None = None) -> tuple[list[int]
         data.append(d)
         undo.append(u)
     return data, undo
+
+
+def deferrable(lay: RetainedLayout) -> list[int]:
+    """The chunks whose checksums a recovery's report may leave to the next PREPARE.
+
+    A CLEAN chunk's bytes change only by what no header records (silent corruption),
+    and every PREPARE reads every chunk before its vote (``verify_chunks``), as between
+    failures: no committed step is computed from bytes that fail their checksum. What
+    the recovery itself reads to write new bytes is checked before: chunks not CLEAN
+    (a step was applying them), and CLEAN chunks behind the rank's newest version or
+    one step behind its sealed gradients (a roll forward reads them). A layout marked
+    suspect (a pass found a chunk failing and no recovery has ended since) defers
+    nothing. PROTOCOL.md, "Which bytes a report reads".
+    """
+    if lay.suspect or lay.n_chunks == 0:
+        return []
+    ahead = lay.prepared_step - 1
+    top = max(lay.chunk_version(c) for c in range(lay.n_chunks))
+    return [
+        c
+        for c in range(lay.n_chunks)
+        if lay.chunk_status(c) is ChunkStatus.CLEAN and lay.chunk_version(c) == top != ahead
+    ]
 
 
 def intact_at(lay: RetainedLayout, data: list[int]) -> dict[int, int]:

@@ -269,6 +269,31 @@ def test_silent_corruption_of_both_ranks_is_found_and_rebuilt(
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
 
 
+def test_a_recovery_leaves_intact_chunks_to_the_next_prepare(tag: str, ref_1x2: JobResult) -> None:
+    # a bit flips in rank 0's chunk 1 after step 5 finished, then rank 1 dies in step 6's
+    # forward: the recovery's report reads only what it writes from (nothing here), so
+    # it resumes in place at 5 without reading chunk 1; step 6's PREPARE finds the flip
+    # before the vote, and that recovery (marked suspect: every chunk read) rebuilds it
+    faults = [
+        {"kind": "corrupt", "rank": 0, "step": 5, "phase": "finish", "chunk": 1},
+        {"kind": "crash", "rank": 1, "step": 6, "phase": "forward"},
+    ]
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults)
+    assert res.ok, explain(res)
+    crash, found = res.of("failure")
+    assert (crash["kind"], crash["rank"], found["kind"], found["rank"]) == (
+        "crash",
+        1,
+        "exception",
+        0,
+    ), (crash, found)
+    assert "chunks [1] fail their checksums at PREPARE of step 6" in found["traceback"], found
+    first, second = res.recoveries
+    assert (first["kind"], first["target"], first["chunks_repaired_tier1"]) == ("inplace", 5, 0)
+    assert (second["kind"], second["target"], second["chunks_repaired_tier1"]) == ("tier1", 5, 1)
+    assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
+
+
 def test_corruption_during_the_allreduce_is_found_before_the_vote(
     tag: str, ref_1x2: JobResult
 ) -> None:

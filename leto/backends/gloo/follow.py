@@ -49,8 +49,11 @@ class Follower:
     def __init__(self, session: GlooSession) -> None:
         self.s = session
         # (generation, {chunk: version}): the chunks this rank's report found CLEAN
-        # with their checksums holding (leto.retained.recovery.intact_at)
+        # with their checksums holding or left to the next PREPARE (intact_at)
         self.intact: tuple[int, dict[int, int]] | None = None
+        # (generation, chunks): those whose checksums the report left to the next
+        # PREPARE (leto.retained.recovery.deferrable), until this recovery reads them
+        self.deferred: tuple[int, set[int]] | None = None
 
     def _follow(self) -> None:
         """Carry out the coordinator's recovery commands until ``resume``."""
@@ -119,14 +122,26 @@ class Follower:
             self.s.memory.node_memory()
         lay = self.s.layout
         C = lay.n_chunks
-        self.intact = None
+        self.intact = self.deferred = None
         if lost:
             data, undo, grad = [LOST] * C, [NONE] * C, LOST
         else:
-            data, undo = rx.observe(lay)
+            # what this recovery writes from is read now; the other CLEAN chunks are
+            # checked by the next PREPARE's pass, as between failures (or here, by
+            # _check_deferred, if the recovery reads them after all)
+            deferred = rx.deferrable(lay) if self.s.cfg.verify_chunks else []
+            bad = set(lay.verify(deferred))
+            if bad:
+                lay.mark_suspect()  # until a recovery ends, every report reads every chunk
+            data, undo = rx.observe(lay, bad)
             self.intact = (gen, rx.intact_at(lay, data))
+            self.deferred = (gen, set(deferred))
             ps = lay.prepared_step
             grad = ps if ps >= 0 and not lay.verify_grads(ps) else (NONE if ps < 0 else LOST)
+            if grad == NONE and self._gparity_names_mine():
+                # released as a step's reduction began writing the buffer: the gradients
+                # the node's record still names are gone (LOST), not "none held"
+                grad = LOST
         t0 = time.perf_counter()
         self.s.groups.init(gen)  # every rank has stopped: the node's shared records hold still
         pg_ms = round((time.perf_counter() - t0) * 1e3, 3)
@@ -188,6 +203,7 @@ class Follower:
                 if x["what"] == "tier1"
             ]
             lost = {base + m for m, _, _ in chunks}
+            self._check_deferred(gen, {c for _, c, _ in chunks})
             ex = TorchDistCollective(self.s.groups.node_group)
             for rep in repairs:
                 if rep["what"] == "grad-tier1":
@@ -235,6 +251,14 @@ class Follower:
             summary["chunks_rolled_forward"] = fwd
             summary["chunks_rolled_back"] = back
         else:
+            self._check_deferred(
+                gen,
+                {
+                    int(x["chunk"])
+                    for x in msg.repairs
+                    if x["what"] == "tier1" and int(x["rank"]) // self.s.nproc == self.s.node
+                },
+            )
             for rep in msg.repairs:
                 what = rep["what"]
                 if rep["rank"] // self.s.nproc != self.s.node:
@@ -265,6 +289,34 @@ class Follower:
         summary["parity_checked"] = int(self.s._parity_checked)
         self.s.memory.status_lost(False)
         self.s.ch.send(M.Reconciled(rank=self.s.rank, gen=gen, summary=summary, snapshot=meta))
+
+    def _check_deferred(self, gen: int, chunks: set[int] | None = None) -> None:
+        """Read now the deferred chunks (``chunks`` of them; None: all) that this
+        recovery is about to read: a source of a tier-1 rebuild, a re-encoding, a
+        snapshot. One failing marks the layout suspect and fails the recovery loudly
+        (the next report reads every chunk and finds it)."""
+        if self.deferred is None or self.deferred[0] != gen:
+            return
+        left = self.deferred[1]
+        todo = sorted(left if chunks is None else left & chunks)
+        if not todo:
+            return
+        lay = self.s.layout
+        bad = [c for c in todo if not lay.verify_chunk(c)]
+        self.deferred = (gen, left - set(todo))
+        if bad:
+            lay.mark_suspect()
+            raise IntegrityError(
+                f"rank {self.s.rank}: chunks {bad} fail their checksums (read by the "
+                f"recovery of generation {gen})"
+            )
+
+    def _gparity_names_mine(self) -> bool:
+        """The node's gradient parity records gradients of some step for this rank."""
+        g = self.s.gparity
+        return bool(
+            self.s.cfg.tier1 and g is not None and g.valid and g.versions()[self.s.lr] != NONE
+        )
 
     def _forget_grad_parity(self) -> None:
         """The node's gradient parity is LOST from here until :meth:`_after_recovery_state`
@@ -307,6 +359,8 @@ class Follower:
         assert self.s.sampler_state is not None
         self.s.cursor.restore(self.s.sampler_state)
         self.s.stats["recoveries"] += 1
+        self.s.layout.mark_suspect(False)  # every chunk was read or is left to PREPARE
+        self.deferred = None
         self.s._log("resumed", step=step, generation=self.s.gen)
         self.s.ch.mark("idle", step)
 
@@ -514,6 +568,7 @@ class Follower:
             elif current and CHECK_KEPT_PARITY:
                 self._check_kept_parity(coll, target)
             elif not current:
+                self._check_deferred(self.s.gen)  # every chunk is encoded
                 # one reduce for every chunk: chunk c's parity is bytes [c*cb, (c+1)*cb)
                 parts = [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)]
                 par = encode(coll, parts, 0)
@@ -528,6 +583,8 @@ class Follower:
                 assert self.s.gparity is not None
                 self.s.gparity.write_full(None, [NONE] * self.s.nproc, [0] * self.s.nproc)
             dist.barrier(group=self.s.groups.node_group)
+        if self.s.cfg.tier2 and snapshot:
+            self._check_deferred(self.s.gen)  # every chunk is copied into the snapshot
         meta = self.s.snapshots.take(target) if self.s.cfg.tier2 and snapshot else None
         dist.barrier()
         return meta
