@@ -174,7 +174,7 @@ def test_adoption_is_checked() -> None:
         ({"par": [[[1, 1]]]}, "node 0: parity of 2 chunks x 2 members expected"),
         ({"t2lost": [3]}, "lost blocks of nodes [3]"),
         # gradients released while the node's gradient parity still names them
-        ({"grad": [NONE, LOST]}, "the reported state breaks ParityOK"),
+        ({"grad": [NONE, LOST]}, "the reported state breaks ParityOK's gradient clause"),
     ]:
         with pytest.raises(ProtocolError, match=why.replace("[", r"\[").replace("]", r"\]")):
             adopt(model, s, Retained.from_record({**lost, **change}))

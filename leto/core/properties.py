@@ -134,6 +134,14 @@ def _parity_ok(m: ClusterModel, s: ClusterState) -> bool:
                     d = s.data[r][c]
                     if d != LOST and par[c][i] not in producible(d, s.undo[r][c]):
                         return False
+    return grad_parity_ok(m, s)
+
+
+def grad_parity_ok(m: ClusterModel, s: ClusterState) -> bool:
+    """ParityOK's gradient clause: each node's gradient parity records, for every member,
+    the gradients it holds (unless they are LOST, or reduced for the next step and not
+    yet voted for)."""
+    for n, members in enumerate(m.config.groups):
         gp = s.gpar[n]
         if gp is not None:
             for i, r in enumerate(members):

@@ -14,6 +14,18 @@ from leto.spec.trace import InputError, check
 
 HERE = Path(__file__).resolve().parent
 TRAIN = str(HERE / "scripts" / "train.py")
+# every point of a step of the user's own loop, for a SIGKILL each
+LOOP_POINTS: list[dict[str, Any]] = [
+    {"phase": "forward"},
+    {"phase": "backward"},  # the first micro-batch's backward: between micro-batches
+    {"phase": "allreduce"},
+    {"phase": "prepare"},
+    {"phase": "decide", "where": "before"},
+    {"phase": "decide", "where": "after"},
+    {"phase": "apply", "chunk": 1, "where": "mid_write"},
+    {"phase": "parity", "chunk": 0},
+    {"phase": "finish"},
+]
 
 
 def job(

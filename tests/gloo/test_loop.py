@@ -6,23 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jobs import digests_equal, explain
+from jobs import LOOP_POINTS, digests_equal, explain
 
 from leto.backends.gloo.harness import run_local
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "ddp_loop.py")
 STEPS = 12
-POINTS = [
-    {"phase": "forward"},
-    {"phase": "backward"},  # the first micro-batch's backward: between micro-batches
-    {"phase": "allreduce"},
-    {"phase": "prepare"},
-    {"phase": "decide", "where": "before"},
-    {"phase": "decide", "where": "after"},
-    {"phase": "apply", "chunk": 1, "where": "mid_write"},
-    {"phase": "parity", "chunk": 0},
-    {"phase": "finish"},
-]
+POINTS = LOOP_POINTS
 
 
 def _run(run_dir: Path, code: str, faults: list | None, args: list[str]):  # type: ignore[no-untyped-def]

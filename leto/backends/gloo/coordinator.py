@@ -369,16 +369,17 @@ class Coordinator:
         pending[1].append(r)
         if len(pending[1]) == self.W:
             self.feeder.flush_applied()
-        if msg.loss is not None:
-            fin = self.finished.setdefault(step, set())
-            fin.add(r)
+        fin = self.finished.setdefault(step, set())
+        fin.add(r)
+        if msg.loss is not None:  # the user's own loop gives none
             self.losses[step] = self.losses.get(step, 0.0) + float(msg.loss) / self.W
-            if len(fin) == self.W:
-                del self.finished[step]
-                # the model first: a partial gather flushed earlier (before another event)
-                # leaves the last ranks pending, and the record says every rank finished
-                self.feeder.flush_applied()
-                self.log.write("step", step=step, loss=round(self.losses[step], 6))
+        if len(fin) == self.W:
+            del self.finished[step]
+            # the model first: a partial gather flushed earlier (before another event)
+            # leaves the last ranks pending, and the record says every rank finished
+            self.feeder.flush_applied()
+            loss = self.losses.get(step)
+            self.log.write("step", step=step, loss=None if loss is None else round(loss, 6))
 
     def _on_snapshot_done(self, msg: M.SnapshotDone) -> None:
         if not self._current(msg.gen):

@@ -194,6 +194,7 @@ class StepTransaction:
         # 3. prepare
         s.ch.mark("prepare")
         if bad:
+            lay.mark_suspect()  # the recovery this starts reads every chunk in its reports
             raise IntegrityError(f"chunks {bad} fail their checksums at PREPARE of step {V}")
         lay.seal_grads(V, present_mask)
         point("prepare")
@@ -255,8 +256,7 @@ class StepTransaction:
             s.losses[V] = lval
         s.stats["steps_run"] += 1
         # with the process state after the step, which the agent keeps
-        loss = lval if lval is not None else 0.0
-        s.ch.send(M.Finished(rank=r, step=V, gen=s.gen, loss=loss, ps=s.ps.to_json(V)))
+        s.ch.send(M.Finished(rank=r, step=V, gen=s.gen, loss=lval, ps=s.ps.to_json(V)))
         s.ch.mark("idle", V)
         s.snapshots.maybe_take(V)
         interval = s.checkpoints.interval(V)
