@@ -80,12 +80,14 @@ def _adopt_tla(model: ClusterModel, rep: Retained) -> str:
     data = _fn(range(len(rep.data)), (_row(r, 1) for r in rep.data))
     undo = _fn(range(len(rep.undo)), (_row(r, 1) for r in rep.undo))
     grad = _row(rep.grad)
+    chunks = range(1, model.config.chunks + 1)
     par = _fn(
         range(len(groups)),
         (
-            "LOST"
+            # a node whose parity is LOST: every chunk's (the spec's par[n] is per chunk)
+            _fn(chunks, ("LOST" for _ in chunks))
             if p is None
-            else _fn(range(1, len(p) + 1), (_fn(groups[n], (_v(x) for x in row)) for row in p))
+            else _fn(chunks, (_fn(groups[n], (_v(x) for x in row)) for row in p))
             for n, p in enumerate(rep.par)
         ),
     )
