@@ -319,6 +319,8 @@ class RetainedLayout:
         undo_slots: int | None,
         align_bytes: int,
         master_weights: bool = False,
+        offsets: Sequence[int] | None = None,
+        numel: int | None = None,
     ) -> dict[str, Any]:
         if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0:
             raise LayoutError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
@@ -364,11 +366,26 @@ class RetainedLayout:
             raise LayoutError(f"duplicate state names in {states}")
         align = align_bytes // item
         params, off = [], 0
-        for name, p in named:
-            off = -(-off // align) * align
-            params.append([name, list(p.shape), off, p.numel()])
-            off += p.numel()
+        if offsets is None:
+            for name, p in named:
+                off = -(-off // align) * align
+                params.append([name, list(p.shape), off, p.numel()])
+                off += p.numel()
+        else:  # a shard of a larger flat space (leto.retained.shard): its own offsets
+            if len(offsets) != len(named):
+                raise LayoutError(f"{len(offsets)} offsets for {len(named)} parameters")
+            for (name, p), o in zip(named, offsets, strict=True):
+                if isinstance(o, bool) or not isinstance(o, int) or o < off:
+                    raise LayoutError(f"parameter {name!r}: offset {o!r} overlaps the one before")
+                params.append([name, list(p.shape), o, p.numel()])
+                off = o + p.numel()
         n_chunks = max(1, -(-off // chunk_numel))
+        if numel is not None:
+            if numel % chunk_numel or numel < off:
+                raise LayoutError(
+                    f"numel {numel} is not whole chunks of {chunk_numel} holding {off} elements"
+                )
+            n_chunks = max(1, numel // chunk_numel)
         if undo_slots is None:
             undo_slots = n_chunks
         if isinstance(undo_slots, bool) or not isinstance(undo_slots, int) or undo_slots < 1:
@@ -437,6 +454,8 @@ class RetainedLayout:
         align_bytes: int = 256,
         checksum_algorithm: str | None = None,
         master_weights: bool = False,
+        offsets: Sequence[int] | None = None,
+        numel: int | None = None,
     ) -> RetainedLayout:
         """Pack ``model``'s parameters into fresh retained buffers and bind views.
 
@@ -447,14 +466,18 @@ class RetainedLayout:
         ``leto.retained.checksum.ALGORITHMS`` (None: xxh3 in host memory, Fletcher
         on a GPU); ``master_weights=True``: the buffers are of :func:`master_dtype`
         and bf16/fp16 parameters are derived from them (see the module docstring;
-        False, the default: one dtype, the parameters' own). Every chunk starts at
-        version 0.
+        False, the default: one dtype, the parameters' own); ``offsets`` and
+        ``numel``: each parameter's element offset and the buffers' length (whole
+        chunks), instead of packing them ``align_bytes`` apart (a shard of a larger
+        flat space: :mod:`leto.retained.shard`). Every chunk starts at version 0.
         """
         why = None if checksum_algorithm is None else algorithm_error(checksum_algorithm)
         if why:
             raise LayoutError(why)
         named = _named(model)
-        meta = cls._plan(named, chunk_numel, states, undo_slots, align_bytes, master_weights)
+        meta = cls._plan(
+            named, chunk_numel, states, undo_slots, align_bytes, master_weights, offsets, numel
+        )
         for name, p in named:
             if p.device.type == "meta":
                 raise LayoutError(

@@ -529,5 +529,6 @@ class Follower:
                 self.s.gparity.write_full(None, [NONE] * self.s.nproc, [0] * self.s.nproc)
             dist.barrier(group=self.s.groups.node_group)
         meta = self.s.snapshots.take(target) if self.s.cfg.tier2 and snapshot else None
+        self.s.memory.gather_params()  # sharded: the model's parameters at the target
         dist.barrier()
         return meta

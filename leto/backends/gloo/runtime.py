@@ -50,6 +50,7 @@ from leto.retained.optim import RetainedOptimizer, check_supported
 from leto.retained.parity import as_bytes
 from leto.retained.process_state import BatchCursor, capture_rng, is_per_rank
 from leto.retained.recovery import IntegrityError
+from leto.retained.shard import FullParams
 
 from . import bootstrap
 from . import messages as M
@@ -175,6 +176,8 @@ class GlooSession:
         self.cursor = BatchCursor(sampler)
         self.gen: int = int(spec.get("generation", 0))
         self.ropt: RetainedOptimizer | None = None
+        # sharded state (shard = true): the model's parameters, not retained
+        self.full: FullParams | None = None
         self.keeper: KeeperClient | None = None
         self.rng: dict[str, Any] | None = None
         self.sampler_state: dict[str, Any] | None = None
