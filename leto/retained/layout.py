@@ -122,8 +122,9 @@ DEFAULT_CHUNK_NUMEL = 1 << 20
 MAGIC = 0x4C45544F52544E44  # "LETORTND"
 FORMAT = 2  # 2: the meta records the checksum algorithm
 _SUPER_WORDS = 8
-_H_FIXED = 8  # header: magic, format, n_chunks, undo_slots, n_params, prepared, 2 spare
+_H_FIXED = 8  # header: magic, format, n_chunks, undo_slots, n_params, prepared, reduced, spare
 _H_PREPARED = 5
+_H_REDUCED = 6
 _CHUNK_WORDS = 4  # version, checksum, grad version, grad checksum
 _SLOT_WORDS = 3  # chunk (-1 = free), version, checksum
 _STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -501,8 +502,8 @@ class RetainedLayout:
                 segs["state." + s].zero_()
         hdr = segs["header"].view(torch.int64)
         hdr.zero_()
-        hdr[:6] = torch.tensor(
-            [MAGIC, FORMAT, meta["n_chunks"], meta["undo_slots"], len(named), -1]
+        hdr[:7] = torch.tensor(
+            [MAGIC, FORMAT, meta["n_chunks"], meta["undo_slots"], len(named), -1, -1]
         )
         base = _H_FIXED
         hdr[base : base + _CHUNK_WORDS * meta["n_chunks"]].view(-1, _CHUNK_WORDS)[:, 2] = -1
@@ -926,9 +927,22 @@ class RetainedLayout:
         self._prepared = step
 
     def clear_prepared(self) -> None:
-        """Forget the prepared gradients (a rolled-back step: nothing in flight survives)."""
+        """Forget the prepared gradients (a rolled-back step: nothing in flight survives,
+        or the next step's reduced gradients are about to overwrite them)."""
         self._hw(_H_PREPARED, -1)
         self._prepared = -1
+        self._hw(_H_REDUCED, -1)
+
+    def mark_reduced(self, step: int) -> None:
+        """The gradients of ``step`` are reduced into the buffer, not sealed yet (the
+        protocol's Reduce: a recovery reports them as ``step``'s, unsealed)."""
+        self._hw(_H_REDUCED, step)
+
+    @property
+    def reduced_step(self) -> int:
+        """The step whose reduced gradients fill the buffer unsealed (-1: none; only
+        meaningful while :attr:`prepared_step` is -1)."""
+        return int(self._hdr[_H_REDUCED].item())
 
     @property
     def prepared_step(self) -> int:

@@ -11,7 +11,7 @@ import pytest
 from jobs import digests_equal, explain, job
 from test_recovery import PHASES  # every point of a step
 
-from leto.backends.gloo.harness import JobResult
+from leto.backends.gloo.harness import JobResult, run_local
 
 STEPS = 15
 ENV = {"CHUNK": "32"}  # 258 elements: 9 chunks unsharded, 5 per rank sharded over 2
@@ -67,3 +67,66 @@ def test_sharded_faults_at_every_phase_are_bitwise(runs: dict[str, JobResult]) -
     assert sum(r.get("chunks_repaired_tier1", 0) for r in recs) >= 5, recs
     assert digests_equal(res, runs["shard"]), "not bitwise equal to the failure-free run"
     assert _params(res) == _params(runs["dp"])
+
+
+LOOP = str(Path(__file__).resolve().parent / "scripts" / "shard_loop.py")
+LOOP_STEPS = 10
+LOOP_POINTS = [
+    {"phase": "forward"},
+    {"phase": "backward"},  # the first micro-batch's: between micro-batches
+    {"phase": "allreduce"},
+    {"phase": "prepare"},
+    {"phase": "decide", "where": "after"},
+    {"phase": "apply", "chunk": 1, "where": "mid_write"},
+    {"phase": "parity", "chunk": 0},
+    {"phase": "finish"},
+]
+
+
+def _loop(
+    run_dir: Path, shard: bool, clip: str, faults: list | None = None, steps: int = LOOP_STEPS
+):  # type: ignore[no-untyped-def]
+    cfg = run_dir.parent / f"{run_dir.name}.toml"
+    cfg.write_text(
+        '[leto]\nbackend = "gloo"\ntopology = "1x2"\nchunk_size = 256\ntier2_interval = 3\n'
+        f'tier1_code = "parity"\nshard = {str(shard).lower()}\n'
+    )
+    res = run_local(
+        LOOP,
+        run_dir=run_dir,
+        faults=faults,
+        extra=["--quiet", "--hang-timeout", "3", "--heartbeat", "0.25"],
+        script_args=["--config", str(cfg), "--steps", str(steps), "--clip", clip],
+        timeout=240,
+    )
+    assert not res.leftovers, res.leftovers
+    return res
+
+
+def test_user_loop_sharded_is_bitwise_pure_dp_and_recovers_with_session_clip(
+    session_dir: Path,
+) -> None:
+    dp = _loop(session_dir / "loop-dp", False, "none")
+    sh = _loop(session_dir / "loop-shard", True, "none")
+    assert dp.ok and sh.ok, explain(dp if not dp.ok else sh)
+    assert _params(sh) == _params(dp)
+    ref = _loop(session_dir / "loop-clip", True, "session")
+    assert ref.ok and ref.digests, explain(ref)
+    assert _params(ref) != _params(sh)  # the clip changed the steps
+    faults = [
+        {"kind": "crash", "rank": i % 2, "step": i + 2, **k} for i, k in enumerate(LOOP_POINTS)
+    ]
+    res = _loop(session_dir / "loop-clip-kills", True, "session", faults)
+    assert res.ok, explain(res)
+    assert len(res.recoveries) == len(LOOP_POINTS), res.recoveries
+    assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
+    assert _params(res) == _params(ref)
+
+
+def test_torch_clip_on_sharded_grads_is_refused_in_one_line(session_dir: Path) -> None:
+    res = _loop(session_dir / "loop-torch-clip", True, "torch", steps=2)
+    assert not res.ok
+    (failed,) = res.of("job_failed")
+    assert "session.clip_grad_norm_(max_norm), not torch.nn.utils.clip_grad_norm_" in str(failed), (
+        failed
+    )

@@ -127,6 +127,10 @@ class Follower:
             self.intact = (gen, rx.intact_at(lay, data))
             ps = lay.prepared_step
             grad = ps if ps >= 0 and not lay.verify_grads(ps) else (NONE if ps < 0 else LOST)
+            if ps < 0 and lay.reduced_step == self.s.step + 1:
+                # the next step's gradients, reduced and not sealed (the spec's REDUCED:
+                # the node's gradient parity still records the step before)
+                grad = lay.reduced_step
         t0 = time.perf_counter()
         self.s.groups.init(gen)  # every rank has stopped: the node's shared records hold still
         pg_ms = round((time.perf_counter() - t0) * 1e3, 3)

@@ -14,7 +14,6 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from leto.retained.layout import ShapeMismatchError
@@ -23,7 +22,7 @@ from leto.retained.recovery import IntegrityError
 from leto.retained.shard import FullParams, ShardPlan, retain_shard
 
 from . import messages as M
-from .collective import coll
+from .collective import ALL_GATHER, coll
 from .parity_block import ParityBlock, block_bytes
 
 if TYPE_CHECKING:
@@ -128,7 +127,7 @@ class RankMemory:
         s = self.s
         if s.full is None:
             return
-        coll(dist.all_gather_into_tensor, s.full.flat, s.full.gather_input(s.layout))
+        coll(ALL_GATHER, s.full.flat, s.full.gather_input(s.layout))
 
     def ensure_layout(self) -> bool:
         """Attach to the retained state, or create it fresh if the keeper lost it.

@@ -44,7 +44,7 @@ from leto.retained.recovery import IntegrityError
 
 from . import messages as M
 from .channel import Aborted
-from .collective import CollectiveFailed, Interrupted
+from .collective import REDUCE_SCATTER, CollectiveFailed, Interrupted
 from .collective import coll as _coll
 from .keeper_client import FencedError
 
@@ -149,9 +149,7 @@ class StepTransaction:
         if plan is None:
             work = _coll(dist.all_reduce, buf, op=dist.ReduceOp.SUM, async_op=True)
         else:
-            work = _coll(
-                dist.reduce_scatter_tensor, buf, self._red, op=dist.ReduceOp.SUM, async_op=True
-            )
+            work = _coll(REDUCE_SCATTER, buf, self._red, op=dist.ReduceOp.SUM, async_op=True)
         point("allreduce")
         # PREPARE's checksum pass over the chunks runs while the all-reduce is in
         # flight: it reads only the chunks, which nothing writes before APPLY, and a
@@ -181,6 +179,7 @@ class StepTransaction:
         lay.clear_prepared()
         with torch.no_grad():
             lay.grad_buffer.copy_(flat)
+        lay.mark_reduced(V)
         if plan is None:
             present_mask = [bool(c > 0) for c in present.tolist()]
         else:
@@ -200,12 +199,14 @@ class StepTransaction:
         *,
         scheduler: bool = True,
         metric: float | None = None,
+        gather: bool = True,
     ) -> float:
         """Steps 3-6 of step ``V``, its gradients in retained memory: prepare (seal, the
         gradient parity's ``gdelta``, the vote), decide, apply chunk by chunk, finish
         (``scheduler``: step the LR scheduler, as the step-function form does, with
         ``metric``, the mean loss, for one that takes a metric; the user's loop steps
-        its own)."""
+        its own; ``gather``: all-gather a sharded model's parameters here, else the caller
+        does)."""
         s = self.s
         assert s.ropt is not None and s.keeper is not None
         ropt, lay, r = s.ropt, s.layout, s.rank
@@ -277,7 +278,8 @@ class StepTransaction:
         # with the process state after the step, which the agent keeps
         loss = lval if lval is not None else 0.0
         s.ch.send(M.Finished(rank=r, step=V, gen=s.gen, loss=loss, ps=s.ps.to_json(V)))
-        s.memory.gather_params()  # sharded: every rank's new shard into the model
+        if gather:
+            s.memory.gather_params()  # sharded: every rank's new shard into the model
         s.ch.mark("idle", V)
         s.snapshots.maybe_take(V)
         interval = s.checkpoints.interval(V)
