@@ -11,7 +11,8 @@ number of chunks of the same size, which a node's parity needs.
 **A rank's retained layout** is an ordinary ``RetainedLayout`` of its *pieces*: the
 parts of the parameters inside its shard, each a 1-D parameter of its own (named
 ``name[a:b]``, ``a``/``b`` element indices in the parameter) at its offset in the shard
-(a parameter crossing a shard boundary is split). Its buffers hold the shard of the
+(a parameter crossing a shard boundary is split); a rank whose shard is padding only
+(the last ranks, where the chunks do not divide evenly) holds one padding element. Its buffers hold the shard of the
 parameters (the master copy), of the gradients and of every optimizer state; undo
 copies, checksums, parity, snapshots and recovery are those of any layout, unchanged.
 The chunked optimizers (SGD, Adam, AdamW) are elementwise, so a piece's update is, bit
@@ -42,7 +43,9 @@ from .optim import (
     required_states,
 )
 
-__all__ = ["FullParams", "ShardPiece", "ShardPlan", "retain_shard", "retained_nbytes"]
+PADDING = "(padding)"  # the one piece of a rank whose shard is padding only
+
+__all__ = ["PADDING", "FullParams", "ShardPiece", "ShardPlan", "retain_shard", "retained_nbytes"]
 
 
 @dataclass(frozen=True)
@@ -87,12 +90,6 @@ class ShardPlan:
         self.pieces: tuple[tuple[ShardPiece, ...], ...] = tuple(
             self._pieces(r) for r in range(world)
         )
-        empty = [r for r in range(world) if not self.pieces[r]]
-        if empty:
-            raise LayoutError(
-                f"shard: rank {empty[0]} would hold padding only ({used} elements in chunks of "
-                f"{chunk_numel} over {world} ranks): set chunk_size to at most {used // world}"
-            )
 
     def _pieces(self, r: int) -> tuple[ShardPiece, ...]:
         lo, hi = r * self.shard_numel, (r + 1) * self.shard_numel
@@ -111,7 +108,11 @@ class ShardPlan:
         self, r: int, named: Sequence[tuple[str, nn.Parameter]], *, values: bool
     ) -> list[tuple[str, nn.Parameter]]:
         """Rank ``r``'s pieces as 1-D parameters (``values``: copies of the model's
-        values; otherwise uninitialised, for attaching to retained state)."""
+        values; otherwise uninitialised, for attaching to retained state). A rank whose
+        shard is padding only (the last ranks, when the chunks do not divide evenly)
+        holds one element of it, a parameter no optimizer group has."""
+        if not self.pieces[r]:
+            return [(PADDING, nn.Parameter(torch.zeros(1, dtype=self.dtype), requires_grad=False))]
         out = []
         for pc in self.pieces[r]:
             name, p = named[pc.param]
@@ -126,7 +127,7 @@ class ShardPlan:
     def local_offsets(self, r: int) -> list[int]:
         """Each of rank ``r``'s pieces' offset within its shard."""
         lo = r * self.shard_numel
-        return [pc.start - lo for pc in self.pieces[r]]
+        return [pc.start - lo for pc in self.pieces[r]] or [0]
 
     def pack_grads(
         self, params: Sequence[nn.Parameter], out: torch.Tensor, extra: Sequence[float] = ()
@@ -162,7 +163,7 @@ class ShardPlan:
     def present_pieces(self, r: int, flags: Sequence[float]) -> list[bool]:
         """Rank ``r``'s present mask (per piece) from the summed presence flags (per
         parameter)."""
-        return [flags[pc.param] > 0 for pc in self.pieces[r]]
+        return [flags[pc.param] > 0 for pc in self.pieces[r]] or [False]
 
 
 class FullParams:
@@ -240,7 +241,7 @@ def retain_shard(
     )
     by_param = {id(p): i for i, (_, p) in enumerate(named)}
     piece_of: dict[int, list[nn.Parameter]] = {}
-    for pc, p in zip(plan.pieces[rank], layout.params, strict=True):
+    for pc, p in zip(plan.pieces[rank], layout.params, strict=False):  # none: padding only
         piece_of.setdefault(pc.param, []).append(p)
     groups = []
     for g in optimizer.param_groups:

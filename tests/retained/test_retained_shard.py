@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from leto.retained.layout import LayoutError
+from leto.retained.layout import LayoutError, RetainedLayout
 from leto.retained.optim import UnsupportedOptimizerError, retain
 from leto.retained.shard import FullParams, ShardPlan, retain_shard, retained_nbytes
 
@@ -117,5 +117,20 @@ def test_refusals_are_one_line() -> None:
     plan = ShardPlan(list(m.named_parameters()), 2, 16)
     with pytest.raises(UnsupportedOptimizerError, match="has no chunked step"):
         retain_shard(m, torch.optim.Adagrad(m.parameters()), plan, 0, alloc=None, attach=False)
-    with pytest.raises(LayoutError, match="padding only"):
-        ShardPlan(list(m.named_parameters()), 8, 64)
+    with pytest.raises(LayoutError, match="offsets for"):  # a shard plan made for another model
+        RetainedLayout.create(list(m.named_parameters()), chunk_numel=16, offsets=[0])
+
+
+def test_a_rank_of_padding_only_holds_one_element_and_steps_nothing() -> None:
+    m = _model()  # 259 elements: 5 chunks of 64 over 8 ranks, ranks 5..7 padding only
+    plan = ShardPlan(list(m.named_parameters()), 8, 64)
+    assert [len(plan.pieces[r]) > 0 for r in range(8)] == [True] * 5 + [False] * 3
+    ropt = retain_shard(m, torch.optim.AdamW(m.parameters()), plan, 7, alloc=None, attach=False)
+    lay = ropt.layout
+    assert [s.name for s in lay.slots] == ["(padding)"] and lay.n_chunks == 1
+    lay.grad_buffer.fill_(1.0)
+    lay.seal_grads(1, plan.present_pieces(7, [1.0] * len(plan.names)))
+    ropt.begin(1)
+    ropt._apply_pending(1, None)
+    ropt.end()
+    assert torch.equal(lay.param_buffer, torch.zeros(64)) and ropt.version == 1
