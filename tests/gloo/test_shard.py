@@ -6,6 +6,7 @@ memory lost (its shard rebuilt from the node's parity), ends bitwise the failure
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jobs import digests_equal, explain, job
@@ -71,7 +72,7 @@ def test_sharded_faults_at_every_phase_are_bitwise(runs: dict[str, JobResult]) -
 
 LOOP = str(Path(__file__).resolve().parent / "scripts" / "shard_loop.py")
 LOOP_STEPS = 10
-LOOP_POINTS = [
+LOOP_POINTS: list[dict[str, Any]] = [
     {"phase": "forward"},
     {"phase": "backward"},  # the first micro-batch's: between micro-batches
     {"phase": "allreduce"},
@@ -84,8 +85,12 @@ LOOP_POINTS = [
 
 
 def _loop(
-    run_dir: Path, shard: bool, clip: str, faults: list | None = None, steps: int = LOOP_STEPS
-):  # type: ignore[no-untyped-def]
+    run_dir: Path,
+    shard: bool,
+    clip: str,
+    faults: list[dict[str, Any]] | None = None,
+    steps: int = LOOP_STEPS,
+) -> JobResult:
     cfg = run_dir.parent / f"{run_dir.name}.toml"
     cfg.write_text(
         '[leto]\nbackend = "gloo"\ntopology = "1x2"\nchunk_size = 256\ntier2_interval = 3\n'

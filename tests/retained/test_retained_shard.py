@@ -3,6 +3,8 @@ bit, the unsharded step; each rank retains about 1/W of the bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -12,7 +14,7 @@ from leto.retained.optim import UnsupportedOptimizerError, retain
 from leto.retained.shard import FullParams, ShardPlan, retain_shard, retained_nbytes
 
 
-def _model() -> nn.Module:
+def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
 
@@ -33,7 +35,9 @@ def _grads(model: nn.Module, step: int) -> list[torch.Tensor]:
     ],
     ids=["adamw", "sgd-nesterov", "adam-groups"],
 )
-def test_shards_step_bitwise_as_the_whole_model(make) -> None:
+def test_shards_step_bitwise_as_the_whole_model(
+    make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+) -> None:
     W, C = 3, 16
     ref = _model()
     ref_opt = make(list(ref.parameters()))
