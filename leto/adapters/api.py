@@ -128,6 +128,20 @@ def _checkpointer(config: Config) -> Checkpointer | None:
     return DCPCheckpointer(config.checkpoint_dir)
 
 
+def refuse_fsdp(model: nn.Module) -> None:
+    """An FSDP-wrapped model (``fully_shard``: DTensor parameters in FSDP's own storage)
+    cannot be retained: refused in one line naming ``shard = true``, leto's sharding."""
+    fsdp = any(
+        c.__name__ in ("FSDPModule", "FullyShardedDataParallel") for c in type(model).__mro__
+    )
+    if fsdp or any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise TypeError(
+            "leto.wrap: the model is FSDP-wrapped (fully_shard / DTensor parameters), whose "
+            "sharded storage leto cannot retain; pass the plain model and set shard = true "
+            '(leto shards it itself: docs/gloo.md, "Sharded state")'
+        )
+
+
 def make_backend(config: Config) -> Backend:
     """The in-process backend ``config`` names: ``fake`` (``gloo`` runs one process per
     rank and has no backend object: :func:`wrap` hands it to the gloo runtime)."""
@@ -183,6 +197,7 @@ def wrap(
     global batches (tensors, lists of indices, tuples or dicts of them).
     """
     cfg = Config.load(config)
+    refuse_fsdp(model)
     resume = os.environ.get("LETO_RESUME") if os.environ.get("LETO_ROLE") else None
     if resume and cfg.resume is None:  # `leto launch --resume DIR`, whatever the script's config
         cfg = attrs.evolve(cfg, resume=resume)

@@ -46,6 +46,14 @@ master_weights       false     float32 master weights, gradients and optimizer s
                                mix dtypes); the model's parameters are cast from them after
                                every step (docs/loop.md, "Mixed precision"); fake backend
                                only so far
+shard                false     ZeRO-style sharded state: each rank retains only its 1/W
+                               shard of the parameters (master copy), gradients and
+                               optimizer state; gradients are reduce-scattered, each rank
+                               steps its shard, the parameters are all-gathered
+                               (docs/gloo.md, "Sharded state"). gloo only; tier 1 is
+                               parity (``auto`` resolves to it, ``replica`` is refused);
+                               SGD, Adam, AdamW; no disk checkpoint (checkpoint_dir,
+                               resume) and no ``GradScaler`` yet
 ===================  ========  ==========================================================
 
 ``LETO_CONFIG=path.toml`` makes :meth:`Config.from_env` read that file first; the
@@ -211,6 +219,7 @@ class Config:
     resume: str | None = attrs.field(default=None, validator=_v_resume)
     verify_chunks: bool = attrs.field(default=True, validator=_v_bool)
     master_weights: bool = attrs.field(default=False, validator=_v_bool)
+    shard: bool = attrs.field(default=False, validator=_v_bool)
 
     def __attrs_post_init__(self) -> None:
         n = self.nodes * self.ranks_per_node
@@ -238,6 +247,8 @@ class Config:
                 f"float32 master weights run on the fake backend only so far, not on "
                 f"{self.backend!r}",
             )
+        if self.shard:
+            self._check_shard()
         if self.tier1_code == "replica":
             if not self.tier1:
                 raise ConfigError("tier1_code", "'replica' is a tier-1 code, but tier1 is off")
@@ -252,6 +263,23 @@ class Config:
                     "tier1_code",
                     "'replica' copies a lost rank from another rank of its node, but a node "
                     "here has one rank (use 'parity' or 'auto')",
+                )
+
+    def _check_shard(self) -> None:
+        if self.backend != "gloo":
+            raise ConfigError(
+                "shard", f"sharded state runs on the gloo backend only, not {self.backend!r}"
+            )
+        if self.tier1_code == "replica":
+            raise ConfigError(
+                "tier1_code",
+                "'replica' cannot protect sharded state (shard = true): each rank holds a "
+                "different shard, so no rank is another's replica (use 'parity' or 'auto')",
+            )
+        for key in ("checkpoint_dir", "resume"):
+            if getattr(self, key) is not None:
+                raise ConfigError(
+                    key, "disk checkpoints of sharded state (shard = true) are not built yet"
                 )
 
     # --- derived ------------------------------------------------------------------
@@ -271,12 +299,13 @@ class Config:
         ``auto`` is ``replica`` on gloo with two or more ranks per node (its training
         is data-parallel: every rank of a node holds the same state, so a copy is as
         good as a parity and costs no per-step update) and ``parity`` otherwise (the
-        other backends; a node of one rank, whose parity is a copy of its own state).
+        other backends; a node of one rank, whose parity is a copy of its own state;
+        sharded state, whose ranks hold different shards).
         """
         if not self.tier1:
             return None
         if self.tier1_code == "auto":
-            replica = self.backend == "gloo" and self.ranks_per_node >= 2
+            replica = self.backend == "gloo" and self.ranks_per_node >= 2 and not self.shard
             return "replica" if replica else "parity"
         return self.tier1_code
 

@@ -122,9 +122,10 @@ DEFAULT_CHUNK_NUMEL = 1 << 20
 MAGIC = 0x4C45544F52544E44  # "LETORTND"
 FORMAT = 2  # 2: the meta records the checksum algorithm
 _SUPER_WORDS = 8
-_H_FIXED = 8  # header: magic, format, n_chunks, undo_slots, n_params, prepared, suspect, spare
+_H_FIXED = 8  # header: magic, format, n_chunks, undo_slots, n_params, prepared, reduced, suspect
 _H_PREPARED = 5
-_H_SUSPECT = 6  # 1: a checksum pass found a chunk failing: the next report reads every chunk
+_H_REDUCED = 6
+_H_SUSPECT = 7  # 1: a checksum pass found a chunk failing: the next report reads every chunk
 _CHUNK_WORDS = 4  # version, checksum, grad version, grad checksum
 _SLOT_WORDS = 3  # chunk (-1 = free), version, checksum
 _STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -320,6 +321,8 @@ class RetainedLayout:
         undo_slots: int | None,
         align_bytes: int,
         master_weights: bool = False,
+        offsets: Sequence[int] | None = None,
+        numel: int | None = None,
     ) -> dict[str, Any]:
         if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0:
             raise LayoutError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
@@ -365,11 +368,26 @@ class RetainedLayout:
             raise LayoutError(f"duplicate state names in {states}")
         align = align_bytes // item
         params, off = [], 0
-        for name, p in named:
-            off = -(-off // align) * align
-            params.append([name, list(p.shape), off, p.numel()])
-            off += p.numel()
+        if offsets is None:
+            for name, p in named:
+                off = -(-off // align) * align
+                params.append([name, list(p.shape), off, p.numel()])
+                off += p.numel()
+        else:  # a shard of a larger flat space (leto.retained.shard): its own offsets
+            if len(offsets) != len(named):
+                raise LayoutError(f"{len(offsets)} offsets for {len(named)} parameters")
+            for (name, p), o in zip(named, offsets, strict=True):
+                if isinstance(o, bool) or not isinstance(o, int) or o < off:
+                    raise LayoutError(f"parameter {name!r}: offset {o!r} overlaps the one before")
+                params.append([name, list(p.shape), o, p.numel()])
+                off = o + p.numel()
         n_chunks = max(1, -(-off // chunk_numel))
+        if numel is not None:
+            if numel % chunk_numel or numel < off:
+                raise LayoutError(
+                    f"numel {numel} is not whole chunks of {chunk_numel} holding {off} elements"
+                )
+            n_chunks = max(1, numel // chunk_numel)
         if undo_slots is None:
             undo_slots = n_chunks
         if isinstance(undo_slots, bool) or not isinstance(undo_slots, int) or undo_slots < 1:
@@ -438,6 +456,8 @@ class RetainedLayout:
         align_bytes: int = 256,
         checksum_algorithm: str | None = None,
         master_weights: bool = False,
+        offsets: Sequence[int] | None = None,
+        numel: int | None = None,
     ) -> RetainedLayout:
         """Pack ``model``'s parameters into fresh retained buffers and bind views.
 
@@ -448,14 +468,18 @@ class RetainedLayout:
         ``leto.retained.checksum.ALGORITHMS`` (None: xxh3 in host memory, Fletcher
         on a GPU); ``master_weights=True``: the buffers are of :func:`master_dtype`
         and bf16/fp16 parameters are derived from them (see the module docstring;
-        False, the default: one dtype, the parameters' own). Every chunk starts at
-        version 0.
+        False, the default: one dtype, the parameters' own); ``offsets`` and
+        ``numel``: each parameter's element offset and the buffers' length (whole
+        chunks), instead of packing them ``align_bytes`` apart (a shard of a larger
+        flat space: :mod:`leto.retained.shard`). Every chunk starts at version 0.
         """
         why = None if checksum_algorithm is None else algorithm_error(checksum_algorithm)
         if why:
             raise LayoutError(why)
         named = _named(model)
-        meta = cls._plan(named, chunk_numel, states, undo_slots, align_bytes, master_weights)
+        meta = cls._plan(
+            named, chunk_numel, states, undo_slots, align_bytes, master_weights, offsets, numel
+        )
         for name, p in named:
             if p.device.type == "meta":
                 raise LayoutError(
@@ -479,8 +503,8 @@ class RetainedLayout:
                 segs["state." + s].zero_()
         hdr = segs["header"].view(torch.int64)
         hdr.zero_()
-        hdr[:6] = torch.tensor(
-            [MAGIC, FORMAT, meta["n_chunks"], meta["undo_slots"], len(named), -1]
+        hdr[:7] = torch.tensor(
+            [MAGIC, FORMAT, meta["n_chunks"], meta["undo_slots"], len(named), -1, -1]
         )
         base = _H_FIXED
         hdr[base : base + _CHUNK_WORDS * meta["n_chunks"]].view(-1, _CHUNK_WORDS)[:, 2] = -1
@@ -913,9 +937,22 @@ class RetainedLayout:
         self._hw(_H_SUSPECT, int(value))
 
     def clear_prepared(self) -> None:
-        """Forget the prepared gradients (a rolled-back step: nothing in flight survives)."""
+        """Forget the prepared gradients (a rolled-back step: nothing in flight survives,
+        or the next step's reduced gradients are about to overwrite them)."""
         self._hw(_H_PREPARED, -1)
         self._prepared = -1
+        self._hw(_H_REDUCED, -1)
+
+    def mark_reduced(self, step: int) -> None:
+        """The gradients of ``step`` are reduced into the buffer, not sealed yet (the
+        protocol's Reduce: a recovery reports them as ``step``'s, unsealed)."""
+        self._hw(_H_REDUCED, step)
+
+    @property
+    def reduced_step(self) -> int:
+        """The step whose reduced gradients fill the buffer unsealed (-1: none; only
+        meaningful while :attr:`prepared_step` is -1)."""
+        return int(self._hdr[_H_REDUCED].item())
 
     @property
     def prepared_step(self) -> int:

@@ -93,6 +93,7 @@ __all__ = [
     "is_chunkable",
     "to_retained",
     "retain",
+    "bind_layout",
     "PROCESS_STATE_FORMAT",
 ]
 
@@ -1108,6 +1109,31 @@ def to_retained(
     return new
 
 
+def bind_layout(
+    model: nn.Module | list[tuple[str, nn.Parameter]],
+    states: tuple[str, ...],
+    *,
+    attach: bool,
+    alloc: Allocator | None,
+    prefix: str,
+    **create: Any,
+) -> RetainedLayout:
+    """The retained layout of ``model`` with the optimizer ``states``: attached to the
+    existing one (checked to hold those states) or created (``create``: the rest of
+    :meth:`RetainedLayout.create`'s arguments; one undo slot)."""
+    if attach:
+        if alloc is None:
+            raise LayoutError("attach needs the allocator that holds the retained segments")
+        layout = RetainedLayout.attach(model, alloc=alloc, prefix=prefix)
+        missing = [s for s in states if s not in layout.states]
+        if missing:
+            raise LayoutError(f"the retained layout lacks the optimizer states {missing}")
+        return layout
+    return RetainedLayout.create(
+        model, states=states, undo_slots=1, alloc=alloc, prefix=prefix, **create
+    )
+
+
 def retain(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -1130,23 +1156,14 @@ def retain(
     (:class:`~leto.retained.layout.RetainedLayout`); on attach the retained layout
     says which.
     """
-    states = required_states(optimizer)
-    if attach:
-        if alloc is None:
-            raise LayoutError("attach needs the allocator that holds the retained segments")
-        layout = RetainedLayout.attach(model, alloc=alloc, prefix=prefix)
-        missing = [s for s in states if s not in layout.states]
-        if missing:
-            raise LayoutError(f"the retained layout lacks the optimizer states {missing}")
-    else:
-        layout = RetainedLayout.create(
-            model,
-            chunk_numel=chunk_numel,
-            states=states,
-            undo_slots=1,
-            alloc=alloc,
-            prefix=prefix,
-            align_bytes=align_bytes,
-            master_weights=master_weights,
-        )
+    layout = bind_layout(
+        model,
+        required_states(optimizer),
+        attach=attach,
+        alloc=alloc,
+        prefix=prefix,
+        chunk_numel=chunk_numel,
+        align_bytes=align_bytes,
+        master_weights=master_weights,
+    )
     return to_retained(optimizer, layout, alloc=alloc, adopt=not attach, verify=verify)

@@ -40,6 +40,7 @@ def test_defaults_and_lazy_export() -> None:
         ({"backend": "fake", "tier1_code": "parity"}, "parity"),
         ({"backend": "gloo", "topology": "1x2", "tier1": False}, None),
         ({"backend": "fake", "tier1": False, "tier1_code": "parity"}, None),
+        ({"backend": "gloo", "topology": "2x2", "shard": True}, "parity"),  # shards differ
     ],
 )
 def test_tier1_kind_resolves_auto_by_backend(data: dict, kind: str | None) -> None:  # type: ignore[type-arg]
@@ -94,6 +95,18 @@ def test_from_dict_with_topology_string() -> None:
             {"backend": "gloo", "tier1": False, "tier1_code": "replica"},
             "tier1_code",
             "'replica' is a tier-1 code, but tier1 is off",
+        ),
+        ({"shard": "yes"}, "shard", "must be true or false"),
+        ({"shard": True}, "shard", "sharded state runs on the gloo backend only, not 'fake'"),
+        (
+            {"backend": "gloo", "topology": "1x2", "shard": True, "tier1_code": "replica"},
+            "tier1_code",
+            "'replica' cannot protect sharded state (shard = true)",
+        ),
+        (
+            {"backend": "gloo", "shard": True, "checkpoint_dir": "/tmp/x"},
+            "checkpoint_dir",
+            "disk checkpoints of sharded state (shard = true) are not built yet",
         ),
         ({"colour": "blue"}, "colour", "unknown setting"),
         ({"checkpoint_dir": ""}, "checkpoint_dir", "must be a directory path"),

@@ -214,3 +214,23 @@ def test_master_weights_are_a_config_setting() -> None:
     for a, b in zip(s.retained_state(), ref.retained_state(), strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "model.0.weight" in a
+
+
+def test_an_fsdp_wrapped_model_is_refused_naming_shard() -> None:
+    """FSDP2 runs on gloo/CPU (torch 2.13), but its sharded storage is its own: leto
+    refuses the wrapped model in one line and names its own sharding."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(
+            TypeError, match=r"^leto.wrap: the model is FSDP-wrapped .* set shard = true"
+        ):
+            leto.wrap(model, opt, config={"backend": "fake"})
+    finally:
+        dist.destroy_process_group()

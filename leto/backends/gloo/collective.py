@@ -13,7 +13,18 @@ from leto.retained.recovery import IntegrityError
 
 from .channel import Aborted
 
-__all__ = ["CHECK_KEPT_PARITY", "CollectiveFailed", "coll", "comm_error"]
+__all__ = [
+    "ALL_GATHER",
+    "CHECK_KEPT_PARITY",
+    "CollectiveFailed",
+    "REDUCE_SCATTER",
+    "coll",
+    "comm_error",
+]
+
+# sharded state's collectives: torch 2.13 names them *_single (the *_tensor names warn)
+REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Interrupted(Exception):

@@ -138,7 +138,11 @@ class Follower:
             self.deferred = (gen, set(deferred))
             ps = lay.prepared_step
             grad = ps if ps >= 0 and not lay.verify_grads(ps) else (NONE if ps < 0 else LOST)
-            if grad == NONE and self._gparity_names_mine():
+            if ps < 0 and lay.reduced_step == self.s.step + 1:
+                # the next step's gradients, reduced and not sealed (the spec's REDUCED:
+                # the node's gradient parity still records the step before)
+                grad = lay.reduced_step
+            elif grad == NONE and self._gparity_names_mine():
                 # released as a step's reduction began writing the buffer: the gradients
                 # the node's record still names are gone (LOST), not "none held"
                 grad = LOST
@@ -586,5 +590,6 @@ class Follower:
         if self.s.cfg.tier2 and snapshot:
             self._check_deferred(self.s.gen)  # every chunk is copied into the snapshot
         meta = self.s.snapshots.take(target) if self.s.cfg.tier2 and snapshot else None
+        self.s.memory.gather_params()  # sharded: the model's parameters at the target
         dist.barrier()
         return meta

@@ -19,8 +19,10 @@ from torch import nn
 from leto.retained.layout import ShapeMismatchError
 from leto.retained.optim import retain
 from leto.retained.recovery import IntegrityError
+from leto.retained.shard import FullParams, ShardPlan, retain_shard
 
 from . import messages as M
+from .collective import ALL_GATHER, coll
 from .parity_block import ParityBlock, block_bytes
 
 if TYPE_CHECKING:
@@ -90,6 +92,9 @@ class RankMemory:
         assert s.keeper is not None
         if not attach:
             materialize(s.model)  # a skeleton has no values: garbage until repaired
+        if s.cfg.shard:
+            self._bind_shard(attach=attach)
+            return
         s.ropt = retain(
             s.model,
             s.user_optimizer,
@@ -102,6 +107,27 @@ class RankMemory:
             # read the whole state a second time for nothing
             verify=False,
         )
+
+    def _bind_shard(self, *, attach: bool) -> None:
+        """Sharded state (``shard = true``): this rank's shard retained, the model's
+        parameters views of a flat tensor of this process, filled by the all-gather
+        (:meth:`gather_params`) after every step and every recovery."""
+        s = self.s
+        assert s.keeper is not None
+        named = list(s.model.named_parameters())
+        plan = ShardPlan(named, s.W, int(s.cfg.chunk_size))
+        s.full = FullParams(plan, named, values=not attach)
+        s.ropt = retain_shard(
+            s.model, s.user_optimizer, plan, s.rank, alloc=s.keeper.alloc, attach=attach
+        )
+
+    def gather_params(self) -> None:
+        """Sharded state: every rank's shard of the parameters into the model's (a
+        collective of every rank); nothing without sharding."""
+        s = self.s
+        if s.full is None:
+            return
+        coll(ALL_GATHER, s.full.flat, s.full.gather_input(s.layout))
 
     def ensure_layout(self) -> bool:
         """Attach to the retained state, or create it fresh if the keeper lost it.

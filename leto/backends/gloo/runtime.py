@@ -50,6 +50,7 @@ from leto.retained.optim import RetainedOptimizer, check_supported
 from leto.retained.parity import as_bytes
 from leto.retained.process_state import BatchCursor, capture_rng, is_per_rank
 from leto.retained.recovery import IntegrityError
+from leto.retained.shard import FullParams
 
 from . import bootstrap
 from . import messages as M
@@ -115,6 +116,12 @@ def wrap_gloo(
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError("scheduler: it is bound to another optimizer than the one wrapped")
     check_supported(optimizer)
+    if config.shard and scaler is not None and scaler.is_enabled():
+        raise ConfigError(
+            "shard",
+            "a GradScaler is not supported with sharded state yet (its inf/NaN check "
+            "would see one shard of the gradients)",
+        )
     session = GlooSession(ch, spec, model, optimizer, scheduler, sampler, config, step_fn)
     loop = UserLoop(
         session,
@@ -175,6 +182,8 @@ class GlooSession:
         self.cursor = BatchCursor(sampler)
         self.gen: int = int(spec.get("generation", 0))
         self.ropt: RetainedOptimizer | None = None
+        # sharded state (shard = true): the model's parameters, not retained
+        self.full: FullParams | None = None
         self.keeper: KeeperClient | None = None
         self.rng: dict[str, Any] | None = None
         self.sampler_state: dict[str, Any] | None = None
@@ -345,6 +354,12 @@ class GlooSession:
         """The user's own loop: this rank's batch of each step (leto's step boundary),
         until the committed step is ``steps`` and the whole job is done (docs/loop.md)."""
         return self.loop.batches(steps)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The user's loop: clip this step's reduced gradients by their global norm
+        (with ``shard = true``, what to call instead of ``torch.nn.utils.clip_grad_norm_``:
+        one all-reduce of the shards' norms); the total norm."""
+        return self.loop.clip_grad_norm_(max_norm, norm_type)
 
     def no_sync(self) -> Any:
         """Gradient accumulation: backwards inside reduce nothing (DDP's ``no_sync``)."""

@@ -51,7 +51,7 @@ from leto.retained.process_state import (
 )
 
 from .channel import Aborted
-from .collective import CollectiveFailed, Interrupted
+from .collective import REDUCE_SCATTER, CollectiveFailed, Interrupted
 from .collective import coll as _coll
 from .keeper_client import FencedError
 
@@ -73,9 +73,11 @@ class UserLoop:
         self.reduced = False  # this iteration's gradients are in retained memory
         self.stepped = False  # this iteration's optimizer.step() committed
         self.void = False  # a recovery interrupted this iteration
+        self.broken: str | None = None  # sharded: the gather after a committed step failed
         self.present: list[bool] = []
         self.old: torch.Tensor | None = None  # gradient bytes before the reduce (parity delta)
         self.buf: torch.Tensor | None = None
+        self.out = torch.zeros(0)  # sharded: the reduce-scatter's output
         self.queued = False
         self.hooked: dict[int, Any] = {}
         self.V = s.step
@@ -144,8 +146,13 @@ class UserLoop:
         self.queued = False
         self._scratch_grads()
 
+    def _params(self) -> list[torch.nn.Parameter]:
+        """The model's parameters (sharded: not the retained pieces)."""
+        s = self.s
+        return s.full.params if s.full is not None else s.layout.params
+
     def _scratch_grads(self) -> None:
-        for p in self.s.layout.params:
+        for p in self._params():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
 
     # ------------------------------------------------------------ the batch
@@ -169,13 +176,16 @@ class UserLoop:
         s = self.s
         if self.open and not self.void:
             self._guard(self._post if self.stepped else self._empty_step)
+        if self.broken is not None:  # the step committed; its recovery starts here
+            reason, self.broken = self.broken, None
+            self._recover(reason)
         if self.resumed is not None:
             text, self.resumed = self.resumed, None
             s.ps.load(text)
             assert s.rng is not None and s.sampler_state is not None
             restore_rng(s.rng)
             s.cursor.restore(s.sampler_state)
-            for p in s.layout.params:
+            for p in self._params():
                 p.grad = None
         self.open = self.void = False
 
@@ -213,7 +223,7 @@ class UserLoop:
     # ------------------------------------------------------------ hooks
 
     def _hook_params(self) -> None:
-        for p in self.s.layout.params:
+        for p in self._params():
             hooks = getattr(p, "_post_accumulate_grad_hooks", None)
             h = self.hooked.get(id(p))
             if p.requires_grad and (h is None or not hooks or h.id not in hooks):
@@ -256,21 +266,33 @@ class UserLoop:
         assert s.keeper is not None
         s.fault_points.point("backward")
         s.ch.mark("allreduce")
-        n, k = lay.numel, len(lay.params)
-        if self.buf is None or self.buf.numel() != n + k:
-            self.buf = torch.zeros(n + k, dtype=lay.dtype)
-        buf = self.buf
-        flat = buf[:n]
-        buf[n:].zero_()
-        for i, prm in enumerate(lay.params):
-            sl = lay.slots[i]
-            if prm.grad is not None:
-                flat[sl.offset : sl.offset + sl.numel].copy_(prm.grad.reshape(-1))
-                buf[n + i] = 1
-            else:
-                flat[sl.offset : sl.offset + sl.numel].zero_()
-            prm.grad = None
-        work = _coll(dist.all_reduce, buf, op=dist.ReduceOp.SUM, async_op=True)
+        plan = s.full.plan if s.full is not None else None
+        if plan is None:
+            n, k = lay.numel, len(lay.params)
+            if self.buf is None or self.buf.numel() != n + k:
+                self.buf = torch.zeros(n + k, dtype=lay.dtype)
+            buf = self.buf
+            flat = buf[:n]
+            buf[n:].zero_()
+            for i, prm in enumerate(lay.params):
+                sl = lay.slots[i]
+                if prm.grad is not None:
+                    flat[sl.offset : sl.offset + sl.numel].copy_(prm.grad.reshape(-1))
+                    buf[n + i] = 1
+                else:
+                    flat[sl.offset : sl.offset + sl.numel].zero_()
+                prm.grad = None
+            work = _coll(dist.all_reduce, buf, op=dist.ReduceOp.SUM, async_op=True)
+        else:  # sharded: this rank receives its shard's sum and every presence flag
+            n = plan.shard_numel
+            width = n + len(plan.names)
+            if self.buf is None or self.buf.numel() != plan.world * width:
+                self.buf = torch.zeros(plan.world * width, dtype=lay.dtype)
+                self.out = torch.zeros(width, dtype=lay.dtype)
+            plan.pack_grads(self._params(), self.buf)
+            buf = self.out
+            flat = buf[:n]
+            work = _coll(REDUCE_SCATTER, buf, self.buf, op=dist.ReduceOp.SUM, async_op=True)
         s.fault_points.point("allreduce")
         _coll(work.wait)
         flat.div_(s.W)
@@ -281,16 +303,67 @@ class UserLoop:
         lay.clear_prepared()
         with torch.no_grad():
             lay.grad_buffer.copy_(flat)
-        self.present = [bool(c > 0) for c in buf[n:].tolist()]
-        for i, prm in enumerate(lay.params):
-            prm.grad = lay.grad_view(i) if self.present[i] else None
+        lay.mark_reduced(self.V)
+        flags = buf[n:].tolist()
+        if plan is None:
+            self.present = [bool(c > 0) for c in flags]
+            for i, prm in enumerate(lay.params):
+                prm.grad = lay.grad_view(i) if self.present[i] else None
+        else:
+            self.present = plan.present_pieces(s.rank, flags)
+            for prm, c in zip(self._params(), flags, strict=True):
+                prm.grad = self._refusing(prm) if c > 0 else None
         self.reduced = True
+
+    def _refusing(self, p: torch.Tensor) -> torch.Tensor:
+        """A sharded parameter's ``.grad`` after the reduce: this rank holds only its
+        shard of the reduced gradients (in retained memory), so any use of it stops the
+        job with one line naming what to call instead (:class:`_ShardedGrad`)."""
+        _ShardedGrad.fatal = self.s._fatal
+        return torch.Tensor._make_subclass(
+            _ShardedGrad, torch.zeros((), dtype=p.dtype).expand(p.shape)
+        )
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the reduced gradients of this step by their global norm (torch's
+        ``clip_grad_norm_``; its total norm returned). Sharded: each rank's norm of its
+        shard, combined by one all-reduce, every shard scaled alike; otherwise torch's
+        own over the parameters' ``.grad`` (the same on every rank)."""
+        s = self.s
+        if self.void or not self.open:
+            return torch.zeros(())
+        if not self.reduced:
+            raise RuntimeError(
+                "session.clip_grad_norm_(): no gradients were reduced since the batch was "
+                "drawn (call it after the last loss.backward())"
+            )
+        if s.full is None:
+            return torch.nn.utils.clip_grad_norm_(self._params(), max_norm, norm_type)
+        out = torch.zeros(())
+
+        def clip() -> None:
+            g = s.layout.grad_buffer
+            p = float(norm_type)
+            inf = p == float("inf")
+            local = g.abs().max() if inf else torch.linalg.vector_norm(g, p) ** p
+            t = local.reshape(1).clone()
+            _coll(dist.all_reduce, t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+            total = t[0] if inf else t[0] ** (1.0 / p)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            assert s.keeper is not None
+            s.keeper.check_writer()
+            with torch.no_grad():
+                g.mul_(coef)
+            out.copy_(total)
+
+        self._guard(clip)
+        return out
 
     # ------------------------------------------------------------ the optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every ``.grad`` to None (leto's gradients are never zeroed in place)."""
-        for p in self.s.layout.params:
+        for p in self._params():
             p.grad = None
 
     def step(self, closure: Any = None) -> None:
@@ -310,6 +383,11 @@ class UserLoop:
         if self._guard(self._transact):
             self.stepped = True
             self.zero_grad()
+            try:  # sharded: the new parameters; a failure here leaves the step committed,
+                # so the user's code after it runs, as after any step (its recovery: _close)
+                self.s.memory.gather_params()
+            except CollectiveFailed as e:
+                self.broken = f"collective failed: {e}"
 
     def _transact(self) -> None:
         s = self.s
@@ -323,7 +401,23 @@ class UserLoop:
             gdelta = as_bytes(lay.grad_buffer).clone()
             if self.old is not None:
                 gdelta.sub_(self.old)
-        s.txn.commit(V, bad, self.present, gdelta, capture_rng(), None, scheduler=False)
+        s.txn.commit(
+            V, bad, self.present, gdelta, capture_rng(), None, scheduler=False, gather=False
+        )
+
+
+class _ShardedGrad(torch.Tensor):
+    """What a parameter's ``.grad`` is after a sharded reduce: any use stops the job."""
+
+    fatal: Any = None
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cls.fatal(
+            "shard = true: a parameter's .grad holds no gradient after the reduce (each rank "
+            "keeps only its shard): clip with session.clip_grad_norm_(max_norm), not "
+            "torch.nn.utils.clip_grad_norm_"
+        )
 
 
 def finite_update(st: dict[str, Any]) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from leto.retained.recovery import IntegrityError
 
 from . import messages as M
 from .channel import Aborted
-from .collective import CollectiveFailed, Interrupted
+from .collective import REDUCE_SCATTER, CollectiveFailed, Interrupted
 from .collective import coll as _coll
 from .keeper_client import FencedError
 
@@ -62,6 +62,7 @@ class StepTransaction:
         self.in_progress = 0
         self._red: torch.Tensor | None = None  # the all-reduce buffer, reused
         self._gdelta: torch.Tensor | None = None  # the gradient parity's delta, reused
+        self._out = torch.zeros(0)  # sharded: the reduce-scatter's output, reused
 
     def run(self, step_fn: StepFn | None = None) -> float | None:
         """One step (every rank runs it); its loss on this rank, or None if interrupted."""
@@ -116,25 +117,39 @@ class StepTransaction:
         # one buffer: the gradients, then a presence flag per parameter (small integers,
         # exact in floating point), so one collective is in flight, never two (a gloo
         # group torn down with a second operation pending waits for its timeout)
-        n = lay.numel
-        if self._red is None or self._red.numel() != n + len(lay.params) + 1:
-            self._red = torch.zeros(n + len(lay.params) + 1, dtype=lay.dtype)
-        buf = self._red  # reused every step: no fresh pages to fault in
-        flat = buf[:n]
-        buf[n:].zero_()
-        buf[-1] = float(loss.detach())  # summed with the gradients: the mean loss
-        for i, prm in enumerate(lay.params):
-            g = prm.grad
-            sl = lay.slots[i]
-            if g is not None:
-                flat[sl.offset : sl.offset + sl.numel].copy_(g.reshape(-1))
-                buf[n + i] = 1
-            else:
-                flat[sl.offset : sl.offset + sl.numel].zero_()
-            prm.grad = None
+        plan = s.full.plan if s.full is not None else None
+        if plan is None:
+            n = lay.numel
+            if self._red is None or self._red.numel() != n + len(lay.params) + 1:
+                self._red = torch.zeros(n + len(lay.params) + 1, dtype=lay.dtype)
+            buf = self._red  # reused every step: no fresh pages to fault in
+            flat = buf[:n]
+            buf[n:].zero_()
+            buf[-1] = float(loss.detach())  # summed with the gradients: the mean loss
+            for i, prm in enumerate(lay.params):
+                g = prm.grad
+                sl = lay.slots[i]
+                if g is not None:
+                    flat[sl.offset : sl.offset + sl.numel].copy_(g.reshape(-1))
+                    buf[n + i] = 1
+                else:
+                    flat[sl.offset : sl.offset + sl.numel].zero_()
+                prm.grad = None
+        else:  # sharded: each rank receives its shard's sum (and every flag, the loss)
+            n = plan.shard_numel
+            width = n + len(plan.names) + 1
+            if self._red is None or self._red.numel() != W * width:
+                self._red = torch.zeros(W * width, dtype=lay.dtype)
+                self._out = torch.zeros(width, dtype=lay.dtype)
+            plan.pack_grads(list(s.model.parameters()), self._red, [float(loss.detach())])
+            buf = self._out
+            flat = buf[:n]
         # 2. reduce
         s.ch.mark("allreduce")
-        work = _coll(dist.all_reduce, buf, op=dist.ReduceOp.SUM, async_op=True)
+        if plan is None:
+            work = _coll(dist.all_reduce, buf, op=dist.ReduceOp.SUM, async_op=True)
+        else:
+            work = _coll(REDUCE_SCATTER, buf, self._red, op=dist.ReduceOp.SUM, async_op=True)
         point("allreduce")
         # PREPARE's checksum pass over the chunks runs while the all-reduce is in
         # flight: it reads only the chunks, which nothing writes before APPLY, and a
@@ -164,7 +179,11 @@ class StepTransaction:
         lay.clear_prepared()
         with torch.no_grad():
             lay.grad_buffer.copy_(flat)
-        present_mask = [bool(c > 0) for c in present.tolist()]
+        lay.mark_reduced(V)
+        if plan is None:
+            present_mask = [bool(c > 0) for c in present.tolist()]
+        else:
+            present_mask = plan.present_pieces(s.rank, present.tolist())
         return self.commit(
             V, bad, present_mask, gdelta, rng_after, float(loss.detach()), metric=mean_loss
         )
@@ -180,12 +199,14 @@ class StepTransaction:
         *,
         scheduler: bool = True,
         metric: float | None = None,
+        gather: bool = True,
     ) -> float:
         """Steps 3-6 of step ``V``, its gradients in retained memory: prepare (seal, the
         gradient parity's ``gdelta``, the vote), decide, apply chunk by chunk, finish
         (``scheduler``: step the LR scheduler, as the step-function form does, with
         ``metric``, the mean loss, for one that takes a metric; the user's loop steps
-        its own)."""
+        its own; ``gather``: all-gather a sharded model's parameters here, else the caller
+        does)."""
         s = self.s
         assert s.ropt is not None and s.keeper is not None
         ropt, lay, r = s.ropt, s.layout, s.rank
@@ -257,6 +278,8 @@ class StepTransaction:
         s.stats["steps_run"] += 1
         # with the process state after the step, which the agent keeps
         s.ch.send(M.Finished(rank=r, step=V, gen=s.gen, loss=lval, ps=s.ps.to_json(V)))
+        if gather:
+            s.memory.gather_params()  # sharded: every rank's new shard into the model
         s.ch.mark("idle", V)
         s.snapshots.maybe_take(V)
         interval = s.checkpoints.interval(V)

@@ -1,10 +1,12 @@
 """The real-process tests' training script: a tiny MLP, every RNG seeded.
 
 Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
-("1"/"0"), OPT (a torch.optim class name, AdamW by default), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's), STEP_SLEEP (seconds per step), BIG_MB (allocate that much while steps
+("1"/"0"), OPT (a torch.optim class name, AdamW by default), SHARD ("1": shard = true;
+the model's parameters' SHA-256 is then written to RUN_DIR/params-rank<r> at the end, as without it), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's), STEP_SLEEP (seconds per step), BIG_MB (allocate that much while steps
 3..6 run, to push the trainers over a shadow memory budget; the math is unchanged).
 """
 
+import hashlib
 import os
 import random
 import time
@@ -29,6 +31,8 @@ settings = {
     "tier1_code": os.environ.get("TIER1_CODE", "parity"),
     "tier2_parity": int(os.environ.get("T2_PARITY", "1")),
 }
+if os.environ.get("SHARD"):
+    settings["shard"] = os.environ["SHARD"] == "1"
 if os.environ.get("CKPT"):
     settings["checkpoint_dir"] = os.environ["CKPT"]
     settings["checkpoint_interval"] = int(os.environ.get("CKPT_EVERY", "0"))
@@ -61,4 +65,9 @@ def step_fn(m, idx):
 
 session = leto.wrap(model, opt, sched, sampler, config=cfg)
 session.train(step_fn, int(os.environ.get("STEPS", "6")))
+if os.environ.get("SHARD"):  # the model's own parameters, sharded or not
+    blob = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    out = os.path.join(os.environ["LETO_RUN_DIR"], f"params-rank{os.environ['RANK']}")
+    with open(out, "w") as f:
+        f.write(hashlib.sha256(blob).hexdigest())
 print(f"done at step {session.step}")

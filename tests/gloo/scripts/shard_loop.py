@@ -1,0 +1,56 @@
+"""The user's own loop (examples/ddp_loop.py's, no GradScaler) for sharded state.
+
+Arguments: --config, --steps, --clip {session,torch,none}: clip with
+session.clip_grad_norm_, with torch.nn.utils.clip_grad_norm_ (refused when sharded), or
+not at all. The model's parameters' SHA-256 goes to RUN_DIR/params-rank<r> at the end.
+"""
+
+import argparse
+import contextlib
+import hashlib
+import os
+import random
+
+import numpy
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import leto
+
+p = argparse.ArgumentParser()
+p.add_argument("--config")
+p.add_argument("--steps", type=int, default=12)
+p.add_argument("--clip", default="session")
+args = p.parse_args()
+
+torch.manual_seed(0)
+random.seed(0)
+numpy.random.seed(0)
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(512, 12, generator=g), torch.randint(0, 3, (512,), generator=g))
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+sampler = DistributedSampler(data, world, rank, seed=0)
+loader = DataLoader(data, batch_size=16, sampler=sampler)
+model = nn.Sequential(nn.Linear(12, 48), nn.GELU(), nn.Dropout(0.1), nn.Linear(48, 3))
+opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+session = leto.wrap(model, opt, sched, loader, config=args.config)
+
+for x, y in session.batches(args.steps):
+    opt.zero_grad()
+    for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+        with contextlib.nullcontext() if i == 1 else session.no_sync():
+            loss = F.cross_entropy(model(xm), ym) / 2
+            loss.backward()
+    if args.clip == "session":
+        session.clip_grad_norm_(0.5)
+    elif args.clip == "torch":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    sched.step()
+
+blob = b"".join(q.detach().numpy().tobytes() for q in model.parameters())
+with open(os.path.join(os.environ["LETO_RUN_DIR"], f"params-rank{rank}"), "w") as f:
+    f.write(hashlib.sha256(blob).hexdigest())

@@ -1,0 +1,140 @@
+"""Sharded retained state in one process: W ranks' shards stepped alone are, bit for
+bit, the unsharded step; each rank retains about 1/W of the bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from leto.retained.layout import LayoutError, RetainedLayout
+from leto.retained.optim import UnsupportedOptimizerError, retain
+from leto.retained.shard import FullParams, ShardPlan, retain_shard, retained_nbytes
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _grads(model: nn.Module, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return [torch.randn(p.shape, generator=g) for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+        lambda ps: torch.optim.Adam(
+            [{"params": ps[:2], "lr": 1e-2}, {"params": ps[2:], "lr": 3e-3, "amsgrad": True}]
+        ),
+    ],
+    ids=["adamw", "sgd-nesterov", "adam-groups"],
+)
+def test_shards_step_bitwise_as_the_whole_model(
+    make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+) -> None:
+    W, C = 3, 16
+    ref = _model()
+    ref_opt = make(list(ref.parameters()))
+    ranks = []
+    for r in range(W):
+        m = _model()
+        opt = make(list(m.parameters()))
+        plan = ShardPlan(list(m.named_parameters()), W, C)
+        full = FullParams(plan, list(m.named_parameters()), values=True)
+        ranks.append((m, retain_shard(m, opt, plan, r, alloc=None, attach=False), plan, full))
+    for step in range(1, 6):
+        for p, g in zip(ref.parameters(), _grads(ref, step), strict=True):
+            p.grad = g
+        if step == 3:  # a parameter without a gradient is skipped, as torch does
+            ref[2].bias.grad = None
+        ref_opt.step()
+        shards = []
+        for r, (m, ropt, plan, _full) in enumerate(ranks):
+            for p, g in zip(m.parameters(), _grads(m, step), strict=True):
+                p.grad = g
+            if step == 3:
+                m[2].bias.grad = None
+            rows = torch.empty(W * (plan.shard_numel + len(plan.names)))
+            plan.pack_grads(list(m.parameters()), rows)
+            mine = rows.view(W, -1)[r]
+            lay = ropt.layout
+            lay.grad_buffer.copy_(mine[: plan.shard_numel])
+            present = plan.present_pieces(r, mine[plan.shard_numel :].tolist())
+            lay.seal_grads(step, present)
+            ropt.begin(step)
+            ropt._apply_pending(step, None)
+            ropt.end()
+            shards.append(lay.param_buffer.clone())
+        gathered = torch.cat(shards)
+        for m, _, _, full in ranks:
+            full.flat.copy_(gathered)  # what the all-gather writes
+            for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+                assert torch.equal(p, q), step
+
+
+def test_pieces_tile_the_flat_space_in_whole_chunks() -> None:
+    m = _model()
+    plan = ShardPlan(list(m.named_parameters()), 4, 16)
+    assert plan.numel == 4 * plan.shard_numel and plan.shard_numel % 16 == 0
+    covered = sorted((pc.start, pc.stop) for r in range(4) for pc in plan.pieces[r])
+    want = sorted((o, o + n) for o, n in zip(plan.offsets, plan.numels, strict=True))
+    merged: list[list[int]] = []
+    for a, b in covered:
+        if merged and merged[-1][1] == a and any(o < a < o + n for o, n in want):
+            merged[-1][1] = b
+        else:
+            merged.append([a, b])
+    assert [tuple(x) for x in merged] == want
+    for r in range(4):
+        lo, hi = plan.shard_range(r)
+        assert all(lo <= pc.start < pc.stop <= hi for pc in plan.pieces[r])
+
+
+def test_retained_bytes_are_about_one_over_world() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64))
+    C = 256
+    whole = retain(m, torch.optim.AdamW(m.parameters()), chunk_numel=C).layout
+    for W in (2, 4):
+        m2 = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64))
+        plan = ShardPlan(list(m2.named_parameters()), W, C)
+        sizes = [
+            retained_nbytes(
+                retain_shard(
+                    m2, torch.optim.AdamW(m2.parameters()), plan, r, alloc=None, attach=False
+                ).layout
+            )
+            for r in range(W)
+        ]
+        ratio = max(sizes) / retained_nbytes(whole)
+        assert 1 / W <= ratio < 1 / W * 1.1, (W, sizes, retained_nbytes(whole))
+
+
+def test_refusals_are_one_line() -> None:
+    m = _model()
+    plan = ShardPlan(list(m.named_parameters()), 2, 16)
+    with pytest.raises(UnsupportedOptimizerError, match="has no chunked step"):
+        retain_shard(m, torch.optim.Adagrad(m.parameters()), plan, 0, alloc=None, attach=False)
+    with pytest.raises(LayoutError, match="offsets for"):  # a shard plan made for another model
+        RetainedLayout.create(list(m.named_parameters()), chunk_numel=16, offsets=[0])
+
+
+def test_a_rank_of_padding_only_holds_one_element_and_steps_nothing() -> None:
+    m = _model()  # 259 elements: 5 chunks of 64 over 8 ranks, ranks 5..7 padding only
+    plan = ShardPlan(list(m.named_parameters()), 8, 64)
+    assert [len(plan.pieces[r]) > 0 for r in range(8)] == [True] * 5 + [False] * 3
+    ropt = retain_shard(m, torch.optim.AdamW(m.parameters()), plan, 7, alloc=None, attach=False)
+    lay = ropt.layout
+    assert [s.name for s in lay.slots] == ["(padding)"] and lay.n_chunks == 1
+    lay.grad_buffer.fill_(1.0)
+    lay.seal_grads(1, plan.present_pieces(7, [1.0] * len(plan.names)))
+    ropt.begin(1)
+    ropt._apply_pending(1, None)
+    ropt.end()
+    assert torch.equal(lay.param_buffer, torch.zeros(64)) and ropt.version == 1
