@@ -13,6 +13,10 @@ size `leto bench` uses), steps alternate between three configurations:
   the parity update;
 * leto/replica: the same with xxh3 and tier 1 as replicas (``tier1_code =
   "replica"``): no gradient delta, no parity bytes, only each chunk's record.
+* leto/generic: leto/replica with the optimizer a user's ``AdamW`` subclass, which
+  takes the generic path (``WholeStepOptimizer``: a before copy at ``begin``, the
+  optimizer's own ``step()`` once on a scratch copy, chunk by chunk copied out) instead
+  of the chunked AdamW: the cost of "any optimizer" against the fast path.
 
 Caches are flushed before every step (a forward and backward pass ran in between in
 a real job). Prints per-phase medians, each leto configuration's extra time over
@@ -40,19 +44,31 @@ from leto.retained.parity import as_bytes
 MEMBERS = 2
 
 
+class UserAdamW(torch.optim.AdamW):
+    """A user's subclass: leto cannot assume its step is AdamW's, so it replays it."""
+
+
 class LetoRank:
     """One member of a tier-1 group: a retained layout, its optimizer, the parity blocks."""
 
-    def __init__(self, wl: Workload, algorithm: str, *, replica: bool = False) -> None:
+    def __init__(
+        self, wl: Workload, algorithm: str, *, replica: bool = False, generic: bool = False
+    ) -> None:
         model = wl.build_model()
         opt = wl.build_optimizer(model)
+        if generic:  # the same AdamW, as a class leto has no chunked version of
+            g = opt.param_groups[0]
+            keys = ("lr", "betas", "eps", "weight_decay")
+            opt = UserAdamW(model.parameters(), **{k: g[k] for k in keys})
         lay = RetainedLayout.create(
             model,
             chunk_numel=wl.chunk_numel,
             states=required_states(opt),
             checksum_algorithm=algorithm,
         )
-        self.name = "leto/replica" if replica else f"leto/{algorithm}"
+        self.name = (
+            "leto/generic" if generic else "leto/replica" if replica else f"leto/{algorithm}"
+        )
         self.replica = replica
         self.lay = lay
         self.ropt: RetainedOptimizer = to_retained(opt, lay)
@@ -147,6 +163,7 @@ def main() -> None:
         LetoRank(wl, "fletcher"),
         LetoRank(wl, "xxh3"),
         LetoRank(wl, "xxh3", replica=True),
+        LetoRank(wl, "xxh3", replica=True, generic=True),
     ]
     gen = torch.Generator().manual_seed(0)
     shapes = [p.shape for p in systems[0].model.parameters()]
@@ -173,6 +190,12 @@ def main() -> None:
         print(f"{n:14} extra over plain: {e:.2f} ms")
     print(f"xxh3 / fletcher (extra over plain): {extra['leto/xxh3'] / extra['leto/fletcher']:.2f}")
     print(f"replica / xxh3 (extra over plain): {extra['leto/replica'] / extra['leto/xxh3']:.2f}")
+    print(
+        "generic / chunked path (extra over plain, both with replicas): "
+        f"{extra['leto/generic'] / extra['leto/replica']:.2f}; generic step / plain step: "
+        f"{med['leto/generic'] / med['plain']:.2f}, chunked step / plain step: "
+        f"{med['leto/replica'] / med['plain']:.2f}"
+    )
 
 
 if __name__ == "__main__":
