@@ -5,9 +5,17 @@ trained character by character on the sonnets that ship with leto: AdamW with we
 decay, a warm-up then cosine LR schedule, gradient accumulation over micro-batches
 (no all-reduce until the last one, ``session.no_sync()``), gradient clipping, and a
 resumable `StatefulDataLoader` over a `DistributedSampler`. What leto adds is the
-``leto.wrap`` line and ``session.batches``; the loop is the user's.
+``leto.wrap`` line, ``session.batches`` and ``session.clip_grad_norm_`` (FSDP's: the
+norm of the gradients leto holds, float32 masters' or this rank's shard's); the loop is
+the user's.
 
     leto launch --nproc-per-node 2 examples/hf_gpt2.py --config examples/gloo-1node.toml
+    # bf16 parameters with float32 master weights, gradients and AdamW state:
+    LETO_MASTER_WEIGHTS=1 leto launch --nproc-per-node 2 examples/hf_gpt2.py --bf16 \
+        --config examples/gloo-1node.toml
+    # ZeRO-style sharded state (each rank retains 1/W of it; tier 1 as parity):
+    LETO_SHARD=1 LETO_TIER1_CODE=parity leto launch --nproc-per-node 2 examples/hf_gpt2.py \
+        --config examples/gloo-1node.toml
 
 Needs ``pip install transformers`` (the ``examples`` extra).
 """
@@ -46,6 +54,7 @@ p.add_argument("--batch", type=int, default=8, help="sequences per rank per step
 p.add_argument("--block", type=int, default=32, help="characters per sequence")
 p.add_argument("--layers", type=int, default=2)
 p.add_argument("--width", type=int, default=64)
+p.add_argument("--bf16", action="store_true", help="bfloat16 parameters (with master_weights)")
 args = p.parse_args()
 
 hf_logging.set_verbosity_error()
@@ -73,6 +82,8 @@ config = GPT2Config(
     eos_token_id=0,
 )
 model = GPT2LMHeadModel(config)  # the LM head is tied to the token embedding
+if args.bf16:
+    model = model.to(torch.bfloat16)
 decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
 no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
 opt = torch.optim.AdamW(
@@ -99,7 +110,7 @@ for (x,) in session.batches(args.steps):
         with contextlib.nullcontext() if i == args.accum - 1 else session.no_sync():
             loss = model(input_ids=xm, labels=xm).loss / args.accum
             loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    session.clip_grad_norm_(1.0)
     opt.step()
     sched.step()
 

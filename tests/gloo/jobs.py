@@ -60,6 +60,32 @@ def job(
     return res
 
 
+def script_job(
+    script: str,
+    run_dir: Path,
+    settings: str,
+    args: list[str],
+    faults: list[dict[str, Any]] | None = None,
+    *,
+    hang_timeout: float = 3.0,
+    timeout: float = 240.0,
+) -> JobResult:
+    """A 1x2 gloo job of ``script`` with ``--config`` a file of these ``settings`` (TOML
+    lines under ``[leto]``) and the script's ``args``; nothing may be left running."""
+    cfg = run_dir.parent / f"{run_dir.name}.toml"
+    cfg.write_text('[leto]\nbackend = "gloo"\ntopology = "1x2"\n' + settings)
+    res = run_local(
+        script,
+        run_dir=run_dir,
+        faults=faults,
+        extra=["--quiet", "--hang-timeout", str(hang_timeout), "--heartbeat", "0.25"],
+        script_args=["--config", str(cfg), *args],
+        timeout=timeout,
+    )
+    assert not res.leftovers, res.leftovers
+    return res
+
+
 def assert_trace(run_dir: Path) -> None:
     """The run's event log replays through the core's model with no divergence (a job
     that stopped before training started has nothing to replay)."""

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jobs import LOOP_POINTS, digests_equal, explain
-
-from leto.backends.gloo.harness import run_local
+from jobs import LOOP_POINTS, digests_equal, explain, script_job
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "ddp_loop.py")
 STEPS = 12
@@ -16,21 +14,8 @@ POINTS = LOOP_POINTS
 
 
 def _run(run_dir: Path, code: str, faults: list | None, args: list[str]):  # type: ignore[no-untyped-def]
-    cfg = run_dir.parent / f"{run_dir.name}.toml"
-    cfg.write_text(
-        f'[leto]\nbackend = "gloo"\ntopology = "1x2"\nchunk_size = 256\n'
-        f'tier2_interval = 3\ntier1_code = "{code}"\n'
-    )
-    res = run_local(
-        EXAMPLE,
-        run_dir=run_dir,
-        faults=faults,
-        extra=["--quiet", "--hang-timeout", "3", "--heartbeat", "0.25"],
-        script_args=["--config", str(cfg), "--steps", str(STEPS), *args],
-        timeout=240,
-    )
-    assert not res.leftovers, res.leftovers
-    return res
+    settings = f'chunk_size = 256\ntier2_interval = 3\ntier1_code = "{code}"\n'
+    return script_job(EXAMPLE, run_dir, settings, ["--steps", str(STEPS), *args], faults)
 
 
 def test_user_loop_killed_at_every_phase_is_bitwise(session_dir: Path) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import digests_equal, explain, job
+from jobs import digests_equal, explain, job, script_job
 from test_recovery import PHASES  # every point of a step
 
-from leto.backends.gloo.harness import JobResult, run_local
+from leto.backends.gloo.harness import JobResult
 
 STEPS = 15
 ENV = {"CHUNK": "32"}  # 258 elements: 9 chunks unsharded, 5 per rank sharded over 2
@@ -91,21 +91,8 @@ def _loop(
     faults: list[dict[str, Any]] | None = None,
     steps: int = LOOP_STEPS,
 ) -> JobResult:
-    cfg = run_dir.parent / f"{run_dir.name}.toml"
-    cfg.write_text(
-        '[leto]\nbackend = "gloo"\ntopology = "1x2"\nchunk_size = 256\ntier2_interval = 3\n'
-        f'tier1_code = "parity"\nshard = {str(shard).lower()}\n'
-    )
-    res = run_local(
-        LOOP,
-        run_dir=run_dir,
-        faults=faults,
-        extra=["--quiet", "--hang-timeout", "3", "--heartbeat", "0.25"],
-        script_args=["--config", str(cfg), "--steps", str(steps), "--clip", clip],
-        timeout=240,
-    )
-    assert not res.leftovers, res.leftovers
-    return res
+    settings = f'chunk_size = 256\ntier2_interval = 3\ntier1_code = "parity"\nshard = {str(shard).lower()}\n'
+    return script_job(LOOP, run_dir, settings, ["--steps", str(steps), "--clip", clip], faults)
 
 
 def test_user_loop_sharded_is_bitwise_pure_dp_and_recovers_with_session_clip(

@@ -590,6 +590,7 @@ class Follower:
         if self.s.cfg.tier2 and snapshot:
             self._check_deferred(self.s.gen)  # every chunk is copied into the snapshot
         meta = self.s.snapshots.take(target) if self.s.cfg.tier2 and snapshot else None
+        lay.derive_params()  # master weights: bf16/fp16 parameters cast from the target's
         self.s.memory.gather_params()  # sharded: the model's parameters at the target
         dist.barrier()
         return meta

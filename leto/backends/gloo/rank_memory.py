@@ -106,6 +106,7 @@ class RankMemory:
             # before its commit); checking each chunk again at its undo copy would
             # read the whole state a second time for nothing
             verify=False,
+            master_weights=bool(s.cfg.master_weights),
         )
 
     def _bind_shard(self, *, attach: bool) -> None:

@@ -122,6 +122,13 @@ def wrap_gloo(
             "a GradScaler is not supported with sharded state yet (its inf/NaN check "
             "would see one shard of the gradients)",
         )
+    if config.master_weights and scaler is not None and scaler.is_enabled():
+        raise ConfigError(
+            "master_weights",
+            "a GradScaler is not supported with float32 master weights on gloo yet (it "
+            "unscales the bf16/fp16 .grad, which the float32 gradients replace); bf16 "
+            "needs no loss scaling",
+        )
     session = GlooSession(ch, spec, model, optimizer, scheduler, sampler, config, step_fn)
     loop = UserLoop(
         session,

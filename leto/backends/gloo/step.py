@@ -307,22 +307,28 @@ class UserLoop:
         flags = buf[n:].tolist()
         if plan is None:
             self.present = [bool(c > 0) for c in flags]
+            derived = set(lay.derived)
             for i, prm in enumerate(lay.params):
-                prm.grad = lay.grad_view(i) if self.present[i] else None
+                if not self.present[i]:
+                    prm.grad = None
+                elif i in derived:  # bf16/fp16: its float32 gradients are in retained memory
+                    prm.grad = self._refusing(prm, _MASTER_GRAD)
+                else:
+                    prm.grad = lay.grad_view(i)
         else:
             self.present = plan.present_pieces(s.rank, flags)
             for prm, c in zip(self._params(), flags, strict=True):
-                prm.grad = self._refusing(prm) if c > 0 else None
+                prm.grad = self._refusing(prm, _SHARDED_GRAD) if c > 0 else None
         self.reduced = True
 
-    def _refusing(self, p: torch.Tensor) -> torch.Tensor:
-        """A sharded parameter's ``.grad`` after the reduce: this rank holds only its
-        shard of the reduced gradients (in retained memory), so any use of it stops the
-        job with one line naming what to call instead (:class:`_ShardedGrad`)."""
-        _ShardedGrad.fatal = self.s._fatal
-        return torch.Tensor._make_subclass(
-            _ShardedGrad, torch.zeros((), dtype=p.dtype).expand(p.shape)
-        )
+    def _refusing(self, p: torch.Tensor, why: str) -> torch.Tensor:
+        """A parameter's ``.grad`` after the reduce that holds no gradient: sharded (this
+        rank holds only its shard of the reduced gradients, in retained memory) or derived
+        from a float32 master (its gradients are float32, in retained memory). Any use of
+        it stops the job with one line naming what to call instead (:class:`_RefusedGrad`)."""
+        _RefusedGrad.fatal = self.s._fatal
+        cls = _SHARDED if why is _SHARDED_GRAD else _MASTER
+        return torch.Tensor._make_subclass(cls, torch.zeros((), dtype=p.dtype).expand(p.shape))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the reduced gradients of this step by their global norm (torch's
@@ -337,9 +343,10 @@ class UserLoop:
                 "session.clip_grad_norm_(): no gradients were reduced since the batch was "
                 "drawn (call it after the last loss.backward())"
             )
-        if s.full is None:
+        if s.full is None and not s.layout.derived:
             return torch.nn.utils.clip_grad_norm_(self._params(), max_norm, norm_type)
         out = torch.zeros(())
+        sharded = s.full is not None
 
         def clip() -> None:
             g = s.layout.grad_buffer
@@ -347,7 +354,8 @@ class UserLoop:
             inf = p == float("inf")
             local = g.abs().max() if inf else torch.linalg.vector_norm(g, p) ** p
             t = local.reshape(1).clone()
-            _coll(dist.all_reduce, t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+            if sharded:  # every rank's shard; unsharded, the buffer is the whole gradient
+                _coll(dist.all_reduce, t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
             total = t[0] if inf else t[0] ** (1.0 / p)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             assert s.keeper is not None
@@ -406,18 +414,36 @@ class UserLoop:
         )
 
 
-class _ShardedGrad(torch.Tensor):
-    """What a parameter's ``.grad`` is after a sharded reduce: any use stops the job."""
+_SHARDED_GRAD = (
+    "shard = true: a parameter's .grad holds no gradient after the reduce (each rank "
+    "keeps only its shard): clip with session.clip_grad_norm_(max_norm), not "
+    "torch.nn.utils.clip_grad_norm_"
+)
+_MASTER_GRAD = (
+    "master_weights = true: a bf16/fp16 parameter's .grad holds no gradient after the "
+    "reduce (its float32 gradients are in retained memory): clip with "
+    "session.clip_grad_norm_(max_norm), not torch.nn.utils.clip_grad_norm_"
+)
+
+
+class _RefusedGrad(torch.Tensor):
+    """What a parameter's ``.grad`` is after a reduce that keeps its gradients elsewhere:
+    any use stops the job with its class's ``why``."""
 
     fatal: Any = None
+    why = ""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        cls.fatal(
-            "shard = true: a parameter's .grad holds no gradient after the reduce (each rank "
-            "keeps only its shard): clip with session.clip_grad_norm_(max_norm), not "
-            "torch.nn.utils.clip_grad_norm_"
-        )
+        _RefusedGrad.fatal(cls.why)
+
+
+class _SHARDED(_RefusedGrad):
+    why = _SHARDED_GRAD
+
+
+class _MASTER(_RefusedGrad):
+    why = _MASTER_GRAD
 
 
 def finite_update(st: dict[str, Any]) -> dict[str, Any]:

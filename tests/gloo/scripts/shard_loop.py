@@ -2,7 +2,8 @@
 
 Arguments: --config, --steps, --clip {session,torch,none}: clip with
 session.clip_grad_norm_, with torch.nn.utils.clip_grad_norm_ (refused when sharded), or
-not at all. The model's parameters' SHA-256 goes to RUN_DIR/params-rank<r> at the end.
+not at all; --bf16: the model in bfloat16 (with master_weights = true in the config:
+float32 masters). The model's parameters' SHA-256 goes to RUN_DIR/params-rank<r> at the end.
 """
 
 import argparse
@@ -23,6 +24,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--config")
 p.add_argument("--steps", type=int, default=12)
 p.add_argument("--clip", default="session")
+p.add_argument("--bf16", action="store_true")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -34,6 +36,8 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 sampler = DistributedSampler(data, world, rank, seed=0)
 loader = DataLoader(data, batch_size=16, sampler=sampler)
 model = nn.Sequential(nn.Linear(12, 48), nn.GELU(), nn.Dropout(0.1), nn.Linear(48, 3))
+dtype = torch.bfloat16 if args.bf16 else torch.float32
+model = model.to(dtype)
 opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
 session = leto.wrap(model, opt, sched, loader, config=args.config)
@@ -42,7 +46,7 @@ for x, y in session.batches(args.steps):
     opt.zero_grad()
     for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
         with contextlib.nullcontext() if i == 1 else session.no_sync():
-            loss = F.cross_entropy(model(xm), ym) / 2
+            loss = F.cross_entropy(model(xm.to(dtype)).float(), ym) / 2
             loss.backward()
     if args.clip == "session":
         session.clip_grad_norm_(0.5)
@@ -51,6 +55,8 @@ for x, y in session.batches(args.steps):
     opt.step()
     sched.step()
 
-blob = b"".join(q.detach().numpy().tobytes() for q in model.parameters())
+blob = b"".join(
+    q.detach().reshape(-1).view(torch.uint8).numpy().tobytes() for q in model.parameters()
+)
 with open(os.path.join(os.environ["LETO_RUN_DIR"], f"params-rank{rank}"), "w") as f:
     f.write(hashlib.sha256(blob).hexdigest())

@@ -1,0 +1,58 @@
+"""Float32 master weights on gloo (``master_weights = true``): a bfloat16 model in the
+user's own loop keeps float32 masters, gradients and optimizer state in retained memory;
+its parameters are cast from the masters after every step and every recovery. Killed at
+every phase of a step it ends bitwise its failure-free run; torch's clip on a bf16
+``.grad`` is refused in one line naming ``session.clip_grad_norm_``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from jobs import LOOP_POINTS, digests_equal, explain, script_job
+
+from leto.backends.gloo.harness import JobResult
+
+LOOP = str(Path(__file__).resolve().parent / "scripts" / "shard_loop.py")
+STEPS = len(LOOP_POINTS) + 2
+
+
+def _params(res: JobResult) -> list[str]:
+    return [(res.run_dir / f"params-rank{r}").read_text() for r in range(2)]
+
+
+def _run(
+    run_dir: Path,
+    masters: bool,
+    clip: str,
+    faults: list[dict[str, Any]] | None = None,
+    steps: int = STEPS,
+) -> JobResult:
+    settings = f"chunk_size = 128\ntier2_interval = 3\nmaster_weights = {str(masters).lower()}\n"
+    args = ["--steps", str(steps), "--clip", clip, "--bf16"]
+    return script_job(LOOP, run_dir, settings, args, faults)
+
+
+def test_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(session_dir: Path) -> None:
+    plain = _run(session_dir / "bf16-plain", False, "session")  # bf16 trained in bf16
+    ref = _run(session_dir / "bf16-masters", True, "session")
+    assert plain.ok and ref.ok and ref.digests, explain(plain if not plain.ok else ref)
+    # the masters change the math: the update is float32, rounded once per step
+    assert _params(ref) != _params(plain) and _params(ref)[0] == _params(ref)[1]
+    faults = [
+        {"kind": "crash", "rank": i % 2, "step": i + 2, **k} for i, k in enumerate(LOOP_POINTS)
+    ]
+    res = _run(session_dir / "bf16-masters-kills", True, "session", faults)
+    assert res.ok, explain(res)
+    assert len(res.recoveries) == len(LOOP_POINTS), res.recoveries
+    assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
+    assert _params(res) == _params(ref)  # the bf16 parameters too: cast from the masters
+
+
+def test_torch_clip_on_a_bf16_grad_is_refused_in_one_line(session_dir: Path) -> None:
+    res = _run(session_dir / "bf16-torch-clip", True, "torch", steps=2)
+    assert not res.ok
+    (failed,) = res.of("job_failed")
+    assert "master_weights = true: a bf16/fp16 parameter's .grad holds no gradient" in str(
+        failed
+    ), failed
