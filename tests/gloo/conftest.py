@@ -24,6 +24,7 @@ import pytest
 from leto.backends.gloo.procs import processes_with as tagged_pids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # jobs.py
+from etcd import EtcdCluster  # noqa: E402
 from jobs import assert_trace  # noqa: E402
 
 
@@ -68,3 +69,13 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     d = tmp_path_factory.mktemp("shared-jobs")
     yield d
     _guard(str(d), before)
+
+
+@pytest.fixture
+def etcd_cluster(tag: str, tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A 3-member etcd cluster on 127.0.0.1 of this test's own (fails if etcd is missing)."""
+    cluster = EtcdCluster(tmp_path / "etcd")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,130 @@
+"""The job's etcd store (leto.backends.gloo.etcdstore) against a real 3-member cluster:
+signed records, compare-and-swap by revision, leases, one member lost, and endpoints
+that answer what etcd never sends (each costs that one connection, never the store)."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from etcd import EtcdCluster
+
+from leto.backends.gloo.etcdstore import MAX_RESPONSE, EtcdStore, StoreError
+
+SECRET = b"s" * 32
+
+
+class _Junk(BaseHTTPRequestHandler):
+    """An HTTP server on 127.0.0.1 that answers every request with something bad."""
+
+    answers = [
+        (200, b"not json at all"),
+        (200, b"[" * 100_000),
+        (200, b"x" * (MAX_RESPONSE + 10)),
+        (200, b'{"header": {"revision": "12abc"}, "succeeded": true}'),
+        (503, b"etcdserver: request timed out"),
+    ]
+    n = 0
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        code, body = _Junk.answers[_Junk.n % len(_Junk.answers)]
+        _Junk.n += 1
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST  # noqa: N815 - the version request
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def junk() -> Iterator[tuple[str, int]]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Junk)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield ("127.0.0.1", srv.server_address[1])
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_records_are_signed_and_swapped_by_revision(etcd_cluster: EtcdCluster) -> None:
+    s = EtcdStore(etcd_cluster.endpoints, "job-a", SECRET)
+    assert s.get("gen") is None
+    rev = s.write({"gen": 0}, [("gen", {"gen": 0})])  # create: the key must not exist
+    assert rev is not None
+    assert s.write({"gen": 0}, [("gen", {"gen": 9})]) is None  # it exists now
+    e = s.get("gen")
+    assert e is not None and e.value == {"gen": 0} and e.mod_revision == rev
+    # a commit guarded by the generation's revision: refused once the generation moved
+    assert s.write({"gen": rev}, [("commit", {"step": 1, "gen": 0})]) is not None
+    moved = s.write({"gen": rev}, [("gen", {"gen": 1})])
+    assert moved is not None and moved > rev
+    assert s.write({"gen": rev}, [("commit", {"step": 2, "gen": 0})]) is None
+    c = s.get("commit")
+    assert c is not None and c.value == {"step": 1, "gen": 0}
+    # another job's store (another id) sees nothing of it; a stranger's secret is refused
+    assert EtcdStore(etcd_cluster.endpoints, "job-b", SECRET).get("commit") is None
+    stranger = EtcdStore(etcd_cluster.endpoints, "job-a", b"t" * 32)
+    with pytest.raises(StoreError, match="not signed with this job's secret"):
+        stranger.get("commit")
+    # a value someone wrote by hand (not a leto record): refused in one line
+    raw = s._post(  # noqa: SLF001 - a put without the seal, as etcdctl would do it
+        "kv/put",
+        {
+            "key": base64.b64encode(s.key("commit").encode()).decode(),
+            "value": base64.b64encode(b'{"step": 99}').decode(),
+        },
+        lambda a: a,
+    )
+    assert raw
+    with pytest.raises(StoreError, match="commit is not a leto record") as err:
+        s.get("commit")
+    assert "\n" not in str(err.value)
+    # a lease: kept alive, and its key cleared with the job
+    lease = s.grant(5)
+    assert 0 < s.refresh(lease) <= 5
+    assert s.write({"job": 0}, [("job", {"node": 0})], lease=lease, clear="r/") is not None
+    s.revoke(lease)
+    assert s.get("job") is None
+    with pytest.raises(StoreError, match="expired"):
+        s.refresh(lease)
+    s.clear_all()
+    assert s.get("gen") is None
+    s.close()
+
+
+def test_a_lost_member_and_bad_answers_cost_one_connection(
+    etcd_cluster: EtcdCluster, junk: tuple[str, int]
+) -> None:
+    # the first endpoint answers garbage each time: the store moves on, every call works
+    s = EtcdStore([junk, *etcd_cluster.endpoints], "job-c", SECRET, patience=5.0)
+    for i in range(len(_Junk.answers)):
+        s.current = 0
+        assert s.put("commit", {"step": i, "gen": 0}) > 0
+    assert s.failovers >= len(_Junk.answers)
+    got = s.get("commit")
+    assert got is not None and got.value == {"step": len(_Junk.answers) - 1, "gen": 0}
+    # one member of three killed (the one the store talks to): the next answers
+    s2 = EtcdStore(etcd_cluster.endpoints, "job-c", SECRET)
+    s2.ping()
+    etcd_cluster.kill(0)
+    for step in range(5):
+        assert s2.put("commit", {"step": step, "gen": 0}) > 0
+    assert s2.current != 0
+    # nothing but bad endpoints: one line, within the patience
+    bad = EtcdStore(
+        [junk, ("127.0.0.1", etcd_cluster.client_ports[0])], "job-c", SECRET, patience=1.0
+    )
+    with pytest.raises(StoreError) as err:
+        bad.get("commit")
+    line = str(err.value)
+    assert "no member answered" in line and "\n" not in line
+    s.close()
+    s2.close()
+    bad.close()
