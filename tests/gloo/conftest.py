@@ -25,7 +25,9 @@ from leto.backends.gloo.procs import processes_with as tagged_pids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # jobs.py
 from etcd import EtcdCluster  # noqa: E402
-from jobs import assert_trace  # noqa: E402
+from jobs import STEPS_2x2, assert_trace, explain, job  # noqa: E402
+
+from leto.backends.gloo.harness import JobResult  # noqa: E402
 
 
 def shm_entries() -> set[str]:
@@ -69,6 +71,14 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     d = tmp_path_factory.mktemp("shared-jobs")
     yield d
     _guard(str(d), before)
+
+
+@pytest.fixture(scope="session")
+def ref_2x2(session_dir: Path) -> JobResult:
+    """The failure-free 2 nodes x 2 ranks job (c10d) that 2 x 2 jobs are compared with."""
+    res = job(session_dir / "ref-2x2", nnodes=2, nproc=2, steps=STEPS_2x2)
+    assert res.ok and res.digests, explain(res)
+    return res
 
 
 @pytest.fixture

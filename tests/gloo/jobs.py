@@ -14,6 +14,7 @@ from leto.spec.trace import InputError, check
 
 HERE = Path(__file__).resolve().parent
 TRAIN = str(HERE / "scripts" / "train.py")
+STEPS_2x2 = 10  # the steps of the 2 x 2 jobs compared with conftest's ref_2x2
 
 
 def job(
@@ -29,6 +30,7 @@ def job(
     timeout: float = 150.0,
     respawn: bool = True,
     spares: int = 0,
+    rdzv: list[str] | None = None,
 ) -> JobResult:
     e = {"TOPO": f"{nnodes}x{nproc}", "STEPS": str(steps), **(env or {})}
     res = run_local(
@@ -42,6 +44,7 @@ def job(
         timeout=timeout,
         respawn_lost_nodes=respawn,
         spares=spares,
+        rdzv=rdzv,
     )
     assert not res.leftovers, f"processes left running after the job: {res.leftovers}"
     assert_trace(res.run_dir)

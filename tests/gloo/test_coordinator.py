@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from leto.backends.gloo.commit_record import RecordError
 from leto.backends.gloo.coordinator import Coordinator, CoordinatorOptions
 from leto.backends.gloo.eventlog import EventLog
 from leto.backends.gloo.messages import Fail, decode
@@ -420,3 +421,52 @@ def test_the_step_record_follows_the_model_when_a_gather_was_flushed_early() -> 
     assert h.c.state is not None and h.c.state.step == (1, 1)
     rep = replay(enumerate(h.log.records, 1))
     assert rep.divergence is None, rep.line()
+
+
+class _Record:
+    """A commit record that notes what the coordinator had sent when it was written."""
+
+    def __init__(self, c: Coordinator) -> None:
+        self.c = c
+        self.calls: list[tuple[str, int, list[str]]] = []
+        self.broken = False
+
+    def _note(self, what: str, n: int) -> None:
+        self.calls.append((what, n, [m.TAG for _, m in self.c.outbox]))
+        if self.broken:
+            raise RecordError(f"cannot write the {what} to etcd: no member answered")
+
+    def commit(self, step: int, gen: int) -> None:
+        self._note("commit", step)
+
+    def fence(self, gen: int) -> None:
+        self._note("fence", gen)
+
+    def stats(self) -> dict[str, Any]:
+        return {"backend": "test", "writes": len(self.calls)}
+
+
+def test_commit_and_fence_are_recorded_before_they_are_sent() -> None:
+    h = Harness()
+    rec = h.c.record = _Record(h.c)
+    h.step(1)  # asserts that commit(1) went out
+    assert rec.calls == [("commit", 1, [])]
+    out = h.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
+    assert rec.calls[-1] == ("fence", 1, ["abort"])  # recorded before the fence order
+    assert (None, {"t": "fence", "gen": 1, "kill": []}) in out
+    # a record that cannot be written stops the job: the commit is never sent
+    h2 = Harness()
+    rec2 = h2.c.record = _Record(h2.c)
+    rec2.broken = True
+    for r in range(h2.W):
+        out = h2.send(0, {"t": "vote", "rank": r, "step": 1, "gen": 0})
+    assert [m["t"] for _, m in out] == ["fail"]
+    assert h2.c.failed == "cannot write the commit to etcd: no member answered"
+    # and a fence that cannot be recorded: no agent is told to fence
+    h3 = Harness()
+    h3.step(1)
+    rec3 = h3.c.record = _Record(h3.c)
+    rec3.broken = True
+    out = h3.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
+    assert [m["t"] for _, m in out] == ["abort", "fail"]
+    assert h3.c.failed == "cannot write the fence to etcd: no member answered"

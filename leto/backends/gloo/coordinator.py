@@ -10,8 +10,9 @@ node, message)``).
 Training path, per step ``V``: every rank's ``vote`` (gradients sealed, gradient
 parity written, prepare record in its node's memory) -> once all ``W`` are in, the
 step's ``Compute``/``Reduce``/``Prepare`` of every rank and ``Decide`` are fed and
-``commit(V)`` is broadcast (COMMIT lives here, outside every trainer), as one
-aggregated ``CommitStep(V)``. Each rank's ``finished(V)`` is judged on arrival (the
+``commit(V)`` is broadcast, as one aggregated ``CommitStep(V)``: COMMIT is recorded
+first, outside every trainer (:mod:`.commit_record`: here, or in etcd with
+``--rdzv-backend etcd``), and only then sent. Each rank's ``finished(V)`` is judged on arrival (the
 model's guard of ``ApplyStep(V, [rank])``) and gathered; the step's ``ApplyStep(V,
 ranks)`` (its ``BeginChunk``/``EndChunk``/``ParityChunk`` per chunk and ``Finish`` of
 each rank, :mod:`leto.core.aggregate`) is fed once every rank finished, or before
@@ -30,6 +31,7 @@ Recovery (a failure report, then the core's schedule to ``Resume``) is carried o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,7 @@ from leto.core.trainer import TrainerState
 from leto.spec.trace import CoreSetup, Item, Snapshot
 
 from . import messages as M
+from .commit_record import CommitRecord, Embedded, RecordError
 from .eventlog import EventLog
 from .model_feed import ModelFeeder
 from .recovery_driver import Recovery, RecoveryDriver, Wait, failed_what
@@ -73,12 +76,14 @@ class Coordinator:
         *,
         log: EventLog,
         options: CoordinatorOptions | None = None,
+        record: CommitRecord | None = None,
     ) -> None:
         self.topology = Topology.uniform(nodes, per_node)
         self.W = nodes * per_node
         self.log = log
         self.opt = options or CoordinatorOptions()
         self.outbox: list[Out] = []
+        self.record: CommitRecord = record if record is not None else Embedded()
         self.model: ClusterModel | None = None
         self.state: ClusterState | None = None
         self.info: dict[str, Any] = {}  # from the trainers' ready reports
@@ -129,6 +134,16 @@ class Coordinator:
         self.failed = message
         self.log.write("job_failed", error=message, **fields)
         self._send(None, M.Fail(error=message))
+
+    def durable(self, write: Callable[[], None]) -> bool:
+        """Write a COMMIT or a fence to the commit record; a record that cannot be written
+        stops the job with its line (False)."""
+        try:
+            write()
+        except RecordError as e:
+            self.fail(str(e))
+            return False
+        return True
 
     # ------------------------------------------------------------------ inputs
 
@@ -350,6 +365,8 @@ class Coordinator:
             return
         self.feeder.run([ev.CommitStep(step)], f"the votes for step {step}")
         del self.votes[step]
+        if not self.durable(lambda: self.record.commit(step, s.gen)):
+            return  # not durable: no chunk may move on it
         self._send(None, M.Commit(step=step, gen=s.gen))
 
     def _on_finished(self, msg: M.Finished) -> None:
@@ -433,6 +450,7 @@ class Coordinator:
             self.fail(f"ranks finished at different steps: {sorted(steps)}")
             return
         self.complete = True
+        self.log.write("commit_record", **self.record.stats())
         self.log.write(
             "training_done",
             step=steps.pop(),

@@ -275,6 +275,8 @@ class RecoveryDriver:
         hung = [r for r, t in enumerate(s.trainer) if t is TrainerState.HUNG]
         self.c.feeder.feed_event(ev.Fence())
         gen = self.c.generation
+        if not self.c.durable(lambda: self.c.record.fence(gen)):
+            return  # the new generation is not recorded: no agent may act on it
         assert self.c.rec is not None
         self.c.rec.generation = gen
         self.c._send(None, M.Fence(gen=gen, kill=hung))
