@@ -23,7 +23,9 @@ MEMBERS = 3
 
 
 class EtcdCluster:
-    def __init__(self, root: Path, members: int = MEMBERS) -> None:
+    def __init__(
+        self, root: Path, members: int = MEMBERS, client_ports: list[int] | None = None
+    ) -> None:
         exe = shutil.which("etcd")
         if exe is None:
             pytest.fail(
@@ -32,7 +34,8 @@ class EtcdCluster:
                 pytrace=False,
             )
         self.root = root
-        self.client_ports = [free_port() for _ in range(members)]
+        self.client_ports = client_ports or [free_port() for _ in range(members)]
+        members = len(self.client_ports)
         self.peer_ports = [free_port() for _ in range(members)]
         names = [f"m{i}" for i in range(members)]
         initial = ",".join(
