@@ -71,6 +71,7 @@ __all__ = [
     "decode",
     "describe",
     "encode",
+    "rebuild",
     "replay",
     "run",
 ]
@@ -579,6 +580,25 @@ def replay(records: Iterable[tuple[int, dict[str, Any]]], path: str = "<records>
         if name in _CHECKED:
             r.checked += 1
     return TraceReport(path, lines, r.core_records, r.events, r.checked, None)
+
+
+def rebuild(records: Iterable[dict[str, Any]]) -> tuple[ClusterModel, ClusterState]:
+    """The model and its state after the ``core_init`` and ``core`` records, replayed as
+    they were fed (other records pass by): how a coordinator that takes over rebuilds
+    its predecessor's model. :class:`TraceError` if they do not replay."""
+    r = _Replay()
+    for n, rec in enumerate(records):
+        name = rec.get("event")
+        if name not in ("core_init", "core"):
+            continue
+        try:
+            _CHECKS[str(name)](r, rec)
+        except _Diverged as d:
+            raise TraceError(f"record {n} ({name}) does not replay: {d}") from None
+    try:
+        return r.live()
+    except _Diverged:
+        raise TraceError("no core_init record: nothing to rebuild") from None
 
 
 def read(path: str | Path) -> tuple[Path, list[tuple[int, dict[str, Any]]]]:

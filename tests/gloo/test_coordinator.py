@@ -5,14 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from etcd import EtcdCluster
 
-from leto.backends.gloo.commit_record import RecordError
+from leto.backends.gloo.commit_record import CommitRecord, EtcdRecord, RecordError
 from leto.backends.gloo.coordinator import Coordinator, CoordinatorOptions
+from leto.backends.gloo.etcdstore import EtcdStore
 from leto.backends.gloo.eventlog import EventLog
 from leto.backends.gloo.messages import Fail, decode
 from leto.core.chunk import LOST, NONE, TORN
 from leto.core.recovery import Phase
-from leto.spec.trace import replay
+from leto.spec.trace import rebuild, replay
 
 CHUNKS = 2
 
@@ -36,9 +38,18 @@ def ready(r: int, **kw: Any) -> dict[str, Any]:
 
 
 class Harness:
-    def __init__(self, nodes: int = 1, per_node: int = 2, warm: bool = True, **opts: Any) -> None:
+    def __init__(
+        self,
+        nodes: int = 1,
+        per_node: int = 2,
+        warm: bool = True,
+        record: CommitRecord | None = None,
+        **opts: Any,
+    ) -> None:
         self.log = EventLog(None)
-        self.c = Coordinator(nodes, per_node, log=self.log, options=CoordinatorOptions(**opts))
+        self.c = Coordinator(
+            nodes, per_node, log=self.log, options=CoordinatorOptions(**opts), record=record
+        )
         self.W = nodes * per_node
         self.now = 0.0
         for n in range(nodes):
@@ -52,6 +63,8 @@ class Harness:
     def send(self, node: int, msg: dict[str, Any]) -> list[tuple[int | None, dict[str, Any]]]:
         self.now += 0.001
         self.c.handle(node, decode(msg), self.now)
+        if self.c.outbox:
+            self.c.make_durable()  # as the agent does before it sends the outbox
         out, self.c.outbox = self.c.outbox, []
         return [(n, m.to_wire()) for n, m in out]
 
@@ -442,6 +455,12 @@ class _Record:
     def fence(self, gen: int) -> None:
         self._note("fence", gen)
 
+    def note(self, record: dict[str, Any]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
     def stats(self) -> dict[str, Any]:
         return {"backend": "test", "writes": len(self.calls)}
 
@@ -470,3 +489,58 @@ def test_commit_and_fence_are_recorded_before_they_are_sent() -> None:
     out = h3.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
     assert [m["t"] for _, m in out] == ["abort", "fail"]
     assert h3.c.failed == "cannot write the fence to etcd: no member answered"
+
+
+def _recover_rank_1(h: Harness, step: int) -> None:
+    """A crash of rank 1 after ``step``, recovered in place at generation 1."""
+    h.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
+    h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    h.send(0, {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0})
+    h.send(0, report(0, 1, step))
+    h.send(0, report(1, 1, step, node_par=None))
+    for r in (0, 1):
+        h.send(0, {"t": "reconciled", "rank": r, "gen": 1, "snapshot": None})
+    for r in (0, 1):
+        out = h.send(0, {"t": "rebuilt", "rank": r, "gen": 1})
+    assert out == [(None, {"t": "resume", "gen": 1, "step": step, "t2": 0})]
+
+
+def test_a_successor_rebuilds_the_model_from_etcd_and_fences_the_old_coordinator(
+    etcd_cluster: EtcdCluster,
+) -> None:
+    secret = b"k" * 32
+    store = EtcdStore(etcd_cluster.endpoints, "take-over", secret)
+    rec = EtcdRecord(store)
+    rec.start()
+    h = Harness(record=rec)
+    for step in (1, 2):
+        h.step(step)
+    _recover_rank_1(h, 2)
+    h.step(3, gen=1)
+    # what the coordinator fed is in etcd: a successor replays it to the same state
+    successor = EtcdRecord(EtcdStore(etcd_cluster.endpoints[::-1], "take-over", secret))
+    records, commit = successor.take_over()
+    fed = [
+        {k: v for k, v in r.items() if k not in ("t", "t_rel")}
+        for r in h.log.records
+        if r["event"] in ("core_init", "core")
+    ]
+    # all but what no message has followed yet: the ranks' finish of step 3 (a model one
+    # ApplyStep behind is what a recovery's adoption of the retained truth catches up)
+    assert rec.pending == [{"event": "core", "feed": [["ApplyStep", 3, [0, 1]]]}]
+    assert records == fed[: len(fed) - len(rec.pending)]
+    _, state = rebuild(records)
+    assert state == rebuild(fed[:-1])[1] and rebuild(fed)[1] == h.c.state
+    assert state.committed == 3 and state.gen == 1
+    assert commit == {"step": 3, "gen": 1}
+    # the old coordinator can record nothing more: its next commit stops its job
+    for r in range(h.W):
+        out = h.send(0, {"t": "vote", "rank": r, "step": 4, "gen": 1})
+    assert [m["t"] for _, m in out] == ["fail"]
+    assert h.c.failed is not None and "another coordinator fenced this one" in h.c.failed
+    assert "\n" not in h.c.failed
+    # one append per commit or fence on the training path; a flush only where a
+    # recovery message follows from a model input (promote, reports, reconcile, ...)
+    st = rec.stats()
+    assert st["commits"] == 3 and st["fences"] == 1 and st["log_appends"] == rec.seq
+    assert st["log_appends"] - st["log_flushes"] == st["commits"] + st["fences"]

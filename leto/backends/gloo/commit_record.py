@@ -15,13 +15,26 @@ records the new generation here before any agent is told to fence.
   else moved on (fencing by generation) cannot record a commit. One transaction per
   step, whatever the number of ranks or chunks.
 
-A record that cannot be written (etcd unreachable for the store's patience, or the
-generation moved on) is a :class:`RecordError`: the coordinator stops the job with
-its line rather than let a commit that is not durable move a chunk.
+The model's inputs go there too, so that another coordinator can rebuild the model
+(:meth:`EtcdRecord.take_over`, :func:`leto.spec.trace.rebuild`): every ``core_init``
+and ``core`` record the coordinator writes to its event log is noted, and the records
+noted since the last write are appended as one key ``r/log/<n>`` by the next
+transaction, the commit's or the fence's (no extra round trip on the training path),
+or by :meth:`EtcdRecord.flush`, which the agent calls before it sends any message
+that follows from them: what a rank or an agent was told never depends on a model
+input etcd does not hold. Every append is guarded by the revision of ``r/gen`` like
+the commit, and a coordinator that takes over moves that revision first (it rewrites
+``r/gen``) and only then reads the log: after that, the old coordinator can append
+nothing more, so the log read is the whole of what it fed.
+
+A record that cannot be written (etcd unreachable for the store's patience, the
+generation moved on, a record too large) is a :class:`RecordError`: the coordinator
+stops the job with its line rather than let a commit that is not durable move a chunk.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -40,6 +53,10 @@ class CommitRecord(Protocol):
 
     def fence(self, gen: int) -> None: ...
 
+    def note(self, record: dict[str, Any]) -> None: ...
+
+    def flush(self) -> None: ...
+
     def stats(self) -> dict[str, Any]: ...
 
 
@@ -56,6 +73,12 @@ class Embedded:
     def fence(self, gen: int) -> None:
         self.gen = gen
 
+    def note(self, record: dict[str, Any]) -> None:
+        pass  # the event log holds the model's inputs
+
+    def flush(self) -> None:
+        pass
+
     def stats(self) -> dict[str, Any]:
         return {"backend": "c10d"}
 
@@ -65,6 +88,7 @@ class EtcdRecord:
 
     GEN = "r/gen"
     COMMIT = "r/commit"
+    LOG = "r/log/"
 
     def __init__(self, store: EtcdStore, clock: Callable[[], float] = time.perf_counter) -> None:
         self.store = store
@@ -75,6 +99,11 @@ class EtcdRecord:
         self.fences = 0
         self.seconds = 0.0
         self.slowest = 0.0
+        self.pending: list[dict[str, Any]] = []  # model records not yet in etcd
+        self.seq = 0  # the next r/log/ key
+        self.appends = 0  # r/log/ keys written
+        self.flushes = 0  # appends that needed a transaction of their own
+        self.log_bytes = 0
 
     def start(self, gen: int = 0) -> None:
         """The job's first generation record (the job's keys were cleared by its claim)."""
@@ -82,10 +111,15 @@ class EtcdRecord:
         self.gen_revision = self._write({}, self.GEN, {"gen": gen}, "the generation record")
 
     def _write(self, guards: dict[str, int], name: str, value: dict[str, Any], what: str) -> int:
+        puts = [(name, value)] if name else []
+        log = None
+        if self.pending:  # the model's inputs so far ride along
+            log = (f"{self.LOG}{self.seq:012d}", {"records": self.pending})
+            puts.append(log)
         t0 = self.clock()
         try:
-            rev = self.store.write(guards, [(name, value)])
-        except StoreError as e:
+            rev = self.store.write(guards, puts)
+        except (StoreError, ValueError) as e:
             raise RecordError(f"cannot write {what} to etcd: {e}") from None
         took = self.clock() - t0
         self.seconds += took
@@ -95,7 +129,47 @@ class EtcdRecord:
                 f"cannot write {what} to etcd: the generation record moved past generation "
                 f"{self.gen} (another coordinator fenced this one)"
             )
+        if log is not None:
+            self.seq += 1
+            self.appends += 1
+            self.log_bytes += len(json.dumps(log[1], separators=(",", ":")))
+            self.pending = []
         return rev
+
+    def note(self, record: dict[str, Any]) -> None:
+        """A model record (``core_init``, ``core``) the coordinator just wrote to its log."""
+        self.pending.append(record)
+
+    def flush(self) -> None:
+        """The noted records into etcd now (before a message that follows from them)."""
+        if self.pending:
+            self._write({self.GEN: self.gen_revision}, "", {}, "the model's inputs")
+            self.flushes += 1
+
+    def take_over(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """Another coordinator's record, taken over: ``r/gen`` rewritten first (its
+        revision moves, so the old coordinator can write nothing more), then the whole
+        log read. The model records, in order, and the last COMMIT (or None)."""
+        try:
+            gen = self.store.get(self.GEN)
+            if gen is None:
+                raise RecordError(f"no generation record {self.store.key(self.GEN)} in etcd")
+            self.gen = int(gen.value["gen"])
+            rev = self.store.write({self.GEN: gen.mod_revision}, [(self.GEN, gen.value)])
+            if rev is None:
+                raise RecordError("the generation record moved while it was taken over")
+            self.gen_revision = rev
+            log = self.store.scan(self.LOG)
+            commit = self.store.get(self.COMMIT)
+        except (StoreError, KeyError, TypeError, ValueError) as e:
+            raise RecordError(f"cannot take the commit record over: {e}") from None
+        records: list[dict[str, Any]] = []
+        for n, (name, entry) in enumerate(log):
+            if name != f"{self.LOG}{n:012d}" or not isinstance(entry.value.get("records"), list):
+                raise RecordError(f"the model's log in etcd is not whole at {name}")
+            records += entry.value["records"]
+        self.seq = len(log)
+        return records, None if commit is None else commit.value
 
     def commit(self, step: int, gen: int) -> None:
         self._write({self.GEN: self.gen_revision}, self.COMMIT, {"step": step, "gen": gen},
@@ -110,12 +184,16 @@ class EtcdRecord:
         self.fences += 1
 
     def stats(self) -> dict[str, Any]:
-        n = self.writes + self.fences
+        n = self.writes + self.fences + self.flushes  # every transaction timed
         return {
             "backend": "etcd",
             "commits": self.writes,
             "fences": self.fences,
+            "transactions": n,
             "ms_mean": round(1000 * self.seconds / n, 3) if n else None,
             "ms_max": round(1000 * self.slowest, 3),
             "failovers": self.store.failovers,
+            "log_appends": self.appends,
+            "log_flushes": self.flushes,
+            "log_bytes": self.log_bytes,
         }

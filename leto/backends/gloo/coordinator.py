@@ -135,6 +135,22 @@ class Coordinator:
         self.log.write("job_failed", error=message, **fields)
         self._send(None, M.Fail(error=message))
 
+    def model_record(self, name: str, **fields: Any) -> None:
+        """A record of what the model was fed (``core_init``, ``core``): to the event log,
+        and to the commit record (where another coordinator can replay it)."""
+        self.log.write(name, **fields)
+        self.record.note({"event": name, **fields})
+
+    def make_durable(self) -> None:
+        """Before the outbox leaves: every model record so far is in the commit record
+        (a message never follows from an input a successor could not replay); if it
+        cannot be written, only the job's end leaves."""
+        try:
+            self.record.flush()
+        except RecordError as e:
+            self.outbox = [(n, m) for n, m in self.outbox if isinstance(m, M.Fail)]
+            self.fail(str(e))
+
     def durable(self, write: Callable[[], None]) -> bool:
         """Write a COMMIT or a fence to the commit record; a record that cannot be written
         stops the job with its line (False)."""
@@ -327,7 +343,7 @@ class Coordinator:
         self.t2_step = setup.start
         self.model = setup.model()
         self.state = setup.initial(self.model)
-        self.log.write("core_init", **setup.to_record())
+        self.model_record("core_init", **setup.to_record())
         for r, i in self.ready.items():
             self.t2_meta[r] = i.get("snapshot")
         self.log.write(

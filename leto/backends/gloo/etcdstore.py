@@ -37,10 +37,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_RESPONSE", "Entry", "EtcdStore", "StoreError", "valid_job_id"]
+__all__ = ["MAX_RESPONSE", "MAX_VALUE", "Entry", "EtcdStore", "StoreError", "valid_job_id"]
 
-MAX_RESPONSE = 1 << 20  # leto's records are small; a larger answer is not etcd's
-MAX_VALUE = 64 << 10
+MAX_VALUE = 256 << 10  # a record (etcd's own default limit on a request is 1.5 MiB)
+SCAN_PAGE = 8  # records per answer of a scan
+MAX_RESPONSE = 4 << 20  # a page of records, base64: a larger answer is not etcd's
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -261,6 +262,41 @@ class EtcdStore:
         if got is None:
             return None
         return Entry(self._open(name, got[0]), got[1])
+
+    def scan(self, prefix: str) -> list[tuple[str, Entry]]:
+        """Every record whose name starts with ``prefix``, in key order, checked (read
+        in pages of :data:`SCAN_PAGE`)."""
+        start = self.key(prefix).encode()
+        end = start[:-1] + bytes([start[-1] + 1])
+        out: list[tuple[str, Entry]] = []
+
+        def check(a: dict[str, Any]) -> tuple[list[tuple[str, Any, int]], bool]:
+            _revision(a)
+            kvs = a.get("kvs") or []
+            if not isinstance(kvs, list) or len(kvs) > SCAN_PAGE:
+                raise _Retry("a range answer that is not a page of keys")
+            page = []
+            for kv in kvs:
+                if not isinstance(kv, dict) or not isinstance(kv.get("key"), str):
+                    raise _Retry("a key of a range answer that is not one")
+                try:
+                    key = base64.b64decode(kv["key"], validate=True).decode()
+                except (ValueError, UnicodeDecodeError):
+                    raise _Retry("a key that is not base64 of UTF-8") from None
+                if not key.startswith(self.key(prefix)):
+                    raise _Retry(f"a key outside the range asked for: {key[:80]!r}")
+                page.append((key, kv.get("value", ""), _int(kv, "mod_revision")))
+            return page, a.get("more") is True
+
+        while True:
+            body = {"key": _b64(start), "range_end": _b64(end), "limit": str(SCAN_PAGE)}
+            page, more = self._post("kv/range", body, check)
+            for key, value, rev in page:
+                name = key[len(self.prefix) :]
+                out.append((name, Entry(self._open(name, value), rev)))
+            if not more or not page:
+                return out
+            start = page[-1][0].encode() + b"\0"
 
     def put(self, name: str, value: dict[str, Any], *, lease: int = 0) -> int:
         """Write ``name``; the revision it was written at."""

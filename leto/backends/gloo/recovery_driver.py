@@ -457,7 +457,7 @@ class RecoveryDriver:
             what = "the retained state the trainers reported"
             source = f"generation {s.gen}"
             raise ModelRefused(what, source, err, {"adopt": retained.to_record()}) from None
-        self.c.log.write("core", adopt=retained.to_record())
+        self.c.model_record("core", adopt=retained.to_record())
         if self.c.rec is not None:
             self.c.rec.truth_notes.extend(notes)
         if notes:
