@@ -528,7 +528,9 @@ def test_a_successor_rebuilds_the_model_from_etcd_and_fences_the_old_coordinator
     # all but what no message has followed yet: the ranks' finish of step 3 (a model one
     # ApplyStep behind is what a recovery's adoption of the retained truth catches up)
     assert rec.pending == [{"event": "core", "feed": [["ApplyStep", 3, [0, 1]]]}]
-    assert records == fed[: len(fed) - len(rec.pending)]
+    model_records = [r for r in records if r["event"] in ("core_init", "core")]
+    assert model_records == fed[: len(fed) - len(rec.pending)]
+    assert {r["event"] for r in records} == {"core_init", "core", "coordinator_info", "tier2_meta"}
     _, state = rebuild(records)
     assert state == rebuild(fed[:-1])[1] and rebuild(fed)[1] == h.c.state
     assert state.committed == 3 and state.gen == 1
@@ -544,3 +546,56 @@ def test_a_successor_rebuilds_the_model_from_etcd_and_fences_the_old_coordinator
     st = rec.stats()
     assert st["commits"] == 3 and st["fences"] == 1 and st["log_appends"] == rec.seq
     assert st["log_appends"] - st["log_flushes"] == st["commits"] + st["fences"]
+
+
+def test_a_successor_carries_on_exactly_as_its_predecessor_would(
+    etcd_cluster: EtcdCluster,
+) -> None:
+    """Differential: one coordinator never interrupted (embedded record); another whose
+    role a successor takes over from etcd after step 2. Fed the same crash, recovery
+    and steps after that, the successor sends exactly what the first one sends."""
+    secret = b"k" * 32
+    rec = EtcdRecord(EtcdStore(etcd_cluster.endpoints, "carry-on", secret))
+    rec.start()
+    ref, old = Harness(), Harness(record=rec)
+    for h in (ref, old):
+        h.step(1)
+        h.step(2)
+    new_rec = EtcdRecord(EtcdStore(etcd_cluster.endpoints, "carry-on", secret))
+    records, _ = new_rec.take_over()
+    succ = object.__new__(Harness)
+    succ.log, succ.W, succ.per_node, succ.now = EventLog(None), ref.W, ref.per_node, ref.now
+    succ.c = Coordinator(1, 2, log=succ.log, record=new_rec)
+    succ.c.node_up(0, spare=False, now=succ.now)
+    succ.c.take_over(records)
+    assert (succ.c.info, succ.c.t2_step, succ.c.t2_meta) == (
+        ref.c.info,
+        ref.c.t2_step,
+        ref.c.t2_meta,
+    )
+    msgs: list[dict[str, Any]] = [
+        {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"},
+        {"t": "fenced", "node": 0, "gen": 1},
+        {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0},
+        report(0, 1, 2),
+        report(1, 1, 2, node_par=None),
+        *[{"t": "reconciled", "rank": r, "gen": 1, "snapshot": None} for r in (0, 1)],
+        *[{"t": "rebuilt", "rank": r, "gen": 1} for r in (0, 1)],
+        *[{"t": "vote", "rank": r, "step": 3, "gen": 1} for r in (0, 1)],
+        *[{"t": "finished", "rank": r, "step": 3, "gen": 1, "loss": 1.0} for r in (0, 1)],
+    ]
+    sent = []
+    for msg in msgs:
+        want, got = ref.send(0, msg), succ.send(0, msg)
+        assert got == want, msg
+        sent += got
+    assert (None, {"t": "resume", "gen": 1, "step": 2, "t2": 0}) in sent
+    assert (None, {"t": "commit", "step": 3, "gen": 1}) in sent
+    assert succ.c.state == ref.c.state and succ.c.failed is None
+    assert [e["kind"] for e in succ.events("recovery_end")] == ["inplace"]
+    (took,) = succ.events("coordinator_took_over")
+    assert (took["generation"], took["committed"]) == (0, 2)
+    # and the predecessor, fenced by the take-over, can commit nothing more
+    for r in range(old.W):
+        out = old.send(0, {"t": "vote", "rank": r, "step": 3, "gen": 0})
+    assert [m["t"] for _, m in out] == ["fail"]

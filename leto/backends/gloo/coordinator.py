@@ -41,7 +41,7 @@ from leto.core.erasure import Topology
 from leto.core.recovery import Phase
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
-from leto.spec.trace import CoreSetup, Item, Snapshot
+from leto.spec.trace import CoreSetup, Item, Snapshot, rebuild
 
 from . import messages as M
 from .commit_record import CommitRecord, Embedded, RecordError
@@ -140,6 +140,35 @@ class Coordinator:
         and to the commit record (where another coordinator can replay it)."""
         self.log.write(name, **fields)
         self.record.note({"event": name, **fields})
+
+    def set_tier2(self, step: int, meta: dict[int, Any]) -> None:
+        """The tier-2 snapshot of ``step`` is current (each rank's checksums and process
+        state in ``meta``): kept here, and noted for a successor (before the ranks hear)."""
+        self.t2_step = step
+        self.t2_meta = dict(meta)
+        self.record.note(
+            {"event": "tier2_meta", "step": step, "meta": {str(r): m for r, m in meta.items()}}
+        )
+
+    def take_over(self, records: list[dict[str, Any]]) -> None:
+        """A successor: the model rebuilt from its predecessor's records (the commit
+        record's log, :meth:`.commit_record.EtcdRecord.take_over`), with the settings and
+        the tier-2 snapshot they carry; what else it kept (votes, the nodes up, the spare
+        pool) comes back as the agents reconnect and the ranks report."""
+        self.model, self.state = rebuild(records)
+        for rec in records:
+            if rec.get("event") == "coordinator_info":
+                self.info = dict(rec["info"])
+            elif rec.get("event") == "tier2_meta":
+                self.t2_step = int(rec["step"])
+                self.t2_meta = {int(r): m for r, m in rec["meta"].items()}
+        self.ready = dict.fromkeys(range(self.W), {})  # training started long ago
+        self.log.write(
+            "coordinator_took_over",
+            generation=self.state.gen,
+            committed=self.state.committed,
+            records=len(records),
+        )
 
     def make_durable(self) -> None:
         """Before the outbox leaves: every model record so far is in the commit record
@@ -340,12 +369,11 @@ class Coordinator:
             shadows=ShadowState.SPAWNING,
             start=int(self.info.get("start") or 0),
         )
-        self.t2_step = setup.start
         self.model = setup.model()
         self.state = setup.initial(self.model)
         self.model_record("core_init", **setup.to_record())
-        for r, i in self.ready.items():
-            self.t2_meta[r] = i.get("snapshot")
+        self.record.note({"event": "coordinator_info", "info": self.info})
+        self.set_tier2(setup.start, {r: i.get("snapshot") for r, i in self.ready.items()})
         self.log.write(
             "training_started",
             n_chunks=setup.chunks,
@@ -423,8 +451,7 @@ class Coordinator:
             return
         del self.snaps[step]
         self.feeder.run([Snapshot(step)], f"every rank took the tier-2 snapshot of step {step}")
-        self.t2_step = step
-        self.t2_meta = dict(got)
+        self.set_tier2(step, got)
         self._send(None, M.Tier2(step=step, gen=self.generation))
         self.log.write("tier2_snapshot", step=step)
 

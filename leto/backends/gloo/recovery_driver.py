@@ -477,8 +477,7 @@ class RecoveryDriver:
             and len(snaps) == self.c.W
             and all(m is not None for m in snaps.values())
         ):
-            self.c.t2_step = s.target
-            self.c.t2_meta = dict(rec.snapshot)
+            self.c.set_tier2(s.target, rec.snapshot)
             self.c._send(None, M.Tier2(step=s.target, gen=s.gen))
         sums = rec.summaries
         total = {
