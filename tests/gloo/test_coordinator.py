@@ -458,6 +458,9 @@ class _Record:
     def note(self, record: dict[str, Any]) -> None:
         pass
 
+    def keep(self, name: str, value: dict[str, Any]) -> bool:
+        return True
+
     def flush(self) -> None:
         pass
 
@@ -519,7 +522,8 @@ def test_a_successor_rebuilds_the_model_from_etcd_and_fences_the_old_coordinator
     h.step(3, gen=1)
     # what the coordinator fed is in etcd: a successor replays it to the same state
     successor = EtcdRecord(EtcdStore(etcd_cluster.endpoints[::-1], "take-over", secret))
-    records, commit = successor.take_over()
+    taken = successor.take_over()
+    records, commit = taken.records, taken.commit
     fed = [
         {k: v for k, v in r.items() if k not in ("t", "t_rel")}
         for r in h.log.records
@@ -530,7 +534,8 @@ def test_a_successor_rebuilds_the_model_from_etcd_and_fences_the_old_coordinator
     assert rec.pending == [{"event": "core", "feed": [["ApplyStep", 3, [0, 1]]]}]
     model_records = [r for r in records if r["event"] in ("core_init", "core")]
     assert model_records == fed[: len(fed) - len(rec.pending)]
-    assert {r["event"] for r in records} == {"core_init", "core", "coordinator_info", "tier2_meta"}
+    assert {r["event"] for r in records} == {"core_init", "core", "coordinator_info"}
+    assert taken.kept["k/tier2"] == {"step": 0, "meta": {str(r): h.c.t2_meta[r] for r in (0, 1)}}
     _, state = rebuild(records)
     assert state == rebuild(fed[:-1])[1] and rebuild(fed)[1] == h.c.state
     assert state.committed == 3 and state.gen == 1
@@ -562,12 +567,12 @@ def test_a_successor_carries_on_exactly_as_its_predecessor_would(
         h.step(1)
         h.step(2)
     new_rec = EtcdRecord(EtcdStore(etcd_cluster.endpoints, "carry-on", secret))
-    records, _ = new_rec.take_over()
+    taken = new_rec.take_over()
     succ = object.__new__(Harness)
     succ.log, succ.W, succ.per_node, succ.now = EventLog(None), ref.W, ref.per_node, ref.now
     succ.c = Coordinator(1, 2, log=succ.log, record=new_rec)
     succ.c.node_up(0, spare=False, now=succ.now)
-    succ.c.take_over(records)
+    succ.c.take_over(taken.records, taken.kept)
     assert (succ.c.info, succ.c.t2_step, succ.c.t2_meta) == (
         ref.c.info,
         ref.c.t2_step,

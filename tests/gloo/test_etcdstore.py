@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from etcd import EtcdCluster
 
+from leto.backends.gloo.commit_record import EtcdRecord, RecordError
+from leto.backends.gloo.election import Election
 from leto.backends.gloo.etcdstore import MAX_RESPONSE, EtcdStore, StoreError
 
 SECRET = b"s" * 32
@@ -128,3 +131,42 @@ def test_a_lost_member_and_bad_answers_cost_one_connection(
     s.close()
     s2.close()
     bad.close()
+
+
+def test_an_election_a_deposed_leader_is_fenced_and_a_lapsed_lease_frees_the_role(
+    etcd_cluster: EtcdCluster,
+) -> None:
+    sa, sb = (EtcdStore(etcd_cluster.endpoints, "elect", SECRET) for _ in range(2))
+    a, b = Election(sa, ttl=2), Election(sb, ttl=2)
+    assert a.campaign({"coordinator": "A"}, first=True)
+    rec_a = EtcdRecord(sa)
+    rec_a.start()
+    rec_a.commit(1, 0)
+    assert not b.campaign({"coordinator": "B"})  # A leads
+    leader = b.leader()
+    assert leader == {"coordinator": "A", "lease": f"{a.lease:x}"}
+    a.keep()
+    # A's link closed: B deposes it, takes the role, then the commit record over
+    assert b.depose(leader) is True
+    assert b.depose(leader) is False  # ended already
+    assert b.leader() is None
+    assert b.campaign({"coordinator": "B"})
+    rec_b = EtcdRecord(sb)
+    assert rec_b.take_over().commit == {"step": 1, "gen": 0}
+    with pytest.raises(RecordError, match="another coordinator fenced this one"):
+        rec_a.commit(2, 0)  # A, alive behind a partition, can record nothing more
+    with pytest.raises(StoreError, match="expired"):
+        a.keep()  # and learns that it no longer leads
+    rec_b.commit(2, 0)
+    # B stops refreshing its lease (it died): once etcd ends it, the next campaign wins
+    c = Election(EtcdStore(etcd_cluster.endpoints, "elect", SECRET), ttl=2)
+    assert not c.campaign({"coordinator": "C"})
+    deadline = time.monotonic() + 10.0
+    while not c.campaign({"coordinator": "C"}):
+        assert time.monotonic() < deadline, "B's lease did not end"
+        time.sleep(0.2)
+    assert c.leader() == {"coordinator": "C", "lease": f"{c.lease:x}"}
+    with pytest.raises(StoreError, match="not signed"):
+        Election(EtcdStore(etcd_cluster.endpoints, "elect", b"x" * 32), ttl=2).leader()
+    c.resign()
+    assert b.leader() is None

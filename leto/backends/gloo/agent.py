@@ -61,6 +61,7 @@ from .board import StatusBoard
 from .children import Children
 from .commit_record import EtcdRecord
 from .coordinator import Coordinator
+from .election import Election
 from .etcdstore import EtcdStore
 from .eventlog import EventLog
 from .host_memory import HostMemory
@@ -124,10 +125,10 @@ class Agent:
         self.joined: set[int] = set()
         self.t_start = time.monotonic()
         self.store: Any = None
-        # --rdzv-backend etcd: the job's store there, node 0's lease on the job's id, and
+        # --rdzv-backend etcd: the job's store there, node 0's part in the election, and
         # the commit record (node 0's coordinator; None: embedded, in the coordinator)
         self.etcd: EtcdStore | None = None
-        self.etcd_lease = 0
+        self.election: Election | None = None
         self.etcd_refreshed = 0.0
         self.record: EtcdRecord | None = None
         self.job = ""

@@ -37,11 +37,21 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .etcdstore import EtcdStore, StoreError
+from .etcdstore import MAX_VALUE, EtcdStore, StoreError
 
-__all__ = ["CommitRecord", "Embedded", "EtcdRecord", "RecordError"]
+__all__ = ["CommitRecord", "Embedded", "EtcdRecord", "RecordError", "TakenOver"]
+
+
+@dataclass(frozen=True)
+class TakenOver:
+    """What a successor reads: the model's records, the last COMMIT, the kept keys."""
+
+    records: list[dict[str, Any]]
+    commit: dict[str, Any] | None
+    kept: dict[str, dict[str, Any]]
 
 
 class RecordError(RuntimeError):
@@ -54,6 +64,8 @@ class CommitRecord(Protocol):
     def fence(self, gen: int) -> None: ...
 
     def note(self, record: dict[str, Any]) -> None: ...
+
+    def keep(self, name: str, value: dict[str, Any]) -> bool: ...
 
     def flush(self) -> None: ...
 
@@ -75,6 +87,9 @@ class Embedded:
 
     def note(self, record: dict[str, Any]) -> None:
         pass  # the event log holds the model's inputs
+
+    def keep(self, name: str, value: dict[str, Any]) -> bool:
+        return True  # the coordinator holds it
 
     def flush(self) -> None:
         pass
@@ -100,6 +115,7 @@ class EtcdRecord:
         self.seconds = 0.0
         self.slowest = 0.0
         self.pending: list[dict[str, Any]] = []  # model records not yet in etcd
+        self.kept: dict[str, dict[str, Any]] = {}  # keys to overwrite with the next write
         self.seq = 0  # the next r/log/ key
         self.appends = 0  # r/log/ keys written
         self.flushes = 0  # appends that needed a transaction of their own
@@ -112,6 +128,7 @@ class EtcdRecord:
 
     def _write(self, guards: dict[str, int], name: str, value: dict[str, Any], what: str) -> int:
         puts = [(name, value)] if name else []
+        puts += list(self.kept.items())
         log = None
         if self.pending:  # the model's inputs so far ride along
             log = (f"{self.LOG}{self.seq:012d}", {"records": self.pending})
@@ -129,6 +146,9 @@ class EtcdRecord:
                 f"cannot write {what} to etcd: the generation record moved past generation "
                 f"{self.gen} (another coordinator fenced this one)"
             )
+        for v in self.kept.values():
+            self.log_bytes += len(json.dumps(v, separators=(",", ":")))
+        self.kept = {}
         if log is not None:
             self.seq += 1
             self.appends += 1
@@ -140,16 +160,24 @@ class EtcdRecord:
         """A model record (``core_init``, ``core``) the coordinator just wrote to its log."""
         self.pending.append(record)
 
+    def keep(self, name: str, value: dict[str, Any]) -> bool:
+        """Overwrite ``name`` with ``value`` at the next write (state a successor needs
+        beside the log, replaced rather than appended); False if it is too large to."""
+        if len(json.dumps(value, separators=(",", ":"))) > MAX_VALUE - 1024:
+            return False
+        self.kept[name] = value
+        return True
+
     def flush(self) -> None:
         """The noted records into etcd now (before a message that follows from them)."""
-        if self.pending:
+        if self.pending or self.kept:
             self._write({self.GEN: self.gen_revision}, "", {}, "the model's inputs")
             self.flushes += 1
 
-    def take_over(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    def take_over(self) -> TakenOver:
         """Another coordinator's record, taken over: ``r/gen`` rewritten first (its
         revision moves, so the old coordinator can write nothing more), then the whole
-        log read. The model records, in order, and the last COMMIT (or None)."""
+        log read: its records in order, the last COMMIT and what it kept aside."""
         try:
             gen = self.store.get(self.GEN)
             if gen is None:
@@ -161,6 +189,7 @@ class EtcdRecord:
             self.gen_revision = rev
             log = self.store.scan(self.LOG)
             commit = self.store.get(self.COMMIT)
+            kept = {n: e.value for n, e in self.store.scan("k/")}
         except (StoreError, KeyError, TypeError, ValueError) as e:
             raise RecordError(f"cannot take the commit record over: {e}") from None
         records: list[dict[str, Any]] = []
@@ -169,7 +198,7 @@ class EtcdRecord:
                 raise RecordError(f"the model's log in etcd is not whole at {name}")
             records += entry.value["records"]
         self.seq = len(log)
-        return records, None if commit is None else commit.value
+        return TakenOver(records, None if commit is None else commit.value, kept)
 
     def commit(self, step: int, gen: int) -> None:
         self._write({self.GEN: self.gen_revision}, self.COMMIT, {"step": step, "gen": gen},

@@ -52,6 +52,7 @@ from .recovery_driver import Recovery, RecoveryDriver, Wait, failed_what
 __all__ = ["Coordinator", "CoordinatorOptions"]
 
 Out = tuple[int | None, M.Message]
+T2_KEY = "k/tier2"  # the tier-2 snapshot's metadata, kept in the commit record
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Coordinator:
         self.ckpts: dict[int, set[int]] = {}  # step -> ranks that wrote their part
         self.t2_step = 0
         self.t2_meta: dict[int, Any] = {}  # rank -> {checksums, ps} of the confirmed snapshot
+        self.t2_not_kept = False  # the commit record could not keep t2_meta (too large)
         self.nodes_up: set[int] = set()
         self.nodes_lost_at: dict[int, float] = {}
         self.node_back_at = 0.0  # when the last lost node's replacement joined
@@ -146,11 +148,16 @@ class Coordinator:
         state in ``meta``): kept here, and noted for a successor (before the ranks hear)."""
         self.t2_step = step
         self.t2_meta = dict(meta)
-        self.record.note(
-            {"event": "tier2_meta", "step": step, "meta": {str(r): m for r, m in meta.items()}}
-        )
+        kept = {"step": step, "meta": {str(r): m for r, m in meta.items()}}
+        if not self.record.keep(T2_KEY, kept) and not self.t2_not_kept:
+            self.t2_not_kept = True
+            self.log.write(
+                "warning",
+                what="the tier-2 snapshot's metadata is too large for the commit record: "
+                "a coordinator that takes over cannot restore tier 2",
+            )
 
-    def take_over(self, records: list[dict[str, Any]]) -> None:
+    def take_over(self, records: list[dict[str, Any]], kept: dict[str, dict[str, Any]]) -> None:
         """A successor: the model rebuilt from its predecessor's records (the commit
         record's log, :meth:`.commit_record.EtcdRecord.take_over`), with the settings and
         the tier-2 snapshot they carry; what else it kept (votes, the nodes up, the spare
@@ -159,9 +166,10 @@ class Coordinator:
         for rec in records:
             if rec.get("event") == "coordinator_info":
                 self.info = dict(rec["info"])
-            elif rec.get("event") == "tier2_meta":
-                self.t2_step = int(rec["step"])
-                self.t2_meta = {int(r): m for r, m in rec["meta"].items()}
+        t2 = kept.get(T2_KEY)
+        if t2 is not None:
+            self.t2_step = int(t2["step"])
+            self.t2_meta = {int(r): m for r, m in t2["meta"].items()}
         self.ready = dict.fromkeys(range(self.W), {})  # training started long ago
         self.log.write(
             "coordinator_took_over",

@@ -37,7 +37,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_RESPONSE", "MAX_VALUE", "Entry", "EtcdStore", "StoreError", "valid_job_id"]
+__all__ = [
+    "MAX_RESPONSE",
+    "MAX_VALUE",
+    "NOT_FOUND",
+    "Entry",
+    "EtcdStore",
+    "Refused",
+    "StoreError",
+    "valid_job_id",
+]
 
 MAX_VALUE = 256 << 10  # a record (etcd's own default limit on a request is 1.5 MiB)
 SCAN_PAGE = 8  # records per answer of a scan
@@ -47,6 +56,17 @@ _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 class StoreError(RuntimeError):
     """etcd could not do what was asked, or answered what etcd does not: one line."""
+
+
+class Refused(StoreError):
+    """etcd answered, and refused: its gRPC status ``code`` (5: not found)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+NOT_FOUND = 5
 
 
 class _Retry(Exception):
@@ -156,7 +176,7 @@ class EtcdStore:
             resp.close()
         if len(data) > MAX_RESPONSE:
             raise _Retry(f"an answer of more than {MAX_RESPONSE} bytes")
-        if resp.status_code >= 500 or resp.status_code in (404, 408, 429):
+        if resp.status_code >= 500 or resp.status_code in (408, 429):
             raise _Retry(f"HTTP {resp.status_code}: {data[:120].decode(errors='replace')}")
         try:
             obj = json.loads(data)
@@ -166,9 +186,13 @@ class EtcdStore:
             raise _Retry("an answer that is not a JSON object")
         if resp.status_code != 200:
             msg = obj.get("error") or obj.get("message") or ""
-            raise StoreError(
+            code = obj.get("code")
+            if not isinstance(code, int) or isinstance(code, bool):
+                raise _Retry(f"HTTP {resp.status_code} without etcd's error code")
+            raise Refused(
                 f"etcd at {c.host}:{c.port} refused {path} (HTTP {resp.status_code}): "
-                f"{str(msg).splitlines()[0][:160] if msg else ''}"
+                f"{str(msg).splitlines()[0][:160] if msg else ''}",
+                code,
             )
         return obj
 
@@ -372,8 +396,15 @@ class EtcdStore:
 
         return self._post("lease/keepalive", {"ID": str(lease)}, check)  # type: ignore[no-any-return]
 
-    def revoke(self, lease: int) -> None:
-        self._post("lease/revoke", {"ID": str(lease)}, lambda a: None)
+    def revoke(self, lease: int) -> bool:
+        """End ``lease`` and delete its keys; False if it had ended already."""
+        try:
+            self._post("lease/revoke", {"ID": str(lease)}, _revision)
+        except Refused as e:
+            if e.code == NOT_FOUND:
+                return False
+            raise
+        return True
 
     def close(self) -> None:
         for i in list(self._clients):

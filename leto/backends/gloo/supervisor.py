@@ -27,6 +27,7 @@ from . import messages as M
 from . import procs as P
 from .commit_record import EtcdRecord, RecordError
 from .coordinator import Coordinator, CoordinatorOptions
+from .election import Election
 from .etcdstore import EtcdStore, StoreError
 from .eventlog import EventLog
 from .records import LaunchError, look
@@ -274,16 +275,16 @@ class Supervisor:
             raise LaunchError(str(e)) from None
 
     def claim_etcd(self, info: dict[str, Any]) -> None:
-        """Node 0: take the job's id in etcd (``job``, under a lease this agent keeps
-        alive: another node 0 with the same id is refused while this one lives), clear
-        what an earlier job of the id left, publish the rendezvous and start the commit
-        record (:class:`.commit_record.EtcdRecord`)."""
+        """Node 0: take the job's id in etcd, as the coordinator's first leader
+        (:class:`.election.Election`: ``job`` under a lease this agent keeps alive;
+        another node 0 with the same id is refused while this one lives), clear what an
+        earlier job of the id left, publish the rendezvous and start the commit record
+        (:class:`.commit_record.EtcdRecord`)."""
         a = self.a
         assert a.etcd is not None
         try:
-            a.etcd_lease = a.etcd.grant(ETCD_LEASE_TTL)
-            claimed = a.etcd.write({"job": 0}, [("job", info)], lease=a.etcd_lease, clear="r/")
-            if claimed is None:
+            a.election = Election(a.etcd, ETCD_LEASE_TTL)
+            if not a.election.campaign(info, first=True):
                 raise LaunchError(
                     f"--rdzv-id {a.o.rdzv_id}: a job of this id is running (its node 0 holds "
                     f"{a.etcd.key('job')} in etcd at {a.etcd.where()}); give another --rdzv-id"
@@ -325,10 +326,10 @@ class Supervisor:
         """Node 0: keep the job's id (its lease) alive; a lease etcd let expire stops the
         job in one line (another node 0 could take the id)."""
         a = self.a
-        if a.etcd is None or not a.etcd_lease or now - a.etcd_refreshed < ETCD_LEASE_TTL / 5:
+        if a.election is None or now - a.etcd_refreshed < ETCD_LEASE_TTL / 5:
             return
         try:
-            a.etcd.refresh(a.etcd_lease)
+            a.election.keep()
         except StoreError as e:
             raise LaunchError(f"lost the job's id in etcd: {e}") from None
         a.etcd_refreshed = now
@@ -340,10 +341,10 @@ class Supervisor:
         if a.etcd is None:
             return
         try:
-            if a.etcd_lease:
+            if a.election is not None:
                 if a.failed is None and a.complete:
                     a.etcd.clear_all()
-                a.etcd.revoke(a.etcd_lease)
+                a.election.resign()
         except StoreError as e:
             print(f"leto[{a.who}]: warning: {e}", file=sys.stderr, flush=True)
         a.etcd.close()
