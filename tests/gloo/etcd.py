@@ -6,17 +6,22 @@ installs it (``apt-get install etcd-server``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from leto.backends.gloo.etcdstore import MAX_RESPONSE
 from leto.backends.gloo.procs import free_port
 
 MEMBERS = 3
@@ -114,3 +119,46 @@ class EtcdCluster:
     def stop(self) -> None:
         for i in range(len(self.procs)):
             self.kill(i)
+
+
+class Junk(BaseHTTPRequestHandler):
+    """An HTTP server that answers every request with something etcd never sends."""
+
+    answers = [
+        (200, b"not json at all"),
+        (200, b"[" * 100_000),
+        (200, b"x" * (MAX_RESPONSE + 10)),
+        (200, b'{"header": {"revision": "12abc"}, "succeeded": true}'),
+        (503, b"etcdserver: request timed out"),
+        (404, b"<html>not found</html>"),
+    ]
+    n = 0
+    lock = threading.Lock()
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        with Junk.lock:
+            code, body = Junk.answers[Junk.n % len(Junk.answers)]
+            Junk.n += 1
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST  # noqa: N815
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def junk_server() -> Iterator[tuple[str, int]]:
+    """A :class:`Junk` server on 127.0.0.1 (a free port) while the block runs."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Junk)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield ("127.0.0.1", srv.server_address[1])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join()

@@ -1,15 +1,17 @@
 """``--rdzv-backend etcd``: the rendezvous and the commit record in a 3-member etcd
-cluster; one member SIGKILLed mid-run (the one every agent talks to first) and a
-trainer crash later: the job ends bitwise equal to the failure-free run (c10d)."""
+cluster; the first endpoint named is not etcd (it answers garbage), a member is
+SIGKILLed mid-run (the one every agent talks to once it moved on from the first) and a
+trainer crashes later: the job ends bitwise equal to the failure-free run (c10d)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from etcd import EtcdCluster
+from etcd import EtcdCluster, junk_server
 from jobs import STEPS_2x2, digests_equal, explain, job
 
 from leto.backends.gloo import auth
@@ -41,10 +43,18 @@ def _watch_commits(
 def test_etcd_member_killed_mid_run_recovers_bitwise(
     etcd_cluster: EtcdCluster, tmp_path: Path, ref_2x2: JobResult
 ) -> None:
+    with contextlib.ExitStack() as stack:
+        _member_killed(etcd_cluster, tmp_path, ref_2x2, stack)
+
+
+def _member_killed(
+    etcd_cluster: EtcdCluster, tmp_path: Path, ref_2x2: JobResult, stack: contextlib.ExitStack
+) -> None:
     run_dir = tmp_path / "run"
     job_id = "kill-a-member"
-    rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_cluster.endpoint_flag]
-    rdzv += ["--rdzv-id", job_id]
+    junk = stack.enter_context(junk_server())  # named first: every agent asks it first
+    endpoints = f"{junk[0]}:{junk[1]},{etcd_cluster.endpoint_flag}"
+    rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoints, "--rdzv-id", job_id]
     crash = {"kind": "crash", "rank": 3, "step": 7, "phase": "backward"}
     out: dict[str, Any] = {}
     done = threading.Event()
@@ -77,7 +87,8 @@ def test_etcd_member_killed_mid_run_recovers_bitwise(
     # one transaction per step (the crash before the vote re-commits nothing), one per fence
     assert record["backend"] == "etcd"
     assert record["commits"] == STEPS_2x2 and record["fences"] == 1, record
-    assert record["failovers"] >= 1, record  # node 0 moved on from the killed member
+    # node 0 moved on from the endpoint that answers garbage, then from the killed member
+    assert record["failovers"] >= 2, record
     # the job completed: node 0 gave its id back and deleted the job's keys
     store = EtcdStore(etcd_cluster.endpoints[1:], job_id, auth.read_secret(run_dir) or b"")
     assert store.get("job") is None and store.get("r/commit") is None

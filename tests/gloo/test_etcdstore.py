@@ -5,55 +5,23 @@ that answer what etcd never sends (each costs that one connection, never the sto
 from __future__ import annotations
 
 import base64
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from etcd import EtcdCluster
+from etcd import EtcdCluster, Junk, junk_server
 
 from leto.backends.gloo.commit_record import EtcdRecord, RecordError
 from leto.backends.gloo.election import Election
-from leto.backends.gloo.etcdstore import MAX_RESPONSE, EtcdStore, StoreError
+from leto.backends.gloo.etcdstore import EtcdStore, StoreError
 
 SECRET = b"s" * 32
 
 
-class _Junk(BaseHTTPRequestHandler):
-    """An HTTP server on 127.0.0.1 that answers every request with something bad."""
-
-    answers = [
-        (200, b"not json at all"),
-        (200, b"[" * 100_000),
-        (200, b"x" * (MAX_RESPONSE + 10)),
-        (200, b'{"header": {"revision": "12abc"}, "succeeded": true}'),
-        (503, b"etcdserver: request timed out"),
-    ]
-    n = 0
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        code, body = _Junk.answers[_Junk.n % len(_Junk.answers)]
-        _Junk.n += 1
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_GET = do_POST  # noqa: N815 - the version request
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
 def junk() -> Iterator[tuple[str, int]]:
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Junk)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield ("127.0.0.1", srv.server_address[1])
-    srv.shutdown()
-    srv.server_close()
+    with junk_server() as address:
+        yield address
 
 
 def test_records_are_signed_and_swapped_by_revision(etcd_cluster: EtcdCluster) -> None:
@@ -107,12 +75,12 @@ def test_a_lost_member_and_bad_answers_cost_one_connection(
 ) -> None:
     # the first endpoint answers garbage each time: the store moves on, every call works
     s = EtcdStore([junk, *etcd_cluster.endpoints], "job-c", SECRET, patience=5.0)
-    for i in range(len(_Junk.answers)):
+    for i in range(len(Junk.answers)):
         s.current = 0
         assert s.put("commit", {"step": i, "gen": 0}) > 0
-    assert s.failovers >= len(_Junk.answers)
+    assert s.failovers >= len(Junk.answers)
     got = s.get("commit")
-    assert got is not None and got.value == {"step": len(_Junk.answers) - 1, "gen": 0}
+    assert got is not None and got.value == {"step": len(Junk.answers) - 1, "gen": 0}
     # one member of three killed (the one the store talks to): the next answers
     s2 = EtcdStore(etcd_cluster.endpoints, "job-c", SECRET)
     s2.ping()
