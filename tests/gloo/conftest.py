@@ -89,3 +89,13 @@ def etcd_cluster(tag: str, tmp_path: Path) -> Iterator[EtcdCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_shared(session_dir: Path) -> Iterator[EtcdCluster]:
+    """One 3-member cluster for the tests that kill no member (each its own job id)."""
+    cluster = EtcdCluster(session_dir / "etcd")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

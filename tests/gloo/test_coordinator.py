@@ -509,10 +509,10 @@ def _recover_rank_1(h: Harness, step: int) -> None:
 
 
 def test_a_successor_rebuilds_the_model_from_etcd_and_fences_the_old_coordinator(
-    etcd_cluster: EtcdCluster,
+    etcd_shared: EtcdCluster,
 ) -> None:
     secret = b"k" * 32
-    store = EtcdStore(etcd_cluster.endpoints, "take-over", secret)
+    store = EtcdStore(etcd_shared.endpoints, "take-over", secret)
     rec = EtcdRecord(store)
     rec.start()
     h = Harness(record=rec)
@@ -521,7 +521,7 @@ def test_a_successor_rebuilds_the_model_from_etcd_and_fences_the_old_coordinator
     _recover_rank_1(h, 2)
     h.step(3, gen=1)
     # what the coordinator fed is in etcd: a successor replays it to the same state
-    successor = EtcdRecord(EtcdStore(etcd_cluster.endpoints[::-1], "take-over", secret))
+    successor = EtcdRecord(EtcdStore(etcd_shared.endpoints[::-1], "take-over", secret))
     taken = successor.take_over()
     records, commit = taken.records, taken.commit
     fed = [
@@ -554,19 +554,19 @@ def test_a_successor_rebuilds_the_model_from_etcd_and_fences_the_old_coordinator
 
 
 def test_a_successor_carries_on_exactly_as_its_predecessor_would(
-    etcd_cluster: EtcdCluster,
+    etcd_shared: EtcdCluster,
 ) -> None:
     """Differential: one coordinator never interrupted (embedded record); another whose
     role a successor takes over from etcd after step 2. Fed the same crash, recovery
     and steps after that, the successor sends exactly what the first one sends."""
     secret = b"k" * 32
-    rec = EtcdRecord(EtcdStore(etcd_cluster.endpoints, "carry-on", secret))
+    rec = EtcdRecord(EtcdStore(etcd_shared.endpoints, "carry-on", secret))
     rec.start()
     ref, old = Harness(), Harness(record=rec)
     for h in (ref, old):
         h.step(1)
         h.step(2)
-    new_rec = EtcdRecord(EtcdStore(etcd_cluster.endpoints, "carry-on", secret))
+    new_rec = EtcdRecord(EtcdStore(etcd_shared.endpoints, "carry-on", secret))
     taken = new_rec.take_over()
     succ = object.__new__(Harness)
     succ.log, succ.W, succ.per_node, succ.now = EventLog(None), ref.W, ref.per_node, ref.now

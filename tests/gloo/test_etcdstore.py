@@ -7,13 +7,16 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from etcd import EtcdCluster, Junk, junk_server
 
+from leto.backends.gloo.agent import Agent, AgentOptions
 from leto.backends.gloo.commit_record import EtcdRecord, RecordError
 from leto.backends.gloo.election import Election
 from leto.backends.gloo.etcdstore import EtcdStore, StoreError
+from leto.backends.gloo.records import LaunchError
 
 SECRET = b"s" * 32
 
@@ -24,8 +27,8 @@ def junk() -> Iterator[tuple[str, int]]:
         yield address
 
 
-def test_records_are_signed_and_swapped_by_revision(etcd_cluster: EtcdCluster) -> None:
-    s = EtcdStore(etcd_cluster.endpoints, "job-a", SECRET)
+def test_records_are_signed_and_swapped_by_revision(etcd_shared: EtcdCluster) -> None:
+    s = EtcdStore(etcd_shared.endpoints, "job-a", SECRET)
     assert s.get("gen") is None
     rev = s.write({"gen": 0}, [("gen", {"gen": 0})])  # create: the key must not exist
     assert rev is not None
@@ -40,8 +43,8 @@ def test_records_are_signed_and_swapped_by_revision(etcd_cluster: EtcdCluster) -
     c = s.get("commit")
     assert c is not None and c.value == {"step": 1, "gen": 0}
     # another job's store (another id) sees nothing of it; a stranger's secret is refused
-    assert EtcdStore(etcd_cluster.endpoints, "job-b", SECRET).get("commit") is None
-    stranger = EtcdStore(etcd_cluster.endpoints, "job-a", b"t" * 32)
+    assert EtcdStore(etcd_shared.endpoints, "job-b", SECRET).get("commit") is None
+    stranger = EtcdStore(etcd_shared.endpoints, "job-a", b"t" * 32)
     with pytest.raises(StoreError, match="not signed with this job's secret"):
         stranger.get("commit")
     # a value someone wrote by hand (not a leto record): refused in one line
@@ -102,9 +105,9 @@ def test_a_lost_member_and_bad_answers_cost_one_connection(
 
 
 def test_an_election_a_deposed_leader_is_fenced_and_a_lapsed_lease_frees_the_role(
-    etcd_cluster: EtcdCluster,
+    etcd_shared: EtcdCluster,
 ) -> None:
-    sa, sb = (EtcdStore(etcd_cluster.endpoints, "elect", SECRET) for _ in range(2))
+    sa, sb = (EtcdStore(etcd_shared.endpoints, "elect", SECRET) for _ in range(2))
     a, b = Election(sa, ttl=2), Election(sb, ttl=2)
     assert a.campaign({"coordinator": "A"}, first=True)
     rec_a = EtcdRecord(sa)
@@ -127,7 +130,7 @@ def test_an_election_a_deposed_leader_is_fenced_and_a_lapsed_lease_frees_the_rol
         a.keep()  # and learns that it no longer leads
     rec_b.commit(2, 0)
     # B stops refreshing its lease (it died): once etcd ends it, the next campaign wins
-    c = Election(EtcdStore(etcd_cluster.endpoints, "elect", SECRET), ttl=2)
+    c = Election(EtcdStore(etcd_shared.endpoints, "elect", SECRET), ttl=2)
     assert not c.campaign({"coordinator": "C"})
     deadline = time.monotonic() + 10.0
     while not c.campaign({"coordinator": "C"}):
@@ -135,6 +138,48 @@ def test_an_election_a_deposed_leader_is_fenced_and_a_lapsed_lease_frees_the_rol
         time.sleep(0.2)
     assert c.leader() == {"coordinator": "C", "lease": f"{c.lease:x}"}
     with pytest.raises(StoreError, match="not signed"):
-        Election(EtcdStore(etcd_cluster.endpoints, "elect", b"x" * 32), ttl=2).leader()
+        Election(EtcdStore(etcd_shared.endpoints, "elect", b"x" * 32), ttl=2).leader()
     c.resign()
     assert b.leader() is None
+
+
+def _agent(cluster: EtcdCluster, node: int, run_dir: Path) -> Agent:
+    """An agent (nothing started) of job "agents" on ``cluster``, its store open."""
+    opts = AgentOptions(
+        script="x.py", script_args=[], nnodes=2, node_rank=node, run_dir=str(run_dir),
+        etcd=tuple(cluster.endpoints), rdzv_id="agents", rdzv_timeout=1.0, quiet=True,
+    )  # fmt: skip
+    ag = Agent(opts)
+    ag.secret = SECRET
+    ag.supervisor.open_etcd()
+    return ag
+
+
+def test_node_0_claims_the_id_others_read_it_and_a_second_node_0_is_refused(
+    etcd_shared: EtcdCluster, tmp_path: Path
+) -> None:
+    info = {"job": "j", "nnodes": 2, "nproc_per_node": 1, "coordinator": "h:1", "store": "h:2"}
+    first, second, node1 = (_agent(etcd_shared, n, tmp_path) for n in (0, 0, 1))
+    first.supervisor.claim_etcd(info)
+    assert first.record is not None and first.record.gen_revision > 0
+    with pytest.raises(LaunchError) as err:
+        second.supervisor.claim_etcd(info)
+    assert "--rdzv-id agents: a job of this id is running" in str(err.value)
+    assert "\n" not in str(err.value)
+    got = node1.supervisor.etcd_job()
+    assert {k: got[k] for k in info} == info
+    # a record that is signed but says nothing usable: one line, naming what is missing
+    assert node1.etcd is not None
+    node1.etcd.write({}, [("job", {k: v for k, v in info.items() if k != "store"})])
+    with pytest.raises(LaunchError, match="has no valid 'store'"):
+        node1.supervisor.etcd_job()
+    # the job completed: node 0 deletes its keys and gives the id back
+    assert node1.etcd.get("r/gen") is not None
+    first.complete = True
+    first.supervisor.close_etcd()
+    assert node1.etcd.get("job") is None and node1.etcd.get("r/gen") is None
+    with pytest.raises(LaunchError, match="no job 'agents' in etcd"):
+        node1.supervisor.etcd_job()
+    second.supervisor.claim_etcd(info)  # the id is free: a new job takes it
+    for ag in (second, node1):
+        ag.supervisor.close_etcd()
