@@ -27,6 +27,11 @@ the commit, and a coordinator that takes over moves that revision first (it rewr
 ``r/gen``) and only then reads the log: after that, the old coordinator can append
 nothing more, so the log read is the whole of what it fed.
 
+Every ``compact_every`` log keys (64) the coordinator compacts the log: ``r/base``
+holds what rebuilds the model as it is then (its constants, its settings and its
+state, :mod:`leto.spec.state_record`), written in one transaction with the deletion
+of the log keys before it, so the log in etcd stays bounded, whatever the job's length.
+
 A record that cannot be written (etcd unreachable for the store's patience, the
 generation moved on, a record too large) is a :class:`RecordError`: the coordinator
 stops the job with its line rather than let a commit that is not durable move a chunk.
@@ -69,6 +74,10 @@ class CommitRecord(Protocol):
 
     def flush(self) -> None: ...
 
+    def compaction_due(self) -> bool: ...
+
+    def compact(self, base: list[dict[str, Any]]) -> bool: ...
+
     def stats(self) -> dict[str, Any]: ...
 
 
@@ -94,6 +103,12 @@ class Embedded:
     def flush(self) -> None:
         pass
 
+    def compaction_due(self) -> bool:
+        return False
+
+    def compact(self, base: list[dict[str, Any]]) -> bool:
+        return True
+
     def stats(self) -> dict[str, Any]:
         return {"backend": "c10d"}
 
@@ -104,9 +119,19 @@ class EtcdRecord:
     GEN = "r/gen"
     COMMIT = "r/commit"
     LOG = "r/log/"
+    BASE = "r/base"
 
-    def __init__(self, store: EtcdStore, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        store: EtcdStore,
+        clock: Callable[[], float] = time.perf_counter,
+        compact_every: int = 64,
+    ) -> None:
         self.store = store
+        self.compact_every = compact_every  # log keys between two compactions
+        self.base_seq = 0  # the first r/log/ key after r/base
+        self.compactions = 0
+        self.base_too_large = False
         self.clock = clock
         self.gen_revision = 0
         self.gen = 0
@@ -126,7 +151,14 @@ class EtcdRecord:
         self.gen = gen
         self.gen_revision = self._write({}, self.GEN, {"gen": gen}, "the generation record")
 
-    def _write(self, guards: dict[str, int], name: str, value: dict[str, Any], what: str) -> int:
+    def _write(
+        self,
+        guards: dict[str, int],
+        name: str,
+        value: dict[str, Any],
+        what: str,
+        drop: tuple[str, str] | None = None,
+    ) -> int:
         puts = [(name, value)] if name else []
         puts += list(self.kept.items())
         log = None
@@ -135,7 +167,7 @@ class EtcdRecord:
             puts.append(log)
         t0 = self.clock()
         try:
-            rev = self.store.write(guards, puts)
+            rev = self.store.write(guards, puts, drop=drop)
         except (StoreError, ValueError) as e:
             raise RecordError(f"cannot write {what} to etcd: {e}") from None
         took = self.clock() - t0
@@ -174,6 +206,27 @@ class EtcdRecord:
             self._write({self.GEN: self.gen_revision}, "", {}, "the model's inputs")
             self.flushes += 1
 
+    def compaction_due(self) -> bool:
+        """Enough log keys since the last compaction, and none pending."""
+        return not self.pending and self.seq - self.base_seq >= self.compact_every
+
+    def compact(self, base: list[dict[str, Any]]) -> bool:
+        """Replace the log so far by ``base``: records that rebuild the model as the whole
+        log would (its ``core_init``, settings and a ``core_state``), in one transaction
+        with the deletion of the log keys it replaces. False (and the log kept) when the
+        base is too large for one record."""
+        if self.pending:
+            raise RecordError("compacting the commit record with model records pending")
+        value = {"records": base, "seq": self.seq}
+        if len(json.dumps(value, separators=(",", ":"))) > MAX_VALUE - 1024:
+            self.base_too_large = True
+            return False
+        drop = (f"{self.LOG}{0:012d}", f"{self.LOG}{self.seq:012d}")
+        self._write({self.GEN: self.gen_revision}, self.BASE, value, "a compaction", drop)
+        self.base_seq = self.seq
+        self.compactions += 1
+        return True
+
     def take_over(self) -> TakenOver:
         """Another coordinator's record, taken over: ``r/gen`` rewritten first (its
         revision moves, so the old coordinator can write nothing more), then the whole
@@ -187,17 +240,26 @@ class EtcdRecord:
             if rev is None:
                 raise RecordError("the generation record moved while it was taken over")
             self.gen_revision = rev
+            base = self.store.get(self.BASE)
             log = self.store.scan(self.LOG)
             commit = self.store.get(self.COMMIT)
             kept = {n: e.value for n, e in self.store.scan("k/")}
         except (StoreError, KeyError, TypeError, ValueError) as e:
             raise RecordError(f"cannot take the commit record over: {e}") from None
         records: list[dict[str, Any]] = []
-        for n, (name, entry) in enumerate(log):
+        first = 0
+        if base is not None:
+            if not isinstance(base.value.get("records"), list) or not isinstance(
+                base.value.get("seq"), int
+            ):
+                raise RecordError(f"the compacted log {self.store.key(self.BASE)} is not one")
+            records += base.value["records"]
+            first = base.value["seq"]
+        for n, (name, entry) in enumerate(log, first):
             if name != f"{self.LOG}{n:012d}" or not isinstance(entry.value.get("records"), list):
                 raise RecordError(f"the model's log in etcd is not whole at {name}")
             records += entry.value["records"]
-        self.seq = len(log)
+        self.seq = self.base_seq = first + len(log)
         return TakenOver(records, None if commit is None else commit.value, kept)
 
     def commit(self, step: int, gen: int) -> None:
@@ -213,7 +275,7 @@ class EtcdRecord:
         self.fences += 1
 
     def stats(self) -> dict[str, Any]:
-        n = self.writes + self.fences + self.flushes  # every transaction timed
+        n = self.writes + self.fences + self.flushes + self.compactions  # every one timed
         return {
             "backend": "etcd",
             "commits": self.writes,
@@ -225,4 +287,5 @@ class EtcdRecord:
             "log_appends": self.appends,
             "log_flushes": self.flushes,
             "log_bytes": self.log_bytes,
+            "compactions": self.compactions,
         }

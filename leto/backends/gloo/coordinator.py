@@ -41,6 +41,7 @@ from leto.core.erasure import Topology
 from leto.core.recovery import Phase
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
+from leto.spec.state_record import state_to_record
 from leto.spec.trace import CoreSetup, Item, Snapshot, rebuild
 
 from . import messages as M
@@ -97,6 +98,8 @@ class Coordinator:
         self.t2_step = 0
         self.t2_meta: dict[int, Any] = {}  # rank -> {checksums, ps} of the confirmed snapshot
         self.t2_not_kept = False  # the commit record could not keep t2_meta (too large)
+        self.base_not_kept = False  # nor a compacted log (the state too large)
+        self.core_init: dict[str, Any] | None = None  # the model's constants, as a record
         self.nodes_up: set[int] = set()
         self.nodes_lost_at: dict[int, float] = {}
         self.node_back_at = 0.0  # when the last lost node's replacement joined
@@ -166,6 +169,8 @@ class Coordinator:
         for rec in records:
             if rec.get("event") == "coordinator_info":
                 self.info = dict(rec["info"])
+            elif rec.get("event") == "core_init":
+                self.core_init = dict(rec)
         t2 = kept.get(T2_KEY)
         if t2 is not None:
             self.t2_step = int(t2["step"])
@@ -177,6 +182,23 @@ class Coordinator:
             committed=self.state.committed,
             records=len(records),
         )
+
+    def _compact(self) -> None:
+        """The commit record's log so far replaced by what rebuilds the model as it is
+        now (the model's constants, the settings, the state: ``core_state``)."""
+        assert self.state is not None and self.core_init is not None
+        base = [
+            self.core_init,
+            {"event": "coordinator_info", "info": self.info},
+            {"event": "core_state", "state": state_to_record(self.state)},
+        ]
+        if not self.record.compact(base) and not self.base_not_kept:
+            self.base_not_kept = True
+            self.log.write(
+                "warning",
+                what="the model's state is too large for one record of the commit record: "
+                "its log is not compacted",
+            )
 
     def make_durable(self) -> None:
         """Before the outbox leaves: every model record so far is in the commit record
@@ -380,6 +402,7 @@ class Coordinator:
         self.model = setup.model()
         self.state = setup.initial(self.model)
         self.model_record("core_init", **setup.to_record())
+        self.core_init = {"event": "core_init", **setup.to_record()}
         self.record.note({"event": "coordinator_info", "info": self.info})
         self.set_tier2(setup.start, {r: i.get("snapshot") for r, i in self.ready.items()})
         self.log.write(
@@ -419,6 +442,8 @@ class Coordinator:
         del self.votes[step]
         if not self.durable(lambda: self.record.commit(step, s.gen)):
             return  # not durable: no chunk may move on it
+        if self.record.compaction_due() and not self.durable(self._compact):
+            return
         self._send(None, M.Commit(step=step, gen=s.gen))
 
     def _on_finished(self, msg: M.Finished) -> None:

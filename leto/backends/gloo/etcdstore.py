@@ -333,10 +333,12 @@ class EtcdStore:
         *,
         lease: int = 0,
         clear: str | None = None,
+        drop: tuple[str, str] | None = None,
     ) -> int | None:
         """One transaction: when every guard ``name -> mod_revision`` holds (0: the key
-        does not exist), delete the keys under ``clear`` (a sub-prefix) and put every
-        value; the revision it took effect at, or None when a guard failed."""
+        does not exist), delete the keys under ``clear`` (a sub-prefix) and those from
+        ``drop[0]`` up to ``drop[1]`` (excluded), and put every value; the revision it
+        took effect at, or None when a guard failed."""
         compare = [
             {
                 "key": _b64(self.key(n).encode()),
@@ -351,6 +353,9 @@ class EtcdStore:
             start = self.key(clear).encode()
             end = start[:-1] + bytes([start[-1] + 1])
             success.append({"request_delete_range": {"key": _b64(start), "range_end": _b64(end)}})
+        if drop is not None:
+            lo, hi = (self.key(n).encode() for n in drop)
+            success.append({"request_delete_range": {"key": _b64(lo), "range_end": _b64(hi)}})
         for n, v in puts:
             put: dict[str, Any] = {"key": _b64(self.key(n).encode()), "value": self._seal(n, v)}
             if lease:
