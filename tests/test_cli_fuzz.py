@@ -365,6 +365,43 @@ WORDY: list[tuple[list[str], tuple[str, ...]]] = [
         for script in ("nothere.py", "adir", "", "afile/x", "q" * 300)
     ],
     (LAUNCH.argv("--nnodes=2"), ("--rdzv-endpoint",)),
+    # --rdzv-backend etcd: the members, the job's id, this node's address
+    *[(LAUNCH.argv(f"--rdzv-backend={b}"), ("--rdzv-backend",)) for b in ("", "zk", "ETCD")],
+    (LAUNCH.argv("--rdzv-backend=etcd"), ("--rdzv-endpoint",)),
+    (LAUNCH.argv("--rdzv-backend=etcd", "--rdzv-endpoint=127.0.0.1:2379"), ("--rdzv-id",)),
+    *[
+        (
+            LAUNCH.argv("--rdzv-backend=etcd", f"--rdzv-endpoint={e}", "--rdzv-id=j"),
+            ("--rdzv-endpoint",),
+        )  # fmt: skip
+        for e in (
+            *ENDPOINTS[:9],
+            "127.0.0.1:2379,",
+            "127.0.0.1:1,127.0.0.1:1",
+            ",".join(f"127.0.0.1:{p}" for p in range(1, 18)),
+        )
+    ],
+    *[
+        (
+            LAUNCH.argv("--rdzv-backend=etcd", "--rdzv-endpoint=127.0.0.1:2379", f"--rdzv-id={i}"),
+            ("--rdzv-id",),
+        )  # fmt: skip
+        for i in ("", "a/b", "-a", "x" * 65, "a b", "é")
+    ],
+    *[
+        (
+            LAUNCH.argv(
+                "--rdzv-backend=etcd",
+                "--rdzv-endpoint=127.0.0.1:2379",
+                "--rdzv-id=j",
+                f"--local-addr={h}",
+            ),
+            ("--local-addr",),
+        )  # fmt: skip
+        for h in ("", "nosuchhost.invalid", "192.0.2.1", "h" * 300)
+    ],
+    (LAUNCH.argv("--rdzv-id=j"), ("--rdzv-id", "etcd")),
+    (LAUNCH.argv("--local-addr=127.0.0.1"), ("--local-addr", "etcd")),
     # the spare pool: a spare has no node rank, starts no spares, needs a job of nodes to
     # replace and node 0's endpoint; only node 0 starts spares
     (LAUNCH.argv("--spare", "--node-rank=1", "--nnodes=2"), ("--spare",)),

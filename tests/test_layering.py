@@ -30,6 +30,7 @@ LAYER = {
     "adapters": 3,
     "spec.location": 0,  # a path, nothing else
     "spec.trace": 1,  # the core model over an event log: no torch, no backend
+    "spec.state_record": 1,  # the core model's state as JSON (a compacted trace starts there)
     "spec.tlc": 3,
     "spec": 4,
     "bench": 4,

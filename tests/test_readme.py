@@ -178,6 +178,53 @@ def check_report(cmd: str, tmp_path: Path) -> None:
     pass  # run by check_launch_then_report, on the run directory the launch wrote
 
 
+ETCD_NODE0 = (
+    "leto launch --nnodes 2 --nproc-per-node 2 --node-rank 0 --rdzv-backend etcd "
+    "--rdzv-endpoint 127.0.0.1:12379,127.0.0.1:22379,127.0.0.1:32379 --rdzv-id gpt-etcd "
+    "--run-dir leto-runs/etcd examples/gpt.py --config examples/gloo.toml --steps 10"
+)
+ETCD_NODE1 = ETCD_NODE0.replace("--node-rank 0", "--node-rank 1")
+
+
+def check_etcd_launch(cmd: str, tmp_path: Path) -> None:
+    """Node 0's and node 1's commands, run together against a 3-member etcd cluster
+    started on the README's ports: the job completes, its COMMITs recorded in etcd."""
+    sys.path.insert(0, str(ROOT / "tests" / "gloo"))
+    from etcd import EtcdCluster
+
+    ports = [
+        int(p.rsplit(":", 1)[1]) for p in cmd.split("--rdzv-endpoint ")[1].split()[0].split(",")
+    ]
+    root = _scratch(tmp_path)
+    cluster = EtcdCluster(tmp_path / "etcd", client_ports=ports)
+    try:
+        procs = [
+            subprocess.Popen(
+                ["bash", "-c", c],
+                cwd=root,
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+            for c in (ETCD_NODE0, ETCD_NODE1)
+        ]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        cluster.stop()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    events = [json.loads(line) for line in (root / "leto-runs" / "etcd" / "events.jsonl").open()]
+    (record,) = [e for e in events if e["event"] == "commit_record"]
+    assert record["backend"] == "etcd" and record["commits"] == 10, record
+    assert any(e["event"] == "training_done" and e["step"] == 10 for e in events)
+
+
+def check_etcd_node1(cmd: str, tmp_path: Path) -> None:
+    pass  # run by check_etcd_launch, with node 0's command
+
+
 CHECKS: dict[str, Callable[[str, Path], None]] = {
     SETUP: check_setup,
     TESTS: check_tests,
@@ -190,6 +237,8 @@ CHECKS: dict[str, Callable[[str, Path], None]] = {
     "leto launch --nproc-per-node 2 --run-dir leto-runs/gpt examples/gpt.py "
     "--config examples/gloo-1node.toml --steps 20": check_launch_then_report,
     "leto report leto-runs/gpt": check_report,
+    ETCD_NODE0: check_etcd_launch,
+    ETCD_NODE1: check_etcd_node1,
 }
 
 

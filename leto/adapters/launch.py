@@ -37,6 +37,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--rdzv_endpoint",
         default=None,
         metavar="HOST:PORT",
-        help="node 0 serves the rendezvous TCPStore there (default with one node: a free port on 127.0.0.1)",
+        help="node 0 serves the rendezvous TCPStore there (default with one node: a free port "
+        "on 127.0.0.1); with --rdzv-backend etcd: the etcd members, HOST:PORT,HOST:PORT,...",
+    )
+    g.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        default="c10d",
+        metavar="NAME",
+        help="c10d (default: node 0 serves the rendezvous and keeps the commit record) or "
+        "etcd (the rendezvous and the commit record in the etcd cluster at --rdzv-endpoint)",
+    )
+    g.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        default=None,
+        metavar="ID",
+        help="with etcd: the job's id, the same on every node (its keys: /leto/ID/)",
+    )
+    g.add_argument(
+        "--local-addr",
+        "--local_addr",
+        default=None,
+        metavar="HOST",
+        help="with etcd: the address node 0 serves the TCPStore and the coordinator on "
+        "(default: this machine's address towards the first etcd member)",
     )
     g.add_argument("--standalone", action="store_true", help="one node, a free local port")
     r = parser.add_argument_group("recovery")
@@ -248,7 +273,9 @@ def _listen_problem(host: str, port: int) -> tuple[int, str] | None:
     return problem
 
 
-def _check(args: argparse.Namespace) -> tuple[str, int, Any, tuple[str, int] | None] | int:
+def _check(
+    args: argparse.Namespace,
+) -> tuple[str, int, Any, tuple[str, int] | None, EtcdArgs | None] | int:
     """Every flag, before anything is imported or started: the rendezvous address and
     the fault plan; or an exit status when a refusal has been printed."""
     file_to_read("script", args.script, "script")
@@ -287,7 +314,18 @@ def _check(args: argparse.Namespace) -> tuple[str, int, Any, tuple[str, int] | N
         dir_to_create("--run-dir", args.run_dir)
     else:
         dir_to_create("--run-dir (default: leto-runs/ here)", "leto-runs")
-    if args.rdzv_endpoint is None:
+    if args.rdzv_backend not in ("c10d", "etcd"):
+        raise BadInput(f"--rdzv-backend {show(args.rdzv_backend)} is not one of: c10d, etcd")
+    if args.rdzv_backend == "etcd":
+        etcd = _check_etcd(args)
+    else:
+        etcd = None
+        for flag, value in (("--rdzv-id", args.rdzv_id), ("--local-addr", args.local_addr)):
+            if value is not None:
+                raise BadInput(f"{flag} is for --rdzv-backend etcd (this launch uses c10d)")
+    if etcd is not None:
+        host, port = etcd.local, 0
+    elif args.rdzv_endpoint is None:
         if args.nnodes > 1 and not args.standalone:
             raise BadInput("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
         from leto.backends.gloo.procs import free_port
@@ -318,13 +356,82 @@ def _check(args: argparse.Namespace) -> tuple[str, int, Any, tuple[str, int] | N
         faults = load_plan(args.faults, world_size=args.nnodes * args.nproc_per_node)
     except FaultPlanError as e:
         raise BadInput(f"--faults: {e}") from None
-    if args.node_rank == 0:
+    if etcd is not None:
+        if args.node_rank == 0:
+            _can_listen(host, 0, "--local-addr")
+    elif args.node_rank == 0:
         problem = _listen_problem(host, port)
         if problem is not None:
             return refuse("launch", problem[1], problem[0])
     else:
         _addresses(host, port)
-    return host, port, faults, metrics
+    return host, port, faults, metrics, etcd
+
+
+@dataclass(frozen=True)
+class EtcdArgs:
+    endpoints: tuple[tuple[str, int], ...]
+    job: str
+    local: str  # the address node 0 serves on
+
+
+MAX_ETCD_MEMBERS = 16
+
+
+def _check_etcd(args: argparse.Namespace) -> EtcdArgs:
+    """--rdzv-backend etcd: its endpoints, the job's id and this node's address."""
+    from leto.backends.gloo.etcdstore import valid_job_id
+
+    if args.rdzv_endpoint is None:
+        raise BadInput(
+            "--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]: the etcd members"
+        )
+    parts = args.rdzv_endpoint.split(",")
+    if len(parts) > MAX_ETCD_MEMBERS:
+        raise BadInput(f"--rdzv-endpoint: {len(parts)} etcd members (at most {MAX_ETCD_MEMBERS})")
+    endpoints = []
+    for part in parts:
+        try:
+            endpoints.append(parse_endpoint(part.strip()))
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+    if len(set(endpoints)) != len(endpoints):
+        raise BadInput(f"--rdzv-endpoint {show(args.rdzv_endpoint)} names an etcd member twice")
+    for host, port in endpoints:
+        _addresses(host, port)
+    if args.rdzv_id is None:
+        raise BadInput(
+            "--rdzv-backend etcd needs --rdzv-id ID, the job's id (the same on every node)"
+        )
+    if not valid_job_id(args.rdzv_id):
+        raise BadInput(
+            f"--rdzv-id {show(args.rdzv_id)} is not 1-64 letters, digits, '_', '.', '-' "
+            "(starting with a letter or a digit)"
+        )
+    if importlib.util.find_spec("etcd3gw") is None:
+        raise BadInput("--rdzv-backend etcd needs the etcd3gw package (pip install leto[etcd])")
+    local = args.local_addr
+    if local is None:
+        local = _address_towards(*endpoints[0])
+    else:
+        if not local or len(local) > 253:
+            raise BadInput(f"--local-addr {show(local)} is not a host name or an address")
+        _addresses(local, 0, "--local-addr")
+    return EtcdArgs(tuple(endpoints), args.rdzv_id, local)
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (no packet is sent)."""
+    family, addr = _addresses(host, port)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(addr)
+        except OSError as e:
+            raise BadInput(
+                f"--rdzv-endpoint: no route to the etcd member {host}:{port} ({e.strerror}); "
+                "give --local-addr"
+            ) from None
+        return str(s.getsockname()[0])
 
 
 def resume_problem(path: str) -> str | None:
@@ -367,11 +474,14 @@ def _error(msg: str) -> int:
 def spare_command(args: argparse.Namespace, host: str, port: int, run_dir: str) -> list[str]:
     """The command line of a spare agent of this job (``--spares``): this launch's
     options, as ``--spare`` instead of a node rank."""
-    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    rdzv = ["--rdzv-endpoint", f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    if args.rdzv_backend == "etcd":  # the etcd members, and the job's id there
+        rdzv = ["--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-backend", "etcd"]
+        rdzv += ["--rdzv-id", args.rdzv_id]
     cmd = [
         sys.executable, "-m", "leto.cli", "launch", "--spare",
         "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
-        "--rdzv-endpoint", endpoint, "--run-dir", os.path.abspath(run_dir),
+        *rdzv, "--run-dir", os.path.abspath(run_dir),
         "--heartbeat", repr(args.heartbeat), "--hang-timeout", repr(args.hang_timeout),
         "--collective-timeout", repr(args.collective_timeout),
         "--rdzv-timeout", repr(args.rdzv_timeout), "--spare-timeout", repr(args.spare_timeout),
@@ -402,14 +512,24 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(e))
     if isinstance(checked, int):
         return checked
-    host, port, faults, metrics = checked
+    host, port, faults, metrics, etcd = checked
     if args.resume is not None:
         problem = resume_problem(args.resume)
         if problem is not None:
             return _error(f"--resume: {problem}")
         # every trainer's config takes it (leto.wrap), whatever the script's own config
         os.environ["LETO_RESUME"] = os.path.abspath(args.resume)
-    if args.node_rank != 0 and not _reachable(host, port, args.rdzv_timeout):
+    if etcd is not None:
+        if not any(
+            _reachable(h, p, args.rdzv_timeout / len(etcd.endpoints)) for h, p in etcd.endpoints
+        ):
+            print(
+                f"leto launch: error: cannot reach any etcd member at {args.rdzv_endpoint} "
+                f"within {args.rdzv_timeout:g} s; is etcd running there?",
+                file=sys.stderr,
+            )
+            return 1
+    elif args.node_rank != 0 and not _reachable(host, port, args.rdzv_timeout):
         print(
             f"leto launch: error: cannot reach the rendezvous endpoint {host}:{port} within "
             f"{args.rdzv_timeout:g} s; is node 0's `leto launch` running there with the same "
@@ -437,6 +557,8 @@ def run(args: argparse.Namespace) -> int:
         heartbeat=args.heartbeat,
         collective_timeout=args.collective_timeout,
         rdzv_timeout=args.rdzv_timeout,
+        etcd=etcd.endpoints if etcd is not None else (),
+        rdzv_id=etcd.job if etcd is not None else "",
         spare_timeout=args.spare_timeout,
         recovery_timeout=args.recovery_timeout,
         shadow_memory_budget=None

@@ -55,6 +55,8 @@ from leto.core.errors import ProtocolError
 from leto.core.recovery import Phase
 from leto.core.shadow import ShadowState
 
+from .state_record import StateRecordError, state_from_record
+
 __all__ = [
     "UNBOUNDED",
     "Apply",
@@ -71,6 +73,7 @@ __all__ = [
     "decode",
     "describe",
     "encode",
+    "rebuild",
     "replay",
     "run",
 ]
@@ -579,6 +582,33 @@ def replay(records: Iterable[tuple[int, dict[str, Any]]], path: str = "<records>
         if name in _CHECKED:
             r.checked += 1
     return TraceReport(path, lines, r.core_records, r.events, r.checked, None)
+
+
+def rebuild(records: Iterable[dict[str, Any]]) -> tuple[ClusterModel, ClusterState]:
+    """The model and its state after the ``core_init`` and ``core`` records, replayed as
+    they were fed, from the last ``core_state`` on (a state written down: the log before
+    it was compacted away); other records pass by. How a coordinator that takes over
+    rebuilds its predecessor's model. :class:`TraceError` if they do not replay."""
+    r = _Replay()
+    for n, rec in enumerate(records):
+        name = rec.get("event")
+        if name == "core_state":  # a compacted log starts from a state written down
+            try:
+                r.live()
+                r.state, r.last = state_from_record(rec.get("state")), None
+            except (_Diverged, StateRecordError) as e:
+                raise TraceError(f"record {n} (core_state): {e}") from None
+            continue
+        if name not in ("core_init", "core"):
+            continue
+        try:
+            _CHECKS[str(name)](r, rec)
+        except _Diverged as d:
+            raise TraceError(f"record {n} ({name}) does not replay: {d}") from None
+    try:
+        return r.live()
+    except _Diverged:
+        raise TraceError("no core_init record: nothing to rebuild") from None
 
 
 def read(path: str | Path) -> tuple[Path, list[tuple[int, dict[str, Any]]]]:

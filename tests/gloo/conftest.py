@@ -24,7 +24,10 @@ import pytest
 from leto.backends.gloo.procs import processes_with as tagged_pids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # jobs.py
-from jobs import assert_trace  # noqa: E402
+from etcd import EtcdCluster  # noqa: E402
+from jobs import STEPS_2x2, assert_trace, explain, job  # noqa: E402
+
+from leto.backends.gloo.harness import JobResult  # noqa: E402
 
 
 def shm_entries() -> set[str]:
@@ -68,3 +71,31 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     d = tmp_path_factory.mktemp("shared-jobs")
     yield d
     _guard(str(d), before)
+
+
+@pytest.fixture(scope="session")
+def ref_2x2(session_dir: Path) -> JobResult:
+    """The failure-free 2 nodes x 2 ranks job (c10d) that 2 x 2 jobs are compared with."""
+    res = job(session_dir / "ref-2x2", nnodes=2, nproc=2, steps=STEPS_2x2)
+    assert res.ok and res.digests, explain(res)
+    return res
+
+
+@pytest.fixture
+def etcd_cluster(tag: str, tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A 3-member etcd cluster on 127.0.0.1 of this test's own (fails if etcd is missing)."""
+    cluster = EtcdCluster(tmp_path / "etcd")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_shared(session_dir: Path) -> Iterator[EtcdCluster]:
+    """One 3-member cluster for the tests that kill no member (each its own job id)."""
+    cluster = EtcdCluster(session_dir / "etcd")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

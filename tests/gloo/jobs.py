@@ -26,6 +26,7 @@ LOOP_POINTS: list[dict[str, Any]] = [
     {"phase": "parity", "chunk": 0},
     {"phase": "finish"},
 ]
+STEPS_2x2 = 10  # the steps of the 2 x 2 jobs compared with conftest's ref_2x2
 
 
 def job(
@@ -41,6 +42,7 @@ def job(
     timeout: float = 150.0,
     respawn: bool = True,
     spares: int = 0,
+    rdzv: list[str] | None = None,
 ) -> JobResult:
     e = {"TOPO": f"{nnodes}x{nproc}", "STEPS": str(steps), **(env or {})}
     res = run_local(
@@ -54,6 +56,7 @@ def job(
         timeout=timeout,
         respawn_lost_nodes=respawn,
         spares=spares,
+        rdzv=rdzv,
     )
     assert not res.leftovers, f"processes left running after the job: {res.leftovers}"
     assert_trace(res.run_dir)

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import attrs
 import pytest
+from etcd import EtcdCluster
 
+from leto.backends.gloo.commit_record import CommitRecord, EtcdRecord, RecordError
 from leto.backends.gloo.coordinator import Coordinator, CoordinatorOptions
+from leto.backends.gloo.etcdstore import EtcdStore
 from leto.backends.gloo.eventlog import EventLog
 from leto.backends.gloo.messages import Fail, decode
 from leto.core.chunk import LOST, NONE, TORN
+from leto.core.cluster import ClusterState
 from leto.core.recovery import Phase
-from leto.spec.trace import replay
+from leto.spec.state_record import DECODE, StateRecordError, state_from_record, state_to_record
+from leto.spec.trace import rebuild, replay
 
 CHUNKS = 2
 
@@ -35,9 +42,18 @@ def ready(r: int, **kw: Any) -> dict[str, Any]:
 
 
 class Harness:
-    def __init__(self, nodes: int = 1, per_node: int = 2, warm: bool = True, **opts: Any) -> None:
+    def __init__(
+        self,
+        nodes: int = 1,
+        per_node: int = 2,
+        warm: bool = True,
+        record: CommitRecord | None = None,
+        **opts: Any,
+    ) -> None:
         self.log = EventLog(None)
-        self.c = Coordinator(nodes, per_node, log=self.log, options=CoordinatorOptions(**opts))
+        self.c = Coordinator(
+            nodes, per_node, log=self.log, options=CoordinatorOptions(**opts), record=record
+        )
         self.W = nodes * per_node
         self.now = 0.0
         for n in range(nodes):
@@ -51,6 +67,8 @@ class Harness:
     def send(self, node: int, msg: dict[str, Any]) -> list[tuple[int | None, dict[str, Any]]]:
         self.now += 0.001
         self.c.handle(node, decode(msg), self.now)
+        if self.c.outbox:
+            self.c.make_durable()  # as the agent does before it sends the outbox
         out, self.c.outbox = self.c.outbox, []
         return [(n, m.to_wire()) for n, m in out]
 
@@ -420,3 +438,222 @@ def test_the_step_record_follows_the_model_when_a_gather_was_flushed_early() -> 
     assert h.c.state is not None and h.c.state.step == (1, 1)
     rep = replay(enumerate(h.log.records, 1))
     assert rep.divergence is None, rep.line()
+
+
+class _Record:
+    """A commit record that notes what the coordinator had sent when it was written."""
+
+    def __init__(self, c: Coordinator) -> None:
+        self.c = c
+        self.calls: list[tuple[str, int, list[str]]] = []
+        self.broken = False
+
+    def _note(self, what: str, n: int) -> None:
+        self.calls.append((what, n, [m.TAG for _, m in self.c.outbox]))
+        if self.broken:
+            raise RecordError(f"cannot write the {what} to etcd: no member answered")
+
+    def commit(self, step: int, gen: int) -> None:
+        self._note("commit", step)
+
+    def fence(self, gen: int) -> None:
+        self._note("fence", gen)
+
+    def note(self, record: dict[str, Any]) -> None:
+        pass
+
+    def keep(self, name: str, value: dict[str, Any]) -> bool:
+        return True
+
+    def compaction_due(self) -> bool:
+        return False
+
+    def compact(self, base: list[dict[str, Any]]) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {"backend": "test", "writes": len(self.calls)}
+
+
+def test_commit_and_fence_are_recorded_before_they_are_sent() -> None:
+    h = Harness()
+    rec = h.c.record = _Record(h.c)
+    h.step(1)  # asserts that commit(1) went out
+    assert rec.calls == [("commit", 1, [])]
+    out = h.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
+    assert rec.calls[-1] == ("fence", 1, ["abort"])  # recorded before the fence order
+    assert (None, {"t": "fence", "gen": 1, "kill": []}) in out
+    # a record that cannot be written stops the job: the commit is never sent
+    h2 = Harness()
+    rec2 = h2.c.record = _Record(h2.c)
+    rec2.broken = True
+    for r in range(h2.W):
+        out = h2.send(0, {"t": "vote", "rank": r, "step": 1, "gen": 0})
+    assert [m["t"] for _, m in out] == ["fail"]
+    assert h2.c.failed == "cannot write the commit to etcd: no member answered"
+    # and a fence that cannot be recorded: no agent is told to fence
+    h3 = Harness()
+    h3.step(1)
+    rec3 = h3.c.record = _Record(h3.c)
+    rec3.broken = True
+    out = h3.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
+    assert [m["t"] for _, m in out] == ["abort", "fail"]
+    assert h3.c.failed == "cannot write the fence to etcd: no member answered"
+
+
+def _recover_rank_1(h: Harness, step: int) -> None:
+    """A crash of rank 1 after ``step``, recovered in place at generation 1."""
+    h.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
+    h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    h.send(0, {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0})
+    h.send(0, report(0, 1, step))
+    h.send(0, report(1, 1, step, node_par=None))
+    for r in (0, 1):
+        h.send(0, {"t": "reconciled", "rank": r, "gen": 1, "snapshot": None})
+    for r in (0, 1):
+        out = h.send(0, {"t": "rebuilt", "rank": r, "gen": 1})
+    assert out == [(None, {"t": "resume", "gen": 1, "step": step, "t2": 0})]
+
+
+def test_a_successor_rebuilds_the_model_from_etcd_and_fences_the_old_coordinator(
+    etcd_shared: EtcdCluster,
+) -> None:
+    secret = b"k" * 32
+    store = EtcdStore(etcd_shared.endpoints, "take-over", secret)
+    rec = EtcdRecord(store)
+    rec.start()
+    h = Harness(record=rec)
+    for step in (1, 2):
+        h.step(step)
+    _recover_rank_1(h, 2)
+    h.step(3, gen=1)
+    # what the coordinator fed is in etcd: a successor replays it to the same state
+    successor = EtcdRecord(EtcdStore(etcd_shared.endpoints[::-1], "take-over", secret))
+    taken = successor.take_over()
+    records, commit = taken.records, taken.commit
+    fed = [
+        {k: v for k, v in r.items() if k not in ("t", "t_rel")}
+        for r in h.log.records
+        if r["event"] in ("core_init", "core")
+    ]
+    # all but what no message has followed yet: the ranks' finish of step 3 (a model one
+    # ApplyStep behind is what a recovery's adoption of the retained truth catches up)
+    assert rec.pending == [{"event": "core", "feed": [["ApplyStep", 3, [0, 1]]]}]
+    model_records = [r for r in records if r["event"] in ("core_init", "core")]
+    assert model_records == fed[: len(fed) - len(rec.pending)]
+    assert {r["event"] for r in records} == {"core_init", "core", "coordinator_info"}
+    assert taken.kept["k/tier2"] == {"step": 0, "meta": {str(r): h.c.t2_meta[r] for r in (0, 1)}}
+    _, state = rebuild(records)
+    assert state == rebuild(fed[:-1])[1] and rebuild(fed)[1] == h.c.state
+    assert state.committed == 3 and state.gen == 1
+    assert commit == {"step": 3, "gen": 1}
+    # the old coordinator can record nothing more: its next commit stops its job
+    for r in range(h.W):
+        out = h.send(0, {"t": "vote", "rank": r, "step": 4, "gen": 1})
+    assert [m["t"] for _, m in out] == ["fail"]
+    assert h.c.failed is not None and "another coordinator fenced this one" in h.c.failed
+    assert "\n" not in h.c.failed
+    # one append per commit or fence on the training path; a flush only where a
+    # recovery message follows from a model input (promote, reports, reconcile, ...)
+    st = rec.stats()
+    assert st["commits"] == 3 and st["fences"] == 1 and st["log_appends"] == rec.seq
+    assert st["log_appends"] - st["log_flushes"] == st["commits"] + st["fences"]
+
+
+def test_a_successor_carries_on_exactly_as_its_predecessor_would(
+    etcd_shared: EtcdCluster,
+) -> None:
+    """Differential: one coordinator never interrupted (embedded record); another whose
+    role a successor takes over from etcd after step 2. Fed the same crash, recovery
+    and steps after that, the successor sends exactly what the first one sends."""
+    secret = b"k" * 32
+    rec = EtcdRecord(EtcdStore(etcd_shared.endpoints, "carry-on", secret))
+    rec.start()
+    ref, old = Harness(), Harness(record=rec)
+    for h in (ref, old):
+        h.step(1)
+        h.step(2)
+    new_rec = EtcdRecord(EtcdStore(etcd_shared.endpoints, "carry-on", secret))
+    taken = new_rec.take_over()
+    succ = object.__new__(Harness)
+    succ.log, succ.W, succ.per_node, succ.now = EventLog(None), ref.W, ref.per_node, ref.now
+    succ.c = Coordinator(1, 2, log=succ.log, record=new_rec)
+    succ.c.node_up(0, spare=False, now=succ.now)
+    succ.c.take_over(taken.records, taken.kept)
+    assert (succ.c.info, succ.c.t2_step, succ.c.t2_meta) == (
+        ref.c.info,
+        ref.c.t2_step,
+        ref.c.t2_meta,
+    )
+    msgs: list[dict[str, Any]] = [
+        {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"},
+        {"t": "fenced", "node": 0, "gen": 1},
+        {"t": "promoted", "rank": 1, "gen": 1, "warm": True, "ms": 1.0},
+        report(0, 1, 2),
+        report(1, 1, 2, node_par=None),
+        *[{"t": "reconciled", "rank": r, "gen": 1, "snapshot": None} for r in (0, 1)],
+        *[{"t": "rebuilt", "rank": r, "gen": 1} for r in (0, 1)],
+        *[{"t": "vote", "rank": r, "step": 3, "gen": 1} for r in (0, 1)],
+        *[{"t": "finished", "rank": r, "step": 3, "gen": 1, "loss": 1.0} for r in (0, 1)],
+    ]
+    sent = []
+    for msg in msgs:
+        want, got = ref.send(0, msg), succ.send(0, msg)
+        assert got == want, msg
+        sent += got
+    assert (None, {"t": "resume", "gen": 1, "step": 2, "t2": 0}) in sent
+    assert (None, {"t": "commit", "step": 3, "gen": 1}) in sent
+    assert succ.c.state == ref.c.state and succ.c.failed is None
+    assert [e["kind"] for e in succ.events("recovery_end")] == ["inplace"]
+    (took,) = succ.events("coordinator_took_over")
+    assert (took["generation"], took["committed"]) == (0, 2)
+    # and the predecessor, fenced by the take-over, can commit nothing more
+    for r in range(old.W):
+        out = old.send(0, {"t": "vote", "rank": r, "step": 3, "gen": 0})
+    assert [m["t"] for _, m in out] == ["fail"]
+
+
+def test_a_compacted_log_rebuilds_the_same_model_and_every_state_round_trips(
+    etcd_shared: EtcdCluster,
+) -> None:
+    secret = b"k" * 32
+    store = EtcdStore(etcd_shared.endpoints, "compact", secret)
+    rec = EtcdRecord(store, compact_every=2)
+    rec.start()
+    h = Harness(record=rec)
+    states = [h.c.state]
+    for step in (1, 2, 3):
+        h.step(step)
+        states.append(h.c.state)
+    _recover_rank_1(h, 3)
+    states.append(h.c.state)
+    for step in (4, 5):
+        h.step(step, gen=1)
+        states.append(h.c.state)
+    h.c.make_durable()
+    h.send(0, {"t": "vote", "rank": 0, "step": 6, "gen": 1})  # one vote: nothing sent
+    assert rec.stats()["compactions"] >= 2
+    assert len(store.scan("r/log/")) < rec.seq  # the log before the last base is gone
+    taken = EtcdRecord(EtcdStore(etcd_shared.endpoints, "compact", secret)).take_over()
+    assert [r["event"] for r in taken.records[:3]] == [
+        "core_init",
+        "coordinator_info",
+        "core_state",
+    ]
+    _, state = rebuild(taken.records + rec.pending)
+    assert state == h.c.state
+    # the codec: every state this coordinator passed through, written down and read back
+    for s in states:
+        assert s is not None and state_from_record(state_to_record(s)) == s
+    rec_ = state_to_record(h.c.state)
+    for bad, why in (
+        ({k: v for k, v in rec_.items() if k != "gen"}, "without ['gen']"),
+        ({**rec_, "hue": 1}, "with ['hue']"),
+        ({**rec_, "phase": "dancing"}, "field 'phase'"),
+    ):
+        with pytest.raises(StateRecordError, match=re.escape(why)):
+            state_from_record(bad)
+    assert set(DECODE) == {f.name for f in attrs.fields(ClusterState)}

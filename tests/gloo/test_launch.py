@@ -144,3 +144,42 @@ def test_sigkill_of_the_launcher_leaves_nothing_behind(tag: str) -> None:
     while processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert processes_with(tag) == []
+
+
+def test_a_spare_of_an_etcd_job_is_started_with_its_etcd_rendezvous(tmp_path: Path) -> None:
+    """`--spares` with `--rdzv-backend etcd`: each spare's command line names the same
+    etcd members and job id, and parses back to the same rendezvous (nothing started)."""
+    import argparse
+
+    from leto.adapters.launch import _check, configure, spare_command
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    run_dir = str(tmp_path / "run")
+    members = "127.0.0.1:12379,127.0.0.1:22379,127.0.0.1:32379"
+    args = parser.parse_args(
+        [
+            "--nnodes",
+            "2",
+            "--spares",
+            "1",
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            members,
+            "--rdzv-id",
+            "job-7",
+            "--run-dir",
+            run_dir,
+            TRAIN,
+        ]  # fmt: skip
+    )
+    checked = _check(args)
+    assert not isinstance(checked, int)
+    host, port, _, _, etcd = checked
+    assert etcd is not None and (host, port) == ("127.0.0.1", 0) and etcd.local == "127.0.0.1"
+    cmd = spare_command(args, host, port, run_dir)
+    spare = parser.parse_args(cmd[cmd.index("launch") + 1 :])
+    assert spare.spare and spare.rdzv_backend == "etcd" and spare.rdzv_endpoint == members
+    again = _check(spare)
+    assert not isinstance(again, int) and again[4] == etcd

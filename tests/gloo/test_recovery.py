@@ -13,24 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import digests_equal, explain, job
+from jobs import STEPS_2x2, digests_equal, explain, job
 
 from leto.backends.gloo.harness import JobResult
 
 STEPS_1x2 = 13
-STEPS_2x2 = 10
 
 
 @pytest.fixture(scope="session")
 def ref_1x2(session_dir: Path) -> JobResult:
     res = job(session_dir / "ref-1x2", steps=STEPS_1x2)
-    assert res.ok and res.digests, explain(res)
-    return res
-
-
-@pytest.fixture(scope="session")
-def ref_2x2(session_dir: Path) -> JobResult:
-    res = job(session_dir / "ref-2x2", nnodes=2, nproc=2, steps=STEPS_2x2)
     assert res.ok and res.digests, explain(res)
     return res
 

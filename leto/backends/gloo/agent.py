@@ -59,7 +59,10 @@ from typing import Any
 
 from .board import StatusBoard
 from .children import Children
+from .commit_record import EtcdRecord
 from .coordinator import Coordinator
+from .election import Election
+from .etcdstore import EtcdStore
 from .eventlog import EventLog
 from .host_memory import HostMemory
 from .keeper import KeeperHandle
@@ -122,6 +125,12 @@ class Agent:
         self.joined: set[int] = set()
         self.t_start = time.monotonic()
         self.store: Any = None
+        # --rdzv-backend etcd: the job's store there, node 0's part in the election, and
+        # the commit record (node 0's coordinator; None: embedded, in the coordinator)
+        self.etcd: EtcdStore | None = None
+        self.election: Election | None = None
+        self.etcd_refreshed = 0.0
+        self.record: EtcdRecord | None = None
         self.job = ""
         self.log: EventLog | None = None
         self.watchers: Watchers | None = None  # node 0: progress line, metrics (watch.py)

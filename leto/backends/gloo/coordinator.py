@@ -10,8 +10,9 @@ node, message)``).
 Training path, per step ``V``: every rank's ``vote`` (gradients sealed, gradient
 parity written, prepare record in its node's memory) -> once all ``W`` are in, the
 step's ``Compute``/``Reduce``/``Prepare`` of every rank and ``Decide`` are fed and
-``commit(V)`` is broadcast (COMMIT lives here, outside every trainer), as one
-aggregated ``CommitStep(V)``. Each rank's ``finished(V)`` is judged on arrival (the
+``commit(V)`` is broadcast, as one aggregated ``CommitStep(V)``: COMMIT is recorded
+first, outside every trainer (:mod:`.commit_record`: here, or in etcd with
+``--rdzv-backend etcd``), and only then sent. Each rank's ``finished(V)`` is judged on arrival (the
 model's guard of ``ApplyStep(V, [rank])``) and gathered; the step's ``ApplyStep(V,
 ranks)`` (its ``BeginChunk``/``EndChunk``/``ParityChunk`` per chunk and ``Finish`` of
 each rank, :mod:`leto.core.aggregate`) is fed once every rank finished, or before
@@ -30,6 +31,7 @@ Recovery (a failure report, then the core's schedule to ``Resume``) is carried o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +41,11 @@ from leto.core.erasure import Topology
 from leto.core.recovery import Phase
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
-from leto.spec.trace import CoreSetup, Item, Snapshot
+from leto.spec.state_record import state_to_record
+from leto.spec.trace import CoreSetup, Item, Snapshot, rebuild
 
 from . import messages as M
+from .commit_record import CommitRecord, Embedded, RecordError
 from .eventlog import EventLog
 from .model_feed import ModelFeeder
 from .recovery_driver import Recovery, RecoveryDriver, Wait, failed_what
@@ -49,6 +53,7 @@ from .recovery_driver import Recovery, RecoveryDriver, Wait, failed_what
 __all__ = ["Coordinator", "CoordinatorOptions"]
 
 Out = tuple[int | None, M.Message]
+T2_KEY = "k/tier2"  # the tier-2 snapshot's metadata, kept in the commit record
 
 
 @dataclass
@@ -73,12 +78,14 @@ class Coordinator:
         *,
         log: EventLog,
         options: CoordinatorOptions | None = None,
+        record: CommitRecord | None = None,
     ) -> None:
         self.topology = Topology.uniform(nodes, per_node)
         self.W = nodes * per_node
         self.log = log
         self.opt = options or CoordinatorOptions()
         self.outbox: list[Out] = []
+        self.record: CommitRecord = record if record is not None else Embedded()
         self.model: ClusterModel | None = None
         self.state: ClusterState | None = None
         self.info: dict[str, Any] = {}  # from the trainers' ready reports
@@ -90,6 +97,9 @@ class Coordinator:
         self.ckpts: dict[int, set[int]] = {}  # step -> ranks that wrote their part
         self.t2_step = 0
         self.t2_meta: dict[int, Any] = {}  # rank -> {checksums, ps} of the confirmed snapshot
+        self.t2_not_kept = False  # the commit record could not keep t2_meta (too large)
+        self.base_not_kept = False  # nor a compacted log (the state too large)
+        self.core_init: dict[str, Any] | None = None  # the model's constants, as a record
         self.nodes_up: set[int] = set()
         self.nodes_lost_at: dict[int, float] = {}
         self.node_back_at = 0.0  # when the last lost node's replacement joined
@@ -129,6 +139,86 @@ class Coordinator:
         self.failed = message
         self.log.write("job_failed", error=message, **fields)
         self._send(None, M.Fail(error=message))
+
+    def model_record(self, name: str, **fields: Any) -> None:
+        """A record of what the model was fed (``core_init``, ``core``): to the event log,
+        and to the commit record (where another coordinator can replay it)."""
+        self.log.write(name, **fields)
+        self.record.note({"event": name, **fields})
+
+    def set_tier2(self, step: int, meta: dict[int, Any]) -> None:
+        """The tier-2 snapshot of ``step`` is current (each rank's checksums and process
+        state in ``meta``): kept here, and noted for a successor (before the ranks hear)."""
+        self.t2_step = step
+        self.t2_meta = dict(meta)
+        kept = {"step": step, "meta": {str(r): m for r, m in meta.items()}}
+        if not self.record.keep(T2_KEY, kept) and not self.t2_not_kept:
+            self.t2_not_kept = True
+            self.log.write(
+                "warning",
+                what="the tier-2 snapshot's metadata is too large for the commit record: "
+                "a coordinator that takes over cannot restore tier 2",
+            )
+
+    def take_over(self, records: list[dict[str, Any]], kept: dict[str, dict[str, Any]]) -> None:
+        """A successor: the model rebuilt from its predecessor's records (the commit
+        record's log, :meth:`.commit_record.EtcdRecord.take_over`), with the settings and
+        the tier-2 snapshot they carry; what else it kept (votes, the nodes up, the spare
+        pool) comes back as the agents reconnect and the ranks report."""
+        self.model, self.state = rebuild(records)
+        for rec in records:
+            if rec.get("event") == "coordinator_info":
+                self.info = dict(rec["info"])
+            elif rec.get("event") == "core_init":
+                self.core_init = dict(rec)
+        t2 = kept.get(T2_KEY)
+        if t2 is not None:
+            self.t2_step = int(t2["step"])
+            self.t2_meta = {int(r): m for r, m in t2["meta"].items()}
+        self.ready = dict.fromkeys(range(self.W), {})  # training started long ago
+        self.log.write(
+            "coordinator_took_over",
+            generation=self.state.gen,
+            committed=self.state.committed,
+            records=len(records),
+        )
+
+    def _compact(self) -> None:
+        """The commit record's log so far replaced by what rebuilds the model as it is
+        now (the model's constants, the settings, the state: ``core_state``)."""
+        assert self.state is not None and self.core_init is not None
+        base = [
+            self.core_init,
+            {"event": "coordinator_info", "info": self.info},
+            {"event": "core_state", "state": state_to_record(self.state)},
+        ]
+        if not self.record.compact(base) and not self.base_not_kept:
+            self.base_not_kept = True
+            self.log.write(
+                "warning",
+                what="the model's state is too large for one record of the commit record: "
+                "its log is not compacted",
+            )
+
+    def make_durable(self) -> None:
+        """Before the outbox leaves: every model record so far is in the commit record
+        (a message never follows from an input a successor could not replay); if it
+        cannot be written, only the job's end leaves."""
+        try:
+            self.record.flush()
+        except RecordError as e:
+            self.outbox = [(n, m) for n, m in self.outbox if isinstance(m, M.Fail)]
+            self.fail(str(e))
+
+    def durable(self, write: Callable[[], None]) -> bool:
+        """Write a COMMIT or a fence to the commit record; a record that cannot be written
+        stops the job with its line (False)."""
+        try:
+            write()
+        except RecordError as e:
+            self.fail(str(e))
+            return False
+        return True
 
     # ------------------------------------------------------------------ inputs
 
@@ -309,12 +399,12 @@ class Coordinator:
             shadows=ShadowState.SPAWNING,
             start=int(self.info.get("start") or 0),
         )
-        self.t2_step = setup.start
         self.model = setup.model()
         self.state = setup.initial(self.model)
-        self.log.write("core_init", **setup.to_record())
-        for r, i in self.ready.items():
-            self.t2_meta[r] = i.get("snapshot")
+        self.model_record("core_init", **setup.to_record())
+        self.core_init = {"event": "core_init", **setup.to_record()}
+        self.record.note({"event": "coordinator_info", "info": self.info})
+        self.set_tier2(setup.start, {r: i.get("snapshot") for r, i in self.ready.items()})
         self.log.write(
             "training_started",
             n_chunks=setup.chunks,
@@ -350,6 +440,10 @@ class Coordinator:
             return
         self.feeder.run([ev.CommitStep(step)], f"the votes for step {step}")
         del self.votes[step]
+        if not self.durable(lambda: self.record.commit(step, s.gen)):
+            return  # not durable: no chunk may move on it
+        if self.record.compaction_due() and not self.durable(self._compact):
+            return
         self._send(None, M.Commit(step=step, gen=s.gen))
 
     def _on_finished(self, msg: M.Finished) -> None:
@@ -391,8 +485,7 @@ class Coordinator:
             return
         del self.snaps[step]
         self.feeder.run([Snapshot(step)], f"every rank took the tier-2 snapshot of step {step}")
-        self.t2_step = step
-        self.t2_meta = dict(got)
+        self.set_tier2(step, got)
         self._send(None, M.Tier2(step=step, gen=self.generation))
         self.log.write("tier2_snapshot", step=step)
 
@@ -434,6 +527,7 @@ class Coordinator:
             self.fail(f"ranks finished at different steps: {sorted(steps)}")
             return
         self.complete = True
+        self.log.write("commit_record", **self.record.stats())
         self.log.write(
             "training_done",
             step=steps.pop(),

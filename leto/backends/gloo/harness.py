@@ -9,7 +9,8 @@ Used by the tests, the gloo demo and anyone who wants "N nodes" on one host::
 A node whose agent dies while the job runs (a ``lose_node`` fault, or a test that
 SIGKILLs it) is started again with the same arguments, as a replacement (spare)
 node would be by a cluster scheduler (``respawn_lost_nodes``); with ``spares=N``,
-node 0 starts N spare agents (``--spares``) that take lost nodes' places instead. Everything the job
+node 0 starts N spare agents (``--spares``) that take lost nodes' places instead; ``rdzv``
+replaces ``--rdzv-endpoint 127.0.0.1:PORT`` (``--rdzv-backend etcd`` and its flags). Everything the job
 started is gone when :func:`run_local` returns (it kills what is left and says so).
 """
 
@@ -80,11 +81,12 @@ def _cmd(
     faults: Any,
     extra: list[str],
     script_args: list[str],
+    rdzv: list[str] | None = None,
 ) -> list[str]:
     cmd = [
         sys.executable, "-m", "leto.cli", "launch",
         "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--node-rank", str(node),
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-dir", str(run_dir),
+        *(rdzv or ["--rdzv-endpoint", f"127.0.0.1:{port}"]), "--run-dir", str(run_dir),
     ]  # fmt: skip
     if faults:
         cmd += ["--faults", json.dumps(faults)]
@@ -106,6 +108,7 @@ def run_local(
     port: int | None = None,
     kill_node_after: tuple[int, float] | None = None,
     spares: int = 0,
+    rdzv: list[str] | None = None,
 ) -> JobResult:
     """Run the job to its end; see the module docstring."""
     run = Path(run_dir).resolve()
@@ -122,7 +125,7 @@ def run_local(
         logs[n] = open(path, "w+")  # noqa: SIM115
         more = [*(extra or []), *(["--spares", str(spares)] if n == 0 and spares else [])]
         procs[n] = subprocess.Popen(
-            _cmd(script, n, nnodes, nproc, port, run, faults, more, script_args or []),
+            _cmd(script, n, nnodes, nproc, port, run, faults, more, script_args or [], rdzv),
             stdout=logs[n],
             stderr=subprocess.STDOUT,
             text=True,

@@ -55,7 +55,7 @@ class ModelFeeder:
         except ProtocolError as err:
             what = ", ".join(repr(i) for i in items)
             raise ModelRefused(what, source, err, {"feed": feed}) from None
-        self.c.log.write("core", feed=feed)
+        self.c.model_record("core", feed=feed)
         return effects
 
     def flush_applied(self) -> None:

@@ -36,6 +36,10 @@ class AgentOptions:
     heartbeat: float = 0.5
     collective_timeout: float = 30.0
     rdzv_timeout: float = 60.0
+    # --rdzv-backend etcd: the members (empty: c10d, node 0 serves the rendezvous) and the
+    # job's id there; rdzv_host is then the address node 0 serves on, rdzv_port 0 (any)
+    etcd: tuple[tuple[str, int], ...] = ()
+    rdzv_id: str = ""
     spare_timeout: float = 60.0
     recovery_timeout: float = 180.0
     shadow_memory_budget: int | None = None  # bytes of trainer RSS on this node

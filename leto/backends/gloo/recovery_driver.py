@@ -275,6 +275,8 @@ class RecoveryDriver:
         hung = [r for r, t in enumerate(s.trainer) if t is TrainerState.HUNG]
         self.c.feeder.feed_event(ev.Fence())
         gen = self.c.generation
+        if not self.c.durable(lambda: self.c.record.fence(gen)):
+            return  # the new generation is not recorded: no agent may act on it
         assert self.c.rec is not None
         self.c.rec.generation = gen
         self.c._send(None, M.Fence(gen=gen, kill=hung))
@@ -455,7 +457,7 @@ class RecoveryDriver:
             what = "the retained state the trainers reported"
             source = f"generation {s.gen}"
             raise ModelRefused(what, source, err, {"adopt": retained.to_record()}) from None
-        self.c.log.write("core", adopt=retained.to_record())
+        self.c.model_record("core", adopt=retained.to_record())
         if self.c.rec is not None:
             self.c.rec.truth_notes.extend(notes)
         if notes:
@@ -475,8 +477,7 @@ class RecoveryDriver:
             and len(snaps) == self.c.W
             and all(m is not None for m in snaps.values())
         ):
-            self.c.t2_step = s.target
-            self.c.t2_meta = dict(rec.snapshot)
+            self.c.set_tier2(s.target, rec.snapshot)
             self.c._send(None, M.Tier2(step=s.target, gen=s.gen))
         sums = rec.summaries
         total = {

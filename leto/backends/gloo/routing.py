@@ -244,6 +244,8 @@ class Routing:
     def flush_coord(self) -> None:
         a = self.a
         assert a.coord is not None
+        if a.coord.outbox:
+            a.coord.make_durable()
         while a.coord.outbox:
             node, msg = a.coord.outbox.pop(0)
             targets = sorted(a.joined) if node is None else [node]

@@ -25,7 +25,10 @@ from leto.private import InsecurePathError, private_dir
 from . import auth
 from . import messages as M
 from . import procs as P
+from .commit_record import EtcdRecord, RecordError
 from .coordinator import Coordinator, CoordinatorOptions
+from .election import Election
+from .etcdstore import EtcdStore, StoreError
 from .eventlog import EventLog
 from .records import LaunchError, look
 from .watch import Watchers
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["Supervisor"]
 
 COMPUTE_PHASES = {"forward", "backward", "step"}
+ETCD_LEASE_TTL = 15  # seconds: node 0's hold on the job's id in etcd (kept alive each 3 s)
 
 
 class Supervisor:
@@ -122,8 +126,10 @@ class Supervisor:
         o = a.o
         timeout = timedelta(seconds=o.rdzv_timeout)
         endpoint = f"{o.rdzv_host}:{o.rdzv_port}"
+        if a.node == 0 and o.etcd:
+            self.open_etcd()
         if a.node == 0:
-            if P.port_in_use(o.rdzv_host, o.rdzv_port):
+            if not o.etcd and P.port_in_use(o.rdzv_host, o.rdzv_port):
                 raise LaunchError(
                     f"the rendezvous endpoint {endpoint} is in use by another process "
                     "(pick a free port with --rdzv-endpoint HOST:PORT)"
@@ -134,6 +140,9 @@ class Supervisor:
                 # listening socket from 2.8 on (pytorch#150215); before, the classic one
                 old = torch.__version__ < (2, 8)  # type: ignore[operator]
                 bound = P.listen_tcp(o.rdzv_host, o.rdzv_port)
+                if o.etcd:  # any free port: its address is published in etcd
+                    o.rdzv_port = bound.getsockname()[1]
+                    endpoint = f"{o.rdzv_host}:{o.rdzv_port}"
                 a.store = TCPStore(
                     o.rdzv_host,
                     o.rdzv_port,
@@ -149,17 +158,17 @@ class Supervisor:
             a.job = secrets.token_hex(8)
             a.listener = socket.create_server((o.rdzv_host, 0))
             cport = a.listener.getsockname()[1]
-            a.store.set(
-                "leto/job",
-                json.dumps(
-                    {
-                        "job": a.job,
-                        "nnodes": o.nnodes,
-                        "nproc_per_node": o.nproc_per_node,
-                        "coordinator": f"{o.rdzv_host}:{cport}",
-                    }
-                ),
-            )
+            info = {
+                "job": a.job,
+                "nnodes": o.nnodes,
+                "nproc_per_node": o.nproc_per_node,
+                "coordinator": f"{o.rdzv_host}:{cport}",
+                "store": endpoint,
+            }
+            if o.etcd:
+                self.claim_etcd(info)
+            else:
+                a.store.set("leto/job", json.dumps(info))
             a.log = EventLog(a.run_dir / "events.jsonl")
             a.log.write(
                 "job_start",
@@ -170,6 +179,8 @@ class Supervisor:
                 script=o.script,
                 args=o.script_args,
                 rdzv=endpoint,
+                rdzv_backend="etcd" if o.etcd else "c10d",
+                **({"etcd": a.etcd.where(), "rdzv_id": o.rdzv_id} if a.etcd is not None else {}),
                 hang_timeout=o.hang_timeout,
                 shadow_memory_budget=o.shadow_memory_budget,
                 faults=o.faults,
@@ -181,6 +192,7 @@ class Supervisor:
                 options=CoordinatorOptions(
                     spare_timeout=o.spare_timeout, recovery_timeout=o.recovery_timeout
                 ),
+                record=a.record,
             )
             try:
                 a.watchers = Watchers(
@@ -223,9 +235,15 @@ class Supervisor:
         o = a.o
         endpoint = f"{o.rdzv_host}:{o.rdzv_port}"
         timeout = timedelta(seconds=o.rdzv_timeout)
+        if o.etcd:
+            self.open_etcd()
+            info = self.etcd_job()
+            host, port = str(info["store"]).rsplit(":", 1)
+            o.rdzv_host, o.rdzv_port = host, int(port)  # the trainers' MASTER_ADDR/PORT
         try:
-            a.store = TCPStore(o.rdzv_host, o.rdzv_port, None, False, timeout)
-            info = json.loads(a.store.get("leto/job"))
+            if not o.etcd:
+                a.store = TCPStore(o.rdzv_host, o.rdzv_port, None, False, timeout)
+                info = json.loads(a.store.get("leto/job"))
         except Exception as e:  # noqa: BLE001
             raise LaunchError(
                 f"cannot reach the rendezvous endpoint {endpoint} within {o.rdzv_timeout:g} s "
@@ -242,11 +260,100 @@ class Supervisor:
         host, port = info["coordinator"].rsplit(":", 1)
         return host, int(port)
 
-    def join(self, host: str, port: int) -> M.Welcome | M.Pooled:
-        """Connect to the coordinator, prove the job's secret and check its proof (see
-        :mod:`.auth`): a node's welcome, or a spare agent's place in the pool."""
+    # --- --rdzv-backend etcd -------------------------------------------------------
+
+    def open_etcd(self) -> None:
+        """The job's etcd store (:mod:`.etcdstore`), signed with the job's secret."""
         a = self.a
         o = a.o
+        self.need_secret()
+        assert a.secret is not None
+        a.etcd = EtcdStore(o.etcd, o.rdzv_id, a.secret, patience=min(15.0, o.rdzv_timeout))
+        try:
+            a.etcd.ping()
+        except StoreError as e:
+            raise LaunchError(str(e)) from None
+
+    def claim_etcd(self, info: dict[str, Any]) -> None:
+        """Node 0: take the job's id in etcd, as the coordinator's first leader
+        (:class:`.election.Election`: ``job`` under a lease this agent keeps alive;
+        another node 0 with the same id is refused while this one lives), clear what an
+        earlier job of the id left, publish the rendezvous and start the commit record
+        (:class:`.commit_record.EtcdRecord`)."""
+        a = self.a
+        assert a.etcd is not None
+        try:
+            a.election = Election(a.etcd, ETCD_LEASE_TTL)
+            if not a.election.campaign(info, first=True):
+                raise LaunchError(
+                    f"--rdzv-id {a.o.rdzv_id}: a job of this id is running (its node 0 holds "
+                    f"{a.etcd.key('job')} in etcd at {a.etcd.where()}); give another --rdzv-id"
+                )
+            a.etcd_refreshed = time.monotonic()
+            a.record = EtcdRecord(a.etcd)
+            a.record.start()
+        except (StoreError, RecordError) as e:
+            raise LaunchError(str(e)) from None
+
+    def etcd_job(self) -> dict[str, Any]:
+        """A node other than 0, or a spare: the job's rendezvous record, once node 0 has
+        published it (within --rdzv-timeout), checked (signed with the job's secret)."""
+        a = self.a
+        assert a.etcd is not None
+        deadline = time.monotonic() + a.o.rdzv_timeout
+        while True:
+            try:
+                entry = a.etcd.get("job")
+            except StoreError as e:
+                raise LaunchError(str(e)) from None
+            if entry is not None:
+                break
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"no job {a.o.rdzv_id!r} in etcd at {a.etcd.where()} within "
+                    f"{a.o.rdzv_timeout:g} s; is node 0's `leto launch` running with the same "
+                    "--rdzv-endpoint and --rdzv-id?"
+                )
+            time.sleep(0.2)
+        info = entry.value
+        for k, kind in (("job", str), ("nnodes", int), ("nproc_per_node", int),
+                        ("coordinator", str), ("store", str)):  # fmt: skip
+            if not isinstance(info.get(k), kind):
+                raise LaunchError(f"the job record {a.etcd.key('job')} in etcd has no valid {k!r}")
+        return info
+
+    def keep_etcd_lease(self, now: float) -> None:
+        """Node 0: keep the job's id (its lease) alive; a lease etcd let expire stops the
+        job in one line (another node 0 could take the id)."""
+        a = self.a
+        if a.election is None or now - a.etcd_refreshed < ETCD_LEASE_TTL / 5:
+            return
+        try:
+            a.election.keep()
+        except StoreError as e:
+            raise LaunchError(f"lost the job's id in etcd: {e}") from None
+        a.etcd_refreshed = now
+
+    def close_etcd(self) -> None:
+        """The job's end: node 0 gives its id back (its lease), and after a job that
+        completed deletes the job's keys; the commit record of a failed job is kept."""
+        a = self.a
+        if a.etcd is None:
+            return
+        try:
+            if a.election is not None:
+                if a.failed is None and a.complete:
+                    a.etcd.clear_all()
+                a.election.resign()
+        except StoreError as e:
+            print(f"leto[{a.who}]: warning: {e}", file=sys.stderr, flush=True)
+        a.etcd.close()
+        a.etcd = None
+
+    def need_secret(self) -> None:
+        """A node other than 0 (or a spare) takes the job's secret from its run directory
+        when the environment has none."""
+        a = self.a
         if a.secret is None:
             try:
                 a.secret = auth.read_secret(a.run_dir)
@@ -258,6 +365,14 @@ class Supervisor:
                 f"has none; give every node the same --run-dir (a shared directory), or "
                 f"export {auth.ENV} with the same value on every node (docs/security.md)"
             )
+
+    def join(self, host: str, port: int) -> M.Welcome | M.Pooled:
+        """Connect to the coordinator, prove the job's secret and check its proof (see
+        :mod:`.auth`): a node's welcome, or a spare agent's place in the pool."""
+        a = self.a
+        o = a.o
+        self.need_secret()
+        assert a.secret is not None
         try:
             sock = socket.create_connection((host, port), timeout=o.rdzv_timeout)
         except OSError as e:
@@ -435,6 +550,7 @@ class Supervisor:
         for p in list(a.by_pid.values()):
             if p.dead_at is not None and now - p.dead_at > 0.2:
                 a.children.finalize_exit(p)
+        self.keep_etcd_lease(now)
         if a.coord is not None:
             a.routing.expire_unproven(now)
             a.coord.tick(now)
@@ -569,6 +685,7 @@ class Supervisor:
         if a.listener is not None:
             a.listener.close()
         self.end_spares()
+        self.close_etcd()
         a.store = None
 
     def end_spares(self) -> None:

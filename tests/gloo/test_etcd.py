@@ -1,0 +1,96 @@
+"""``--rdzv-backend etcd``: the rendezvous and the commit record in a 3-member etcd
+cluster; the first endpoint named is not etcd (it answers garbage), a member is
+SIGKILLed mid-run (the one every agent talks to once it moved on from the first) and a
+trainer crashes later: the job ends bitwise equal to the failure-free run (c10d)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from etcd import EtcdCluster, junk_server
+from jobs import STEPS_2x2, digests_equal, explain, job
+
+from leto.backends.gloo import auth
+from leto.backends.gloo.etcdstore import EtcdStore
+from leto.backends.gloo.harness import JobResult
+
+
+def _watch_commits(
+    cluster: EtcdCluster, run_dir: Path, job_id: str, until: threading.Event, step: int
+) -> int | None:
+    """Wait for COMMIT(``step``) in etcd (read from the members that stay), SIGKILL
+    member 0, and return the step the record held then (None: the job ended first)."""
+    store: EtcdStore | None = None
+    while not until.is_set():
+        if store is None:
+            secret = auth.read_secret(run_dir) if (run_dir / auth.FILE).exists() else None
+            if secret is not None:
+                store = EtcdStore(cluster.endpoints[1:], job_id, secret)
+        if store is not None:
+            got = store.get("r/commit")
+            if got is not None and got.value["step"] >= step:
+                cluster.kill(0)
+                store.close()
+                return int(got.value["step"])
+        time.sleep(0.02)
+    return None
+
+
+def test_etcd_member_killed_mid_run_recovers_bitwise(
+    etcd_cluster: EtcdCluster, tmp_path: Path, ref_2x2: JobResult
+) -> None:
+    with contextlib.ExitStack() as stack:
+        _member_killed(etcd_cluster, tmp_path, ref_2x2, stack)
+
+
+def _member_killed(
+    etcd_cluster: EtcdCluster, tmp_path: Path, ref_2x2: JobResult, stack: contextlib.ExitStack
+) -> None:
+    run_dir = tmp_path / "run"
+    job_id = "kill-a-member"
+    junk = stack.enter_context(junk_server())  # named first: every agent asks it first
+    endpoints = f"{junk[0]}:{junk[1]},{etcd_cluster.endpoint_flag}"
+    rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoints, "--rdzv-id", job_id]
+    crash = {"kind": "crash", "rank": 3, "step": 7, "phase": "backward"}
+    out: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            out["res"] = job(run_dir, nnodes=2, nproc=2, steps=STEPS_2x2, faults=[crash], rdzv=rdzv)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            out["error"] = e
+        finally:
+            done.set()
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=run)
+    th.start()
+    try:
+        killed_at = _watch_commits(etcd_cluster, run_dir, job_id, done, step=3)
+    finally:
+        th.join()
+    if "error" in out:
+        raise out["error"]
+    res: JobResult = out["res"]
+    assert res.ok, explain(res)
+    assert killed_at is not None and 3 <= killed_at < 7, killed_at  # before the crash
+    assert digests_equal(res, ref_2x2), "not bitwise equal to the failure-free run"
+    start = res.of("job_start")[0]
+    assert start["rdzv_backend"] == "etcd" and start["rdzv_id"] == job_id
+    assert [r["kind"] for r in res.recoveries] == ["inplace"]
+    (record,) = res.of("commit_record")
+    # one transaction per step (the crash before the vote re-commits nothing), one per fence
+    assert record["backend"] == "etcd"
+    assert record["commits"] == STEPS_2x2 and record["fences"] == 1, record
+    # node 0 moved on from the endpoint that answers garbage, then from the killed member
+    assert record["failovers"] >= 2, record
+    # the job completed: node 0 gave its id back and deleted the job's keys
+    store = EtcdStore(etcd_cluster.endpoints[1:], job_id, auth.read_secret(run_dir) or b"")
+    assert store.get("job") is None and store.get("r/commit") is None
+    store.close()
+    print(f"etcd job {time.monotonic() - t0:.1f} s, commit record {record}")
