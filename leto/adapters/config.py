@@ -241,11 +241,6 @@ class Config:
                 f"{self.tier2_parity} parities across {self.nodes} node(s): tier 2 with m "
                 "parities needs more than m nodes (each lost node's share lives on another)",
             )
-        if self.master_weights and self.shard:
-            raise ConfigError(
-                "master_weights",
-                "float32 master weights with sharded state (shard = true) are not built yet",
-            )
         if self.master_weights and self.backend == "gloo" and self.checkpoint_dir is not None:
             raise ConfigError(
                 "master_weights",

@@ -27,8 +27,11 @@ def _run(
     clip: str,
     faults: list[dict[str, Any]] | None = None,
     steps: int = STEPS,
+    shard: bool = False,
 ) -> JobResult:
     settings = f"chunk_size = 128\ntier2_interval = 3\nmaster_weights = {str(masters).lower()}\n"
+    if shard:
+        settings += 'shard = true\ntier1_code = "parity"\n'
     args = ["--steps", str(steps), "--clip", clip, "--bf16"]
     return script_job(LOOP, run_dir, settings, args, faults)
 
@@ -47,6 +50,25 @@ def test_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(session_dir:
     assert len(res.recoveries) == len(LOOP_POINTS), res.recoveries
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
     assert _params(res) == _params(ref)  # the bf16 parameters too: cast from the masters
+
+
+def test_sharded_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(
+    session_dir: Path,
+) -> None:
+    """Each rank retains its shard of the float32 masters, gradients and AdamW state; the
+    bf16 parameters are all-gathered (the shards cast to bf16) after every step."""
+    ref = _run(session_dir / "shard-masters", True, "session", shard=True)
+    assert ref.ok and ref.digests, explain(ref)
+    assert _params(ref)[0] == _params(ref)[1]  # every rank's model: the same cast
+    assert ref.digests["0"]["param"] != ref.digests["1"]["param"]  # different shards
+    faults = [
+        {"kind": "crash", "rank": i % 2, "step": i + 2, **k} for i, k in enumerate(LOOP_POINTS)
+    ]
+    res = _run(session_dir / "shard-masters-kills", True, "session", faults, shard=True)
+    assert res.ok, explain(res)
+    assert len(res.recoveries) == len(LOOP_POINTS), res.recoveries
+    assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
+    assert _params(res) == _params(ref)
 
 
 def test_torch_clip_on_a_bf16_grad_is_refused_in_one_line(session_dir: Path) -> None:
