@@ -24,6 +24,12 @@ trainer's own memory (:class:`FullParams`), rebuilt by one all-gather of the sha
 after every applied step and after every recovery. Their ``.grad`` are the trainer's
 own tensors too; a step reduce-scatters them (:meth:`ShardPlan.pack_grads`) so that
 each rank receives the sum of its shard only.
+
+**Master weights** (``master_weights=True``): the flat space is of the master dtype
+(float32 for a bf16 model, :func:`~leto.retained.layout.master_dtype`), so a rank's
+pieces, gradients and optimizer states are float32; the bf16 gradients are cast up
+as they are packed for the reduce-scatter, and the model's bf16 parameters are the
+cast of the gathered masters (:class:`FullParams`).
 """
 
 from __future__ import annotations
