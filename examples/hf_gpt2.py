@@ -16,6 +16,9 @@ the user's.
     # ZeRO-style sharded state (each rank retains 1/W of it; tier 1 as parity):
     LETO_SHARD=1 LETO_TIER1_CODE=parity leto launch --nproc-per-node 2 examples/hf_gpt2.py \
         --config examples/gloo-1node.toml
+    # both: each rank retains its 1/W shard of the float32 masters, gradients and state
+    LETO_MASTER_WEIGHTS=1 LETO_SHARD=1 LETO_TIER1_CODE=parity leto launch \
+        --nproc-per-node 2 examples/hf_gpt2.py --bf16 --config examples/gloo-1node.toml
 
 Needs ``pip install transformers`` (the ``examples`` extra).
 """

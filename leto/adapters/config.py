@@ -44,8 +44,9 @@ verify_chunks        true      check each chunk's checksum before its step overw
 master_weights       false     float32 master weights, gradients and optimizer state in
                                retained memory for bf16/fp16 parameters (and models that
                                mix dtypes); the model's parameters are cast from them after
-                               every step (docs/loop.md, "Mixed precision"); on gloo not
-                               yet with shard, checkpoint_dir or a GradScaler
+                               every step (docs/loop.md, "Mixed precision"); with shard,
+                               each rank's shard of them; on gloo not yet with
+                               checkpoint_dir or a GradScaler
 shard                false     ZeRO-style sharded state: each rank retains only its 1/W
                                shard of the parameters (master copy), gradients and
                                optimizer state; gradients are reduce-scattered, each rank
@@ -240,11 +241,6 @@ class Config:
                 "tier2_parity",
                 f"{self.tier2_parity} parities across {self.nodes} node(s): tier 2 with m "
                 "parities needs more than m nodes (each lost node's share lives on another)",
-            )
-        if self.master_weights and self.shard:
-            raise ConfigError(
-                "master_weights",
-                "float32 master weights with sharded state (shard = true) are not built yet",
             )
         if self.master_weights and self.backend == "gloo" and self.checkpoint_dir is not None:
             raise ConfigError(

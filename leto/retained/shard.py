@@ -24,6 +24,12 @@ trainer's own memory (:class:`FullParams`), rebuilt by one all-gather of the sha
 after every applied step and after every recovery. Their ``.grad`` are the trainer's
 own tensors too; a step reduce-scatters them (:meth:`ShardPlan.pack_grads`) so that
 each rank receives the sum of its shard only.
+
+**Master weights** (``master_weights=True``): the flat space is of the master dtype
+(float32 for a bf16 model, :func:`~leto.retained.layout.master_dtype`), so a rank's
+pieces, gradients and optimizer states are float32; the bf16 gradients are cast up
+as they are packed for the reduce-scatter, and the model's bf16 parameters are the
+cast of the gathered masters (:class:`FullParams`).
 """
 
 from __future__ import annotations
@@ -68,10 +74,12 @@ class ShardPlan:
         world: int,
         chunk_numel: int,
         align_bytes: int = 256,
+        *,
+        master_weights: bool = False,
     ) -> None:
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise LayoutError(f"world must be a positive int, got {world!r}")
-        meta = RetainedLayout._plan(list(named), chunk_numel, (), 1, align_bytes)
+        meta = RetainedLayout._plan(list(named), chunk_numel, (), 1, align_bytes, master_weights)
         self.names: tuple[str, ...] = tuple(n for n, _ in named)
         self.shapes: tuple[tuple[int, ...], ...] = tuple(tuple(s) for _, s, _, _ in meta["params"])
         self.offsets: tuple[int, ...] = tuple(o for _, _, o, _ in meta["params"])
@@ -118,7 +126,7 @@ class ShardPlan:
             name, p = named[pc.param]
             a, b = pc.start - self.offsets[pc.param], pc.stop - self.offsets[pc.param]
             if values:
-                t = p.detach().reshape(-1)[a:b].clone()
+                t = p.detach().reshape(-1)[a:b].to(self.dtype, copy=True)  # masters: exact
             else:
                 t = torch.empty(b - a, dtype=self.dtype)
             out.append((f"{name}[{a}:{b}]", nn.Parameter(t, requires_grad=p.requires_grad)))
@@ -167,24 +175,47 @@ class ShardPlan:
 
 
 class FullParams:
-    """The model's parameters as views of one flat tensor of the trainer (not retained)."""
+    """The model's parameters as views of one flat tensor of the trainer (not retained).
+
+    The flat tensor is of the dtype the all-gather moves: the parameters' own when they
+    share one (with master weights, a bf16 model's float32 shards are cast to bf16
+    before the gather: half the bytes, and the same bytes as casting the gathered
+    masters, a cast being elementwise), else the plan's (master) dtype. A parameter of
+    another dtype (a bf16 parameter of a model that mixes dtypes) keeps storage of its
+    own and is cast from its part of the flat tensor after every gather
+    (:meth:`derive`)."""
 
     def __init__(
         self, plan: ShardPlan, named: Sequence[tuple[str, nn.Parameter]], *, values: bool
     ) -> None:
         self.plan = plan
-        self.flat = torch.zeros(plan.numel, dtype=plan.dtype)
+        dtypes = {p.dtype for _, p in named}
+        self.dtype: torch.dtype = dtypes.pop() if len(dtypes) == 1 else plan.dtype
+        self.flat = torch.zeros(plan.numel, dtype=self.dtype)
+        #: the parameters cast from the flat tensor, each with its part of it
+        self.derived: list[tuple[nn.Parameter, torch.Tensor]] = []
         for (_, p), o, n, shape in zip(named, plan.offsets, plan.numels, plan.shapes, strict=True):
             view = self.flat[o : o + n].view(shape)
             if values:
-                view.copy_(p.detach())
-            _bind(p, view)
+                view.copy_(p.detach())  # exact: to the parameter's dtype or a wider one
+            if p.dtype == self.dtype:
+                _bind(p, view)
+                continue
+            if p.device != view.device or not p.is_contiguous():  # e.g. a meta skeleton
+                _bind(p, torch.empty(p.shape, dtype=p.dtype, device=view.device))
+            self.derived.append((p, view))
         self.params = [p for _, p in named]
 
     def gather_input(self, lay: RetainedLayout) -> torch.Tensor:
-        """What this rank sends to the all-gather: a copy of its shard's parameters (no
-        retained memory is handed to a collective)."""
-        return lay.param_buffer.clone()
+        """What this rank sends to the all-gather: its shard's parameters, copied (no
+        retained memory is handed to a collective) and cast to the gather's dtype."""
+        return lay.param_buffer.to(self.dtype, copy=True)
+
+    def derive(self) -> None:
+        """After a gather: every parameter of another dtype, cast from its part."""
+        with torch.no_grad():
+            for p, view in self.derived:
+                p.copy_(view)
 
 
 def retained_nbytes(lay: RetainedLayout) -> int:

@@ -1,9 +1,8 @@
 """A real client: examples/hf_gpt2.py (a Hugging Face `transformers` GPT-2 built from a
 config in code, its own loop: accumulation under no_sync, session.clip_grad_norm_,
 AdamW with weight-decay groups, a warm-up + cosine schedule, a StatefulDataLoader)
-under `leto launch` on gloo: in bf16 with float32 master weights, SIGKILLed at every
-phase of a step, and with sharded state, SIGKILLed at three; each bitwise its
-failure-free run."""
+under `leto launch` on gloo, in bf16 with float32 master weights and sharded state
+together, SIGKILLed at every phase of a step: bitwise its failure-free run."""
 
 from __future__ import annotations
 
@@ -16,35 +15,30 @@ from leto.backends.gloo.harness import JobResult
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "hf_gpt2.py")
 STEPS = len(LOOP_POINTS) + 3
+SETTINGS = (
+    "chunk_size = 8192\ntier2_interval = 4\nmaster_weights = true\nshard = true\n"
+    'tier1_code = "parity"\n'
+)
 
 
-def _run(run_dir: Path, setting: str, faults: list[dict[str, Any]] | None) -> JobResult:
-    settings = f"chunk_size = 8192\ntier2_interval = 4\n{setting} = true\n"
-    args = ["--steps", str(STEPS)] + (["--bf16"] if setting == "master_weights" else [])
-    return script_job(EXAMPLE, run_dir, settings, args, faults, hang_timeout=5, timeout=300)
+def _run(run_dir: Path, faults: list[dict[str, Any]] | None) -> JobResult:
+    args = ["--steps", str(STEPS), "--bf16"]
+    return script_job(EXAMPLE, run_dir, SETTINGS, args, faults, hang_timeout=5, timeout=300)
 
 
-def _kills(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"kind": "crash", "rank": i % 2, "step": i + 2, **k} for i, k in enumerate(points)]
-
-
-def test_hf_gpt2_bf16_with_masters_killed_at_every_phase_is_bitwise(session_dir: Path) -> None:
-    ref = _run(session_dir / "hf-ref", "master_weights", None)
+def test_hf_gpt2_bf16_masters_sharded_killed_at_every_phase_is_bitwise(
+    session_dir: Path,
+) -> None:
+    ref = _run(session_dir / "hf-ref", None)
     assert ref.ok and ref.digests, explain(ref)
-    res = _run(session_dir / "hf-kills", "master_weights", _kills(LOOP_POINTS))
+    assert ref.digests["0"]["param"] != ref.digests["1"]["param"]  # each rank its shard
+    faults = [
+        {"kind": "crash", "rank": i % 2, "step": i + 2, **k} for i, k in enumerate(LOOP_POINTS)
+    ]
+    res = _run(session_dir / "hf-kills", faults)
     assert res.ok, explain(res)
     assert len(res.recoveries) == len(LOOP_POINTS), res.recoveries
     assert "forward" in {r["kind"] for r in res.recoveries}  # a death after COMMIT
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
     steps = res.of("step")
     assert steps and all(r["loss"] is None for r in steps)  # the user's loop gives no loss
-
-
-def test_hf_gpt2_sharded_killed_is_bitwise(session_dir: Path) -> None:
-    ref = _run(session_dir / "hf-shard-ref", "shard", None)
-    assert ref.ok and ref.digests, explain(ref)
-    points = [LOOP_POINTS[1], LOOP_POINTS[5], LOOP_POINTS[6]]  # backward, decide, mid-write
-    res = _run(session_dir / "hf-shard-kills", "shard", _kills(points))
-    assert res.ok, explain(res)
-    assert len(res.recoveries) == len(points), res.recoveries
-    assert digests_equal(res, ref), "not bitwise equal to the failure-free run"

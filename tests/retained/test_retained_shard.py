@@ -78,6 +78,71 @@ def test_shards_step_bitwise_as_the_whole_model(
                 assert torch.equal(p, q), step
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["bf16", "bf16-fp32"])
+def test_shards_with_float32_masters_step_bitwise_as_the_whole_fp32_master_recipe(
+    mixed: bool,
+) -> None:
+    """A bf16 model (or one mixing bf16 and fp32) with master weights: each rank retains
+    float32 pieces; the gathered model is the cast of torch's AdamW on float32 masters."""
+    W, C = 3, 16
+
+    def model() -> nn.Sequential:
+        m = _model().to(torch.bfloat16)
+        if mixed:
+            m[2].float()
+        return m
+
+    ref = model()
+    masters = [nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
+    ranks = []
+    for r in range(W):
+        m = model()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        named = list(m.named_parameters())
+        plan = ShardPlan(named, W, C, master_weights=True)
+        full = FullParams(plan, named, values=True)
+        ranks.append((m, retain_shard(m, opt, plan, r, alloc=None, attach=False), plan, full))
+    # the gather moves the parameters' dtype when they share one (cast, then gathered)
+    assert ranks[0][3].dtype == (torch.float32 if mixed else torch.bfloat16)
+    assert ranks[0][1].layout.dtype == torch.float32
+    for step in range(1, 5):
+        grads = [g.to(p.dtype) for p, g in zip(ref.parameters(), _grads(ref, step), strict=True)]
+        for q, g in zip(masters, grads, strict=True):
+            q.grad = g.float()
+        ref_opt.step()
+        shards = []
+        for r, (m, ropt, plan, full) in enumerate(ranks):
+            for p, g in zip(m.parameters(), grads, strict=True):
+                p.grad = g.clone()
+            rows = torch.empty(W * (plan.shard_numel + len(plan.names)))  # float32
+            plan.pack_grads(list(m.parameters()), rows)
+            mine = rows.view(W, -1)[r]
+            lay = ropt.layout
+            lay.grad_buffer.copy_(mine[: plan.shard_numel])
+            lay.seal_grads(step, plan.present_pieces(r, mine[plan.shard_numel :].tolist()))
+            ropt.begin(step)
+            ropt._apply_pending(step, None)
+            ropt.end()
+            shards.append(full.gather_input(lay))
+        gathered = torch.cat(shards)
+        for m, _, _, full in ranks:
+            full.flat.copy_(gathered)  # what the all-gather writes
+            full.derive()
+            for p, q in zip(m.parameters(), masters, strict=True):
+                assert torch.equal(
+                    p.detach().view(-1).view(torch.uint8),
+                    q.detach().to(p.dtype).view(-1).view(torch.uint8),
+                ), step
+        # the masters themselves: rank r's float32 pieces are its part of the fp32 masters
+        flat = torch.cat([q.detach().reshape(-1) for q in masters])
+        for r, (_, ropt, plan, _) in enumerate(ranks):
+            for pc, piece in zip(plan.pieces[r], ropt.layout.params, strict=False):
+                o, oo = plan.offsets[pc.param], sum(plan.numels[: pc.param])
+                a, b = pc.start - o + oo, pc.stop - o + oo
+                assert piece.dtype == torch.float32 and torch.equal(piece.detach(), flat[a:b])
+
+
 def test_pieces_tile_the_flat_space_in_whole_chunks() -> None:
     m = _model()
     plan = ShardPlan(list(m.named_parameters()), 4, 16)

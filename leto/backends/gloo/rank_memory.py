@@ -116,7 +116,9 @@ class RankMemory:
         s = self.s
         assert s.keeper is not None
         named = list(s.model.named_parameters())
-        plan = ShardPlan(named, s.W, int(s.cfg.chunk_size))
+        plan = ShardPlan(
+            named, s.W, int(s.cfg.chunk_size), master_weights=bool(s.cfg.master_weights)
+        )
         s.full = FullParams(plan, named, values=not attach)
         s.ropt = retain_shard(
             s.model, s.user_optimizer, plan, s.rank, alloc=s.keeper.alloc, attach=attach
@@ -129,6 +131,7 @@ class RankMemory:
         if s.full is None:
             return
         coll(ALL_GATHER, s.full.flat, s.full.gather_input(s.layout))
+        s.full.derive()  # master weights in a model of mixed dtypes: its bf16 parameters
 
     def ensure_layout(self) -> bool:
         """Attach to the retained state, or create it fresh if the keeper lost it.
