@@ -127,7 +127,7 @@ def check_demo_json(cmd: str, tmp_path: Path) -> None:
     assert res["every_failure_recovered"] is True
     assert res["failures_injected"] == res["failures_planned"] >= 16
     assert len(res["recovery_seconds"]) == res["failures_injected"]
-    if res["backend"] == "gloo":
+    if res.get("backend") == "gloo":
         # the faulted run is a behaviour of the TLA+ spec, event by event (TraceLeto.tla):
         # it found a reconcile that released gradients its node's parity still named
         from leto.cli import main
@@ -148,6 +148,12 @@ def check_spec(cmd: str, tmp_path: Path) -> None:
     assert main is not None and int(main.group(1)) > 10_000, out[-2000:]
     assert re.search(r"TLC MCLetoLiveness\.cfg: \d+ distinct states, violations none", out)
     assert "unreached 'sometimes' properties: none" in out, out[-2000:]
+    # the core's explicit-state check, every configuration (its one run in the tests)
+    core = re.search(r"core checker: (\d+) states over (\d+) configs", out)
+    assert core is not None and int(core.group(1)) > 100_000, out[-2000:]
+    from leto.core.verify import CHECK_CONFIGS
+
+    assert int(core.group(2)) == len(CHECK_CONFIGS), out[-2000:]
     assert f"mutants caught: {len(MUTANTS)}/{len(MUTANTS)}" in out, out[-2000:]
 
 
