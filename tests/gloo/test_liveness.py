@@ -154,3 +154,19 @@ def test_sigkill_of_leto_demo_leaves_nothing_behind(tag: str) -> None:
     while processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert processes_with(tag) == []
+
+
+def test_the_same_exception_of_the_script_three_times_ends_the_job(tag: str) -> None:
+    # rank 1's step_fn raises at step 3 in every incarnation: recovering cannot help;
+    # the third time, the core's GiveUp ends the recovery and the job, in one line
+    res = job(Path(tag) / "run", steps=5, env={"RAISE_AT": "3"}, timeout=90)
+    assert not res.ok
+    fails = res.of("failure")
+    assert [(f["kind"], f["rank"]) for f in fails] == [("exception", 1)] * 3, fails
+    assert len(res.recoveries) == 2, res.recoveries
+    (failed,) = res.of("job_failed")
+    assert failed["error"].startswith("rank 1 raised the same exception at step 3 3 times"), failed
+    assert "TypeError: step_fn() got an unexpected keyword argument 'bad'" in failed["error"]
+    # the core's GiveUp ended the recovery just begun (its JobFailed names the phase)
+    assert failed.get("phase") not in (None, "running"), failed
+    assert res.error is not None and "\n" not in res.error

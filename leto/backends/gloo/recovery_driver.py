@@ -249,10 +249,11 @@ class RecoveryDriver:
         if self.c.rec is None:
             self.c.rec = Recovery(started=now, from_step=s.committed, phase_start=now)
         rec = self.c.rec
-        if len(self.c.recoveries) >= self.c.opt.max_recoveries:
-            self.c.fail(f"more than {self.c.opt.max_recoveries} recoveries: giving up")
-            return
         self.c.feeder.feed_event(ev.Detect())
+        hopeless = self._hopeless()
+        if hopeless is not None:  # the core ends the recovery it has just begun
+            self.give_up(hopeless)
+            return
         self.c.wait = None
         self.c.done.clear()
         self.c.stopped_at.clear()  # collective errors seen so far are explained by this failure
@@ -268,6 +269,24 @@ class RecoveryDriver:
             self.c.log.write("recovery_start", generation=s.gen, from_step=s.committed)
         self._phase("fence", now)
         self.c._send(None, M.Abort(gen=s.gen))
+
+    def _hopeless(self) -> str | None:
+        """Why recovering again cannot help, or None: too many recoveries, or the same
+        exception of the script at the same step in ``REPEATS`` incarnations in a row
+        (an error of the script, not of the hardware)."""
+        if len(self.c.recoveries) >= self.c.opt.max_recoveries:
+            return f"more than {self.c.opt.max_recoveries} recoveries: giving up"
+        rec = self.c.rec
+        assert rec is not None
+        last = [rec.failures] + [r.get("failures", []) for r in reversed(self.c.recoveries)]
+        seen = [_exception_of(fs) for fs in last[:REPEATS]]
+        if len(seen) == REPEATS and seen[0] is not None and all(x == seen[0] for x in seen):
+            rank, step, line = seen[0]
+            return (
+                f"rank {rank} raised the same exception at step {step + 1} {REPEATS} times in "
+                f"a row ({line}): an error of the script, not of the hardware; giving up"
+            )
+        return None
 
     def _fence(self, now: float) -> None:
         s = self.c.state
@@ -553,3 +572,18 @@ class RecoveryDriver:
             "rebuild": "the rebuild of rank(s)",
         }.get(w.what, w.what + " of")
         return f"still waiting for {who} {sorted(w.pending)} ({where})"
+
+
+# a script's exception repeated in this many incarnations in a row at the same step ends
+# the job (RecoveryDriver._hopeless)
+REPEATS = 3
+
+
+def _exception_of(failures: list[dict[str, Any]]) -> tuple[int, int, str] | None:
+    """(rank, committed step, last line of the traceback) of a recovery's one failure if it
+    was an exception of the script, else None."""
+    if len(failures) != 1 or failures[0].get("kind") != "exception":
+        return None
+    f = failures[0]
+    tb = str(f.get("traceback", "")).strip().splitlines()
+    return int(f.get("rank", -1)), int(f.get("step", -1)), tb[-1] if tb else ""

@@ -60,6 +60,9 @@ def step_fn(m, idx):
         time.sleep(0.3)
     elif calls["n"] > 6:
         calls["blob"] = None
+    if os.environ.get("RAISE_AT") and session.step + 1 == int(os.environ["RAISE_AT"]):
+        if os.environ.get("RANK") == "1":  # an error of the script, in every incarnation
+            raise TypeError("step_fn() got an unexpected keyword argument 'bad'")
     return F.mse_loss(m(X[idx]), Y[idx])
 
 
