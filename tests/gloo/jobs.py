@@ -63,6 +63,16 @@ def job(
     return res
 
 
+def kills(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One SIGKILL per step from step 2, at each point in turn, of ranks 0 and 1 in turn."""
+    return [{"kind": "crash", "rank": i % 2, "step": i + 2, **k} for i, k in enumerate(points)]
+
+
+def params_of(res: JobResult, ranks: int = 2) -> list[str]:
+    """The SHA-256 of each rank's model parameters a test script wrote at its end."""
+    return [(res.run_dir / f"params-rank{r}").read_text() for r in range(ranks)]
+
+
 def script_job(
     script: str,
     run_dir: Path,

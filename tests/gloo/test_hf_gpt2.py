@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from jobs import LOOP_POINTS, digests_equal, explain, script_job
+from jobs import LOOP_POINTS, digests_equal, explain, kills, script_job
 
 from leto.backends.gloo.harness import JobResult
 
@@ -32,9 +32,7 @@ def test_hf_gpt2_bf16_masters_sharded_killed_at_every_phase_is_bitwise(
     ref = _run(session_dir / "hf-ref", None)
     assert ref.ok and ref.digests, explain(ref)
     assert ref.digests["0"]["param"] != ref.digests["1"]["param"]  # each rank its shard
-    faults = [
-        {"kind": "crash", "rank": i % 2, "step": i + 2, **k} for i, k in enumerate(LOOP_POINTS)
-    ]
+    faults = kills(LOOP_POINTS)
     res = _run(session_dir / "hf-kills", faults)
     assert res.ok, explain(res)
     assert len(res.recoveries) == len(LOOP_POINTS), res.recoveries

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jobs import LOOP_POINTS, digests_equal, explain, script_job
+from jobs import LOOP_POINTS, digests_equal, explain, kills, script_job
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "ddp_loop.py")
 STEPS = 12
@@ -21,7 +21,7 @@ def _run(run_dir: Path, code: str, faults: list | None, args: list[str]):  # typ
 def test_user_loop_killed_at_every_phase_is_bitwise(session_dir: Path) -> None:
     ref = _run(session_dir / "loop-ref", "auto", None, [])
     assert ref.ok and ref.digests, explain(ref)
-    faults = [{"kind": "crash", "rank": i % 2, "step": i + 2, **k} for i, k in enumerate(POINTS)]
+    faults = kills(POINTS)
     res = _run(session_dir / "loop-kills", "auto", faults, [])
     assert res.ok, explain(res)
     assert len(res.recoveries) == len(POINTS), res.recoveries

@@ -11,16 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import LOOP_POINTS, digests_equal, explain, script_job
+from jobs import LOOP_POINTS, digests_equal, explain, kills, params_of, script_job
 
 from leto.backends.gloo.harness import JobResult
 
 LOOP = str(Path(__file__).resolve().parent / "scripts" / "shard_loop.py")
 STEPS = len(LOOP_POINTS) + 2
-
-
-def _params(res: JobResult) -> list[str]:
-    return [(res.run_dir / f"params-rank{r}").read_text() for r in range(2)]
 
 
 def _run(
@@ -43,15 +39,13 @@ def test_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(session_dir:
     ref = _run(session_dir / "bf16-masters", True, "session")
     assert plain.ok and ref.ok and ref.digests, explain(plain if not plain.ok else ref)
     # the masters change the math: the update is float32, rounded once per step
-    assert _params(ref) != _params(plain) and _params(ref)[0] == _params(ref)[1]
-    faults = [
-        {"kind": "crash", "rank": i % 2, "step": i + 2, **k} for i, k in enumerate(LOOP_POINTS)
-    ]
+    assert params_of(ref) != params_of(plain) and params_of(ref)[0] == params_of(ref)[1]
+    faults = kills(LOOP_POINTS)
     res = _run(session_dir / "bf16-masters-kills", True, "session", faults)
     assert res.ok, explain(res)
     assert len(res.recoveries) == len(LOOP_POINTS), res.recoveries
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
-    assert _params(res) == _params(ref)  # the bf16 parameters too: cast from the masters
+    assert params_of(res) == params_of(ref)  # the bf16 parameters too: cast from the masters
 
 
 def test_sharded_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(
@@ -61,11 +55,10 @@ def test_sharded_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(
     bf16 parameters are all-gathered (the shards cast to bf16) after every step."""
     ref = _run(session_dir / "shard-masters", True, "session", shard=True)
     assert ref.ok and ref.digests, explain(ref)
-    assert _params(ref)[0] == _params(ref)[1]  # every rank's model: the same cast
+    assert params_of(ref)[0] == params_of(ref)[1]  # every rank's model: the same cast
     assert ref.digests["0"]["param"] != ref.digests["1"]["param"]  # different shards
-    faults = [
-        {"kind": "crash", "rank": i % 2, "step": i + 2, **k} for i, k in enumerate(LOOP_POINTS)
-    ]  # and a rank's keeper lost: its float32 shard rebuilt from the node's parity
+    faults = kills(LOOP_POINTS)
+    # and a rank's keeper lost: its float32 shard rebuilt from the node's parity
     faults.append({"kind": "lose_memory", "rank": 1, "step": STEPS, "phase": "prepare"})
     res = _run(session_dir / "shard-masters-kills", True, "session", faults, shard=True)
     assert res.ok, explain(res)
@@ -74,7 +67,7 @@ def test_sharded_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(
     assert len(res.recoveries) == len(faults), res.recoveries
     assert res.recoveries[-1].get("chunks_repaired_tier1", 0) > 0, res.recoveries[-1]
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
-    assert _params(res) == _params(ref)
+    assert params_of(res) == params_of(ref)
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])

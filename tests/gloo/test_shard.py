@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import digests_equal, explain, job, script_job
+from jobs import digests_equal, explain, job, kills, params_of, script_job
 from test_recovery import PHASES  # every point of a step
 
 from leto.backends.gloo.harness import JobResult
 
 STEPS = 15
 ENV = {"CHUNK": "32"}  # 258 elements: 9 chunks unsharded, 5 per rank sharded over 2
-FAULTS = [{"kind": "crash", "rank": i % 2, "step": i + 2, **p} for i, p in enumerate(PHASES)] + [
+FAULTS = kills(PHASES) + [
     {
         "kind": "lose_memory",
         "rank": 0,
@@ -27,10 +27,6 @@ FAULTS = [{"kind": "crash", "rank": i % 2, "step": i + 2, **p} for i, p in enume
     },
     {"kind": "lose_memory", "rank": 1, "step": 14, "phase": "prepare"},
 ]
-
-
-def _params(res: JobResult) -> list[str]:
-    return [(res.run_dir / f"params-rank{r}").read_text() for r in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +48,7 @@ def runs(session_dir: Path) -> dict[str, JobResult]:
 
 def test_sharded_training_is_bitwise_pure_data_parallel(runs: dict[str, JobResult]) -> None:
     dp, sh = runs["dp"], runs["shard"]
-    assert _params(sh) == _params(dp) and _params(sh)[0] == _params(sh)[1]
+    assert params_of(sh) == params_of(dp) and params_of(sh)[0] == params_of(sh)[1]
     # each rank retains its own shard: the ranks' parameter buffers differ, pure DP's agree
     assert dp.digests is not None and sh.digests is not None
     assert dp.digests["0"]["param"] == dp.digests["1"]["param"]
@@ -67,7 +63,7 @@ def test_sharded_faults_at_every_phase_are_bitwise(runs: dict[str, JobResult]) -
     assert len(recs) == len(FAULTS), recs
     assert sum(r.get("chunks_repaired_tier1", 0) for r in recs) >= 5, recs
     assert digests_equal(res, runs["shard"]), "not bitwise equal to the failure-free run"
-    assert _params(res) == _params(runs["dp"])
+    assert params_of(res) == params_of(runs["dp"])
 
 
 LOOP = str(Path(__file__).resolve().parent / "scripts" / "shard_loop.py")
@@ -101,18 +97,16 @@ def test_user_loop_sharded_is_bitwise_pure_dp_and_recovers_with_session_clip(
     dp = _loop(session_dir / "loop-dp", False, "none")
     sh = _loop(session_dir / "loop-shard", True, "none")
     assert dp.ok and sh.ok, explain(dp if not dp.ok else sh)
-    assert _params(sh) == _params(dp)
+    assert params_of(sh) == params_of(dp)
     ref = _loop(session_dir / "loop-clip", True, "session")
     assert ref.ok and ref.digests, explain(ref)
-    assert _params(ref) != _params(sh)  # the clip changed the steps
-    faults = [
-        {"kind": "crash", "rank": i % 2, "step": i + 2, **k} for i, k in enumerate(LOOP_POINTS)
-    ]
+    assert params_of(ref) != params_of(sh)  # the clip changed the steps
+    faults = kills(LOOP_POINTS)
     res = _loop(session_dir / "loop-clip-kills", True, "session", faults)
     assert res.ok, explain(res)
     assert len(res.recoveries) == len(LOOP_POINTS), res.recoveries
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
-    assert _params(res) == _params(ref)
+    assert params_of(res) == params_of(ref)
 
 
 def test_torch_clip_on_sharded_grads_is_refused_in_one_line(session_dir: Path) -> None:

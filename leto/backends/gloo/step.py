@@ -312,22 +312,21 @@ class UserLoop:
                 if not self.present[i]:
                     prm.grad = None
                 elif i in derived:  # bf16/fp16: its float32 gradients are in retained memory
-                    prm.grad = self._refusing(prm, _MASTER_GRAD)
+                    prm.grad = self._refusing(prm, _MasterGrad)
                 else:
                     prm.grad = lay.grad_view(i)
         else:
             self.present = plan.present_pieces(s.rank, flags)
             for prm, c in zip(self._params(), flags, strict=True):
-                prm.grad = self._refusing(prm, _SHARDED_GRAD) if c > 0 else None
+                prm.grad = self._refusing(prm, _ShardedGrad) if c > 0 else None
         self.reduced = True
 
-    def _refusing(self, p: torch.Tensor, why: str) -> torch.Tensor:
+    def _refusing(self, p: torch.Tensor, cls: type[_RefusedGrad]) -> torch.Tensor:
         """A parameter's ``.grad`` after the reduce that holds no gradient: sharded (this
         rank holds only its shard of the reduced gradients, in retained memory) or derived
         from a float32 master (its gradients are float32, in retained memory). Any use of
         it stops the job with one line naming what to call instead (:class:`_RefusedGrad`)."""
         _RefusedGrad.fatal = self.s._fatal
-        cls = _SHARDED if why is _SHARDED_GRAD else _MASTER
         return torch.Tensor._make_subclass(cls, torch.zeros((), dtype=p.dtype).expand(p.shape))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -414,18 +413,6 @@ class UserLoop:
         )
 
 
-_SHARDED_GRAD = (
-    "shard = true: a parameter's .grad holds no gradient after the reduce (each rank "
-    "keeps only its shard): clip with session.clip_grad_norm_(max_norm), not "
-    "torch.nn.utils.clip_grad_norm_"
-)
-_MASTER_GRAD = (
-    "master_weights = true: a bf16/fp16 parameter's .grad holds no gradient after the "
-    "reduce (its float32 gradients are in retained memory): clip with "
-    "session.clip_grad_norm_(max_norm), not torch.nn.utils.clip_grad_norm_"
-)
-
-
 class _RefusedGrad(torch.Tensor):
     """What a parameter's ``.grad`` is after a reduce that keeps its gradients elsewhere:
     any use stops the job with its class's ``why``."""
@@ -438,12 +425,20 @@ class _RefusedGrad(torch.Tensor):
         _RefusedGrad.fatal(cls.why)
 
 
-class _SHARDED(_RefusedGrad):
-    why = _SHARDED_GRAD
+class _ShardedGrad(_RefusedGrad):
+    why = (
+        "shard = true: a parameter's .grad holds no gradient after the reduce (each rank "
+        "keeps only its shard): clip with session.clip_grad_norm_(max_norm), not "
+        "torch.nn.utils.clip_grad_norm_"
+    )
 
 
-class _MASTER(_RefusedGrad):
-    why = _MASTER_GRAD
+class _MasterGrad(_RefusedGrad):
+    why = (
+        "master_weights = true: a bf16/fp16 parameter's .grad holds no gradient after the "
+        "reduce (its float32 gradients are in retained memory): clip with "
+        "session.clip_grad_norm_(max_norm), not torch.nn.utils.clip_grad_norm_"
+    )
 
 
 def finite_update(st: dict[str, Any]) -> dict[str, Any]:
