@@ -94,3 +94,70 @@ def _member_killed(
     assert store.get("job") is None and store.get("r/commit") is None
     store.close()
     print(f"etcd job {time.monotonic() - t0:.1f} s, commit record {record}")
+
+
+def test_node0_agent_killed_mid_run_fails_over_bitwise(
+    etcd_cluster: EtcdCluster, tmp_path: Path, ref_2x2: JobResult
+) -> None:
+    """Node 0's agent, which runs the coordinator and serves the TCPStore, is SIGKILLed
+    in step 5 (with its trainers and keepers): node 1's agent takes the coordinator over
+    from etcd, the spare agent that waited in node 0's pool (``leto launch --spare``,
+    started beside the nodes) joins node 1's pool and takes node 0's place, and the job
+    ends bitwise equal to the failure-free run, its trace one behaviour."""
+    run_dir = tmp_path / "run"
+    job_id = "kill-node-0"
+    rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_cluster.endpoint_flag]
+    lose = {"kind": "lose_node", "rank": 0, "step": 5, "phase": "backward"}
+    res = job(
+        run_dir, nnodes=2, nproc=2, steps=STEPS_2x2, faults=[lose],
+        rdzv=[*rdzv, "--rdzv-id", job_id], spare_agents=1, respawn=False,
+    )  # fmt: skip
+    assert res.codes == {0: [-9], 1: [0], -1: [0]}, explain(res)
+    assert res.of("job_end")[-1]["status"] == "ok", explain(res)
+    assert digests_equal(res, ref_2x2), "not bitwise equal to the failure-free run"
+    (took,) = res.of("coordinator_took_over")
+    assert took["committed"] == 4, took
+    # a whole node's ranks are beyond tier 1 (its parity): the tier-2 snapshot of step 4,
+    # or of step 2 when node 0 died before etcd held step 4's (its agent was writing it)
+    assert [r["kind"] for r in res.recoveries] == ["tier2"], res.recoveries
+    assert res.recoveries[0]["resumed_at"] in (2, 4), res.recoveries
+    # the spare, pooled again at node 1's coordinator, took node 0's place
+    assert [e["spare"] for e in res.of("spare_joined")] == [0, 0], res.of("spare_joined")
+    assert [(e["spare"], e["node"]) for e in res.of("spare_assigned")] == [(0, 0)]
+    joined = [(e["node"], e["spare"]) for e in res.of("node_joined")]
+    assert joined[-1] == (0, True), joined
+    store = EtcdStore(etcd_cluster.endpoints, job_id, auth.read_secret(run_dir) or b"")
+    assert store.get("job") is None and store.scan("a/") == []  # given back at the end
+    store.close()
+
+
+def test_coordinator_killed_during_a_recovery_fails_over_bitwise(
+    etcd_cluster: EtcdCluster, tmp_path: Path, ref_2x2: JobResult
+) -> None:
+    """Rank 3 (node 1) crashes in step 7; while the ranks carry out that recovery's
+    Reconcile, node 0's agent, the coordinator's, is SIGKILLed: node 1's agent takes
+    over the recovery in progress from etcd, adds node 0's loss to it, and the job ends
+    bitwise equal to the failure-free run."""
+    run_dir = tmp_path / "run"
+    rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_cluster.endpoint_flag]
+    faults = [
+        {"kind": "crash", "rank": 3, "step": 7, "phase": "backward"},
+        {"kind": "lose_node", "rank": 0, "step": 7, "phase": "recovery", "where": "Reconcile"},
+    ]
+    res = job(
+        run_dir, nnodes=2, nproc=2, steps=STEPS_2x2, faults=faults,
+        rdzv=[*rdzv, "--rdzv-id", "kill-in-recovery"],
+    )  # fmt: skip
+    assert res.ok, explain(res)
+    assert res.codes[0][0] == -9 and res.codes[1] == [0], res.codes
+    assert digests_equal(res, ref_2x2), "not bitwise equal to the failure-free run"
+    (took,) = res.of("coordinator_took_over")
+    assert took["committed"] == 6 and took["generation"] == 1, took
+    # the successor rebuilt the recovery in progress (its Reconcile fed) and restarted it
+    assert [(f["kind"], f["generation"]) for f in res.of("failure")] == [
+        ("crash", 0),
+        ("node_lost", 1),
+    ]
+    (restart,) = res.of("recovery_restart")
+    assert (restart["generation"], restart["phase"]) == (1, "rebuilding"), restart
+    assert [(r["generation"], r["resumed_at"]) for r in res.recoveries] == [(2, 6)]

@@ -60,6 +60,7 @@ from typing import Any
 from .board import StatusBoard
 from .children import Children
 from .commit_record import EtcdRecord
+from .control_plane import ControlPlane
 from .coordinator import Coordinator
 from .election import Election
 from .etcdstore import EtcdStore
@@ -125,6 +126,15 @@ class Agent:
         self.joined: set[int] = set()
         self.t_start = time.monotonic()
         self.store: Any = None
+        # with etcd: this machine's address (where it serves, should it lead), the
+        # rendezvous record of the leader this agent joined, and while a coordinator
+        # that took over waits for the other nodes to rejoin: the predecessor's node,
+        # the nodes awaited, until when
+        self.local_host = opts.rdzv_host
+        self.leader_info: dict[str, Any] | None = None
+        self.lost_leader: int | None = None
+        self.rejoin: set[int] = set()
+        self.rejoin_by = 0.0
         # --rdzv-backend etcd: the job's store there, node 0's part in the election, and
         # the commit record (node 0's coordinator; None: embedded, in the coordinator)
         self.etcd: EtcdStore | None = None
@@ -141,6 +151,7 @@ class Agent:
         self._finished_sent = False
         # its parts
         self.supervisor = Supervisor(self)
+        self.control = ControlPlane(self)
         self.children = Children(self)
         self.shadows = Shadows(self)
         self.routing = Routing(self)
@@ -160,6 +171,16 @@ class Agent:
     def say(self, text: str) -> None:
         if not self.o.quiet:
             print(f"leto[{self.who}]: {text}", flush=True)
+
+    @property
+    def leader_node(self) -> int | None:
+        """The node whose agent runs the coordinator (None: not known)."""
+        if self.coord is not None:
+            return self.node
+        if self.leader_info is None:
+            return 0
+        n = self.leader_info.get("node", 0)
+        return n if isinstance(n, int) else None
 
     def rank(self, lr: int) -> int:
         return self.node * self.nproc + lr

@@ -181,6 +181,7 @@ class Coordinator:
             generation=self.state.gen,
             committed=self.state.committed,
             records=len(records),
+            state=state_to_record(self.state),  # where the trace goes on (leto spec trace)
         )
 
     def _compact(self) -> None:

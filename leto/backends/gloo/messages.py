@@ -262,6 +262,32 @@ class SnapshotSlot(Message):
     id: int = _f(_nat, 0)  # filled in by the channel
 
 
+@attrs.frozen
+class ClaimFault(Message):
+    """Request: claim the fault ``fault`` of the plan (it fires once per job); the reply's
+    ``first`` is True for the one claim that fires it. The agent claims it where the job's
+    claims outlive any one node (the TCPStore on c10d, etcd with ``--rdzv-backend etcd``)."""
+
+    TAG = "claim_fault"
+    ROUTE = (T, A)
+    fault: str = _f(NAME)
+    id: int = _f(_nat, 0)  # filled in by the channel
+
+
+# agent -> trainer (the agent's own business)
+
+
+@attrs.frozen
+class StoreAt(Message):
+    """The job's TCPStore moved (a new coordinator serves it, ``--rdzv-backend etcd``):
+    connect there before the next use."""
+
+    TAG = "store_at"
+    ROUTE = (A, T)
+    host: str = _f(NAME)
+    port: int = _f(_nat)
+
+
 # trainer -> coordinator (through the agent)
 
 
@@ -673,6 +699,8 @@ KINDS: tuple[type[Message], ...] = (
     GetState,
     NodeSegment,
     SnapshotSlot,
+    ClaimFault,
+    StoreAt,
     Ready,
     Vote,
     Finished,

@@ -194,7 +194,8 @@ class GlooSession:
         self.keeper: KeeperClient | None = None
         self.rng: dict[str, Any] | None = None
         self.sampler_state: dict[str, Any] | None = None
-        self.store: Any = None
+        self._store: Any = None
+        self._store_at: tuple[str, int] | None = None
         self.parity: list[ParityBlock] = []
         self.gparity: ParityBlock | None = None
         # tier 1 as replicas (tier1_code "replica", or gloo's default "auto" with 2+
@@ -233,6 +234,22 @@ class GlooSession:
         self.loop: Any = None  # the user's own loop (step.py), once wrap installs it
 
     # ================================================================ properties
+
+    @property
+    def store(self) -> Any:
+        """The job's TCPStore: where the agent last said it is (a coordinator that took
+        over serves a new one, :class:`~.messages.StoreAt`), connected on first use."""
+        at = self.ch.store_at or (str(self.spec["store_host"]), int(self.spec["store_port"]))
+        if self._store is None or at != self._store_at:
+            self._store = dist.TCPStore(  # type: ignore[attr-defined]
+                at[0],
+                at[1],
+                None,
+                False,
+                timedelta(seconds=max(60.0, float(self.spec["collective_timeout"]))),
+            )
+            self._store_at = at
+        return self._store
 
     @property
     def layout(self) -> RetainedLayout:
@@ -274,13 +291,7 @@ class GlooSession:
     # ================================================================ start
 
     def start(self) -> None:
-        self.store = dist.TCPStore(  # type: ignore[attr-defined]
-            self.spec["store_host"],
-            int(self.spec["store_port"]),
-            None,
-            False,
-            timedelta(seconds=max(60.0, float(self.spec["collective_timeout"]))),
-        )
+        self.store  # noqa: B018 - connected at the start, as a trainer of torchrun is
         if self.role == "shadow":
             self._as_shadow()
             return
