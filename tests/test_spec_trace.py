@@ -339,3 +339,8 @@ def test_a_take_over_goes_on_from_a_state_the_log_passed_through() -> None:
     assert not report.ok and report.divergence is not None
     assert report.divergence.line == apply_1 + 1
     assert "a state the log's coordinator was not in lately" in report.divergence.why
+    # the successor's own log (a run directory of its own) replays from the record alone
+    own = [{**took, "core_init": recs[1]}, *recs[apply_1 - 1 :]]
+    report = replay(numbered(own))
+    assert report.ok, report.line()
+    assert report.core_records == sum(r["event"] == "core" for r in own)

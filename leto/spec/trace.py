@@ -541,14 +541,18 @@ def _c_took_over(r: _Replay, rec: dict[str, Any]) -> None:
     """Another coordinator took over: it rebuilt the model from the commit record, which
     holds every input its predecessor fed save the last few that no message followed
     (``commit_record``); its state must be one the replay passed through, and the replay
-    goes on from there, so the trace stays one behaviour of the model."""
-    r.live()
+    goes on from there, so the trace stays one behaviour of the model. A log that starts
+    here (the successor's, in a run directory of its own) starts from the record's
+    constants and state."""
+    fresh = r.model is None  # the successor's own log: a run directory of its own
+    if fresh:
+        _c_init(r, rec.get("core_init") or {})
     try:
         state = state_from_record(rec.get("state"))
     except StateRecordError as e:
         raise _Diverged(f"coordinator_took_over: {e}") from None
     _expect(
-        any(state == x for x in r.seen),
+        fresh or any(state == x for x in r.seen),
         "the coordinator that took over starts from a state the log's coordinator was not "
         f"in lately ({describe(state)})",
     )
@@ -559,6 +563,7 @@ def _c_mismatch(r: _Replay, rec: dict[str, Any]) -> None:
     raise _Diverged(f"the coordinator let a refusal pass: {rec.get('error')}")
 
 
+_TOOK_OVER = "coordinator_took_over"
 _CHECKS: dict[str, Callable[[_Replay, dict[str, Any]], None]] = {
     "core_init": _c_init,
     "core": _c_core,
@@ -575,7 +580,7 @@ _CHECKS: dict[str, Callable[[_Replay, dict[str, Any]], None]] = {
     "recovery_end": _c_recovery_end,
     "job_failed": _c_failed,
     "model_mismatch": _c_mismatch,
-    "coordinator_took_over": _c_took_over,
+    _TOOK_OVER: _c_took_over,
 }
 _CHECKED = frozenset(_CHECKS) - {"core_init", "core", "job_failed"}
 SEEN = 64  # states kept for a take-over to start from (it lags by the records not flushed)
@@ -591,7 +596,7 @@ def replay(records: Iterable[tuple[int, dict[str, Any]]], path: str = "<records>
         check_record = _CHECKS.get(name)
         if check_record is None:
             continue
-        if r.model is None and name not in ("core_init", "core", "job_failed"):
+        if r.model is None and name not in ("core_init", "core", "job_failed", _TOOK_OVER):
             continue  # a record before the model exists (a job that stopped early)
         before = r.state
         try:

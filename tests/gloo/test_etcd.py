@@ -13,6 +13,7 @@ from typing import Any
 
 from etcd import EtcdCluster, junk_server
 from jobs import STEPS_2x2, digests_equal, explain, job
+from test_hostile import _listening_on, _tcp
 
 from leto.backends.gloo import auth
 from leto.backends.gloo.etcdstore import EtcdStore
@@ -38,6 +39,33 @@ def _watch_commits(
                 return int(got.value["step"])
         time.sleep(0.02)
     return None
+
+
+def _attack_successor(
+    cluster: EtcdCluster, run_dir: Path, job_id: str, until: threading.Event
+) -> dict[str, Any]:
+    """Once node 1's agent leads (etcd's ``job`` names it), where its TCPStore and
+    coordinator listen, and what an HTTP request to its coordinator gets."""
+    seen: dict[str, Any] = {}
+    store: EtcdStore | None = None
+    try:
+        while not until.is_set():
+            if store is None and (run_dir / auth.FILE).exists():
+                store = EtcdStore(cluster.endpoints, job_id, auth.read_secret(run_dir) or b"")
+            leader = store.get("job") if store is not None else None
+            if leader is not None and leader.value["node"] == 1:
+                coordinator = leader.value["coordinator"].rsplit(":", 1)
+                seen["store_on"] = _listening_on(int(leader.value["store"].rsplit(":", 1)[1]))
+                seen["coordinator_on"] = _listening_on(int(coordinator[1]))
+                seen["http"] = _tcp(coordinator[0], int(coordinator[1]), b"GET / HTTP/1.0\r\n\r\n")
+                return seen
+            time.sleep(0.02)
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        seen["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if store is not None:
+            store.close()
+    return seen
 
 
 def test_etcd_member_killed_mid_run_recovers_bitwise(
@@ -144,11 +172,30 @@ def test_coordinator_killed_during_a_recovery_fails_over_bitwise(
         {"kind": "crash", "rank": 3, "step": 7, "phase": "backward"},
         {"kind": "lose_node", "rank": 0, "step": 7, "phase": "recovery", "where": "Reconcile"},
     ]
-    res = job(
-        run_dir, nnodes=2, nproc=2, steps=STEPS_2x2, faults=faults,
-        rdzv=[*rdzv, "--rdzv-id", "kill-in-recovery"],
-    )  # fmt: skip
+    done = threading.Event()
+    seen: dict[str, Any] = {}
+    attacker = threading.Thread(
+        target=lambda: seen.update(_attack_successor(etcd_cluster, run_dir, "in-recovery", done))
+    )
+    attacker.start()
+    try:
+        res = job(
+            run_dir, nnodes=2, nproc=2, steps=STEPS_2x2, faults=faults,
+            rdzv=[*rdzv, "--rdzv-id", "in-recovery"],
+        )  # fmt: skip
+    finally:
+        done.set()
+        attacker.join()
     assert res.ok, explain(res)
+    # the successor's listeners: on the address given only, and an HTTP request to its
+    # coordinator closes that connection (refused, in the log), not the job
+    loopback = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
+    assert seen.get("store_on") == [loopback] and seen["coordinator_on"] == [loopback], seen
+    closed, frames = seen["http"]
+    assert closed and [f["t"] for f in frames] == ["challenge"], seen
+    (refused,) = res.of("connection_refused")
+    assert refused["t"] > res.of("coordinator_took_over")[0]["t"], refused
+    assert "frame of 1195725856 bytes" in refused["why"], refused  # b"GET "
     assert res.codes[0][0] == -9 and res.codes[1] == [0], res.codes
     assert digests_equal(res, ref_2x2), "not bitwise equal to the failure-free run"
     (took,) = res.of("coordinator_took_over")

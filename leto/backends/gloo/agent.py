@@ -16,9 +16,10 @@ It owns everything leto runs on its node:
 * **detection**: a pidfd per process (an exit is seen the moment it happens), the
   exit status from the zygote, tracebacks reported by the bootstrap, heartbeats
   (silence or no progress for ``hang_timeout`` is a hang), keeper exits;
-* on node 0, the job's **coordinator** (:mod:`.coordinator`) and the TCPStore of
-  the rendezvous (``--rdzv-endpoint``), which the trainers share as
-  ``MASTER_ADDR:MASTER_PORT``.
+* on node 0 (with ``--rdzv-backend etcd``: on the agent elected, another node's
+  after a failover, :mod:`.control_plane`), the job's **coordinator**
+  (:mod:`.coordinator`) and the TCPStore of the rendezvous, which the trainers share
+  as ``MASTER_ADDR:MASTER_PORT``.
 
 One thread runs everything (a selector loop), so there are no locks. Agents talk
 to the coordinator over TCP (JSON frames); the coordinator's address is published
@@ -118,7 +119,7 @@ class Agent:
         self.coord: Coordinator | None = None
         self.coord_conn: Conn | None = None
         self.links: dict[int, Conn] = {}
-        self.pool_links: dict[int, Link] = {}  # node 0: pooled spares' links, by spare id
+        self.pool_links: dict[int, Link] = {}  # the leader: pooled spares' links, by spare id
         self.unproven: dict[int, Link] = {}  # by id()
         self.refusals = 0
         self.secret: bytes | None = None  # the job's (auth); read by a node != 0 at rendezvous
@@ -135,17 +136,17 @@ class Agent:
         self.lost_leader: int | None = None
         self.rejoin: set[int] = set()
         self.rejoin_by = 0.0
-        # --rdzv-backend etcd: the job's store there, node 0's part in the election, and
-        # the commit record (node 0's coordinator; None: embedded, in the coordinator)
+        # --rdzv-backend etcd: the job's store there, this agent's part in the election
+        # (its lease), and the commit record (the leader's; None: embedded, in memory)
         self.etcd: EtcdStore | None = None
         self.election: Election | None = None
         self.etcd_refreshed = 0.0
         self.record: EtcdRecord | None = None
         self.job = ""
         self.log: EventLog | None = None
-        self.watchers: Watchers | None = None  # node 0: progress line, metrics (watch.py)
+        self.watchers: Watchers | None = None  # the leader: progress line, metrics (watch.py)
         self.zygote: Any = None
-        self.listener: socket.socket | None = None  # the coordinator's (node 0)
+        self.listener: socket.socket | None = None  # the coordinator's (the leader)
         self.agent_listener: socket.socket | None = None  # the node's Unix socket
         self.agent_socket = ""
         self._finished_sent = False

@@ -14,7 +14,7 @@ Fields whose default is None are left off the wire while they are None (the JSON
 keeps the shape it had before these classes existed).
 
 Endpoints: a **trainer** (or shadow) process, its node's **agent**, the job's
-**coordinator** (in node 0's agent), a **node** (another node's agent on its TCP
+**coordinator** (in node 0's agent, or the elected one's), a **node** (another node's agent on its TCP
 link to the coordinator) and a **spare** (a spare agent in the job's pool, on its TCP
 link: it hears only its :class:`Pooled`, its :class:`Assign` and the job's end, a
 :class:`Fail` or :class:`Complete`; once assigned it is a node). Messages between
@@ -61,7 +61,7 @@ class End(enum.Enum):
 
     TRAINER = "trainer"  # a trainer or shadow process
     AGENT = "agent"  # its node's agent
-    COORDINATOR = "coordinator"  # the job's coordinator, in node 0's agent
+    COORDINATOR = "coordinator"  # the job's coordinator, in node 0's (or the elected) agent
     NODE = "node"  # another node's agent, on its TCP link to the coordinator
     SPARE = "spare"  # a pooled spare agent (no node rank yet), on its TCP link to it
 

@@ -1,7 +1,8 @@
 """A node agent's messages: from its trainers and shadows (the Unix socket: who
 connected comes from the kernel, its hello is taken only from a child of this node's
-zygote), to and from the coordinator (in process on node 0, over TCP elsewhere), and,
-on node 0, the other nodes' links (a TCP connection is a node only once its hello has
+zygote), to and from the coordinator (in process on the node whose agent runs it,
+node 0 or with etcd the elected one; over TCP elsewhere), and, there, the other
+nodes' links (a TCP connection is a node only once its hello has
 proven the job's secret, see :mod:`.auth`). A bad frame, or a first message that is
 not such a hello, closes that one connection, never the agent."""
 

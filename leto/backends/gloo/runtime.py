@@ -241,6 +241,7 @@ class GlooSession:
         over serves a new one, :class:`~.messages.StoreAt`), connected on first use."""
         at = self.ch.store_at or (str(self.spec["store_host"]), int(self.spec["store_port"]))
         if self._store is None or at != self._store_at:
+            moved = self._store is not None
             self._store = dist.TCPStore(  # type: ignore[attr-defined]
                 at[0],
                 at[1],
@@ -249,6 +250,8 @@ class GlooSession:
                 timedelta(seconds=max(60.0, float(self.spec["collective_timeout"]))),
             )
             self._store_at = at
+            if moved:
+                self.checkpoints.reseed(self._store)
         return self._store
 
     @property
@@ -306,6 +309,7 @@ class GlooSession:
         self.ps.send(start)
         meta = self.follower._after_recovery_state(start)
         self.checkpoints.write(start, first=True, resumed=resumed)
+        self.checkpoints.first = start + 1
         if self.rank == 0:  # the first step's time is Young/Daly's (shadows read it here)
             self.store.set(f"leto/{self.spec['job']}/first_step", str(start + 1))
         self.checkpoints.step_t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """The node agent's supervisor: startup (the private run directory, the job's
 secret, the zygote), the rendezvous (node 0 serves the TCPStore and the coordinator,
-the others join it and prove the job's secret), the selector loop and its timers
+the others join it and prove the job's secret; with etcd, whoever leads serves them,
+:mod:`.control_plane`), the selector loop and its timers
 (exits not yet reported, hangs, shadow memory, the end of the job) and cleanup.
 
 One thread runs it all; what each event means is the business of the agent's other
@@ -327,7 +328,7 @@ class Supervisor:
         if info["nnodes"] != o.nnodes or info["nproc_per_node"] != o.nproc_per_node:
             raise LaunchError(
                 f"this {'spare' if a.pooled else 'node'} was started with --nnodes {o.nnodes} "
-                f"--nproc-per-node {o.nproc_per_node}, node 0 with --nnodes {info['nnodes']} "
+                f"--nproc-per-node {o.nproc_per_node}, the job with --nnodes {info['nnodes']} "
                 f"--nproc-per-node {info['nproc_per_node']}"
             )
         a.job = info["job"]
@@ -392,7 +393,7 @@ class Supervisor:
         if not proven:
             raise LaunchError(
                 f"the coordinator at {host}:{port} did not prove the job's secret: "
-                "not this job's node 0 (or a different secret)"
+                "not this job's coordinator (or a different secret)"
             )
         return answer
 
