@@ -153,8 +153,11 @@ class ControlPlane:
                     answer = a.supervisor.join_job()
                 except LaunchError:
                     continue
-                if not isinstance(answer, M.Welcome):
-                    raise LaunchError("the new coordinator did not welcome this node back")
+                if not isinstance(answer, M.Welcome) or answer.spare:
+                    raise LaunchError(
+                        "the new coordinator did not welcome this node back (it counts it "
+                        "lost: start this node's `leto launch` again to replace it)"
+                    )
                 a.generation = max(a.generation, answer.gen)
                 self.store_moved()
                 a.say(f"rejoined the job at its new coordinator {a.leader_info.get('coordinator')}")
