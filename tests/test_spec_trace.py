@@ -21,6 +21,7 @@ from leto.core import events as ev
 from leto.core.chunk import LOST, NONE
 from leto.core.errors import ProtocolError
 from leto.core.recovery import Phase
+from leto.spec.state_record import state_to_record
 from leto.spec.trace import (
     Apply,
     Commit,
@@ -31,6 +32,7 @@ from leto.spec.trace import (
     adopt,
     decode,
     encode,
+    rebuild,
     replay,
     run,
 )
@@ -316,3 +318,29 @@ def test_leto_spec_trace_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtur
         assert main(["spec", "trace", path]) == 2, path
         err = capsys.readouterr().err
         assert err.startswith("leto spec trace: error: ") and why in err and err.count("\n") == 1
+
+
+def test_a_take_over_goes_on_from_a_state_the_log_passed_through() -> None:
+    """A coordinator that took over (``coordinator_took_over``) starts from the state its
+    commit record rebuilt: one its predecessor was in lately (here, before rank 1's
+    finish of step 1 reached etcd), and the replay goes on from there; a state the log
+    never passed through is a divergence at that line."""
+    recs = a_run()
+    apply_1 = line_of(recs, "core", feed=[["Apply", 1, 1]])
+    _, lagging = rebuild(recs[: apply_1 - 1])  # before rank 1's finish of step 1
+    took = {"event": "coordinator_took_over", "state": state_to_record(lagging)}
+    # the successor hears rank 1's finish again and carries on
+    log = [*recs[:apply_1], took, *recs[apply_1 - 1 :]]
+    report = replay(numbered(log))
+    assert report.ok, report.line()
+    _, done = rebuild(recs)  # committed step 2: never the state at the take-over
+    bad = [*recs[:apply_1], {**took, "state": state_to_record(done)}, *recs[apply_1:]]
+    report = replay(numbered(bad))
+    assert not report.ok and report.divergence is not None
+    assert report.divergence.line == apply_1 + 1
+    assert "a state the log's coordinator was not in lately" in report.divergence.why
+    # the successor's own log (a run directory of its own) replays from the record alone
+    own = [{**took, "core_init": recs[1]}, *recs[apply_1 - 1 :]]
+    report = replay(numbered(own))
+    assert report.ok, report.line()
+    assert report.core_records == sum(r["event"] == "core" for r in own)

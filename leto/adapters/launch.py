@@ -10,7 +10,8 @@
 
 Each invocation is one node's **agent** (:mod:`leto.backends.gloo.agent`): it
 starts one keeper, one trainer and one warm shadow per local rank, and on node 0
-the TCPStore of the rendezvous and the recovery coordinator. The script sees the
+the TCPStore of the rendezvous and the recovery coordinator (with ``--rdzv-backend
+etcd`` another node's agent takes them over when node 0's is lost). The script sees the
 usual variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``) and calls ``leto.wrap(..., config)`` with
 ``backend = "gloo"``. Every failure and recovery goes to ``RUN_DIR/events.jsonl``;
@@ -98,8 +99,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--local_addr",
         default=None,
         metavar="HOST",
-        help="with etcd: the address node 0 serves the TCPStore and the coordinator on "
-        "(default: this machine's address towards the first etcd member)",
+        help="with etcd: the address this node's agent serves the TCPStore and the "
+        "coordinator on when it runs them (node 0 at the start, any node after a failover; "
+        "default: this machine's address towards the first etcd member)",
     )
     g.add_argument("--standalone", action="store_true", help="one node, a free local port")
     r = parser.add_argument_group("recovery")

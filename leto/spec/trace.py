@@ -33,7 +33,9 @@ fault was just fed, in the phase, generation and committed step the record names
 ``failure_ignored`` (the model refuses that fault), ``recovery_start``,
 ``recovery_restart``, ``fence``, ``promoted``, ``reconciled`` (kind, target, steps
 lost), ``recovery_end`` (every rank resumed at the step the record names),
-``training_done``; a ``model_mismatch`` record (a coordinator not in strict mode let a
+``training_done``, ``coordinator_took_over`` (a successor rebuilt from the commit
+record starts from a state the replay passed through lately, and the replay goes on
+from its state); a ``model_mismatch`` record (a coordinator not in strict mode let a
 refusal pass) is a divergence. Not checked: the bytes (the digests are the tests'
 business), timings, and the shadows' and the trainers' records that feed nothing.
 """
@@ -344,6 +346,8 @@ class _Replay:
     core_records: int = 0
     events: int = 0
     checked: int = 0
+    # the states after the last core records (a coordinator that took over starts from one)
+    seen: list[ClusterState] = attrs.Factory(list)
 
     def live(self) -> tuple[ClusterModel, ClusterState]:
         if self.model is None or self.state is None:
@@ -409,14 +413,17 @@ def _c_init(r: _Replay, rec: dict[str, Any]) -> None:
         raise _Diverged(f"core_init: {e}") from None
     r.setup, r.model = setup, setup.model()
     r.state, r.last = setup.initial(r.model), None
+    r.seen = [r.state]
 
 
 def _c_core(r: _Replay, rec: dict[str, Any]) -> None:
     r.core_records += 1
     if "feed" in rec:
         r.feed(rec["feed"])
+        r.seen = [*r.seen[-(SEEN - 1) :], r.live()[1]]
     elif "adopt" in rec:
         r.adopt(rec["adopt"])
+        r.seen = [*r.seen[-(SEEN - 1) :], r.live()[1]]
     else:
         raise _Diverged("a core record holds a feed or an adopt")
 
@@ -530,10 +537,33 @@ def _c_failed(r: _Replay, rec: dict[str, Any]) -> None:
     raise _Diverged("the log says the model refused this, but it replays")
 
 
+def _c_took_over(r: _Replay, rec: dict[str, Any]) -> None:
+    """Another coordinator took over: it rebuilt the model from the commit record, which
+    holds every input its predecessor fed save the last few that no message followed
+    (``commit_record``); its state must be one the replay passed through, and the replay
+    goes on from there, so the trace stays one behaviour of the model. A log that starts
+    here (the successor's, in a run directory of its own) starts from the record's
+    constants and state."""
+    fresh = r.model is None  # the successor's own log: a run directory of its own
+    if fresh:
+        _c_init(r, rec.get("core_init") or {})
+    try:
+        state = state_from_record(rec.get("state"))
+    except StateRecordError as e:
+        raise _Diverged(f"coordinator_took_over: {e}") from None
+    _expect(
+        fresh or any(state == x for x in r.seen),
+        "the coordinator that took over starts from a state the log's coordinator was not "
+        f"in lately ({describe(state)})",
+    )
+    r.state, r.last = state, None
+
+
 def _c_mismatch(r: _Replay, rec: dict[str, Any]) -> None:
     raise _Diverged(f"the coordinator let a refusal pass: {rec.get('error')}")
 
 
+_TOOK_OVER = "coordinator_took_over"
 _CHECKS: dict[str, Callable[[_Replay, dict[str, Any]], None]] = {
     "core_init": _c_init,
     "core": _c_core,
@@ -550,8 +580,10 @@ _CHECKS: dict[str, Callable[[_Replay, dict[str, Any]], None]] = {
     "recovery_end": _c_recovery_end,
     "job_failed": _c_failed,
     "model_mismatch": _c_mismatch,
+    _TOOK_OVER: _c_took_over,
 }
 _CHECKED = frozenset(_CHECKS) - {"core_init", "core", "job_failed"}
+SEEN = 64  # states kept for a take-over to start from (it lags by the records not flushed)
 
 
 def replay(records: Iterable[tuple[int, dict[str, Any]]], path: str = "<records>") -> TraceReport:
@@ -564,7 +596,7 @@ def replay(records: Iterable[tuple[int, dict[str, Any]]], path: str = "<records>
         check_record = _CHECKS.get(name)
         if check_record is None:
             continue
-        if r.model is None and name not in ("core_init", "core", "job_failed"):
+        if r.model is None and name not in ("core_init", "core", "job_failed", _TOOK_OVER):
             continue  # a record before the model exists (a job that stopped early)
         before = r.state
         try:

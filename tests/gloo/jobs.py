@@ -43,6 +43,7 @@ def job(
     respawn: bool = True,
     spares: int = 0,
     rdzv: list[str] | None = None,
+    spare_agents: int = 0,
 ) -> JobResult:
     e = {"TOPO": f"{nnodes}x{nproc}", "STEPS": str(steps), **(env or {})}
     res = run_local(
@@ -57,6 +58,7 @@ def job(
         respawn_lost_nodes=respawn,
         spares=spares,
         rdzv=rdzv,
+        spare_agents=spare_agents,
     )
     assert not res.leftovers, f"processes left running after the job: {res.leftovers}"
     assert_trace(res.run_dir)

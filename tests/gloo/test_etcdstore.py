@@ -151,7 +151,7 @@ def _agent(cluster: EtcdCluster, node: int, run_dir: Path) -> Agent:
     )  # fmt: skip
     ag = Agent(opts)
     ag.secret = SECRET
-    ag.supervisor.open_etcd()
+    ag.control.open()
     return ag
 
 
@@ -160,26 +160,31 @@ def test_node_0_claims_the_id_others_read_it_and_a_second_node_0_is_refused(
 ) -> None:
     info = {"job": "j", "nnodes": 2, "nproc_per_node": 1, "coordinator": "h:1", "store": "h:2"}
     first, second, node1 = (_agent(etcd_shared, n, tmp_path) for n in (0, 0, 1))
-    first.supervisor.claim_etcd(info)
+    assert first.control.first_of_job()  # nobody of the job lives: its start
+    first.control.claim(info)
     assert first.record is not None and first.record.gen_revision > 0
+    # a node 0 started while the job runs (its agents hold a/<node>) replaces a lost one
+    assert [n for n, _ in first.etcd.scan("a/")] == ["a/0"]  # type: ignore[union-attr]
+    assert not second.control.first_of_job()
     with pytest.raises(LaunchError) as err:
-        second.supervisor.claim_etcd(info)
+        second.control.claim(info)
     assert "--rdzv-id agents: a job of this id is running" in str(err.value)
     assert "\n" not in str(err.value)
-    got = node1.supervisor.etcd_job()
+    got = node1.control.job_record()
     assert {k: got[k] for k in info} == info
     # a record that is signed but says nothing usable: one line, naming what is missing
     assert node1.etcd is not None
     node1.etcd.write({}, [("job", {k: v for k, v in info.items() if k != "store"})])
     with pytest.raises(LaunchError, match="has no valid 'store'"):
-        node1.supervisor.etcd_job()
+        node1.control.job_record()
     # the job completed: node 0 deletes its keys and gives the id back
     assert node1.etcd.get("r/gen") is not None
     first.complete = True
-    first.supervisor.close_etcd()
+    first.control.close()
     assert node1.etcd.get("job") is None and node1.etcd.get("r/gen") is None
     with pytest.raises(LaunchError, match="no job 'agents' in etcd"):
-        node1.supervisor.etcd_job()
-    second.supervisor.claim_etcd(info)  # the id is free: a new job takes it
+        node1.control.job_record()
+    assert second.control.first_of_job()
+    second.control.claim(info)  # the id is free: a new job takes it
     for ag in (second, node1):
-        ag.supervisor.close_etcd()
+        ag.control.close()

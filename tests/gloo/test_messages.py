@@ -80,6 +80,9 @@ GOOD: dict[str, Any] = {
     "retake_t2": True,
     "t2": 0,
     "start": 2,
+    "fault": "3",
+    "host": "127.0.0.1",
+    "port": 29400,
 }
 # for each field: a value its validator must refuse
 BAD: dict[str, Any] = {

@@ -29,7 +29,7 @@ from leto.backends.gloo import auth
 from leto.backends.gloo import messages as M
 from leto.backends.gloo.agent import Agent, AgentOptions
 from leto.backends.gloo.procs import free_port, processes_with
-from leto.backends.gloo.wire import Conn
+from leto.backends.gloo.wire import Conn, WireError
 from leto.core.recovery import Phase
 from leto.spec.trace import replay
 
@@ -214,3 +214,68 @@ def test_sigkill_of_node_0_takes_its_pooled_spares_with_it(tag: str) -> None:
         p.send_signal(signal.SIGKILL)
         p.wait()
     assert left_after(tag) == []
+
+
+def _node(ag: Agent, node: int) -> tuple[Conn, list[M.Message]]:
+    """Node ``node``'s agent's hello to ``ag``'s coordinator: its connection, and what
+    came back (the coordinator's answer, and a Go if one followed)."""
+    conn = Conn(socket.create_connection(ag.listener.getsockname()), send_timeout=5.0)  # type: ignore[union-attr]
+    ag.routing.accept_link()
+    link = list(ag.unproven.values())[-1]
+    challenge = M.decode(conn.recv(timeout=5)[0])
+    assert isinstance(challenge, M.Challenge)
+    nonce = auth.new_nonce()
+    proof = auth.proof(SECRET, "node", node, challenge.nonce, nonce)
+    conn.send(M.NodeHello(node=node, nonce=nonce, proof=proof).to_wire())
+    select.select([link.conn], [], [], 5)
+    ag.routing.on_link(link)
+    got = []
+    while True:
+        try:
+            got.append(M.decode(conn.recv(timeout=0.3)[0]))
+        except (TimeoutError, WireError):  # nothing more, or closed (a refusal)
+            return conn, got
+
+
+def test_a_successor_welcomes_live_nodes_back_then_loses_its_predecessors_node() -> None:
+    """Node 1's agent took the coordinator over from node 0's (3 nodes): node 2 rejoins
+    as itself (no new processes); node 0, not yet counted lost, is refused until then;
+    once every live node is back, node 0 is lost and its replacement joins as one. A
+    node that does not come back within the rejoin deadline is lost too."""
+    h = Harness(nodes=3, per_node=1)
+    h.step(1)
+    ag = _agent(h)
+    ag.node, ag.started, ag.joined = 1, True, {1}
+    ag.lost_leader, ag.rejoin, ag.rejoin_by = 0, {2}, h.now + 60.0
+    conns = []
+    try:
+        c, early = _node(ag, 0)  # node 0's replacement, before node 2 is back
+        conns.append(c)
+        assert isinstance(early[0], M.Reject) and "not yet known lost" in early[0].why, early
+        c, back = _node(ag, 2)
+        conns.append(c)
+        assert [type(m) for m in back][:1] == [M.Welcome] and not back[0].spare, back  # type: ignore[union-attr]
+        assert not any(isinstance(m, M.Go) for m in back), back
+        (lost,) = [e for e in h.events("failure") if e["kind"] == "node_lost"]
+        assert lost["node"] == 0 and ag.lost_leader is None and ag.rejoin == set()
+        c, replaced = _node(ag, 0)
+        conns.append(c)
+        assert isinstance(replaced[0], M.Welcome) and replaced[0].spare, replaced
+        assert replaced[-1] == M.Go(spare=True), replaced
+        # another take-over where node 2 never comes back: lost with node 0
+        h2 = Harness(nodes=3, per_node=1)
+        h2.step(1)
+        ag2 = _agent(h2)
+        ag2.node, ag2.started, ag2.joined = 1, True, {1}
+        ag2.lost_leader, ag2.rejoin, ag2.rejoin_by = 0, {2}, h2.now + 60.0
+        ag2.control.settle_rejoin(h2.now + 30.0)
+        assert not h2.events("failure")  # still waiting for node 2
+        ag2.control.settle_rejoin(h2.now + 61.0)
+        assert [e["node"] for e in h2.events("failure")] == [2, 0]
+        ag2.listener.close()  # type: ignore[union-attr]
+    finally:
+        for c in conns:
+            c.close()
+        for conn in list(ag.links.values()):
+            conn.close()
+        ag.listener.close()  # type: ignore[union-attr]

@@ -16,9 +16,10 @@ It owns everything leto runs on its node:
 * **detection**: a pidfd per process (an exit is seen the moment it happens), the
   exit status from the zygote, tracebacks reported by the bootstrap, heartbeats
   (silence or no progress for ``hang_timeout`` is a hang), keeper exits;
-* on node 0, the job's **coordinator** (:mod:`.coordinator`) and the TCPStore of
-  the rendezvous (``--rdzv-endpoint``), which the trainers share as
-  ``MASTER_ADDR:MASTER_PORT``.
+* on node 0 (with ``--rdzv-backend etcd``: on the agent elected, another node's
+  after a failover, :mod:`.control_plane`), the job's **coordinator**
+  (:mod:`.coordinator`) and the TCPStore of the rendezvous, which the trainers share
+  as ``MASTER_ADDR:MASTER_PORT``.
 
 One thread runs everything (a selector loop), so there are no locks. Agents talk
 to the coordinator over TCP (JSON frames); the coordinator's address is published
@@ -60,6 +61,7 @@ from typing import Any
 from .board import StatusBoard
 from .children import Children
 from .commit_record import EtcdRecord
+from .control_plane import ControlPlane
 from .coordinator import Coordinator
 from .election import Election
 from .etcdstore import EtcdStore
@@ -117,7 +119,7 @@ class Agent:
         self.coord: Coordinator | None = None
         self.coord_conn: Conn | None = None
         self.links: dict[int, Conn] = {}
-        self.pool_links: dict[int, Link] = {}  # node 0: pooled spares' links, by spare id
+        self.pool_links: dict[int, Link] = {}  # the leader: pooled spares' links, by spare id
         self.unproven: dict[int, Link] = {}  # by id()
         self.refusals = 0
         self.secret: bytes | None = None  # the job's (auth); read by a node != 0 at rendezvous
@@ -125,22 +127,32 @@ class Agent:
         self.joined: set[int] = set()
         self.t_start = time.monotonic()
         self.store: Any = None
-        # --rdzv-backend etcd: the job's store there, node 0's part in the election, and
-        # the commit record (node 0's coordinator; None: embedded, in the coordinator)
+        # with etcd: this machine's address (where it serves, should it lead), the
+        # rendezvous record of the leader this agent joined, and while a coordinator
+        # that took over waits for the other nodes to rejoin: the predecessor's node,
+        # the nodes awaited, until when
+        self.local_host = opts.rdzv_host
+        self.leader_info: dict[str, Any] | None = None
+        self.lost_leader: int | None = None
+        self.rejoin: set[int] = set()
+        self.rejoin_by = 0.0
+        # --rdzv-backend etcd: the job's store there, this agent's part in the election
+        # (its lease), and the commit record (the leader's; None: embedded, in memory)
         self.etcd: EtcdStore | None = None
         self.election: Election | None = None
         self.etcd_refreshed = 0.0
         self.record: EtcdRecord | None = None
         self.job = ""
         self.log: EventLog | None = None
-        self.watchers: Watchers | None = None  # node 0: progress line, metrics (watch.py)
+        self.watchers: Watchers | None = None  # the leader: progress line, metrics (watch.py)
         self.zygote: Any = None
-        self.listener: socket.socket | None = None  # the coordinator's (node 0)
+        self.listener: socket.socket | None = None  # the coordinator's (the leader)
         self.agent_listener: socket.socket | None = None  # the node's Unix socket
         self.agent_socket = ""
         self._finished_sent = False
         # its parts
         self.supervisor = Supervisor(self)
+        self.control = ControlPlane(self)
         self.children = Children(self)
         self.shadows = Shadows(self)
         self.routing = Routing(self)
@@ -160,6 +172,16 @@ class Agent:
     def say(self, text: str) -> None:
         if not self.o.quiet:
             print(f"leto[{self.who}]: {text}", flush=True)
+
+    @property
+    def leader_node(self) -> int | None:
+        """The node whose agent runs the coordinator (None: not known)."""
+        if self.coord is not None:
+            return self.node
+        if self.leader_info is None:
+            return 0
+        n = self.leader_info.get("node", 0)
+        return n if isinstance(n, int) else None
 
     def rank(self, lr: int) -> int:
         return self.node * self.nproc + lr

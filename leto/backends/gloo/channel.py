@@ -4,6 +4,8 @@ Messages are the typed classes of :mod:`.messages`, both ways. A reader thread
 takes every message off the socket: :class:`~.messages.Commit` and
 :class:`~.messages.Tier2` decisions are recorded (a waiting step wakes up),
 :class:`~.messages.Abort` raises a flag the training loop checks at each safe point,
+:class:`~.messages.StoreAt` names the job's TCPStore's new address (the session
+connects there before its next use of the store),
 replies to requests are matched by id (plain ``{"re": id, ...}`` objects), and
 commands (promote, call_reports, reconcile, rebuild, resume, complete, ...) queue up
 for the loop that follows recovery. A heartbeat thread sends a
@@ -79,6 +81,7 @@ class AgentChannel:
         self.commits: set[tuple[int, int]] = set()
         self.t2: set[int] = set()
         self.abort_gen = -1
+        self.store_at: tuple[str, int] | None = None  # where the job's TCPStore moved
         self.commands: queue.Queue[M.Message | None] = queue.Queue()
         self._replies: dict[int, tuple[dict[str, Any], list[int]]] = {}
         self._ids = itertools.count(1)
@@ -120,6 +123,8 @@ class AgentChannel:
                         self.t2.add(step)
                     case M.Abort(gen=gen):
                         self.abort_gen = max(self.abort_gen, gen)
+                    case M.StoreAt(host=host, port=port):
+                        self.store_at = (host, port)
                 self._cond.notify_all()
             if isinstance(msg, COMMANDS):
                 self.commands.put(msg)
@@ -144,7 +149,9 @@ class AgentChannel:
             raise AgentGone(f"the node agent is gone: {e}") from None
 
     def request(
-        self, msg: M.GetState | M.NodeSegment | M.SnapshotSlot, timeout: float = 60.0
+        self,
+        msg: M.GetState | M.NodeSegment | M.SnapshotSlot | M.ClaimFault,
+        timeout: float = 60.0,
     ) -> tuple[dict[str, Any], list[int]]:
         """Send ``msg`` (its ``id`` filled in here) and wait for the agent's reply to it."""
         rid = next(self._ids)

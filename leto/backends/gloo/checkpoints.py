@@ -8,7 +8,7 @@ time, agreed once by every rank.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ class Checkpoints:
         self.save_s = 0.0  # the last checkpoint's save cost here
         self.step_t0 = 0.0  # when the start's checkpoint was done
         self.yd: int | None = None  # Young/Daly's checkpoint interval, once agreed
+        self.first: int | None = None  # the job's first step (its time is Young/Daly's)
 
     def interval(self, V: int) -> int:
         """The user's ``checkpoint_interval``; or, with ``checkpoint_mtbf`` only, Young/
@@ -56,7 +57,9 @@ class Checkpoints:
             return n
         if self.yd is None:
             key = f"leto/{s.spec['job']}/checkpoint_interval"
-            first = int(s.store.get(f"leto/{s.spec['job']}/first_step"))
+            if self.first is None:
+                self.first = int(s.store.get(f"leto/{s.spec['job']}/first_step"))
+            first = self.first
             if V == first:
                 step_s = time.perf_counter() - self.step_t0 if self.step_t0 else 0.0
                 t = torch.tensor([self.save_s, step_s], dtype=torch.float64)
@@ -69,6 +72,15 @@ class Checkpoints:
             else:
                 return 0
         return self.yd
+
+    def reseed(self, store: Any) -> None:
+        """The job's TCPStore moved (its coordinator failed over, and the store with it):
+        what this rank knows of the keys a promoted shadow reads there, put back."""
+        job = self.s.spec["job"]
+        if self.first is not None:
+            store.set(f"leto/{job}/first_step", str(self.first))
+        if self.yd is not None:
+            store.set(f"leto/{job}/checkpoint_interval", str(self.yd))
 
     def write(self, V: int, *, first: bool = False, resumed: bool = False) -> None:
         """``SaveCheckpoint`` of step ``V``: this rank's part of one collective DCP save of

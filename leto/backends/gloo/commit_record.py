@@ -6,7 +6,7 @@ records here, and only then sends ``commit(V)`` to the ranks; at each recovery i
 records the new generation here before any agent is told to fence.
 
 * :class:`Embedded` (``--rdzv-backend c10d``, the default): the record is the
-  coordinator's own memory in node 0's agent, as it always was; nothing to start.
+  coordinator's own memory in node 0's agent; nothing to start.
 * :class:`EtcdRecord` (``--rdzv-backend etcd``): the record is in the job's etcd
   cluster (:mod:`.etcdstore`), which survives the loss of node 0 and of any one etcd
   member of three. ``r/gen`` holds the generation and is moved by compare-and-swap

@@ -1,7 +1,8 @@
 """The recovery coordinator of a gloo job: the core's ClusterModel, fed by real events.
 
-It runs inside the agent of node 0 (no torch, no IO but the event log; time comes
-in as an argument). Agents forward what their processes report; the coordinator
+It runs inside the agent of node 0, or with etcd of the agent elected
+(:mod:`.control_plane`): no torch, no IO but the event log; time comes in as an
+argument. Agents forward what their processes report; the coordinator
 turns it into the core's events, steps :class:`~leto.core.cluster.ClusterModel`
 (the same model the TLA+ spec and the explicit-state checker verify), and turns
 the effects into commands for the agents (``outbox``: ``(node or None for every
@@ -181,6 +182,8 @@ class Coordinator:
             generation=self.state.gen,
             committed=self.state.committed,
             records=len(records),
+            state=state_to_record(self.state),  # where the trace goes on (leto spec trace)
+            core_init=self.core_init,  # and its constants (this log may be a new file)
         )
 
     def _compact(self) -> None:

@@ -14,9 +14,9 @@ successor takes the commit record over first (:meth:`.commit_record.EtcdRecord.
 take_over` moves the revision of ``r/gen``), so the old leader can record no COMMIT,
 no fence and no model input after that, and its next one stops its job.
 
-Today node 0's agent campaigns at the start (a job's first leader also clears what an
-earlier job of the same id left) and holds the role to the end; the other agents do
-not campaign yet (``docs/gloo.md``, "The control plane in etcd").
+Node 0's agent campaigns at the start (a job's first leader also clears what an
+earlier job of the same id left); any other agent campaigns when its link to the
+coordinator closes (:mod:`.control_plane`, ``docs/gloo.md``, "Failover").
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Every safe point of the step and of a recovery command is also a fault point: the
 plan's faults that name this phase, chunk, place and step fire there, each once per
-job (claimed on the job's store first, so a restarted trainer does not fire it again).
+job (claimed through the node's agent first, on the job's TCPStore or in etcd, so a
+restarted trainer, or one of a replacement node, does not fire it again).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from leto.retained.parity import as_bytes
 
+from . import messages as M
 from .collective import Interrupted
 from .faults import label as fault_label
 
@@ -51,7 +53,8 @@ class FaultPoints:
             elif f["step"] != step:
                 continue
             f["_fired"] = True
-            if int(s.store.add(f"leto/{s.spec['job']}/fault/{f['id']}", 1)) != 1:
+            reply, _ = s.ch.request(M.ClaimFault(fault=str(f["id"])))
+            if not reply.get("first"):
                 continue  # fired by an earlier incarnation
             self._fire(f, tear)
         if phase != "recovery" and s.ch.aborted_since(s.gen):

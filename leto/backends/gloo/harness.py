@@ -8,8 +8,10 @@ Used by the tests, the gloo demo and anyone who wants "N nodes" on one host::
 
 A node whose agent dies while the job runs (a ``lose_node`` fault, or a test that
 SIGKILLs it) is started again with the same arguments, as a replacement (spare)
-node would be by a cluster scheduler (``respawn_lost_nodes``); with ``spares=N``,
-node 0 starts N spare agents (``--spares``) that take lost nodes' places instead; ``rdzv``
+node would be by a cluster scheduler (``respawn_lost_nodes``; node 0 too, with
+``rdzv``, where the coordinator fails over to another node's agent); with ``spares=N``,
+node 0 starts N spare agents (``--spares``) that take lost nodes' places instead
+(``spare_agents=N``: N spare agents started here, ``--spare``, codes -1, -2, ...); ``rdzv``
 replaces ``--rdzv-endpoint 127.0.0.1:PORT`` (``--rdzv-backend etcd`` and its flags). Everything the job
 started is gone when :func:`run_local` returns (it kills what is left and says so).
 """
@@ -109,6 +111,7 @@ def run_local(
     kill_node_after: tuple[int, float] | None = None,
     spares: int = 0,
     rdzv: list[str] | None = None,
+    spare_agents: int = 0,
 ) -> JobResult:
     """Run the job to its end; see the module docstring."""
     run = Path(run_dir).resolve()
@@ -116,16 +119,24 @@ def run_local(
     port = port or free_port()
     full_env = tie_to_parent({**os.environ, **(env or {})})  # agents die with this process
     procs: dict[int, subprocess.Popen[str]] = {}
-    codes: dict[int, list[int]] = {n: [] for n in range(nnodes)}
-    output: dict[int, list[str]] = {n: [] for n in range(nnodes)}
+    # nodes 0..nnodes-1, and the spare agents started here (-1, -2, ...)
+    agents = [*range(nnodes), *range(-1, -spare_agents - 1, -1)]
+    codes: dict[int, list[int]] = {n: [] for n in agents}
+    output: dict[int, list[str]] = {n: [] for n in agents}
     logs: dict[int, Any] = {}
 
     def start(n: int) -> None:
         path = run / f"agent{n}.{len(codes[n])}.out"
         logs[n] = open(path, "w+")  # noqa: SIM115
         more = [*(extra or []), *(["--spares", str(spares)] if n == 0 and spares else [])]
+        cmd = _cmd(
+            script, max(n, 0), nnodes, nproc, port, run, faults, more, script_args or [], rdzv
+        )
+        if n < 0:  # a spare agent: no node rank until it takes a lost node's place
+            i = cmd.index("--node-rank")
+            cmd[i : i + 2] = ["--spare"]
         procs[n] = subprocess.Popen(
-            _cmd(script, n, nnodes, nproc, port, run, faults, more, script_args or [], rdzv),
+            cmd,
             stdout=logs[n],
             stderr=subprocess.STDOUT,
             text=True,
@@ -144,7 +155,7 @@ def run_local(
     t0 = time.monotonic()
     start(0)
     time.sleep(0.2)
-    for n in range(1, nnodes):
+    for n in agents[1:]:
         start(n)
     killed = False
     deadline = t0 + timeout
@@ -163,10 +174,10 @@ def run_local(
                 collect(n)
                 del procs[n]
                 node0_running = 0 in procs
+                # with etcd the coordinator fails over: a SIGKILLed node 0 is replaced too
+                failover = rdzv is not None and code == -signal.SIGKILL and bool(procs)
                 if (
-                    n != 0
-                    and code != 0
-                    and node0_running
+                    ((n > 0 and code != 0 and node0_running) or (n == 0 and failover))
                     and respawn_lost_nodes
                     and len(codes[n]) < 4
                 ):

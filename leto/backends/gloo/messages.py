@@ -14,7 +14,7 @@ Fields whose default is None are left off the wire while they are None (the JSON
 keeps the shape it had before these classes existed).
 
 Endpoints: a **trainer** (or shadow) process, its node's **agent**, the job's
-**coordinator** (in node 0's agent), a **node** (another node's agent on its TCP
+**coordinator** (in node 0's agent, or the elected one's), a **node** (another node's agent on its TCP
 link to the coordinator) and a **spare** (a spare agent in the job's pool, on its TCP
 link: it hears only its :class:`Pooled`, its :class:`Assign` and the job's end, a
 :class:`Fail` or :class:`Complete`; once assigned it is a node). Messages between
@@ -61,7 +61,7 @@ class End(enum.Enum):
 
     TRAINER = "trainer"  # a trainer or shadow process
     AGENT = "agent"  # its node's agent
-    COORDINATOR = "coordinator"  # the job's coordinator, in node 0's agent
+    COORDINATOR = "coordinator"  # the job's coordinator, in node 0's (or the elected) agent
     NODE = "node"  # another node's agent, on its TCP link to the coordinator
     SPARE = "spare"  # a pooled spare agent (no node rank yet), on its TCP link to it
 
@@ -260,6 +260,32 @@ class SnapshotSlot(Message):
     ROUTE = (T, A)
     step: int = _f(_step)
     id: int = _f(_nat, 0)  # filled in by the channel
+
+
+@attrs.frozen
+class ClaimFault(Message):
+    """Request: claim the fault ``fault`` of the plan (it fires once per job); the reply's
+    ``first`` is True for the one claim that fires it. The agent claims it where the job's
+    claims outlive any one node (the TCPStore on c10d, etcd with ``--rdzv-backend etcd``)."""
+
+    TAG = "claim_fault"
+    ROUTE = (T, A)
+    fault: str = _f(NAME)
+    id: int = _f(_nat, 0)  # filled in by the channel
+
+
+# agent -> trainer (the agent's own business)
+
+
+@attrs.frozen
+class StoreAt(Message):
+    """The job's TCPStore moved (a new coordinator serves it, ``--rdzv-backend etcd``):
+    connect there before the next use."""
+
+    TAG = "store_at"
+    ROUTE = (A, T)
+    host: str = _f(NAME)
+    port: int = _f(_nat)
 
 
 # trainer -> coordinator (through the agent)
@@ -673,6 +699,8 @@ KINDS: tuple[type[Message], ...] = (
     GetState,
     NodeSegment,
     SnapshotSlot,
+    ClaimFault,
+    StoreAt,
     Ready,
     Vote,
     Finished,

@@ -1,7 +1,8 @@
 """A node agent's messages: from its trainers and shadows (the Unix socket: who
 connected comes from the kernel, its hello is taken only from a child of this node's
-zygote), to and from the coordinator (in process on node 0, over TCP elsewhere), and,
-on node 0, the other nodes' links (a TCP connection is a node only once its hello has
+zygote), to and from the coordinator (in process on the node whose agent runs it,
+node 0 or with etcd the elected one; over TCP elsewhere), and, there, the other
+nodes' links (a TCP connection is a node only once its hello has
 proven the job's secret, see :mod:`.auth`). A bad frame, or a first message that is
 not such a hello, closes that one connection, never the agent."""
 
@@ -203,6 +204,8 @@ class Routing:
                 self.reply(p, msg.id, *mem.node_segment(msg.name, msg.nbytes))
             case M.SnapshotSlot():
                 self.reply(p, msg.id, mem.snapshot_slot(msg.step))
+            case M.ClaimFault():
+                self.reply(p, msg.id, {"first": a.control.claim_fault(msg.fault)})
             # a step's vote carries its pending process state, its "finished" the state
             # after it: kept here (for a recovery), not sent on to the coordinator
             case M.Vote(pending=str() as pending):
@@ -233,7 +236,7 @@ class Routing:
     def to_coord(self, msg: M.Message) -> None:
         a = self.a
         if a.coord is not None:
-            a.coord.handle(0, msg, time.monotonic())
+            a.coord.handle(a.node, msg, time.monotonic())
             self.flush_coord()
         elif a.coord_conn is not None:
             try:
@@ -250,7 +253,7 @@ class Routing:
             node, msg = a.coord.outbox.pop(0)
             targets = sorted(a.joined) if node is None else [node]
             for n in targets:
-                if n == 0:
+                if n == a.node:
                     a.local_inbox.append(msg)  # delivered by the loop: no re-entrance
                 elif n in a.links:
                     try:
@@ -325,8 +328,10 @@ class Routing:
             )
             return False
         why = None
-        if not 0 < n < a.o.nnodes:
-            why = f"node rank {n} is not in 1..{a.o.nnodes - 1}"
+        if not 0 <= n < a.o.nnodes or n == a.node:
+            why = f"node rank {n} is not one of this job's other nodes"
+        elif n == a.lost_leader:
+            why = f"node {n} is not yet known lost here (the coordinator is failing over)"
         elif n in a.links:
             why = f"node {n} has already joined this job (use another --node-rank)"
         elif a.started and a.coord.model is None:
@@ -337,7 +342,9 @@ class Routing:
         del a.unproven[id(link)]
         conn.max_frame = MAX_FRAME
         conn.sock.settimeout(30.0)
-        spare = a.started
+        rejoined = n in a.rejoin  # a live node, back after the coordinator failed over
+        spare = a.started and not rejoined
+        a.rejoin.discard(n)
         link.node = n
         a.links[n] = conn
         a.joined.add(n)
@@ -346,6 +353,9 @@ class Routing:
         a.coord.node_up(n, spare=spare, now=now)
         if spare:
             _send_link(conn, M.Go(spare=True))
+        elif rejoined:
+            a.say(f"node {n} rejoined")
+            a.control.settle_rejoin(now)
         elif len(a.joined) == a.o.nnodes:
             a.say(f"all {a.o.nnodes} nodes joined: starting {a.W} trainers")
             for m in a.links:
@@ -466,7 +476,7 @@ class Routing:
             if a.complete:
                 a.stop = True
                 return
-            raise LaunchError("lost the coordinator (node 0's agent)")
+            a.control.coordinator_lost()
 
     def coord_messages(self) -> None:
         a = self.a

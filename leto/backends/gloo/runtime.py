@@ -194,7 +194,8 @@ class GlooSession:
         self.keeper: KeeperClient | None = None
         self.rng: dict[str, Any] | None = None
         self.sampler_state: dict[str, Any] | None = None
-        self.store: Any = None
+        self._store: Any = None
+        self._store_at: tuple[str, int] | None = None
         self.parity: list[ParityBlock] = []
         self.gparity: ParityBlock | None = None
         # tier 1 as replicas (tier1_code "replica", or gloo's default "auto" with 2+
@@ -233,6 +234,25 @@ class GlooSession:
         self.loop: Any = None  # the user's own loop (step.py), once wrap installs it
 
     # ================================================================ properties
+
+    @property
+    def store(self) -> Any:
+        """The job's TCPStore: where the agent last said it is (a coordinator that took
+        over serves a new one, :class:`~.messages.StoreAt`), connected on first use."""
+        at = self.ch.store_at or (str(self.spec["store_host"]), int(self.spec["store_port"]))
+        if self._store is None or at != self._store_at:
+            moved = self._store is not None
+            self._store = dist.TCPStore(  # type: ignore[attr-defined]
+                at[0],
+                at[1],
+                None,
+                False,
+                timedelta(seconds=max(60.0, float(self.spec["collective_timeout"]))),
+            )
+            self._store_at = at
+            if moved:
+                self.checkpoints.reseed(self._store)
+        return self._store
 
     @property
     def layout(self) -> RetainedLayout:
@@ -274,13 +294,7 @@ class GlooSession:
     # ================================================================ start
 
     def start(self) -> None:
-        self.store = dist.TCPStore(  # type: ignore[attr-defined]
-            self.spec["store_host"],
-            int(self.spec["store_port"]),
-            None,
-            False,
-            timedelta(seconds=max(60.0, float(self.spec["collective_timeout"]))),
-        )
+        self.store  # noqa: B018 - connected at the start, as a trainer of torchrun is
         if self.role == "shadow":
             self._as_shadow()
             return
@@ -295,6 +309,7 @@ class GlooSession:
         self.ps.send(start)
         meta = self.follower._after_recovery_state(start)
         self.checkpoints.write(start, first=True, resumed=resumed)
+        self.checkpoints.first = start + 1
         if self.rank == 0:  # the first step's time is Young/Daly's (shadows read it here)
             self.store.set(f"leto/{self.spec['job']}/first_step", str(start + 1))
         self.checkpoints.step_t0 = time.perf_counter()

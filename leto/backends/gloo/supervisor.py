@@ -1,6 +1,7 @@
 """The node agent's supervisor: startup (the private run directory, the job's
 secret, the zygote), the rendezvous (node 0 serves the TCPStore and the coordinator,
-the others join it and prove the job's secret), the selector loop and its timers
+the others join it and prove the job's secret; with etcd, whoever leads serves them,
+:mod:`.control_plane`), the selector loop and its timers
 (exits not yet reported, hangs, shadow memory, the end of the job) and cleanup.
 
 One thread runs it all; what each event means is the business of the agent's other
@@ -25,10 +26,7 @@ from leto.private import InsecurePathError, private_dir
 from . import auth
 from . import messages as M
 from . import procs as P
-from .commit_record import EtcdRecord, RecordError
 from .coordinator import Coordinator, CoordinatorOptions
-from .election import Election
-from .etcdstore import EtcdStore, StoreError
 from .eventlog import EventLog
 from .records import LaunchError, look
 from .watch import Watchers
@@ -40,7 +38,17 @@ if TYPE_CHECKING:
 __all__ = ["Supervisor"]
 
 COMPUTE_PHASES = {"forward", "backward", "step"}
-ETCD_LEASE_TTL = 15  # seconds: node 0's hold on the job's id in etcd (kept alive each 3 s)
+
+
+def _log_started(path: Any) -> float | None:
+    """When the job's event log was started (its first record's ``t``): a coordinator
+    that takes over continues it, on the same clock. None: no log yet."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            t = json.loads(f.readline()).get("t")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(t) if isinstance(t, (int, float)) else None
 
 
 class Supervisor:
@@ -54,7 +62,7 @@ class Supervisor:
         a = self.a
         try:
             self.private()
-        except (InsecurePathError, auth.SecretError, OSError) as e:
+        except (InsecurePathError, auth.SecretError, OSError, LaunchError) as e:
             print(f"leto[{a.who}]: error: {e}", file=sys.stderr, flush=True)
             return 1
         import torch._dynamo  # noqa: F401 - creating any torch optimizer imports it
@@ -106,17 +114,56 @@ class Supervisor:
     def private(self) -> None:
         """The run directory (0700, ours), files in it 0600, and the job's secret: from
         the environment, or on node 0 a new one written to RUN_DIR/secret (before the
-        store exists, so a node that reached the store finds it written)."""
+        store exists, so a node that reached the store finds it written; with etcd,
+        unless the job runs already: :meth:`first_of_job`)."""
         a = self.a
         a.umask = os.umask(0o077)
         a.run_dir = private_dir(a.run_dir, "run directory")
         private_dir(a.run_dir / "logs", "log directory")
         a.secret = auth.from_environment()
-        if a.node == 0 and a.secret is None:
+        if a.node == 0 and a.o.etcd:  # before torch's import: the others read the secret
+            a.control.leads = a.control.first_of_job()
+        elif a.node == 0 and a.secret is None:
             a.secret = auth.new_secret()
             auth.write_secret(a.run_dir, a.secret)
 
     def rendezvous(self) -> None:
+        """Node 0 serves the job's TCPStore and coordinator; every other node (and a
+        spare) joins them. With etcd, a node 0 started while the job runs (some agent of
+        it holds its presence in etcd: a replacement for a lost node 0) joins the job's
+        current coordinator instead, wherever it is."""
+        a = self.a
+        o = a.o
+        if a.node == 0 and (not o.etcd or a.control.leads):
+            info = self.serve()
+            if o.etcd:
+                a.control.claim(info)
+            else:
+                a.store.set("leto/job", json.dumps(info))
+            self.start_coordinator()
+            self.log_start(info["store"])
+            a.joined.add(a.node)
+            assert a.coord is not None
+            a.coord.node_up(a.node, spare=False, now=time.monotonic())
+            a.say(f"job {a.job}: rendezvous at {info['store']}, waiting for {o.nnodes} node(s)")
+            return
+        answer = self.join_job()
+        endpoint = f"{o.rdzv_host}:{o.rdzv_port}"
+        if isinstance(answer, M.Pooled):
+            a.spare_id = answer.spare_id
+            a.say(f"waiting in the spare pool of job {a.job} at {endpoint}, warm")
+            return
+        a.spare = answer.spare
+        a.generation = answer.gen
+        a.control.present()
+        a.say(
+            f"joined job {a.job} at {endpoint}"
+            + (" as a replacement (spare) node" if a.spare else "")
+        )
+
+    def serve(self) -> dict[str, Any]:
+        """This agent serves the job's TCPStore and the coordinator's listener, on the
+        rendezvous address (etcd: this machine's, any free port): the rendezvous record."""
         a = self.a
         from datetime import timedelta
 
@@ -124,105 +171,131 @@ class Supervisor:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         o = a.o
-        timeout = timedelta(seconds=o.rdzv_timeout)
-        endpoint = f"{o.rdzv_host}:{o.rdzv_port}"
-        if a.node == 0 and o.etcd:
-            self.open_etcd()
-        if a.node == 0:
-            if not o.etcd and P.port_in_use(o.rdzv_host, o.rdzv_port):
-                raise LaunchError(
-                    f"the rendezvous endpoint {endpoint} is in use by another process "
-                    "(pick a free port with --rdzv-endpoint HOST:PORT)"
-                )
-            try:
-                # bound here, to the address given: left to itself, the store listens on
-                # every interface whatever host it is given. torch's libuv server takes a
-                # listening socket from 2.8 on (pytorch#150215); before, the classic one
-                old = torch.__version__ < (2, 8)  # type: ignore[operator]
-                bound = P.listen_tcp(o.rdzv_host, o.rdzv_port)
-                if o.etcd:  # any free port: its address is published in etcd
-                    o.rdzv_port = bound.getsockname()[1]
-                    endpoint = f"{o.rdzv_host}:{o.rdzv_port}"
-                a.store = TCPStore(
-                    o.rdzv_host,
-                    o.rdzv_port,
-                    None,
-                    True,
-                    timeout,
-                    wait_for_workers=False,
-                    master_listen_fd=bound.detach(),  # the store owns it now
-                    **({"use_libuv": False} if old else {}),
-                )
-            except Exception as e:  # noqa: BLE001 - DistNetworkError, RuntimeError, OSError
-                raise LaunchError(f"cannot serve the rendezvous at {endpoint}: {e}") from None
+        host, port = (a.local_host, 0) if o.etcd else (o.rdzv_host, o.rdzv_port)
+        endpoint = f"{host}:{port}"
+        if not o.etcd and P.port_in_use(host, port):
+            raise LaunchError(
+                f"the rendezvous endpoint {endpoint} is in use by another process "
+                "(pick a free port with --rdzv-endpoint HOST:PORT)"
+            )
+        try:
+            # bound here, to the address given: left to itself, the store listens on
+            # every interface whatever host it is given. torch's libuv server takes a
+            # listening socket from 2.8 on (pytorch#150215); before, the classic one
+            old = torch.__version__ < (2, 8)  # type: ignore[operator]
+            bound = P.listen_tcp(host, port)
+            port = bound.getsockname()[1]  # etcd: any free port, published there
+            endpoint = f"{host}:{port}"
+            a.store = TCPStore(
+                host,
+                port,
+                None,
+                True,
+                timedelta(seconds=o.rdzv_timeout),
+                wait_for_workers=False,
+                master_listen_fd=bound.detach(),  # the store owns it now
+                **({"use_libuv": False} if old else {}),
+            )
+        except Exception as e:  # noqa: BLE001 - DistNetworkError, RuntimeError, OSError
+            raise LaunchError(f"cannot serve the rendezvous at {endpoint}: {e}") from None
+        o.rdzv_host, o.rdzv_port = host, port  # the trainers' MASTER_ADDR/PORT
+        if not a.job:
             a.job = secrets.token_hex(8)
-            a.listener = socket.create_server((o.rdzv_host, 0))
-            cport = a.listener.getsockname()[1]
-            info = {
-                "job": a.job,
-                "nnodes": o.nnodes,
-                "nproc_per_node": o.nproc_per_node,
-                "coordinator": f"{o.rdzv_host}:{cport}",
-                "store": endpoint,
-            }
-            if o.etcd:
-                self.claim_etcd(info)
-            else:
-                a.store.set("leto/job", json.dumps(info))
-            a.log = EventLog(a.run_dir / "events.jsonl")
-            a.log.write(
-                "job_start",
-                job=a.job,
-                nodes=o.nnodes,
-                nproc_per_node=o.nproc_per_node,
-                world_size=a.W,
-                script=o.script,
-                args=o.script_args,
-                rdzv=endpoint,
-                rdzv_backend="etcd" if o.etcd else "c10d",
-                **({"etcd": a.etcd.where(), "rdzv_id": o.rdzv_id} if a.etcd is not None else {}),
-                hang_timeout=o.hang_timeout,
-                shadow_memory_budget=o.shadow_memory_budget,
-                faults=o.faults,
+        a.listener = socket.create_server((host, 0))
+        cport = a.listener.getsockname()[1]
+        return {
+            "job": a.job,
+            "nnodes": o.nnodes,
+            "nproc_per_node": o.nproc_per_node,
+            "coordinator": f"{host}:{cport}",
+            "store": endpoint,
+            "node": a.node,
+        }
+
+    def unserve(self) -> None:
+        """Stop serving (an election this agent lost)."""
+        a = self.a
+        if a.listener is not None:
+            a.listener.close()
+            a.listener = None
+        a.store = None
+
+    def start_coordinator(self) -> None:
+        """The coordinator, its event log and its watchers, in this agent."""
+        a = self.a
+        o = a.o
+        a.log = EventLog(a.run_dir / "events.jsonl", t0=_log_started(a.run_dir / "events.jsonl"))
+        a.coord = Coordinator(
+            o.nnodes,
+            o.nproc_per_node,
+            log=a.log,
+            options=CoordinatorOptions(
+                spare_timeout=o.spare_timeout, recovery_timeout=o.recovery_timeout
+            ),
+            record=a.record,
+        )
+        try:
+            a.watchers = Watchers(
+                a.log,
+                say=a.say,
+                progress_every=None if o.quiet else o.progress_every,
+                metrics=o.metrics,
+                tensorboard=o.tensorboard,
             )
-            a.coord = Coordinator(
-                o.nnodes,
-                o.nproc_per_node,
-                log=a.log,
-                options=CoordinatorOptions(
-                    spare_timeout=o.spare_timeout, recovery_timeout=o.recovery_timeout
-                ),
-                record=a.record,
-            )
-            try:
-                a.watchers = Watchers(
-                    a.log,
-                    say=a.say,
-                    progress_every=None if o.quiet else o.progress_every,
-                    metrics=o.metrics,
-                    tensorboard=o.tensorboard,
-                )
-            except OSError as e:
-                raise LaunchError(f"cannot serve the metrics at {o.metrics}: {e}") from None
-            a.sel.register(a.listener, selectors.EVENT_READ, ("agent_listener", None))
-            a.joined.add(0)
-            a.coord.node_up(0, spare=False, now=time.monotonic())
-            a.say(f"job {a.job}: rendezvous at {endpoint}, waiting for {o.nnodes} node(s)")
-        else:
+        except OSError as e:
+            raise LaunchError(f"cannot serve the metrics at {o.metrics}: {e}") from None
+        assert a.listener is not None
+        a.sel.register(a.listener, selectors.EVENT_READ, ("agent_listener", None))
+
+    def log_start(self, endpoint: str) -> None:
+        a = self.a
+        o = a.o
+        assert a.log is not None
+        a.log.write(
+            "job_start",
+            job=a.job,
+            nodes=o.nnodes,
+            nproc_per_node=o.nproc_per_node,
+            world_size=a.W,
+            script=o.script,
+            args=o.script_args,
+            rdzv=endpoint,
+            rdzv_backend="etcd" if o.etcd else "c10d",
+            **({"etcd": a.etcd.where(), "rdzv_id": o.rdzv_id} if a.etcd is not None else {}),
+            hang_timeout=o.hang_timeout,
+            shadow_memory_budget=o.shadow_memory_budget,
+            faults=o.faults,
+        )
+
+    def join_job(self) -> M.Welcome | M.Pooled:
+        """Reach the job and join its coordinator; with etcd, the coordinator the job's
+        record names now, tried again (the record re-read) until --rdzv-timeout: a
+        coordinator may be failing over meanwhile."""
+        a = self.a
+        deadline = time.monotonic() + a.o.rdzv_timeout
+        while True:
             host, port = self.reach_job()
-            answer = self.join(host, port)
+            try:
+                answer = self.join(host, port)
+            except LaunchError:
+                if not a.o.etcd or time.monotonic() > deadline:
+                    raise
+                self.drop_coord()
+                time.sleep(0.2)
+                continue
             assert a.coord_conn is not None
             a.sel.register(a.coord_conn, selectors.EVENT_READ, ("coord", None))
-            if isinstance(answer, M.Pooled):
-                a.spare_id = answer.spare_id
-                a.say(f"waiting in the spare pool of job {a.job} at {endpoint}, warm")
-                return
-            a.spare = answer.spare
-            a.generation = answer.gen
-            a.say(
-                f"joined job {a.job} at {endpoint}"
-                + (" as a replacement (spare) node" if a.spare else "")
-            )
+            return answer
+
+    def drop_coord(self) -> None:
+        a = self.a
+        if a.coord_conn is not None:
+            try:
+                a.sel.unregister(a.coord_conn)
+            except (KeyError, ValueError):
+                pass
+            a.coord_conn.close()
+            a.coord_conn = None
 
     def reach_job(self) -> tuple[str, int]:
         """A node other than 0, or a spare: reach the job's store, check the job's
@@ -236,8 +309,10 @@ class Supervisor:
         endpoint = f"{o.rdzv_host}:{o.rdzv_port}"
         timeout = timedelta(seconds=o.rdzv_timeout)
         if o.etcd:
-            self.open_etcd()
-            info = self.etcd_job()
+            if a.etcd is None:
+                a.control.open()
+            info = a.control.job_record()
+            a.leader_info = info
             host, port = str(info["store"]).rsplit(":", 1)
             o.rdzv_host, o.rdzv_port = host, int(port)  # the trainers' MASTER_ADDR/PORT
         try:
@@ -253,102 +328,12 @@ class Supervisor:
         if info["nnodes"] != o.nnodes or info["nproc_per_node"] != o.nproc_per_node:
             raise LaunchError(
                 f"this {'spare' if a.pooled else 'node'} was started with --nnodes {o.nnodes} "
-                f"--nproc-per-node {o.nproc_per_node}, node 0 with --nnodes {info['nnodes']} "
+                f"--nproc-per-node {o.nproc_per_node}, the job with --nnodes {info['nnodes']} "
                 f"--nproc-per-node {info['nproc_per_node']}"
             )
         a.job = info["job"]
         host, port = info["coordinator"].rsplit(":", 1)
         return host, int(port)
-
-    # --- --rdzv-backend etcd -------------------------------------------------------
-
-    def open_etcd(self) -> None:
-        """The job's etcd store (:mod:`.etcdstore`), signed with the job's secret."""
-        a = self.a
-        o = a.o
-        self.need_secret()
-        assert a.secret is not None
-        a.etcd = EtcdStore(o.etcd, o.rdzv_id, a.secret, patience=min(15.0, o.rdzv_timeout))
-        try:
-            a.etcd.ping()
-        except StoreError as e:
-            raise LaunchError(str(e)) from None
-
-    def claim_etcd(self, info: dict[str, Any]) -> None:
-        """Node 0: take the job's id in etcd, as the coordinator's first leader
-        (:class:`.election.Election`: ``job`` under a lease this agent keeps alive;
-        another node 0 with the same id is refused while this one lives), clear what an
-        earlier job of the id left, publish the rendezvous and start the commit record
-        (:class:`.commit_record.EtcdRecord`)."""
-        a = self.a
-        assert a.etcd is not None
-        try:
-            a.election = Election(a.etcd, ETCD_LEASE_TTL)
-            if not a.election.campaign(info, first=True):
-                raise LaunchError(
-                    f"--rdzv-id {a.o.rdzv_id}: a job of this id is running (its node 0 holds "
-                    f"{a.etcd.key('job')} in etcd at {a.etcd.where()}); give another --rdzv-id"
-                )
-            a.etcd_refreshed = time.monotonic()
-            a.record = EtcdRecord(a.etcd)
-            a.record.start()
-        except (StoreError, RecordError) as e:
-            raise LaunchError(str(e)) from None
-
-    def etcd_job(self) -> dict[str, Any]:
-        """A node other than 0, or a spare: the job's rendezvous record, once node 0 has
-        published it (within --rdzv-timeout), checked (signed with the job's secret)."""
-        a = self.a
-        assert a.etcd is not None
-        deadline = time.monotonic() + a.o.rdzv_timeout
-        while True:
-            try:
-                entry = a.etcd.get("job")
-            except StoreError as e:
-                raise LaunchError(str(e)) from None
-            if entry is not None:
-                break
-            if time.monotonic() > deadline:
-                raise LaunchError(
-                    f"no job {a.o.rdzv_id!r} in etcd at {a.etcd.where()} within "
-                    f"{a.o.rdzv_timeout:g} s; is node 0's `leto launch` running with the same "
-                    "--rdzv-endpoint and --rdzv-id?"
-                )
-            time.sleep(0.2)
-        info = entry.value
-        for k, kind in (("job", str), ("nnodes", int), ("nproc_per_node", int),
-                        ("coordinator", str), ("store", str)):  # fmt: skip
-            if not isinstance(info.get(k), kind):
-                raise LaunchError(f"the job record {a.etcd.key('job')} in etcd has no valid {k!r}")
-        return info
-
-    def keep_etcd_lease(self, now: float) -> None:
-        """Node 0: keep the job's id (its lease) alive; a lease etcd let expire stops the
-        job in one line (another node 0 could take the id)."""
-        a = self.a
-        if a.election is None or now - a.etcd_refreshed < ETCD_LEASE_TTL / 5:
-            return
-        try:
-            a.election.keep()
-        except StoreError as e:
-            raise LaunchError(f"lost the job's id in etcd: {e}") from None
-        a.etcd_refreshed = now
-
-    def close_etcd(self) -> None:
-        """The job's end: node 0 gives its id back (its lease), and after a job that
-        completed deletes the job's keys; the commit record of a failed job is kept."""
-        a = self.a
-        if a.etcd is None:
-            return
-        try:
-            if a.election is not None:
-                if a.failed is None and a.complete:
-                    a.etcd.clear_all()
-                a.election.resign()
-        except StoreError as e:
-            print(f"leto[{a.who}]: warning: {e}", file=sys.stderr, flush=True)
-        a.etcd.close()
-        a.etcd = None
 
     def need_secret(self) -> None:
         """A node other than 0 (or a spare) takes the job's secret from its run directory
@@ -408,7 +393,7 @@ class Supervisor:
         if not proven:
             raise LaunchError(
                 f"the coordinator at {host}:{port} did not prove the job's secret: "
-                "not this job's node 0 (or a different secret)"
+                "not this job's coordinator (or a different secret)"
             )
         return answer
 
@@ -424,13 +409,14 @@ class Supervisor:
         a = self.a
         if not a.pooled:
             raise LaunchError(f"the coordinator assigned node {node} to an agent not in the pool")
-        if not 0 < node < a.o.nnodes:
-            raise LaunchError(f"the coordinator assigned node {node}, not in 1..{a.o.nnodes - 1}")
+        if not 0 <= node < a.o.nnodes:
+            raise LaunchError(f"the coordinator assigned node {node}, not in 0..{a.o.nnodes - 1}")
         a.say(f"takes the place of node {node}, which was lost")
         a.pooled = False
         a.node = node
         a.spare = True
         a.generation = gen
+        a.control.present()
         self.start_node()
 
     def start_spares(self) -> None:
@@ -455,7 +441,7 @@ class Supervisor:
         a.sel.register(a.agent_listener, selectors.EVENT_READ, ("listener", None))
         for lr in a.local_ranks:
             a.children.start_keeper(lr)
-        if a.node == 0 and a.o.nnodes == 1:
+        if a.coord is not None and a.o.nnodes == 1:
             self.go()
 
     def go(self, spare: bool = False) -> None:
@@ -515,7 +501,7 @@ class Supervisor:
                 if (
                     a.coord.complete
                     and self.node_done()
-                    and a.coord.finished_nodes >= set(range(1, a.o.nnodes)) - set()
+                    and a.coord.finished_nodes >= set(range(a.o.nnodes)) - {a.node}
                 ):
                     a.stop = True
 
@@ -550,9 +536,10 @@ class Supervisor:
         for p in list(a.by_pid.values()):
             if p.dead_at is not None and now - p.dead_at > 0.2:
                 a.children.finalize_exit(p)
-        self.keep_etcd_lease(now)
+        a.control.keep_lease(now)
         if a.coord is not None:
             a.routing.expire_unproven(now)
+            a.control.settle_rejoin(now)
             a.coord.tick(now)
             if not a.started and now - a.t_start > o.rdzv_timeout:
                 raise LaunchError(
@@ -685,7 +672,7 @@ class Supervisor:
         if a.listener is not None:
             a.listener.close()
         self.end_spares()
-        self.close_etcd()
+        a.control.close()
         a.store = None
 
     def end_spares(self) -> None:
