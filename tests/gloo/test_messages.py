@@ -56,6 +56,7 @@ GOOD: dict[str, Any] = {
     "summary": {"chunks_rolled_back": 0},
     "digest": {"params": "ab"},
     "error": "it broke",
+    "restart": 1,
     "warm": True,
     "ms": 12.5,
     "kind": "crash",

@@ -22,15 +22,17 @@ import sys
 import time
 from pathlib import Path
 
-from jobs import TRAIN, digests_equal, explain, job, left_after
+from jobs import TRAIN, STEPS_2x2, digests_equal, explain, job, left_after
 from test_coordinator import Harness
 
 from leto.backends.gloo import auth
 from leto.backends.gloo import messages as M
 from leto.backends.gloo.agent import Agent, AgentOptions
+from leto.backends.gloo.harness import JobResult
 from leto.backends.gloo.procs import free_port, processes_with
 from leto.backends.gloo.wire import Conn
 from leto.core.recovery import Phase
+from leto.core.restart import Restart
 from leto.spec.trace import replay
 
 STEPS = 10
@@ -70,6 +72,31 @@ def test_two_lost_nodes_are_replaced_from_the_pool_bitwise(session_dir: Path) ->
     assert joined[-2:] == [(1, True), (2, True)], joined
     assert len(res.recoveries) == 2 and all(r["kind"] == "tier2" for r in res.recoveries)
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
+
+
+def test_a_lost_node_with_no_spare_restarts_the_job_from_its_checkpoint_bitwise(
+    tag: str, ref_2x2: JobResult
+) -> None:
+    """--max-restarts 1: node 1's agent dies at step 7 and nothing replaces it within the
+    spare timeout; node 0 restarts the job (the same `leto launch`, exec'd), the node
+    started again (as a scheduler would) joins the restart, every rank resumes from the
+    latest checkpoint (step 6), and the job ends bitwise equal to the failure-free run."""
+    env = {"CKPT": str(Path(tag) / "ckpt"), "CKPT_EVERY": "2"}
+    faults = [{"kind": "lose_node", "rank": 2, "step": 7, "phase": "backward"}]
+    res = job(Path(tag) / "run", nnodes=2, nproc=2, steps=STEPS_2x2, env=env, faults=faults,
+              extra=["--spare-timeout", "0.2", "--max-restarts", "1"], timeout=120.0)  # fmt: skip
+    assert res.ok, explain(res)
+    assert len(res.codes[0]) == 1, res.codes  # node 0's launch lived on (exec'd)
+    (restart,) = res.of("job_restart")
+    assert (restart["attempt"], restart["of"]) == (1, 1), restart
+    assert "no replacement joined within 0.2 s" in restart["cause"], restart
+    starts = res.of("job_start")
+    assert [s.get("restart", 0) for s in starts] == [0, 1], starts
+    assert [e["status"] for e in res.of("job_end")] == ["restarting", "ok"]
+    assert [e["start"] for e in res.of("core_init")] == [0, 6]  # from the checkpoint of 6
+    assert len(res.of("failure")) == 1  # the fault plan's loss did not fire again
+    assert "restarting the job (restart 1) from its checkpoint" in res.text(0)
+    assert digests_equal(res, ref_2x2), "not bitwise equal to the failure-free run"
 
 
 # --- in process: the pool's bookkeeping (the coordinator) and its links (routing) -------
@@ -123,6 +150,39 @@ def test_a_spare_that_joins_while_a_node_waits_takes_its_place() -> None:
     h.c.node_up(1, spare=True, now=h.now + 2.0)
     h.c.tick(h.now + 6.0)
     assert h.c.failed is None and not h.c.nodes_lost_at
+
+
+def test_with_max_restarts_a_node_lost_with_the_pool_empty_restarts_the_job() -> None:
+    """The spare timeout passes: the core decides a whole-job restart (leto.core.restart),
+    every node is told so, and the log says which restart and why; once the restarts
+    are spent, the same loss stops the job."""
+    h = Harness(nodes=2, per_node=1, spare_timeout=5.0, max_restarts=2, checkpoint=True)
+    h.step(1)
+    h.c.node_down(1, h.now)
+    h.c.outbox.clear()
+    h.c.tick(h.now + 6.0)
+    assert h.c.restart == Restart(1, 2) and h.c.failed is not None
+    assert [(n, m.to_wire()) for n, m in h.c.outbox] == [
+        (None, {"t": "fail", "error": h.c.failed, "restart": 1})
+    ]
+    (rec,) = h.events("job_restart")
+    assert (rec["attempt"], rec["of"]) == (1, 2) and "--node-rank 1" in rec["cause"]
+    assert h.events("job_failed") == []
+    assert replay(enumerate(h.log.records, 1)).divergence is None
+    spent = Harness(nodes=2, per_node=1, spare_timeout=5.0, max_restarts=2, restarts=2,
+                    checkpoint=True)  # fmt: skip
+    spent.step(1)
+    spent.c.node_down(1, spent.now)
+    spent.c.tick(spent.now + 6.0)
+    assert spent.c.restart is None and spent.events("job_restart") == []
+    assert [e["error"] for e in spent.events("job_failed")] == [spent.c.failed]
+
+
+def test_max_restarts_without_a_checkpoint_dir_stops_the_job_at_its_start() -> None:
+    h = Harness(nodes=2, per_node=1, max_restarts=1)  # the ranks' config: no checkpoint_dir
+    assert h.c.failed is not None and h.c.restart is None and h.c.model is None
+    assert "--max-restarts 1" in h.c.failed and "checkpoint_dir" in h.c.failed
+    assert h.events("training_started") == []
 
 
 SECRET = b"0123456789abcdef" * 4

@@ -550,9 +550,13 @@ class Go(Message):
 
 @attrs.frozen
 class Fail(Message):
+    """The job ends with ``error``; with ``restart`` (from 1), every node's agent starts
+    the job again, as that restart (``--max-restarts``), from the latest disk checkpoint."""
+
     TAG = "fail"
     ROUTE = (C, A)
     error: str = _f(LONG)
+    restart: int | None = _f(_opt(_nat), None)
 
 
 @attrs.frozen

@@ -331,6 +331,8 @@ class Routing:
             why = f"node {n} has already joined this job (use another --node-rank)"
         elif a.started and a.coord.model is None:
             why = "the job is starting up; cannot take a spare node yet"
+        elif a.coord.failed is not None:
+            why = "the job has ended" + (" and restarts: join it again" if a.coord.restart else "")
         if why is not None:
             self.refuse(link, why, tell=why)
             return False
@@ -504,7 +506,12 @@ class Routing:
                 return
             case M.Fail():
                 a.failed = msg.error
-                print(f"leto[{a.who}]: job failed: {a.failed}", file=sys.stderr, flush=True)
+                if msg.restart:  # --max-restarts: this agent starts again (leto launch)
+                    a.restart = msg.restart
+                    what = f"restarting the job (restart {msg.restart}) from its checkpoint"
+                    print(f"leto[{a.who}]: {what}: {a.failed}", file=sys.stderr, flush=True)
+                else:
+                    print(f"leto[{a.who}]: job failed: {a.failed}", file=sys.stderr, flush=True)
                 a.stop = True
                 return
             case M.Fence():

@@ -164,7 +164,10 @@ class Supervisor:
                 "nproc_per_node": o.nproc_per_node,
                 "coordinator": f"{o.rdzv_host}:{cport}",
                 "store": endpoint,
+                "restart": o.restarts,
             }
+            for fid in o.fired_faults:  # a restart: what fired before does not fire again
+                a.store.add(f"leto/{a.job}/fault/{fid}", 1)
             if o.etcd:
                 self.claim_etcd(info)
             else:
@@ -184,13 +187,17 @@ class Supervisor:
                 hang_timeout=o.hang_timeout,
                 shadow_memory_budget=o.shadow_memory_budget,
                 faults=o.faults,
+                **({"restart": o.restarts} if o.restarts else {}),
             )
             a.coord = Coordinator(
                 o.nnodes,
                 o.nproc_per_node,
                 log=a.log,
                 options=CoordinatorOptions(
-                    spare_timeout=o.spare_timeout, recovery_timeout=o.recovery_timeout
+                    spare_timeout=o.spare_timeout,
+                    recovery_timeout=o.recovery_timeout,
+                    max_restarts=o.max_restarts,
+                    restarts=o.restarts,
                 ),
                 record=a.record,
             )
@@ -240,10 +247,16 @@ class Supervisor:
             info = self.etcd_job()
             host, port = str(info["store"]).rsplit(":", 1)
             o.rdzv_host, o.rdzv_port = host, int(port)  # the trainers' MASTER_ADDR/PORT
+        deadline = time.monotonic() + o.rdzv_timeout
         try:
-            if not o.etcd:
+            while not o.etcd:
                 a.store = TCPStore(o.rdzv_host, o.rdzv_port, None, False, timeout)
                 info = json.loads(a.store.get("leto/job"))
+                # a restart joins node 0's restart, not the job node 0 is still ending
+                if _restart_of(info) >= o.restarts or time.monotonic() > deadline:
+                    break
+                a.store = None
+                time.sleep(0.5)
         except Exception as e:  # noqa: BLE001
             raise LaunchError(
                 f"cannot reach the rendezvous endpoint {endpoint} within {o.rdzv_timeout:g} s "
@@ -257,6 +270,7 @@ class Supervisor:
                 f"--nproc-per-node {info['nproc_per_node']}"
             )
         a.job = info["job"]
+        o.restarts = _restart_of(info)  # a node started by hand may join a restart
         host, port = info["coordinator"].rsplit(":", 1)
         return host, int(port)
 
@@ -306,7 +320,9 @@ class Supervisor:
                 entry = a.etcd.get("job")
             except StoreError as e:
                 raise LaunchError(str(e)) from None
-            if entry is not None:
+            # a restart joins node 0's restart, not the job node 0 is still ending
+            value = entry.value if entry is not None else None
+            if isinstance(value, dict) and _restart_of(value) >= a.o.restarts:
                 break
             if time.monotonic() > deadline:
                 raise LaunchError(
@@ -315,7 +331,7 @@ class Supervisor:
                     "--rdzv-endpoint and --rdzv-id?"
                 )
             time.sleep(0.2)
-        info = entry.value
+        info = value
         for k, kind in (("job", str), ("nnodes", int), ("nproc_per_node", int),
                         ("coordinator", str), ("store", str)):  # fmt: skip
             if not isinstance(info.get(k), kind):
@@ -511,6 +527,7 @@ class Supervisor:
                     a.routing.flush_coord()
                 if a.coord.failed is not None and not a.stop:
                     a.failed = a.coord.failed
+                    a.restart = a.coord.restart.attempt if a.coord.restart else None
                     a.stop = True
                 if (
                     a.coord.complete
@@ -622,6 +639,9 @@ class Supervisor:
     def cleanup(self) -> None:
         a = self.a
         a.stop = True
+        if a.restart and a.coord is not None and a.store is not None:
+            job = a.job
+            a.fired = [f["id"] for f in a.o.faults if a.store.add(f"leto/{job}/fault/{f['id']}", 0)]
         for p in list(a.by_pid.values()):
             p.expected_exit = True
             try:
@@ -670,7 +690,8 @@ class Supervisor:
                     recoveries=len(a.coord.recoveries) if a.coord else 0,
                 )
             else:
-                a.log.write("job_end", status="failed", error=a.failed)
+                status = "restarting" if a.restart else "failed"
+                a.log.write("job_end", status=status, error=a.failed)
             a.log.close()
         if a.watchers is not None:
             a.watchers.close()
@@ -698,3 +719,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _restart_of(info: dict[str, Any]) -> int:
+    """The restart a job record names (0: the job's first start)."""
+    n = info.get("restart", 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0
