@@ -101,6 +101,15 @@ def test_wrap_from_the_environment_under_leto_launch(monkeypatch: pytest.MonkeyP
         (["--max-restarts", "1001"], "--max-restarts must be at most 1000"),
         (["--max-restarts", "2.5"], "--max-restarts"),
         (["--no-python"], "--no-python: leto forks every trainer and warm shadow"),
+        (["--nnodes", "3:2"], "--nnodes '3:2': MIN must be in 1..MAX"),
+        (["--nnodes", "0:2"], "--nnodes '0:2': MIN must be in 1..MAX"),
+        (["--nnodes", "2:x"], "--nnodes '2:x' is not N or MIN:MAX (e.g. 4, or 2:4)"),
+        (["--nnodes", "2:70000"], "--nnodes must be at most 65,536"),
+        (
+            ["--nnodes", "2:4", "--node-rank", "1"],
+            "--node-rank 1 with --nnodes 2:4: node 0 gives --node-rank 0, every other node none",
+        ),
+        (["--nnodes", "2:4"], "--rdzv-endpoint HOST:PORT is required with --nnodes > 1"),
     ],
 )
 def test_launch_flags(

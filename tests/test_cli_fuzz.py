@@ -368,6 +368,11 @@ WORDY: list[tuple[list[str], tuple[str, ...]]] = [
     (LAUNCH.argv("--nnodes=2"), ("--rdzv-endpoint",)),
     *[(["launch", "--quiet", "-m", m], ("-m",)) for m in ("nosuchmodule", "a..b", "", "x.py")],
     (LAUNCH.argv("--no-python"), ("--no-python",)),
+    *[
+        (LAUNCH.argv(f"--nnodes={n}"), ("--nnodes",))
+        for n in ("3:2", "0:1", ":", "1:", "a:2", "1:2:3")
+    ],
+    (LAUNCH.argv("--nnodes=2:4", "--node-rank=2"), ("--node-rank", "--nnodes")),
     # --rdzv-backend etcd: the members, the job's id, this node's address
     *[(LAUNCH.argv(f"--rdzv-backend={b}"), ("--rdzv-backend",)) for b in ("", "zk", "ETCD")],
     (LAUNCH.argv("--rdzv-backend=etcd"), ("--rdzv-endpoint",)),

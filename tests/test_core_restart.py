@@ -1,4 +1,5 @@
-"""The core's rule for a whole-job restart (``leto launch --max-restarts``,
+"""The core's rules for an elastic start (`--nnodes MIN:MAX`, :mod:`leto.core.elastic`)
+and a whole-job restart (``leto launch --max-restarts``,
 :mod:`leto.core.restart`): only a recovery that gave up restarts, at most N times, and
 a job that asks for restarts needs a checkpoint to restart from."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from leto.core.elastic import world_at_close
 from leto.core.restart import Ending, Restart, after, refusal
 
 
@@ -36,3 +38,14 @@ def test_restarts_need_a_checkpoint_dir() -> None:
     assert "\n" not in why
     assert refusal(2, checkpoint=True) is None
     assert refusal(0, checkpoint=False) is None
+
+
+def test_an_elastic_job_starts_with_max_nodes_or_at_the_timeout_with_at_least_min() -> None:
+    assert world_at_close(2, 4, 4, timed_out=False) == 4
+    assert world_at_close(2, 4, 6, timed_out=False) == 4  # the others: spares
+    assert world_at_close(2, 4, 3, timed_out=False) is None  # waits for more
+    assert world_at_close(2, 4, 3, timed_out=True) == 3
+    assert world_at_close(2, 4, 1, timed_out=True) is None  # too few: cannot start
+    assert world_at_close(3, 3, 3, timed_out=False) == 3  # a fixed size is MIN = MAX
+    with pytest.raises(ValueError, match="need 1 <= lo <= hi"):
+        world_at_close(3, 2, 3, timed_out=False)

@@ -24,6 +24,16 @@ starting anything::
     leto launch --nnodes 3 --nproc-per-node 1 --spare \\
         --rdzv-endpoint 10.0.0.1:29400 train.py                          # a spare elsewhere
 
+torchrun's elastic ``--nnodes MIN:MAX`` (node 0 with ``--node-rank 0``, the others
+without: they are given their ranks as they join, and the job keeps the world it
+started with), ``-m module`` and ``--max-restarts N`` (the whole job started again
+from its latest checkpoint when in-place recovery cannot continue: docs/gloo.md)::
+
+    leto launch --nnodes 2:4 --nproc-per-node 8 --node-rank 0 \\
+        --rdzv-endpoint 10.0.0.1:29400 --max-restarts 3 -m mypkg.train   # node 0
+    leto launch --nnodes 2:4 --nproc-per-node 8 \\
+        --rdzv-endpoint 10.0.0.1:29400 --max-restarts 3 -m mypkg.train   # any other node
+
 Exit status: 0 when training completed, 1 on a failure leto could not recover
 from (the reason is printed and logged), 2 for bad arguments, 130 on Ctrl-C.
 """
@@ -66,7 +76,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     g = parser.add_argument_group("topology (as torchrun)")
     g.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N")
-    g.add_argument("--nnodes", type=int, default=1, metavar="M")
+    g.add_argument(
+        "--nnodes",
+        default="1",
+        metavar="N|MIN:MAX",
+        help="nodes; MIN:MAX: the job starts with MAX nodes, or with MIN or more once "
+        "--rdzv-timeout has passed, and keeps that many (give --node-rank 0 to node 0 "
+        "only: the others are given their ranks as they join; later ones are spares)",
+    )
     g.add_argument(
         "--node-rank", "--node_rank", type=int, default=None, metavar="K", help="(default 0)"
     )
@@ -314,7 +331,16 @@ def _check(
         module_to_run(args.script)
     else:
         file_to_read("script", args.script, "script")
+    _nnodes(args)
     check_args(args, BOUNDS)
+    elastic = args.min_nodes < args.nnodes
+    if elastic and args.node_rank is not None and args.node_rank != 0:
+        raise BadInput(
+            f"--node-rank {args.node_rank} with --nnodes {args.nnodes_text}: node 0 gives "
+            "--node-rank 0, every other node none (node 0 gives them their ranks as they join)"
+        )
+    if elastic and args.node_rank is None and args.rdzv_endpoint and not args.spares:
+        args.spare = True  # a node of an elastic job: it waits in the pool for its rank
     if args.spare:
         if args.node_rank is not None:
             raise BadInput(
@@ -415,6 +441,21 @@ def module_to_run(name: str) -> None:
         raise BadInput(f"-m {show(name)} is a file's name: -m takes a module's ({name[:-3]})")
     if importlib.machinery.PathFinder.find_spec(parts[0], [os.getcwd(), *sys.path]) is None:
         raise BadInput(f"-m {show(name)}: no module {parts[0]!r} here or on the Python path")
+
+
+def _nnodes(args: argparse.Namespace) -> None:
+    """``--nnodes N`` or ``MIN:MAX`` (torchrun's elastic form): ``args.nnodes`` becomes
+    MAX (bounded as N is), ``args.min_nodes`` MIN, ``args.nnodes_text`` the text."""
+    text = str(args.nnodes)
+    args.nnodes_text = text
+    lo, sep, hi = text.partition(":")
+    if not sep:
+        lo = hi = text
+    if not all(p.isascii() and p.isdecimal() and len(p) <= 18 for p in (lo, hi)):
+        raise BadInput(f"--nnodes {show(text)} is not N or MIN:MAX (e.g. 4, or 2:4)")
+    args.min_nodes, args.nnodes = int(lo), int(hi)
+    if sep and not 1 <= args.min_nodes <= args.nnodes:
+        raise BadInput(f"--nnodes {show(text)}: MIN must be in 1..MAX")
 
 
 @dataclass(frozen=True)
@@ -529,7 +570,7 @@ def spare_command(args: argparse.Namespace, host: str, port: int, run_dir: str) 
         rdzv += ["--rdzv-id", args.rdzv_id]
     cmd = [
         sys.executable, "-m", "leto.cli", "launch", "--spare",
-        "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
+        "--nnodes", args.nnodes_text, "--nproc-per-node", str(args.nproc_per_node),
         *rdzv, "--run-dir", os.path.abspath(run_dir),
         "--heartbeat", repr(args.heartbeat), "--hang-timeout", repr(args.hang_timeout),
         "--collective-timeout", repr(args.collective_timeout),
@@ -558,16 +599,20 @@ def spare_command(args: argparse.Namespace, host: str, port: int, run_dir: str) 
 # fired before it; set by the agent that execs itself (restart_launch), read by the next
 RESTART_ENV = "LETO_RESTART"
 FIRED_ENV = "LETO_FAULTS_FIRED"
+NODES_ENV = "LETO_WORLD_NODES"  # --nnodes MIN:MAX: a restart keeps the world it started with
 
 
-def _restarted() -> tuple[int, tuple[int, ...]]:
-    """(restarts made before this start, fault entries fired), from the environment;
-    LETO_RESTART stays there: the trainers resume from their checkpoint_dir on it."""
+def _restarted() -> tuple[int, tuple[int, ...], int]:
+    """(restarts made before this start, fault entries fired, the nodes the job started
+    with), from the environment; LETO_RESTART stays there: the trainers resume from
+    their checkpoint_dir on it."""
     n = os.environ.get(RESTART_ENV, "0")
     fired = os.environ.pop(FIRED_ENV, "")
+    nodes = os.environ.pop(NODES_ENV, "0")
     return (
         int(n) if n.isdecimal() else 0,
         tuple(int(f) for f in fired.split(",") if f.isdecimal()),
+        int(nodes) if nodes.isdecimal() else 0,
     )
 
 
@@ -582,6 +627,8 @@ def restart_launch(agent: Any, argv: list[str]) -> None:
         os.environ[auth.ENV] = agent.secret.decode()
     os.environ[RESTART_ENV] = str(agent.restart)
     os.environ[FIRED_ENV] = ",".join(map(str, agent.fired))
+    if agent.node == 0:
+        os.environ[NODES_ENV] = str(agent.o.nnodes)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, "-m", "leto.cli", *argv])
@@ -624,7 +671,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     script = Path(args.script)
-    restarts, fired = _restarted()
+    restarts, fired, world_nodes = _restarted()
     run_dir = args.run_dir or os.path.join("leto-runs", time.strftime("run-%Y%m%d-%H%M%S"))
     # torch's C++ warnings (store socket timeouts while a peer is gone) are noise here:
     # leto reports failures itself
@@ -636,6 +683,8 @@ def run(args: argparse.Namespace) -> int:
         module=args.module,
         script_args=list(args.script_args),
         nnodes=args.nnodes,
+        min_nodes=args.min_nodes,
+        world_nodes=world_nodes if args.min_nodes < args.nnodes else 0,
         nproc_per_node=args.nproc_per_node,
         node_rank=args.node_rank,
         rdzv_host=host,

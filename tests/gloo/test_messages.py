@@ -81,6 +81,8 @@ GOOD: dict[str, Any] = {
     "retake_t2": True,
     "t2": 0,
     "start": 2,
+    "nnodes": 2,
+    "at_start": True,
 }
 # for each field: a value its validator must refuse
 BAD: dict[str, Any] = {

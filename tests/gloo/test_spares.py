@@ -1,12 +1,15 @@
 """The spare pool (issue 20, part 3): warm spare agents take a lost node's place
 without anyone starting anything.
 
-A job of 3 nodes x 1 rank whose node 0 starts three spare agents (``--spares 3``)
-loses node 1 and then node 2 (each agent SIGKILLed, its processes with it, at two
-different steps); the harness restarts nothing: each place is taken by a spare from
-the pool, lowest id first, and the job ends bitwise equal to the failure-free run,
-its trace replayed through the core's model. The third spare, never needed, ends
-with the job, and SIGKILL of node 0 takes its pooled spares with it. The pieces
+An elastic job (``--nnodes 2:3``) of 1 rank per node whose node 0 starts five spare
+agents (``--spares 5``) starts with 3 nodes, the first two spares to join being nodes
+1 and 2; it loses node 1 and then node 2 (each agent SIGKILLed, its processes with
+it, at two different steps); the harness restarts nothing: each place is taken by a
+spare from the pool, lowest id first, and the job ends bitwise equal to the
+failure-free 3 x 1 run, its trace replayed through the core's model. The fifth spare,
+never needed, ends with the job, and SIGKILL of node 0 takes its pooled spares with
+it. With ``--max-restarts``, a node lost with no spare restarts the whole job from its
+checkpoint. The pieces
 (assignment order, the empty pool, a spare that cannot prove the job's secret) are
 tested in process.
 """
@@ -47,29 +50,31 @@ def test_two_lost_nodes_are_replaced_from_the_pool_bitwise(session_dir: Path) ->
     ]
     res = job(
         session_dir / "spares-3x1",
-        nnodes=3,
+        nnodes=1,  # the harness starts node 0 only: the others are its spares
         nproc=1,
         steps=STEPS,
         faults=faults,
         # slow steps: the spares (importing torch beside three nodes) are in the pool,
         # warm, before the first loss
-        env={"STEP_SLEEP": "0.4"},
-        spares=3,  # the third is left in the pool: it ends with the job
-        extra=["--spare-timeout", "60"],
-        respawn=False,  # nobody restarts a lost node: the pool does
+        env={"STEP_SLEEP": "0.4", "TOPO": "3x1"},
+        spares=5,  # two are nodes 1 and 2, two replace them, the fifth ends with the job
+        extra=["--nnodes", "2:3", "--spare-timeout", "60"],
         timeout=120.0,
     )
     assert res.ok, explain(res)
-    assert [len(res.codes[n]) for n in (1, 2)] == [1, 1], res.codes  # no agent restarted
+    assert res.codes == {0: [0]}, res.codes
+    (closed,) = res.of("rendezvous_closed")  # MAX joined: the job starts with 3 nodes
+    assert (closed["nodes"], closed["placed"]) == (3, [[0, 1], [1, 2]]), closed
+    assert res.of("training_started")[0]["world_size"] == 3
     lost = [f["node"] for f in res.of("failure") if f["kind"] == "node_lost"]
     assert lost == [1, 2], res.of("failure")
     first_loss = res.of("failure")[0]["t_rel"]
     waiting = [e["spare"] for e in res.of("spare_joined") if e["t_rel"] < first_loss]
-    assert waiting[:2] == [0, 1], f"the spares were not waiting: {res.of('spare_joined')}"
+    assert waiting[:4] == [0, 1, 2, 3], f"the spares were not waiting: {res.of('spare_joined')}"
     assigned = [(e["spare"], e["node"]) for e in res.of("spare_assigned")]
-    assert assigned == [(0, 1), (1, 2)], assigned
+    assert assigned == [(2, 1), (3, 2)], assigned
     joined = [(e["node"], e["spare"]) for e in res.of("node_joined")]
-    assert joined[-2:] == [(1, True), (2, True)], joined
+    assert joined == [(0, False), (1, False), (2, False), (1, True), (2, True)], joined
     assert len(res.recoveries) == 2 and all(r["kind"] == "tier2" for r in res.recoveries)
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
 
@@ -236,7 +241,7 @@ def test_a_spare_proves_the_secret_waits_and_is_assigned_a_bad_one_is_refused() 
         ag.routing.assign_spares(h.now)
         assign = M.decode(good.recv(timeout=5)[0])
         go = M.decode(good.recv(timeout=5)[0])
-        assert assign == M.Assign(node=1, gen=h.c.generation) and go == M.Go(spare=True)
+        assert assign == M.Assign(node=1, gen=h.c.generation, nnodes=2) and go == M.Go(spare=True)
         assert ag.pool_links == {} and 1 in ag.links and 1 in h.c.nodes_up
         assert [(e["spare"], e["node"]) for e in h.events("spare_assigned")] == [(0, 1)]
         assert h.c.failed is None

@@ -340,6 +340,21 @@ class Coordinator:
             out.append((sid, node))
         return out
 
+    def start_world(self, nodes: int) -> list[tuple[int, int]]:
+        """``--nnodes MIN:MAX``: the rendezvous closed with ``nodes`` nodes (node 0 and
+        the pooled agents that joined first, :func:`leto.core.elastic.world_at_close`):
+        the job's world from here on; ``(spare id, node)`` for nodes 1.., the lowest ids
+        (the first to join) first. The rest stay in the pool, as spares."""
+        if self.model is not None or not 1 <= nodes <= len(self.pool) + 1:
+            raise ValueError(f"cannot start a world of {nodes} node(s) now")
+        self.topology = Topology.uniform(nodes, self.W // self.topology.nodes)
+        self.W = self.topology.world_size
+        placed = [(self.pool.pop(0), n) for n in range(1, nodes)]
+        self.log.write(
+            "rendezvous_closed", nodes=nodes, world_size=self.W, placed=placed, pool=len(self.pool)
+        )
+        return placed
+
     def tick(self, now: float) -> None:
         """Timers: a spare that does not come, a recovery stuck waiting."""
         if self.failed is not None or self.complete or self.model is None:

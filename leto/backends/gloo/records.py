@@ -28,6 +28,10 @@ class AgentOptions:
     script_args: list[str]
     module: bool = False
     nnodes: int = 1
+    # --nnodes MIN:MAX: MIN (0: a fixed size, nnodes); node 0 starts the job with MIN to
+    # nnodes nodes (leto.core.elastic), or, at a restart, with the world it started with
+    min_nodes: int = 0
+    world_nodes: int = 0
     nproc_per_node: int = 1
     node_rank: int = 0
     rdzv_host: str = "127.0.0.1"

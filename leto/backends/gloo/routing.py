@@ -348,10 +348,10 @@ class Routing:
         a.coord.node_up(n, spare=spare, now=now)
         if spare:
             _send_link(conn, M.Go(spare=True))
-        elif len(a.joined) == a.o.nnodes:
+        elif len(a.joined) == a.o.nnodes and not a.supervisor.elastic():
             a.say(f"all {a.o.nnodes} nodes joined: starting {a.W} trainers")
             for m in a.links:
-                _send_link(a.links[m], M.Go(spare=False))
+                self.send_go(m)
             a.supervisor.go()
         return True
 
@@ -395,13 +395,26 @@ class Routing:
         a = self.a
         assert a.coord is not None
         for sid, n in a.coord.assign_spares():
-            link = a.pool_links.pop(sid)
-            link.spare, link.node = None, n
-            a.links[n] = link.conn
-            a.joined.add(n)
-            a.say(f"spare {sid} takes the place of node {n}")
-            _send_link(link.conn, M.Assign(node=n, gen=a.coord.generation))
-            a.coord.node_up(n, spare=True, now=now)
+            self.place(sid, n, now)
+
+    def send_go(self, node: int) -> None:
+        """The job starts: node ``node`` starts its trainers."""
+        _send_link(self.a.links[node], M.Go(spare=False))
+
+    def place(self, sid: int, n: int, now: float, *, start: bool = False) -> None:
+        """The pooled spare ``sid`` becomes node ``n``: a lost node's replacement, or
+        (``start``) one of an elastic job's first nodes, whose go comes with the others'."""
+        a = self.a
+        assert a.coord is not None
+        link = a.pool_links.pop(sid)
+        link.spare, link.node = None, n
+        a.links[n] = link.conn
+        a.joined.add(n)
+        a.say(f"spare {sid} {'is' if start else 'takes the place of'} node {n}")
+        msg = M.Assign(node=n, gen=a.coord.generation, nnodes=a.o.nnodes, at_start=start)
+        _send_link(link.conn, msg)
+        a.coord.node_up(n, spare=not start, now=now)
+        if not start:
             _send_link(link.conn, M.Go(spare=True))
 
     def on_link(self, link: Link) -> None:
@@ -490,7 +503,7 @@ class Routing:
             return  # a spare has no processes yet: nothing else concerns it
         match msg:
             case M.Assign():
-                a.supervisor.take_place(msg.node, msg.gen)
+                a.supervisor.take_place(msg.node, msg.gen, msg.nnodes, start=msg.at_start)
                 return
             case M.Go():
                 a.supervisor.go(spare=msg.spare)

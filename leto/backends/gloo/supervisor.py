@@ -20,6 +20,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from leto.core.elastic import world_at_close
 from leto.private import InsecurePathError, private_dir
 
 from . import auth
@@ -161,6 +162,7 @@ class Supervisor:
             info = {
                 "job": a.job,
                 "nnodes": o.nnodes,
+                "min_nodes": o.min_nodes or o.nnodes,
                 "nproc_per_node": o.nproc_per_node,
                 "coordinator": f"{o.rdzv_host}:{cport}",
                 "store": endpoint,
@@ -188,6 +190,7 @@ class Supervisor:
                 shadow_memory_budget=o.shadow_memory_budget,
                 faults=o.faults,
                 **({"restart": o.restarts} if o.restarts else {}),
+                **({"min_nodes": o.min_nodes} if self.elastic() else {}),
             )
             a.coord = Coordinator(
                 o.nnodes,
@@ -214,7 +217,8 @@ class Supervisor:
             a.sel.register(a.listener, selectors.EVENT_READ, ("agent_listener", None))
             a.joined.add(0)
             a.coord.node_up(0, spare=False, now=time.monotonic())
-            a.say(f"job {a.job}: rendezvous at {endpoint}, waiting for {o.nnodes} node(s)")
+            want = f"{o.min_nodes}..{o.nnodes}" if self.elastic() else str(o.nnodes)
+            a.say(f"job {a.job}: rendezvous at {endpoint}, waiting for {want} node(s)")
         else:
             host, port = self.reach_job()
             answer = self.join(host, port)
@@ -263,11 +267,13 @@ class Supervisor:
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is node 0's "
                 "`leto launch` running there with the same --rdzv-endpoint?"
             ) from None
-        if info["nnodes"] != o.nnodes or info["nproc_per_node"] != o.nproc_per_node:
+        theirs = (info.get("min_nodes", info["nnodes"]), info["nnodes"], info["nproc_per_node"])
+        if theirs != (o.min_nodes or o.nnodes, o.nnodes, o.nproc_per_node):
             raise LaunchError(
-                f"this {'spare' if a.pooled else 'node'} was started with --nnodes {o.nnodes} "
-                f"--nproc-per-node {o.nproc_per_node}, node 0 with --nnodes {info['nnodes']} "
-                f"--nproc-per-node {info['nproc_per_node']}"
+                f"this {'spare' if a.pooled else 'node'} was started with --nnodes "
+                f"{_nodes(o.min_nodes or o.nnodes, o.nnodes)} --nproc-per-node "
+                f"{o.nproc_per_node}, node 0 with --nnodes {_nodes(theirs[0], theirs[1])} "
+                f"--nproc-per-node {theirs[2]}"
             )
         a.job = info["job"]
         o.restarts = _restart_of(info)  # a node started by hand may join a restart
@@ -433,19 +439,24 @@ class Supervisor:
         a.sel.register(a.zygote.conn, selectors.EVENT_READ, ("zygote", None))
         a.sel.register(a.zygote.pidfd, selectors.EVENT_READ, ("zygote_dead", None))
 
-    def take_place(self, node: int, gen: int) -> None:
+    def take_place(self, node: int, gen: int, nnodes: int | None, *, start: bool) -> None:
         """A pooled spare is assigned the place of the lost ``node``: from here on it is
         that node's agent, joined as a replacement (the coordinator's :class:`Go`
-        follows, which starts its shadows)."""
+        follows, which starts its shadows); ``start``: one of an elastic job's first
+        nodes, of a world of ``nnodes`` nodes."""
         a = self.a
         if not a.pooled:
             raise LaunchError(f"the coordinator assigned node {node} to an agent not in the pool")
+        if nnodes is not None and not (a.o.min_nodes or a.o.nnodes) <= nnodes <= a.o.nnodes:
+            raise LaunchError(f"the coordinator's world of {nnodes} node(s) is not --nnodes's")
+        if nnodes is not None:
+            a.o.nnodes, a.W = nnodes, nnodes * a.nproc
         if not 0 < node < a.o.nnodes:
             raise LaunchError(f"the coordinator assigned node {node}, not in 1..{a.o.nnodes - 1}")
-        a.say(f"takes the place of node {node}, which was lost")
+        a.say(f"is node {node}" if start else f"takes the place of node {node}, which was lost")
         a.pooled = False
         a.node = node
-        a.spare = True
+        a.spare = not start
         a.generation = gen
         self.start_node()
 
@@ -464,6 +475,32 @@ class Supervisor:
             a.spare_procs.append(subprocess.Popen(o.spare_command, env=env))
         a.say(f"started {o.spares} spare agent(s) for the pool")
 
+    def elastic(self) -> bool:
+        """``--nnodes MIN:MAX`` with MIN < MAX, or the restart of a job that had it."""
+        o = self.a.o
+        return bool(o.world_nodes) or 0 < o.min_nodes < o.nnodes
+
+    def close_rendezvous(self, now: float) -> None:
+        """Node 0 of an elastic job, until it starts: once the core says how many nodes
+        it starts with (:func:`leto.core.elastic.world_at_close`: MAX joined, or MIN by
+        the rendezvous timeout; a restart: the world the job started with), the pooled
+        agents that joined first become nodes 1.., the others stay spares, and it goes."""
+        a = self.a
+        o = a.o
+        assert a.coord is not None
+        lo, hi = (o.world_nodes, o.world_nodes) if o.world_nodes else (o.min_nodes, o.nnodes)
+        n = world_at_close(lo, hi, 1 + len(a.coord.pool), now - a.t_start > o.rdzv_timeout)
+        if n is None:
+            return
+        o.nnodes, a.W = n, n * a.nproc
+        for sid, node in a.coord.start_world(n):
+            a.routing.place(sid, node, now, start=True)
+        left = len(a.coord.pool)
+        a.say(f"{n} node(s) joined: starting {a.W} trainers ({left} spare(s) left in the pool)")
+        for m in a.links:
+            a.routing.send_go(m)
+        self.go()
+
     def start_node(self) -> None:
         a = self.a
         a.agent_socket = abstract_name(f"{a.job}-agent{a.node}")
@@ -471,7 +508,7 @@ class Supervisor:
         a.sel.register(a.agent_listener, selectors.EVENT_READ, ("listener", None))
         for lr in a.local_ranks:
             a.children.start_keeper(lr)
-        if a.node == 0 and a.o.nnodes == 1:
+        if a.node == 0 and a.o.nnodes == 1 and not self.elastic():
             self.go()
 
     def go(self, spare: bool = False) -> None:
@@ -571,6 +608,14 @@ class Supervisor:
         if a.coord is not None:
             a.routing.expire_unproven(now)
             a.coord.tick(now)
+            if not a.started and self.elastic():
+                self.close_rendezvous(now)
+            if not a.started and now - a.t_start > o.rdzv_timeout and self.elastic():
+                raise LaunchError(
+                    f"only {1 + len(a.coord.pool)} node(s) joined within {o.rdzv_timeout:g} s, "
+                    f"fewer than --nnodes {o.min_nodes}:{o.nnodes} asks; start `leto launch` "
+                    "with the same --rdzv-endpoint and --nnodes on more nodes"
+                )
             if not a.started and now - a.t_start > o.rdzv_timeout:
                 raise LaunchError(
                     f"only node(s) {sorted(a.joined)} of {o.nnodes} joined within "
@@ -725,3 +770,8 @@ def _restart_of(info: dict[str, Any]) -> int:
     """The restart a job record names (0: the job's first start)."""
     n = info.get("restart", 0)
     return n if isinstance(n, int) and not isinstance(n, bool) else 0
+
+
+def _nodes(lo: int, hi: int) -> str:
+    """--nnodes as it was given: N, or MIN:MAX."""
+    return str(hi) if lo == hi else f"{lo}:{hi}"
