@@ -190,6 +190,13 @@ def test_max_restarts_without_a_checkpoint_dir_stops_the_job_at_its_start() -> N
     assert h.events("training_started") == []
 
 
+def test_an_agent_told_of_a_restart_ends_to_start_again_and_a_failure_does_not() -> None:
+    for restart in (1, None):
+        ag = Agent(AgentOptions(script="x.py", script_args=[], nnodes=2, node_rank=1))
+        ag.routing.from_coord(M.Fail(error="gave up", restart=restart))
+        assert (ag.restart, ag.failed, ag.stop) == (restart, "gave up", True)
+
+
 SECRET = b"0123456789abcdef" * 4
 
 
