@@ -625,6 +625,7 @@ def restart_launch(agent: Any, argv: list[str]) -> None:
 
     if agent.secret is not None:
         os.environ[auth.ENV] = agent.secret.decode()
+    os.umask(agent.umask)  # the user's (the agent keeps its own files private)
     os.environ[RESTART_ENV] = str(agent.restart)
     os.environ[FIRED_ENV] = ",".join(map(str, agent.fired))
     if agent.node == 0:
