@@ -74,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = _command(args_list)
     parser = build_parser([] if command is None else [command])
     args = parser.parse_args(args_list)
+    args._argv = args_list  # what `leto launch` execs itself with at a restart
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2

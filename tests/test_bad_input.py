@@ -15,6 +15,7 @@ import torch
 
 import leto
 from leto.adapters.config import Config, ConfigError
+from leto.adapters.launch import module_to_run
 from leto.cli import main
 
 
@@ -96,6 +97,19 @@ def test_wrap_from_the_environment_under_leto_launch(monkeypatch: pytest.MonkeyP
         (["--hang-timeout", "nan"], "--hang-timeout must be a finite number, got nan"),
         (["--shadow-memory-budget", "-1"], "--shadow-memory-budget must be at least 0 MB"),
         (["--heartbeat", "20"], "--heartbeat 20 s must be shorter than --hang-timeout 10 s"),
+        (["--max-restarts", "-1"], "--max-restarts must be at least 0, got -1"),
+        (["--max-restarts", "1001"], "--max-restarts must be at most 1000"),
+        (["--max-restarts", "2.5"], "--max-restarts"),
+        (["--no-python"], "--no-python: leto forks every trainer and warm shadow"),
+        (["--nnodes", "3:2"], "--nnodes '3:2': MIN must be in 1..MAX"),
+        (["--nnodes", "0:2"], "--nnodes '0:2': MIN must be in 1..MAX"),
+        (["--nnodes", "2:x"], "--nnodes '2:x' is not N or MIN:MAX (e.g. 4, or 2:4)"),
+        (["--nnodes", "2:70000"], "--nnodes must be at most 65,536"),
+        (
+            ["--nnodes", "2:4", "--node-rank", "1"],
+            "--node-rank 1 with --nnodes 2:4: node 0 gives --node-rank 0, every other node none",
+        ),
+        (["--nnodes", "2:4"], "--rdzv-endpoint HOST:PORT is required with --nnodes > 1"),
     ],
 )
 def test_launch_flags(
@@ -104,6 +118,26 @@ def test_launch_flags(
     code, line = refusal(["launch", *flags, "train.py"], capsys)
     assert code == 2 and line.startswith("leto launch: error: ") and message in line, line
     assert sorted(os.listdir(here)) == ["afile", "train.py"]  # no leto-runs/
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        ("nosuchmodule", "-m 'nosuchmodule': no module 'nosuchmodule' here or on the Python path"),
+        ("train.py", "-m 'train.py' is a file's name: -m takes a module's (train)"),
+        ("train-1", "-m 'train-1' is not a module name (e.g. pkg.train)"),
+        ("", "-m '' is not a module name"),
+        ("a..b", "-m 'a..b' is not a module name"),
+    ],
+)
+def test_launch_module_names_a_module_found_here(
+    module: str, message: str, here: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, line = refusal(["launch", "-m", module], capsys)
+    assert code == 2 and line.startswith("leto launch: error: ") and message in line, line
+    (here / "pkg").mkdir()
+    (here / "pkg" / "__init__.py").write_text("raise SystemExit('must not run')\n")
+    module_to_run("pkg.train")  # found here, and nothing imported (it would exit)
 
 
 def test_launch_names_the_real_problem(here: Path, capsys: pytest.CaptureFixture[str]) -> None:

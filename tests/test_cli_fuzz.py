@@ -278,6 +278,7 @@ NUMERIC: list[tuple[Command, Num]] = [
     (LAUNCH, Num("--threads", True, 1, 1024)),
     (LAUNCH, Num("--progress-every", False, 0, WEEK, True)),
     (LAUNCH, Num("--spares", True, 0, 256)),
+    (LAUNCH, Num("--max-restarts", True, 0, 1000)),
     (SIMULATE, Num("--gpus", True, 1, 10_000_000, names=("gpus",))),
     (SIMULATE, Num("--gpus-per-node", True, 1, 1024, names=("gpus_per_node",))),
     (SIMULATE, Num("--days", False, 0, 36_500, True, names=("days",))),
@@ -365,6 +366,13 @@ WORDY: list[tuple[list[str], tuple[str, ...]]] = [
         for script in ("nothere.py", "adir", "", "afile/x", "q" * 300)
     ],
     (LAUNCH.argv("--nnodes=2"), ("--rdzv-endpoint",)),
+    *[(["launch", "--quiet", "-m", m], ("-m",)) for m in ("nosuchmodule", "a..b", "", "x.py")],
+    (LAUNCH.argv("--no-python"), ("--no-python",)),
+    *[
+        (LAUNCH.argv(f"--nnodes={n}"), ("--nnodes",))
+        for n in ("3:2", "0:1", ":", "1:", "a:2", "1:2:3")
+    ],
+    (LAUNCH.argv("--nnodes=2:4", "--node-rank=2"), ("--node-rank", "--nnodes")),
     # --rdzv-backend etcd: the members, the job's id, this node's address
     *[(LAUNCH.argv(f"--rdzv-backend={b}"), ("--rdzv-backend",)) for b in ("", "zk", "ETCD")],
     (LAUNCH.argv("--rdzv-backend=etcd"), ("--rdzv-endpoint",)),

@@ -198,8 +198,12 @@ def wrap(
     """
     cfg = Config.load(config)
     refuse_fsdp(model)
-    resume = os.environ.get("LETO_RESUME") if os.environ.get("LETO_ROLE") else None
-    if resume and cfg.resume is None:  # `leto launch --resume DIR`, whatever the script's config
+    launched = bool(os.environ.get("LETO_ROLE"))
+    resume = os.environ.get("LETO_RESUME") if launched else None
+    if launched and os.environ.get("LETO_RESTART") and cfg.checkpoint_dir is not None:
+        # a restart of `leto launch --max-restarts`: from the latest checkpoint
+        cfg = attrs.evolve(cfg, resume=cfg.checkpoint_dir)
+    elif resume and cfg.resume is None:  # `leto launch --resume DIR`, whatever the config
         cfg = attrs.evolve(cfg, resume=resume)
     if cfg.backend == "gloo":
         from leto.backends.gloo.runtime import wrap_gloo

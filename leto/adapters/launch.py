@@ -25,6 +25,16 @@ starting anything::
     leto launch --nnodes 3 --nproc-per-node 1 --spare \\
         --rdzv-endpoint 10.0.0.1:29400 train.py                          # a spare elsewhere
 
+torchrun's elastic ``--nnodes MIN:MAX`` (node 0 with ``--node-rank 0``, the others
+without: they are given their ranks as they join, and the job keeps the world it
+started with), ``-m module`` and ``--max-restarts N`` (the whole job started again
+from its latest checkpoint when in-place recovery cannot continue: docs/gloo.md)::
+
+    leto launch --nnodes 2:4 --nproc-per-node 8 --node-rank 0 \\
+        --rdzv-endpoint 10.0.0.1:29400 --max-restarts 3 -m mypkg.train   # node 0
+    leto launch --nnodes 2:4 --nproc-per-node 8 \\
+        --rdzv-endpoint 10.0.0.1:29400 --max-restarts 3 -m mypkg.train   # any other node
+
 Exit status: 0 when training completed, 1 on a failure leto could not recover
 from (the reason is printed and logged), 2 for bad arguments, 130 on Ctrl-C.
 """
@@ -67,7 +77,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     g = parser.add_argument_group("topology (as torchrun)")
     g.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N")
-    g.add_argument("--nnodes", type=int, default=1, metavar="M")
+    g.add_argument(
+        "--nnodes",
+        default="1",
+        metavar="N|MIN:MAX",
+        help="nodes; MIN:MAX: the job starts with MAX nodes, or with MIN or more once "
+        "--rdzv-timeout has passed, and keeps that many (give --node-rank 0 to node 0 "
+        "only: the others are given their ranks as they join; later ones are spares)",
+    )
     g.add_argument(
         "--node-rank", "--node_rank", type=int, default=None, metavar="K", help="(default 0)"
     )
@@ -135,6 +152,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "with the job (default 0: a lost node waits --spare-timeout for a replacement)",
     )
     r.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the last resort, as torchrun's: when in-place recovery cannot continue (a "
+        "recovery that gives up, a lost node with no replacement within --spare-timeout), "
+        "start the whole job again from the latest checkpoint of the config's "
+        "checkpoint_dir, at most N times (default 0: the job stops); give every node the same",
+    )
+    r.add_argument(
         "--shadow-memory-budget",
         type=float,
         default=None,
@@ -177,7 +205,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="TensorBoard scalars (loss, step time, recoveries) in DIR; needs tensorboard",
     )
     r.add_argument("--no-echo", action="store_true", help="do not copy the trainers' output here")
-    parser.add_argument("script", help="the training script")
+    parser.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="the script is a module's name, run as `python -m module` (as torchrun's -m)",
+    )
+    parser.add_argument(
+        "--no-python",
+        "--no_python",
+        action="store_true",
+        help="refused: leto runs the script in Python processes forked from a warm one",
+    )
+    parser.add_argument("script", help="the training script (with -m: a module's name)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
@@ -196,6 +236,9 @@ BOUNDS: dict[str, Bound] = {
     "shadow_memory_budget": Bound(lo=0, hi=float(1 << 30), unit="MB", why_hi="a petabyte"),
     "threads": positive_int(1024),
     "progress_every": seconds(),
+    "max_restarts": Bound(
+        lo=0, hi=1000, integer=True, why_hi="each restart starts every node's processes again"
+    ),
     "spares": Bound(
         lo=0, hi=256, integer=True, why_hi="each spare is an agent with torch imported"
     ),
@@ -280,8 +323,26 @@ def _check(
 ) -> tuple[str, int, Any, tuple[str, int] | None, EtcdArgs | None] | int:
     """Every flag, before anything is imported or started: the rendezvous address and
     the fault plan; or an exit status when a refusal has been printed."""
-    file_to_read("script", args.script, "script")
+    if args.no_python:
+        raise BadInput(
+            "--no-python: leto forks every trainer and warm shadow from a Python process "
+            "that has imported torch, and the script must call leto.wrap; give a Python "
+            "script (or -m module)"
+        )
+    if args.module:
+        module_to_run(args.script)
+    else:
+        file_to_read("script", args.script, "script")
+    _nnodes(args)
     check_args(args, BOUNDS)
+    elastic = args.min_nodes < args.nnodes
+    if elastic and args.node_rank is not None and args.node_rank != 0:
+        raise BadInput(
+            f"--node-rank {args.node_rank} with --nnodes {args.nnodes_text}: node 0 gives "
+            "--node-rank 0, every other node none (node 0 gives them their ranks as they join)"
+        )
+    if elastic and args.node_rank is None and args.rdzv_endpoint and not args.spares:
+        args.spare = True  # a node of an elastic job: it waits in the pool for its rank
     if args.spare:
         if args.node_rank is not None:
             raise BadInput(
@@ -368,6 +429,35 @@ def _check(
     else:
         _addresses(host, port)
     return host, port, faults, metrics, etcd
+
+
+def module_to_run(name: str) -> None:
+    """``-m NAME``: a dotted name whose top-level package or module is found from the
+    working directory or the path (as ``python -m`` would look; nothing is imported)."""
+    import importlib.machinery
+
+    parts = name.split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise BadInput(f"-m {show(name)} is not a module name (e.g. pkg.train)")
+    if len(parts) > 1 and parts[-1] == "py":
+        raise BadInput(f"-m {show(name)} is a file's name: -m takes a module's ({name[:-3]})")
+    if importlib.machinery.PathFinder.find_spec(parts[0], [os.getcwd(), *sys.path]) is None:
+        raise BadInput(f"-m {show(name)}: no module {parts[0]!r} here or on the Python path")
+
+
+def _nnodes(args: argparse.Namespace) -> None:
+    """``--nnodes N`` or ``MIN:MAX`` (torchrun's elastic form): ``args.nnodes`` becomes
+    MAX (bounded as N is), ``args.min_nodes`` MIN, ``args.nnodes_text`` the text."""
+    text = str(args.nnodes)
+    args.nnodes_text = text
+    lo, sep, hi = text.partition(":")
+    if not sep:
+        lo = hi = text
+    if not all(p.isascii() and p.isdecimal() and len(p) <= 18 for p in (lo, hi)):
+        raise BadInput(f"--nnodes {show(text)} is not N or MIN:MAX (e.g. 4, or 2:4)")
+    args.min_nodes, args.nnodes = int(lo), int(hi)
+    if sep and not 1 <= args.min_nodes <= args.nnodes:
+        raise BadInput(f"--nnodes {show(text)}: MIN must be in 1..MAX")
 
 
 @dataclass(frozen=True)
@@ -482,7 +572,7 @@ def spare_command(args: argparse.Namespace, host: str, port: int, run_dir: str) 
         rdzv += ["--rdzv-id", args.rdzv_id]
     cmd = [
         sys.executable, "-m", "leto.cli", "launch", "--spare",
-        "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
+        "--nnodes", args.nnodes_text, "--nproc-per-node", str(args.nproc_per_node),
         *rdzv, "--run-dir", os.path.abspath(run_dir),
         "--heartbeat", repr(args.heartbeat), "--hang-timeout", repr(args.hang_timeout),
         "--collective-timeout", repr(args.collective_timeout),
@@ -496,11 +586,55 @@ def spare_command(args: argparse.Namespace, host: str, port: int, run_dir: str) 
         cmd += ["--faults", plan if plan.startswith("[") else os.path.abspath(plan)]
     if args.resume is not None:
         cmd += ["--resume", os.path.abspath(args.resume)]
+    if args.max_restarts:
+        cmd += ["--max-restarts", str(args.max_restarts)]
     for flag, on in (("--no-shadows", args.no_shadows), ("--quiet", args.quiet),
                      ("--no-echo", args.no_echo)):  # fmt: skip
         if on:
             cmd.append(flag)
+    if args.module:
+        return [*cmd, "-m", args.script, *args.script_args]
     return [*cmd, os.path.abspath(args.script), *args.script_args]
+
+
+# a restart (--max-restarts): which one this start is, and the fault plan's entries that
+# fired before it; set by the agent that execs itself (restart_launch), read by the next
+RESTART_ENV = "LETO_RESTART"
+FIRED_ENV = "LETO_FAULTS_FIRED"
+NODES_ENV = "LETO_WORLD_NODES"  # --nnodes MIN:MAX: a restart keeps the world it started with
+
+
+def _restarted() -> tuple[int, tuple[int, ...], int]:
+    """(restarts made before this start, fault entries fired, the nodes the job started
+    with), from the environment; LETO_RESTART stays there: the trainers resume from
+    their checkpoint_dir on it."""
+    n = os.environ.get(RESTART_ENV, "0")
+    fired = os.environ.pop(FIRED_ENV, "")
+    nodes = os.environ.pop(NODES_ENV, "0")
+    return (
+        int(n) if n.isdecimal() else 0,
+        tuple(int(f) for f in fired.split(",") if f.isdecimal()),
+        int(nodes) if nodes.isdecimal() else 0,
+    )
+
+
+def restart_launch(agent: Any, argv: list[str]) -> None:
+    """The coordinator decided a restart (:mod:`leto.core.restart`), and this agent has
+    ended its processes: this ``leto launch`` execs itself with the same arguments, as
+    that restart (same pid: whoever started it still holds it), keeping the job's
+    secret (in the environment, which the next start takes out of it)."""
+    from leto.backends.gloo import auth
+
+    if agent.secret is not None:
+        os.environ[auth.ENV] = agent.secret.decode()
+    os.umask(agent.umask)  # the user's (the agent keeps its own files private)
+    os.environ[RESTART_ENV] = str(agent.restart)
+    os.environ[FIRED_ENV] = ",".join(map(str, agent.fired))
+    if agent.node == 0:
+        os.environ[NODES_ENV] = str(agent.o.nnodes)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "leto.cli", *argv])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -540,6 +674,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     script = Path(args.script)
+    restarts, fired, world_nodes = _restarted()
     run_dir = args.run_dir or os.path.join("leto-runs", time.strftime("run-%Y%m%d-%H%M%S"))
     # torch's C++ warnings (store socket timeouts while a peer is gone) are noise here:
     # leto reports failures itself
@@ -547,9 +682,12 @@ def run(args: argparse.Namespace) -> int:
     from leto.backends.gloo.agent import Agent, AgentOptions
 
     opts = AgentOptions(
-        script=str(script.resolve()),
+        script=args.script if args.module else str(script.resolve()),
+        module=args.module,
         script_args=list(args.script_args),
         nnodes=args.nnodes,
+        min_nodes=args.min_nodes,
+        world_nodes=world_nodes if args.min_nodes < args.nnodes else 0,
         nproc_per_node=args.nproc_per_node,
         node_rank=args.node_rank,
         rdzv_host=host,
@@ -578,8 +716,14 @@ def run(args: argparse.Namespace) -> int:
         metrics=metrics,
         tensorboard=args.tensorboard,
         preload=("leto.adapters.api",),
+        max_restarts=args.max_restarts,
+        restarts=restarts,
+        fired_faults=fired,
     )
-    code = Agent(opts).run()
+    agent = Agent(opts)
+    code = agent.run()
+    if agent.restart:
+        restart_launch(agent, getattr(args, "_argv", sys.argv[1:]))  # does not return
     events = os.path.join(run_dir, "events.jsonl")
     if args.node_rank == 0 and not args.quiet and os.path.exists(events):
         print(f"leto: events in {events} (leto report {run_dir})")

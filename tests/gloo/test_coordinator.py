@@ -48,6 +48,7 @@ class Harness:
         per_node: int = 2,
         warm: bool = True,
         record: CommitRecord | None = None,
+        checkpoint: bool = False,
         **opts: Any,
     ) -> None:
         self.log = EventLog(None)
@@ -59,7 +60,7 @@ class Harness:
         for n in range(nodes):
             self.c.node_up(n, spare=False, now=self.now)
         for r in range(self.W):
-            self.send(r // per_node, ready(r))
+            self.send(r // per_node, ready(r, checkpoint=checkpoint))
             if warm:
                 self.send(r // per_node, {"t": "shadow", "rank": r, "state": "warm"})
         self.per_node = per_node

@@ -56,6 +56,7 @@ GOOD: dict[str, Any] = {
     "summary": {"chunks_rolled_back": 0},
     "digest": {"params": "ab"},
     "error": "it broke",
+    "restart": 1,
     "warm": True,
     "ms": 12.5,
     "kind": "crash",
@@ -83,6 +84,8 @@ GOOD: dict[str, Any] = {
     "fault": "3",
     "host": "127.0.0.1",
     "port": 29400,
+    "nnodes": 2,
+    "at_start": True,
 }
 # for each field: a value its validator must refuse
 BAD: dict[str, Any] = {

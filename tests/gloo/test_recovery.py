@@ -9,6 +9,7 @@ Each job packs several failures at different steps, to keep the start-up cost
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from jobs import STEPS_2x2, digests_equal, explain, job
 from leto.backends.gloo.harness import JobResult
 
 STEPS_1x2 = 13
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 @pytest.fixture(scope="session")
@@ -292,9 +294,13 @@ def test_corruption_during_the_allreduce_is_found_before_the_vote(
     # the checksum pass runs while the gradient all-reduce is in flight: a bit that
     # flips in that window (after the rank passed its fault point) must still stop
     # the step; found a step late, it would be laundered into step 3's new bytes
+    # run as a module (`leto launch -m train`, found on PYTHONPATH), as torchrun's -m
     faults = [{"kind": "corrupt", "rank": 1, "step": 3, "phase": "allreduce", "chunk": 2}]
-    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults)
+    path = os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, script="train",
+              extra=["-m"], env={"PYTHONPATH": path})  # fmt: skip
     assert res.ok, explain(res)
+    assert res.of("job_start")[0]["script"] == "train"
     (fail,) = res.of("failure")
     assert (fail["kind"], fail["rank"]) == ("exception", 1), fail
     assert "chunks [2] fail their checksums at PREPARE of step 3" in fail["traceback"], fail

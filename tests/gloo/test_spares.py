@@ -1,12 +1,15 @@
 """The spare pool (issue 20, part 3): warm spare agents take a lost node's place
 without anyone starting anything.
 
-A job of 3 nodes x 1 rank whose node 0 starts three spare agents (``--spares 3``)
-loses node 1 and then node 2 (each agent SIGKILLed, its processes with it, at two
-different steps); the harness restarts nothing: each place is taken by a spare from
-the pool, lowest id first, and the job ends bitwise equal to the failure-free run,
-its trace replayed through the core's model. The third spare, never needed, ends
-with the job, and SIGKILL of node 0 takes its pooled spares with it. The pieces
+An elastic job (``--nnodes 2:3``) of 1 rank per node whose node 0 starts five spare
+agents (``--spares 5``) starts with 3 nodes, the first two spares to join being nodes
+1 and 2; it loses node 1 and then node 2 (each agent SIGKILLed, its processes with
+it, at two different steps); the harness restarts nothing: each place is taken by a
+spare from the pool, lowest id first, and the job ends bitwise equal to the
+failure-free 3 x 1 run, its trace replayed through the core's model. The fifth spare,
+never needed, ends with the job, and SIGKILL of node 0 takes its pooled spares with
+it. With ``--max-restarts``, a node lost with no spare restarts the whole job from its
+checkpoint. The pieces
 (assignment order, the empty pool, a spare that cannot prove the job's secret) are
 tested in process.
 """
@@ -22,15 +25,17 @@ import sys
 import time
 from pathlib import Path
 
-from jobs import TRAIN, digests_equal, explain, job, left_after
+from jobs import TRAIN, STEPS_2x2, digests_equal, explain, job, left_after
 from test_coordinator import Harness
 
 from leto.backends.gloo import auth
 from leto.backends.gloo import messages as M
 from leto.backends.gloo.agent import Agent, AgentOptions
+from leto.backends.gloo.harness import JobResult
 from leto.backends.gloo.procs import free_port, processes_with
 from leto.backends.gloo.wire import Conn, WireError
 from leto.core.recovery import Phase
+from leto.core.restart import Restart
 from leto.spec.trace import replay
 
 STEPS = 10
@@ -45,31 +50,58 @@ def test_two_lost_nodes_are_replaced_from_the_pool_bitwise(session_dir: Path) ->
     ]
     res = job(
         session_dir / "spares-3x1",
-        nnodes=3,
+        nnodes=1,  # the harness starts node 0 only: the others are its spares
         nproc=1,
         steps=STEPS,
         faults=faults,
         # slow steps: the spares (importing torch beside three nodes) are in the pool,
         # warm, before the first loss
-        env={"STEP_SLEEP": "0.4"},
-        spares=3,  # the third is left in the pool: it ends with the job
-        extra=["--spare-timeout", "60"],
-        respawn=False,  # nobody restarts a lost node: the pool does
+        env={"STEP_SLEEP": "0.4", "TOPO": "3x1"},
+        spares=5,  # two are nodes 1 and 2, two replace them, the fifth ends with the job
+        extra=["--nnodes", "2:3", "--spare-timeout", "60"],
         timeout=120.0,
     )
     assert res.ok, explain(res)
-    assert [len(res.codes[n]) for n in (1, 2)] == [1, 1], res.codes  # no agent restarted
+    assert res.codes == {0: [0]}, res.codes
+    (closed,) = res.of("rendezvous_closed")  # MAX joined: the job starts with 3 nodes
+    assert (closed["nodes"], closed["placed"]) == (3, [[0, 1], [1, 2]]), closed
+    assert res.of("training_started")[0]["world_size"] == 3
     lost = [f["node"] for f in res.of("failure") if f["kind"] == "node_lost"]
     assert lost == [1, 2], res.of("failure")
     first_loss = res.of("failure")[0]["t_rel"]
     waiting = [e["spare"] for e in res.of("spare_joined") if e["t_rel"] < first_loss]
-    assert waiting[:2] == [0, 1], f"the spares were not waiting: {res.of('spare_joined')}"
+    assert waiting[:4] == [0, 1, 2, 3], f"the spares were not waiting: {res.of('spare_joined')}"
     assigned = [(e["spare"], e["node"]) for e in res.of("spare_assigned")]
-    assert assigned == [(0, 1), (1, 2)], assigned
+    assert assigned == [(2, 1), (3, 2)], assigned
     joined = [(e["node"], e["spare"]) for e in res.of("node_joined")]
-    assert joined[-2:] == [(1, True), (2, True)], joined
+    assert joined == [(0, False), (1, False), (2, False), (1, True), (2, True)], joined
     assert len(res.recoveries) == 2 and all(r["kind"] == "tier2" for r in res.recoveries)
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
+
+
+def test_a_lost_node_with_no_spare_restarts_the_job_from_its_checkpoint_bitwise(
+    tag: str, ref_2x2: JobResult
+) -> None:
+    """--max-restarts 1: node 1's agent dies at step 7 and nothing replaces it within the
+    spare timeout; node 0 restarts the job (the same `leto launch`, exec'd), the node
+    started again (as a scheduler would) joins the restart, every rank resumes from the
+    latest checkpoint (step 6), and the job ends bitwise equal to the failure-free run."""
+    env = {"CKPT": str(Path(tag) / "ckpt"), "CKPT_EVERY": "2"}
+    faults = [{"kind": "lose_node", "rank": 2, "step": 7, "phase": "backward"}]
+    res = job(Path(tag) / "run", nnodes=2, nproc=2, steps=STEPS_2x2, env=env, faults=faults,
+              extra=["--spare-timeout", "0.2", "--max-restarts", "1", "--no-shadows"], timeout=120.0)  # fmt: skip
+    assert res.ok, explain(res)
+    assert len(res.codes[0]) == 1, res.codes  # node 0's launch lived on (exec'd)
+    (restart,) = res.of("job_restart")
+    assert (restart["attempt"], restart["of"]) == (1, 1), restart
+    assert "no replacement joined within 0.2 s" in restart["cause"], restart
+    starts = res.of("job_start")
+    assert [s.get("restart", 0) for s in starts] == [0, 1], starts
+    assert [e["status"] for e in res.of("job_end")] == ["restarting", "ok"]
+    assert [e["start"] for e in res.of("core_init")] == [0, 6]  # from the checkpoint of 6
+    assert len(res.of("failure")) == 1  # the fault plan's loss did not fire again
+    assert "restarting the job (restart 1) from its checkpoint" in res.text(0)
+    assert digests_equal(res, ref_2x2), "not bitwise equal to the failure-free run"
 
 
 # --- in process: the pool's bookkeeping (the coordinator) and its links (routing) -------
@@ -125,6 +157,46 @@ def test_a_spare_that_joins_while_a_node_waits_takes_its_place() -> None:
     assert h.c.failed is None and not h.c.nodes_lost_at
 
 
+def test_with_max_restarts_a_node_lost_with_the_pool_empty_restarts_the_job() -> None:
+    """The spare timeout passes: the core decides a whole-job restart (leto.core.restart),
+    every node is told so, and the log says which restart and why; once the restarts
+    are spent, the same loss stops the job."""
+    h = Harness(nodes=2, per_node=1, spare_timeout=5.0, max_restarts=2, checkpoint=True)
+    h.step(1)
+    h.c.node_down(1, h.now)
+    h.c.outbox.clear()
+    h.c.tick(h.now + 6.0)
+    assert h.c.restart == Restart(1, 2) and h.c.failed is not None
+    assert [(n, m.to_wire()) for n, m in h.c.outbox] == [
+        (None, {"t": "fail", "error": h.c.failed, "restart": 1})
+    ]
+    (rec,) = h.events("job_restart")
+    assert (rec["attempt"], rec["of"]) == (1, 2) and "--node-rank 1" in rec["cause"]
+    assert h.events("job_failed") == []
+    assert replay(enumerate(h.log.records, 1)).divergence is None
+    spent = Harness(nodes=2, per_node=1, spare_timeout=5.0, max_restarts=2, restarts=2,
+                    checkpoint=True)  # fmt: skip
+    spent.step(1)
+    spent.c.node_down(1, spent.now)
+    spent.c.tick(spent.now + 6.0)
+    assert spent.c.restart is None and spent.events("job_restart") == []
+    assert [e["error"] for e in spent.events("job_failed")] == [spent.c.failed]
+
+
+def test_max_restarts_without_a_checkpoint_dir_stops_the_job_at_its_start() -> None:
+    h = Harness(nodes=2, per_node=1, max_restarts=1)  # the ranks' config: no checkpoint_dir
+    assert h.c.failed is not None and h.c.restart is None and h.c.model is None
+    assert "--max-restarts 1" in h.c.failed and "checkpoint_dir" in h.c.failed
+    assert h.events("training_started") == []
+
+
+def test_an_agent_told_of_a_restart_ends_to_start_again_and_a_failure_does_not() -> None:
+    for restart in (1, None):
+        ag = Agent(AgentOptions(script="x.py", script_args=[], nnodes=2, node_rank=1))
+        ag.routing.from_coord(M.Fail(error="gave up", restart=restart))
+        assert (ag.restart, ag.failed, ag.stop) == (restart, "gave up", True)
+
+
 SECRET = b"0123456789abcdef" * 4
 
 
@@ -176,7 +248,7 @@ def test_a_spare_proves_the_secret_waits_and_is_assigned_a_bad_one_is_refused() 
         ag.routing.assign_spares(h.now)
         assign = M.decode(good.recv(timeout=5)[0])
         go = M.decode(good.recv(timeout=5)[0])
-        assert assign == M.Assign(node=1, gen=h.c.generation) and go == M.Go(spare=True)
+        assert assign == M.Assign(node=1, gen=h.c.generation, nnodes=2) and go == M.Go(spare=True)
         assert ag.pool_links == {} and 1 in ag.links and 1 in h.c.nodes_up
         assert [(e["spare"], e["node"]) for e in h.events("spare_assigned")] == [(0, 1)]
         assert h.c.failed is None

@@ -113,6 +113,10 @@ class Agent:
         self.spare_procs: list[subprocess.Popen[bytes]] = []  # node 0: spares it started
         self.complete = False
         self.failed: str | None = None
+        # --max-restarts: the restart this agent starts next (told by the coordinator),
+        # and node 0: the fault plan's entries that fired (not to fire again then)
+        self.restart: int | None = None
+        self.fired: list[int] = []
         self.stop = False
         self.reclaimed = False
         self.recovering = False  # between abort and resume: no re-warming (memory stays put)

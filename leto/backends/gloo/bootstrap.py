@@ -3,7 +3,7 @@
 The zygote calls :func:`child_main` in the child. It sets the torchrun-style
 environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ...), connects to the node agent, and runs the script as
-``__main__`` (``runpy``). ``leto.wrap`` with ``backend="gloo"`` (which calls
+``__main__`` (``runpy``; a module's name with ``leto launch -m``). ``leto.wrap`` with ``backend="gloo"`` (which calls
 :func:`~.runtime.wrap_gloo`) then finds the connection here (:data:`CHANNEL`) and
 returns a :class:`~.runtime.GlooSession`;
 in a shadow it returns only once the shadow is promoted. An exception anywhere is
@@ -56,10 +56,17 @@ def child_main(spec: dict[str, Any]) -> int:
     )
     script = spec["script"]
     sys.argv = [script, *spec.get("args", [])]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    # as `python -m module` / `python script.py` put the working or the script's directory
+    # first on the path (run_module then sets argv[0] to the module's file)
+    sys.path.insert(
+        0, os.getcwd() if spec.get("module") else os.path.dirname(os.path.abspath(script))
+    )
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if spec.get("module"):
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except AgentGone as e:

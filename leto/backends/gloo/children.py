@@ -49,9 +49,10 @@ class Children:
         a.incarnation += 1
         rank = a.rank(lr)
         inc = a.incarnation
-        log_path = str(a.run_dir / "logs" / f"node{a.node}-{role}{rank}-{inc}.log")
-        rfd, wfd = os.pipe()
         o = a.o
+        again = f"-restart{o.restarts}" if o.restarts else ""  # a restart's logs beside
+        log_path = str(a.run_dir / "logs" / f"node{a.node}-{role}{rank}-{inc}{again}.log")
+        rfd, wfd = os.pipe()
         env = {
             "RANK": rank,
             "WORLD_SIZE": a.W,
@@ -68,6 +69,8 @@ class Children:
             "LETO_INCARNATION": inc,
             "LETO_RUN_DIR": str(a.run_dir),
             "LETO_JOB": a.job,
+            # a restart of the job (--max-restarts): the trainers resume from checkpoint_dir
+            **({"LETO_RESTART": o.restarts} if o.restarts else {}),
         }
         spec = {
             "role": role,
@@ -81,6 +84,7 @@ class Children:
             "incarnation": inc,
             "env": env,
             "script": o.script,
+            "module": o.module,
             "args": o.script_args,
             "cwd": os.getcwd(),
             "agent_socket": a.agent_socket[1:],

@@ -107,6 +107,17 @@ class ControlPlane:
         except StoreError as e:
             raise LaunchError(f"cannot claim the fault {fault}: {e}") from None
 
+    def fired(self, fault: str) -> bool:
+        """Has the plan's fault ``fault`` been claimed in this job (a restart marks it
+        claimed in the next one)?"""
+        a = self.a
+        try:
+            if a.etcd is not None:
+                return a.etcd.get(f"r/fault/{fault}") is not None
+            return a.store is not None and int(a.store.add(f"leto/{a.job}/fault/{fault}", 0)) > 0
+        except StoreError as e:
+            raise LaunchError(f"cannot read the fault {fault}'s claim: {e}") from None
+
     def coordinator_lost(self) -> None:
         """This agent's link to the coordinator closed while the job runs. With etcd
         the coordinator fails over: the leader whose link closed is deposed (its lease
@@ -292,7 +303,8 @@ class ControlPlane:
                 entry = a.etcd.get("job")
             except StoreError as e:
                 raise LaunchError(str(e)) from None
-            if entry is not None:
+            # a restart joins node 0's restart, not the job node 0 is still ending
+            if entry is not None and restart_of(entry.value) >= a.o.restarts:
                 break
             if time.monotonic() > deadline:
                 raise LaunchError(
@@ -338,3 +350,9 @@ class ControlPlane:
             print(f"leto[{a.who}]: warning: {e}", file=sys.stderr, flush=True)
         a.etcd.close()
         a.etcd = None
+
+
+def restart_of(info: Any) -> int:
+    """The restart a job record names (0: the job's first start)."""
+    n = info.get("restart", 0) if isinstance(info, dict) else 0
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from leto.core import events as ev
+from leto.core import restart
 from leto.core.cluster import ClusterModel, ClusterState
 from leto.core.erasure import Topology
 from leto.core.recovery import Phase
@@ -67,6 +68,9 @@ class CoordinatorOptions:
     max_recoveries: int = 100
     # an event the model refuses stops the job; off: logged as model_mismatch, carried on
     strict: bool = True
+    # --max-restarts: how many whole-job restarts the job may make, and has made
+    max_restarts: int = 0
+    restarts: int = 0
 
 
 class Coordinator:
@@ -116,6 +120,7 @@ class Coordinator:
         self.done: dict[int, M.Done] = {}
         self.finished_nodes: set[int] = set()
         self.failed: str | None = None
+        self.restart: restart.Restart | None = None  # the core's decision, when failed
         self.complete = False
         self.recoveries: list[dict[str, Any]] = []
         self.losses: dict[int, float] = {}
@@ -134,12 +139,22 @@ class Coordinator:
     def generation(self) -> int:
         return self.state.gen if self.state is not None else 0
 
-    def fail(self, message: str, **fields: Any) -> None:
+    def fail(
+        self, message: str, *, ending: restart.Ending = restart.Ending.FATAL, **fields: Any
+    ) -> None:
+        """The job ends: it stops, or the core decides it starts again from its disk
+        checkpoint (:func:`leto.core.restart.after`); every agent is told which."""
         if self.failed is not None:
             return
         self.failed = message
-        self.log.write("job_failed", error=message, **fields)
-        self._send(None, M.Fail(error=message))
+        self.restart = restart.after(ending, self.opt.restarts, self.opt.max_restarts)
+        if self.restart is None:
+            self.log.write("job_failed", error=message, **fields)
+            self._send(None, M.Fail(error=message))
+            return
+        r = self.restart
+        self.log.write("job_restart", attempt=r.attempt, of=r.of, cause=message, **fields)
+        self._send(None, M.Fail(error=message, restart=r.attempt))
 
     def model_record(self, name: str, **fields: Any) -> None:
         """A record of what the model was fed (``core_init``, ``core``): to the event log,
@@ -328,6 +343,21 @@ class Coordinator:
             out.append((sid, node))
         return out
 
+    def start_world(self, nodes: int) -> list[tuple[int, int]]:
+        """``--nnodes MIN:MAX``: the rendezvous closed with ``nodes`` nodes (node 0 and
+        the pooled agents that joined first, :func:`leto.core.elastic.world_at_close`):
+        the job's world from here on; ``(spare id, node)`` for nodes 1.., the lowest ids
+        (the first to join) first. The rest stay in the pool, as spares."""
+        if self.model is not None or not 1 <= nodes <= len(self.pool) + 1:
+            raise ValueError(f"cannot start a world of {nodes} node(s) now")
+        self.topology = Topology.uniform(nodes, self.W // self.topology.nodes)
+        self.W = self.topology.world_size
+        placed = [(self.pool.pop(0), n) for n in range(1, nodes)]
+        self.log.write(
+            "rendezvous_closed", nodes=nodes, world_size=self.W, placed=placed, pool=len(self.pool)
+        )
+        return placed
+
     def tick(self, now: float) -> None:
         """Timers: a spare that does not come, a recovery stuck waiting."""
         if self.failed is not None or self.complete or self.model is None:
@@ -392,6 +422,10 @@ class Coordinator:
                 )
                 return
         self.info = {k: infos[0].get(k) for k in keys}
+        refused = restart.refusal(self.opt.max_restarts, bool(self.info["checkpoint"]))
+        if refused is not None:
+            self.fail(refused)
+            return
         setup = CoreSetup(
             nodes=self.topology.node_sizes,
             chunks=int(self.info["n_chunks"]),
@@ -423,7 +457,7 @@ class Coordinator:
         for r, st in self.shadow_pending:
             self._shadow(r, st)
         self.shadow_pending.clear()
-        self._send(None, M.Tier2(step=0, gen=0))  # the step-0 snapshot is current
+        self._send(None, M.Tier2(step=setup.start, gen=0))  # the start's snapshot is current
         self._all_done()
 
     # --- training path ---------------------------------------------------------

@@ -554,12 +554,16 @@ class Pooled(Message):
 class Assign(Message):
     """Take the place of the lost ``node`` at generation ``gen``: from now on the spare's
     link is that node's, and it proceeds as a replacement node started by hand (a
-    :class:`Go` with ``spare=True`` follows)."""
+    :class:`Go` with ``spare=True`` follows). ``at_start``: the place is one of the job's
+    first nodes (``--nnodes MIN:MAX``: a :class:`Go` with ``spare=False`` follows);
+    ``nnodes``: the job's world, in nodes (an elastic job's is fixed at its start)."""
 
     TAG = "assign"
     ROUTE = (C, S)
     node: int = _f(_nat)
     gen: int = _f(_nat)
+    nnodes: int | None = _f(_opt(_nat), None)
+    at_start: bool = _f(_bool, False)
 
 
 @attrs.frozen
@@ -576,9 +580,13 @@ class Go(Message):
 
 @attrs.frozen
 class Fail(Message):
+    """The job ends with ``error``; with ``restart`` (from 1), every node's agent starts
+    the job again, as that restart (``--max-restarts``), from the latest disk checkpoint."""
+
     TAG = "fail"
     ROUTE = (C, A)
     error: str = _f(LONG)
+    restart: int | None = _f(_opt(_nat), None)
 
 
 @attrs.frozen

@@ -24,9 +24,14 @@ class LaunchError(RuntimeError):
 
 @dataclass
 class AgentOptions:
-    script: str
+    script: str  # a path; with ``module``, a module's name (``python -m``)
     script_args: list[str]
+    module: bool = False
     nnodes: int = 1
+    # --nnodes MIN:MAX: MIN (0: a fixed size, nnodes); node 0 starts the job with MIN to
+    # nnodes nodes (leto.core.elastic), or, at a restart, with the world it started with
+    min_nodes: int = 0
+    world_nodes: int = 0
     nproc_per_node: int = 1
     node_rank: int = 0
     rdzv_host: str = "127.0.0.1"
@@ -58,6 +63,11 @@ class AgentOptions:
     progress_every: float | None = 10.0
     metrics: tuple[str, int] | None = None
     tensorboard: str | None = None
+    # --max-restarts: how many whole-job restarts (node 0 decides), how many were made
+    # before this start (0: the first), and the fault plan's entries that fired before
+    max_restarts: int = 0
+    restarts: int = 0
+    fired_faults: tuple[int, ...] = ()
     # modules every trainer imports, imported once here so that the zygote's children
     # inherit them (the launcher names its training API: this layer does not know it)
     preload: tuple[str, ...] = ()

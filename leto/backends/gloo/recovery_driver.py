@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from leto.core import effects as fx
 from leto.core import events as ev
-from leto.core import schedule
+from leto.core import restart, schedule
 from leto.core.adopt import Retained, adopt
 from leto.core.cluster import ClusterState
 from leto.core.errors import ProtocolError
@@ -227,7 +227,7 @@ class RecoveryDriver:
             raise AssertionError(f"no executor for the scheduled {first!r}")  # pragma: no cover
         raise RuntimeError("recovery driver did not settle")  # pragma: no cover
 
-    def give_up(self, message: str) -> None:
+    def give_up(self, message: str, ending: restart.Ending = restart.Ending.GAVE_UP) -> None:
         """A deadline passed (the clock is the coordinator's): the core decides what ends
         the recovery under way (``GiveUp``: phase FAILED, effect ``JobFailed``), then the
         job stops with ``message``, one line naming what the recovery still waited for."""
@@ -240,7 +240,7 @@ class RecoveryDriver:
                 for effect in self.c.feeder.feed_event(e):
                     if isinstance(effect, fx.JobFailed):
                         fields = {"phase": effect.phase, "generation": effect.generation}
-        self.c.fail(message, **fields)
+        self.c.fail(message, ending=ending, **fields)
 
     def _detect(self, now: float) -> None:
         s = self.c.state
@@ -252,7 +252,7 @@ class RecoveryDriver:
         self.c.feeder.feed_event(ev.Detect())
         hopeless = self._hopeless()
         if hopeless is not None:  # the core ends the recovery it has just begun
-            self.give_up(hopeless)
+            self.give_up(*hopeless)
             return
         self.c.wait = None
         self.c.done.clear()
@@ -270,12 +270,15 @@ class RecoveryDriver:
         self._phase("fence", now)
         self.c._send(None, M.Abort(gen=s.gen))
 
-    def _hopeless(self) -> str | None:
-        """Why recovering again cannot help, or None: too many recoveries, or the same
-        exception of the script at the same step in ``REPEATS`` incarnations in a row
-        (an error of the script, not of the hardware)."""
+    def _hopeless(self) -> tuple[str, restart.Ending] | None:
+        """Why recovering again cannot help, and how the job ends, or None: too many
+        recoveries, or the same exception of the script at the same step in ``REPEATS``
+        incarnations in a row (an error of the script, not of the hardware)."""
         if len(self.c.recoveries) >= self.c.opt.max_recoveries:
-            return f"more than {self.c.opt.max_recoveries} recoveries: giving up"
+            return (
+                f"more than {self.c.opt.max_recoveries} recoveries: giving up",
+                restart.Ending.GAVE_UP,
+            )
         rec = self.c.rec
         assert rec is not None
         last = [rec.failures] + [r.get("failures", []) for r in reversed(self.c.recoveries)]
@@ -284,7 +287,8 @@ class RecoveryDriver:
             rank, step, line = seen[0]
             return (
                 f"rank {rank} raised the same exception at step {step + 1} {REPEATS} times in "
-                f"a row ({line}): an error of the script, not of the hardware; giving up"
+                f"a row ({line}): an error of the script, not of the hardware; giving up",
+                restart.Ending.SCRIPT_ERROR,
             )
         return None
 

@@ -336,6 +336,8 @@ class Routing:
             why = f"node {n} has already joined this job (use another --node-rank)"
         elif a.started and a.coord.model is None:
             why = "the job is starting up; cannot take a spare node yet"
+        elif a.coord.failed is not None:
+            why = "the job has ended" + (" and restarts: join it again" if a.coord.restart else "")
         if why is not None:
             self.refuse(link, why, tell=why)
             return False
@@ -356,10 +358,10 @@ class Routing:
         elif rejoined:
             a.say(f"node {n} rejoined")
             a.control.settle_rejoin(now)
-        elif len(a.joined) == a.o.nnodes:
+        elif len(a.joined) == a.o.nnodes and not a.supervisor.elastic():
             a.say(f"all {a.o.nnodes} nodes joined: starting {a.W} trainers")
             for m in a.links:
-                _send_link(a.links[m], M.Go(spare=False))
+                self.send_go(m)
             a.supervisor.go()
         return True
 
@@ -403,13 +405,26 @@ class Routing:
         a = self.a
         assert a.coord is not None
         for sid, n in a.coord.assign_spares():
-            link = a.pool_links.pop(sid)
-            link.spare, link.node = None, n
-            a.links[n] = link.conn
-            a.joined.add(n)
-            a.say(f"spare {sid} takes the place of node {n}")
-            _send_link(link.conn, M.Assign(node=n, gen=a.coord.generation))
-            a.coord.node_up(n, spare=True, now=now)
+            self.place(sid, n, now)
+
+    def send_go(self, node: int) -> None:
+        """The job starts: node ``node`` starts its trainers."""
+        _send_link(self.a.links[node], M.Go(spare=False))
+
+    def place(self, sid: int, n: int, now: float, *, start: bool = False) -> None:
+        """The pooled spare ``sid`` becomes node ``n``: a lost node's replacement, or
+        (``start``) one of an elastic job's first nodes, whose go comes with the others'."""
+        a = self.a
+        assert a.coord is not None
+        link = a.pool_links.pop(sid)
+        link.spare, link.node = None, n
+        a.links[n] = link.conn
+        a.joined.add(n)
+        a.say(f"spare {sid} {'is' if start else 'takes the place of'} node {n}")
+        msg = M.Assign(node=n, gen=a.coord.generation, nnodes=a.o.nnodes, at_start=start)
+        _send_link(link.conn, msg)
+        a.coord.node_up(n, spare=not start, now=now)
+        if not start:
             _send_link(link.conn, M.Go(spare=True))
 
     def on_link(self, link: Link) -> None:
@@ -498,7 +513,7 @@ class Routing:
             return  # a spare has no processes yet: nothing else concerns it
         match msg:
             case M.Assign():
-                a.supervisor.take_place(msg.node, msg.gen)
+                a.supervisor.take_place(msg.node, msg.gen, msg.nnodes, start=msg.at_start)
                 return
             case M.Go():
                 a.supervisor.go(spare=msg.spare)
@@ -514,7 +529,12 @@ class Routing:
                 return
             case M.Fail():
                 a.failed = msg.error
-                print(f"leto[{a.who}]: job failed: {a.failed}", file=sys.stderr, flush=True)
+                if msg.restart:  # --max-restarts: this agent starts again (leto launch)
+                    a.restart = msg.restart
+                    what = f"restarting the job (restart {msg.restart}) from its checkpoint"
+                    print(f"leto[{a.who}]: {what}: {a.failed}", file=sys.stderr, flush=True)
+                else:
+                    print(f"leto[{a.who}]: job failed: {a.failed}", file=sys.stderr, flush=True)
                 a.stop = True
                 return
             case M.Fence():

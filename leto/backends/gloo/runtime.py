@@ -308,6 +308,7 @@ class GlooSession:
         self.memory.node_memory()
         self.ps.send(start)
         meta = self.follower._after_recovery_state(start)
+        self.snapshots.t2 = start  # its snapshot is the start's (a resumed job's too)
         self.checkpoints.write(start, first=True, resumed=resumed)
         self.checkpoints.first = start + 1
         if self.rank == 0:  # the first step's time is Young/Daly's (shadows read it here)

@@ -21,11 +21,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from leto.core.elastic import world_at_close
 from leto.private import InsecurePathError, private_dir
 
 from . import auth
 from . import messages as M
 from . import procs as P
+from .control_plane import restart_of
 from .coordinator import Coordinator, CoordinatorOptions
 from .eventlog import EventLog
 from .records import LaunchError, look
@@ -140,12 +142,15 @@ class Supervisor:
                 a.control.claim(info)
             else:
                 a.store.set("leto/job", json.dumps(info))
+            for fid in o.fired_faults:  # a restart: what fired before does not fire again
+                a.control.claim_fault(str(fid))
             self.start_coordinator()
             self.log_start(info["store"])
             a.joined.add(a.node)
             assert a.coord is not None
             a.coord.node_up(a.node, spare=False, now=time.monotonic())
-            a.say(f"job {a.job}: rendezvous at {info['store']}, waiting for {o.nnodes} node(s)")
+            want = f"{o.min_nodes}..{o.nnodes}" if self.elastic() else str(o.nnodes)
+            a.say(f"job {a.job}: rendezvous at {info['store']}, waiting for {want} node(s)")
             return
         answer = self.join_job()
         endpoint = f"{o.rdzv_host}:{o.rdzv_port}"
@@ -210,6 +215,8 @@ class Supervisor:
             "coordinator": f"{host}:{cport}",
             "store": endpoint,
             "node": a.node,
+            "min_nodes": o.min_nodes or o.nnodes,
+            "restart": o.restarts,
         }
 
     def unserve(self) -> None:
@@ -230,7 +237,10 @@ class Supervisor:
             o.nproc_per_node,
             log=a.log,
             options=CoordinatorOptions(
-                spare_timeout=o.spare_timeout, recovery_timeout=o.recovery_timeout
+                spare_timeout=o.spare_timeout,
+                recovery_timeout=o.recovery_timeout,
+                max_restarts=o.max_restarts,
+                restarts=o.restarts,
             ),
             record=a.record,
         )
@@ -265,6 +275,8 @@ class Supervisor:
             hang_timeout=o.hang_timeout,
             shadow_memory_budget=o.shadow_memory_budget,
             faults=o.faults,
+            **({"restart": o.restarts} if o.restarts else {}),
+            **({"min_nodes": o.min_nodes} if self.elastic() else {}),
         )
 
     def join_job(self) -> M.Welcome | M.Pooled:
@@ -315,23 +327,32 @@ class Supervisor:
             a.leader_info = info
             host, port = str(info["store"]).rsplit(":", 1)
             o.rdzv_host, o.rdzv_port = host, int(port)  # the trainers' MASTER_ADDR/PORT
+        deadline = time.monotonic() + o.rdzv_timeout
         try:
-            if not o.etcd:
+            while not o.etcd:
                 a.store = TCPStore(o.rdzv_host, o.rdzv_port, None, False, timeout)
                 info = json.loads(a.store.get("leto/job"))
+                # a restart joins node 0's restart, not the job node 0 is still ending
+                if restart_of(info) >= o.restarts or time.monotonic() > deadline:
+                    break
+                a.store = None
+                time.sleep(0.5)
         except Exception as e:  # noqa: BLE001
             raise LaunchError(
                 f"cannot reach the rendezvous endpoint {endpoint} within {o.rdzv_timeout:g} s "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is node 0's "
                 "`leto launch` running there with the same --rdzv-endpoint?"
             ) from None
-        if info["nnodes"] != o.nnodes or info["nproc_per_node"] != o.nproc_per_node:
+        theirs = (info.get("min_nodes", info["nnodes"]), info["nnodes"], info["nproc_per_node"])
+        if theirs != (o.min_nodes or o.nnodes, o.nnodes, o.nproc_per_node):
             raise LaunchError(
-                f"this {'spare' if a.pooled else 'node'} was started with --nnodes {o.nnodes} "
-                f"--nproc-per-node {o.nproc_per_node}, the job with --nnodes {info['nnodes']} "
-                f"--nproc-per-node {info['nproc_per_node']}"
+                f"this {'spare' if a.pooled else 'node'} was started with --nnodes "
+                f"{_nodes(o.min_nodes or o.nnodes, o.nnodes)} --nproc-per-node "
+                f"{o.nproc_per_node}, node 0 with --nnodes {_nodes(theirs[0], theirs[1])} "
+                f"--nproc-per-node {theirs[2]}"
             )
         a.job = info["job"]
+        o.restarts = restart_of(info)  # a node started by hand may join a restart
         host, port = info["coordinator"].rsplit(":", 1)
         return host, int(port)
 
@@ -402,19 +423,24 @@ class Supervisor:
         a.sel.register(a.zygote.conn, selectors.EVENT_READ, ("zygote", None))
         a.sel.register(a.zygote.pidfd, selectors.EVENT_READ, ("zygote_dead", None))
 
-    def take_place(self, node: int, gen: int) -> None:
+    def take_place(self, node: int, gen: int, nnodes: int | None, *, start: bool) -> None:
         """A pooled spare is assigned the place of the lost ``node``: from here on it is
         that node's agent, joined as a replacement (the coordinator's :class:`Go`
-        follows, which starts its shadows)."""
+        follows, which starts its shadows); ``start``: one of an elastic job's first
+        nodes, of a world of ``nnodes`` nodes."""
         a = self.a
         if not a.pooled:
             raise LaunchError(f"the coordinator assigned node {node} to an agent not in the pool")
+        if nnodes is not None and not (a.o.min_nodes or a.o.nnodes) <= nnodes <= a.o.nnodes:
+            raise LaunchError(f"the coordinator's world of {nnodes} node(s) is not --nnodes's")
+        if nnodes is not None:
+            a.o.nnodes, a.W = nnodes, nnodes * a.nproc
         if not 0 <= node < a.o.nnodes:
             raise LaunchError(f"the coordinator assigned node {node}, not in 0..{a.o.nnodes - 1}")
-        a.say(f"takes the place of node {node}, which was lost")
+        a.say(f"is node {node}" if start else f"takes the place of node {node}, which was lost")
         a.pooled = False
         a.node = node
-        a.spare = True
+        a.spare = not start
         a.generation = gen
         a.control.present()
         self.start_node()
@@ -434,6 +460,32 @@ class Supervisor:
             a.spare_procs.append(subprocess.Popen(o.spare_command, env=env))
         a.say(f"started {o.spares} spare agent(s) for the pool")
 
+    def elastic(self) -> bool:
+        """``--nnodes MIN:MAX`` with MIN < MAX, or the restart of a job that had it."""
+        o = self.a.o
+        return bool(o.world_nodes) or 0 < o.min_nodes < o.nnodes
+
+    def close_rendezvous(self, now: float) -> None:
+        """Node 0 of an elastic job, until it starts: once the core says how many nodes
+        it starts with (:func:`leto.core.elastic.world_at_close`: MAX joined, or MIN by
+        the rendezvous timeout; a restart: the world the job started with), the pooled
+        agents that joined first become nodes 1.., the others stay spares, and it goes."""
+        a = self.a
+        o = a.o
+        assert a.coord is not None
+        lo, hi = (o.world_nodes, o.world_nodes) if o.world_nodes else (o.min_nodes, o.nnodes)
+        n = world_at_close(lo, hi, 1 + len(a.coord.pool), now - a.t_start > o.rdzv_timeout)
+        if n is None:
+            return
+        o.nnodes, a.W = n, n * a.nproc
+        for sid, node in a.coord.start_world(n):
+            a.routing.place(sid, node, now, start=True)
+        left = len(a.coord.pool)
+        a.say(f"{n} node(s) joined: starting {a.W} trainers ({left} spare(s) left in the pool)")
+        for m in a.links:
+            a.routing.send_go(m)
+        self.go()
+
     def start_node(self) -> None:
         a = self.a
         a.agent_socket = abstract_name(f"{a.job}-agent{a.node}")
@@ -441,7 +493,7 @@ class Supervisor:
         a.sel.register(a.agent_listener, selectors.EVENT_READ, ("listener", None))
         for lr in a.local_ranks:
             a.children.start_keeper(lr)
-        if a.coord is not None and a.o.nnodes == 1:
+        if a.coord is not None and a.o.nnodes == 1 and not self.elastic():
             self.go()
 
     def go(self, spare: bool = False) -> None:
@@ -497,6 +549,7 @@ class Supervisor:
                     a.routing.flush_coord()
                 if a.coord.failed is not None and not a.stop:
                     a.failed = a.coord.failed
+                    a.restart = a.coord.restart.attempt if a.coord.restart else None
                     a.stop = True
                 if (
                     a.coord.complete
@@ -541,6 +594,14 @@ class Supervisor:
             a.routing.expire_unproven(now)
             a.control.settle_rejoin(now)
             a.coord.tick(now)
+            if not a.started and self.elastic():
+                self.close_rendezvous(now)
+            if not a.started and now - a.t_start > o.rdzv_timeout and self.elastic():
+                raise LaunchError(
+                    f"only {1 + len(a.coord.pool)} node(s) joined within {o.rdzv_timeout:g} s, "
+                    f"fewer than --nnodes {o.min_nodes}:{o.nnodes} asks; start `leto launch` "
+                    "with the same --rdzv-endpoint and --nnodes on more nodes"
+                )
             if not a.started and now - a.t_start > o.rdzv_timeout:
                 raise LaunchError(
                     f"only node(s) {sorted(a.joined)} of {o.nnodes} joined within "
@@ -609,6 +670,8 @@ class Supervisor:
     def cleanup(self) -> None:
         a = self.a
         a.stop = True
+        if a.restart and a.coord is not None:
+            a.fired = [f["id"] for f in a.o.faults if a.control.fired(str(f["id"]))]
         for p in list(a.by_pid.values()):
             p.expected_exit = True
             try:
@@ -657,7 +720,8 @@ class Supervisor:
                     recoveries=len(a.coord.recoveries) if a.coord else 0,
                 )
             else:
-                a.log.write("job_end", status="failed", error=a.failed)
+                status = "restarting" if a.restart else "failed"
+                a.log.write("job_end", status=status, error=a.failed)
             a.log.close()
         if a.watchers is not None:
             a.watchers.close()
@@ -685,3 +749,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _nodes(lo: int, hi: int) -> str:
+    """--nnodes as it was given: N, or MIN:MAX."""
+    return str(hi) if lo == hi else f"{lo}:{hi}"
