@@ -11,9 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from jobs import LOOP_POINTS, digests_equal, explain, kills, params_of, script_job
 
 from leto.backends.gloo.harness import JobResult
+from leto.retained.checkpoint import CheckpointStore
+from leto.retained.dcp_state import read_checkpoint
 
 LOOP = str(Path(__file__).resolve().parent / "scripts" / "shard_loop.py")
 STEPS = len(LOOP_POINTS) + 2
@@ -26,12 +30,14 @@ def _run(
     faults: list[dict[str, Any]] | None = None,
     steps: int = STEPS,
     shard: bool = False,
+    more: str = "",
+    nproc: int = 2,
 ) -> JobResult:
     settings = f"chunk_size = 128\ntier2_interval = 3\nmaster_weights = {str(masters).lower()}\n"
     if shard:
         settings += 'shard = true\ntier1_code = "parity"\n'
     args = ["--steps", str(steps), "--clip", clip, "--bf16"]
-    return script_job(LOOP, run_dir, settings, args, faults)
+    return script_job(LOOP, run_dir, settings + more, args, faults, nproc=nproc)
 
 
 def test_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(session_dir: Path) -> None:
@@ -40,21 +46,43 @@ def test_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(session_dir:
     assert plain.ok and ref.ok and ref.digests, explain(plain if not plain.ok else ref)
     # the masters change the math: the update is float32, rounded once per step
     assert params_of(ref) != params_of(plain) and params_of(ref)[0] == params_of(ref)[1]
-    faults = kills(LOOP_POINTS)
-    res = _run(session_dir / "bf16-masters-kills", True, "session", faults)
+    # then, at the last step, both ranks' memory lost with tier 2 off: beyond tier 1, the
+    # job goes back to its disk checkpoint of the masters (tier 3)
+    faults = kills(LOOP_POINTS) + [
+        {"kind": "lose_memory", "rank": r, "step": STEPS, "phase": "finish"} for r in (0, 1)
+    ]
+    ckpt = session_dir / "bf16-masters-ckpt"
+    more = f'checkpoint_dir = "{ckpt}"\ncheckpoint_interval = 2\ntier2 = false\n'
+    res = _run(session_dir / "bf16-masters-kills", True, "session", faults, more=more)
     assert res.ok, explain(res)
-    assert len(res.recoveries) == len(LOOP_POINTS), res.recoveries
+    assert len(res.recoveries) == len(LOOP_POINTS) + 1, res.recoveries
+    # a step committed through a recovery (rolled forward: 6, 8, 10) is not checkpointed
+    # then: the latest durable checkpoint is 4's; 6, 8, 10 are written once re-run
+    assert (res.recoveries[-1]["kind"], res.recoveries[-1]["target"]) == ("ckpt", 4)
+    assert [e["step"] for e in res.of("checkpoint")] == [2, 4, 6, 8, 10]
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
     assert params_of(res) == params_of(ref)  # the bf16 parameters too: cast from the masters
+    state, _ = read_checkpoint(ckpt)
+    assert state["master_weights"]["0.weight"].dtype == torch.float32
+    assert torch.equal(
+        state["model"]["0.weight"], state["master_weights"]["0.weight"].to(torch.bfloat16)
+    )
+
+
+@pytest.fixture(scope="module")
+def shard_ref(session_dir: Path) -> JobResult:
+    ref = _run(session_dir / "shard-masters", True, "session", shard=True)
+    assert ref.ok and ref.digests, explain(ref)
+    return ref
 
 
 def test_sharded_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(
-    session_dir: Path,
+    session_dir: Path, shard_ref: JobResult
 ) -> None:
     """Each rank retains its shard of the float32 masters, gradients and AdamW state; the
     bf16 parameters are all-gathered (the shards cast to bf16) after every step."""
-    ref = _run(session_dir / "shard-masters", True, "session", shard=True)
-    assert ref.ok and ref.digests, explain(ref)
+    ref = shard_ref
+    assert ref.digests is not None
     assert params_of(ref)[0] == params_of(ref)[1]  # every rank's model: the same cast
     assert ref.digests["0"]["param"] != ref.digests["1"]["param"]  # different shards
     faults = kills(LOOP_POINTS)
@@ -81,3 +109,56 @@ def test_torch_clip_on_a_bf16_grad_is_refused_in_one_line(session_dir: Path, sha
         else "master_weights = true: a bf16/fp16 parameter's .grad holds no gradient"
     )
     assert why in str(failed) and "session.clip_grad_norm_(max_norm)" in str(failed), failed
+
+
+def test_sharded_masters_fall_back_to_their_disk_checkpoint_and_resume_from_it(
+    session_dir: Path, shard_ref: JobResult
+) -> None:
+    """Tier 3 of sharded float32 masters: both ranks of the node lose their memory (tier
+    2 off), beyond tier 1: the job goes back to its latest checkpoint, each rank its own
+    shard, and ends bitwise the failure-free run; a job resumed from an earlier
+    checkpoint of it does too; one of another world size is refused in one line."""
+    ckpt = session_dir / "shard-masters-ckpt"
+    more = f'checkpoint_dir = "{ckpt}"\ncheckpoint_interval = 2\ntier2 = false\n'
+    faults = [{"kind": "lose_memory", "rank": r, "step": 5, "phase": "finish"} for r in (0, 1)]
+    res = _run(session_dir / "shard-masters-t3", True, "session", faults, shard=True, more=more)
+    assert res.ok, explain(res)
+    assert [(r["kind"], r["target"]) for r in res.recoveries] == [("ckpt", 4)], res.recoveries
+    assert [e["step"] for e in res.of("checkpoint")] == [2, 4, 6, 8, 10]
+    assert digests_equal(res, shard_ref), "not bitwise equal to the failure-free run"
+    assert params_of(res) == params_of(shard_ref)
+    assert CheckpointStore(ckpt).durable_steps() == [8, 10]
+    step = CheckpointStore(ckpt).path(8)
+    # each rank wrote its own shard: the first weight's optimizer state spans both ranks'
+    # shards, and its chunks lie in both ranks' files
+    md = dcp.FileSystemReader(str(step)).read_metadata()
+    files = {
+        md.storage_data[i].relative_path
+        for i in md.storage_data
+        if i.fqn == "optim.state.0.weight.exp_avg"
+    }
+    assert files == {"__0_0.distcp", "__1_0.distcp"}, files
+    # and any DCP user reads it whole: the float32 masters, the bf16 model their cast
+    state, meta = read_checkpoint(step)
+    assert meta is not None and meta["world_size"] == 2
+    master, model = state["master_weights"]["0.weight"], state["model"]["0.weight"]
+    assert master.dtype == torch.float32 and master.shape == (48, 12)
+    assert torch.equal(model, master.to(torch.bfloat16))
+    assert state["optim"]["state"]["0.weight"]["exp_avg"].shape == (48, 12)
+    resumed = _run(
+        session_dir / "shard-masters-resumed", True, "session", shard=True,
+        more=f'resume = "{step}"\n',
+    )  # fmt: skip
+    assert resumed.ok, explain(resumed)
+    (started,) = resumed.of("core_init")
+    assert started["start"] == 8 and resumed.recoveries == []
+    assert digests_equal(resumed, shard_ref), "not bitwise equal to the failure-free run"
+    assert params_of(resumed) == params_of(shard_ref)
+    other = _run(
+        session_dir / "shard-masters-1rank", True, "session", shard=True,
+        more=f'resume = "{step}"\n', nproc=1,
+    )  # fmt: skip
+    assert not other.ok
+    (failed,) = other.of("job_failed")
+    why = "holds sharded state written by 2 ranks; this job has 1"
+    assert why in str(failed) and "\n" not in str(failed.get("error", "")), failed

@@ -3,12 +3,17 @@ bit, the unsharded step; each rank retains about 1/W of the bytes."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
+from leto.retained.checkpoint import CheckpointError
+from leto.retained.dcp_shard import check_same_plan, flat_boxes
 from leto.retained.layout import LayoutError, RetainedLayout
 from leto.retained.optim import UnsupportedOptimizerError, retain
 from leto.retained.shard import FullParams, ShardPlan, retain_shard, retained_nbytes
@@ -203,3 +208,40 @@ def test_a_rank_of_padding_only_holds_one_element_and_steps_nothing() -> None:
     ropt._apply_pending(1, None)
     ropt.end()
     assert torch.equal(lay.param_buffer, torch.zeros(64)) and ropt.version == 1
+
+
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    cut=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+)
+@settings(max_examples=200, deadline=None)
+def test_flat_boxes_tile_a_flat_range_in_order(shape: list[int], cut: tuple[float, float]) -> None:
+    """A sharded checkpoint's boxes (leto.retained.dcp_shard): a rank's flat range of a
+    parameter as rectangles, each a contiguous part of the range, in order."""
+    n = math.prod(shape)
+    a, b = sorted(round(c * n) for c in cut)
+    full = torch.arange(n).view(shape)
+    at = a
+    for offs, sizes, first in flat_boxes(a, b, shape):
+        assert first == at
+        box = full[tuple(slice(o, o + z) for o, z in zip(offs, sizes, strict=True))]
+        assert box.reshape(-1).tolist() == list(range(first, first + box.numel()))
+        at += box.numel()
+    assert at == b
+    assert len(flat_boxes(a, b, shape)) <= 2 * len(shape) - 1
+
+
+def test_flat_boxes_refuses_a_range_outside_the_tensor() -> None:
+    with pytest.raises(ValueError, match=r"\[3, 13\) is not a range of a \(3, 4\) tensor"):
+        flat_boxes(3, 13, (3, 4))
+
+
+def test_a_sharded_checkpoint_loads_at_its_own_world_and_chunk_size_only() -> None:
+    meta = {"world_size": 2, "chunk_numel": 128}
+    check_same_plan(meta, 2, 128, "ckpt")  # its own: accepted
+    with pytest.raises(CheckpointError, match="written by 2 ranks; this job has 4"):
+        check_same_plan(meta, 4, 128, "ckpt")
+    with pytest.raises(
+        CheckpointError, match="chunks of 128 elements; this job's chunk_size is 64"
+    ):
+        check_same_plan(meta, 2, 64, "ckpt")

@@ -294,6 +294,7 @@ class GlooSession:
         self.memory.node_memory()
         self.ps.send(start)
         meta = self.follower._after_recovery_state(start)
+        self.snapshots.t2 = start  # the start's snapshot (a resumed job's: not step 0)
         self.checkpoints.write(start, first=True, resumed=resumed)
         if self.rank == 0:  # the first step's time is Young/Daly's (shadows read it here)
             self.store.set(f"leto/{self.spec['job']}/first_step", str(start + 1))

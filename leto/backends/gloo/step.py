@@ -93,6 +93,9 @@ class UserLoop:
         opt.zero_grad = self.zero_grad  # type: ignore[method-assign]
         s.loop = self  # before the session starts: a promoted shadow's recovery loads its state
         self.resumed: str | None = None
+        # the step this process just committed, whose periodic checkpoint is written at
+        # the step boundary (never after a recovery: every rank or none writes it)
+        self.ckpt_due: int | None = None
 
     def started(self) -> None:
         """The session started (a promoted shadow: recovered): the loop begins there."""
@@ -143,6 +146,7 @@ class UserLoop:
     def _resumed(self) -> None:
         self.resumed = self.s.ps.to_json(self.s.step)
         self.void = True
+        self.ckpt_due = None
         self.queued = False
         self._scratch_grads()
 
@@ -164,6 +168,8 @@ class UserLoop:
         while True:
             self._close()
             if steps is not None and s.step >= steps:
+                if not self._guard(self._checkpoint):
+                    continue
                 if s.complete():
                     self.open = False
                     return
@@ -192,7 +198,11 @@ class UserLoop:
     def next_batch(self) -> Any:
         s = self.s
         self._close()
-        while not self._guard(lambda: s.snapshots.maybe_take(s.step)):
+        # the tiers beyond one step, at the step boundary: the process state after the
+        # user's code that followed optimizer.step() (the scheduler's step)
+        while not (
+            self._guard(lambda: s.snapshots.maybe_take(s.step)) and self._guard(self._checkpoint)
+        ):
             self._close()
         self.V = s.step + 1
         s.txn.in_progress = self.V
@@ -200,6 +210,12 @@ class UserLoop:
         self.open, self.stepped, self.reduced = True, False, False
         s.ch.mark("forward", s.step)
         return batch if self.per_rank else shard(batch, s.rank, s.W)
+
+    def _checkpoint(self) -> None:
+        """The periodic checkpoint of the step just committed, if one is due."""
+        V, self.ckpt_due = self.ckpt_due, None
+        if V is not None and V == self.s.step:
+            self.s.checkpoints.maybe_write(V)
 
     def _post(self) -> None:
         """The process state after the user's code that followed ``optimizer.step()``."""
@@ -409,8 +425,17 @@ class UserLoop:
             if self.old is not None:
                 gdelta.sub_(self.old)
         s.txn.commit(
-            V, bad, self.present, gdelta, capture_rng(), None, scheduler=False, gather=False
+            V,
+            bad,
+            self.present,
+            gdelta,
+            capture_rng(),
+            None,
+            scheduler=False,
+            gather=False,
+            checkpoint=False,
         )
+        self.ckpt_due = V
 
 
 class _RefusedGrad(torch.Tensor):
