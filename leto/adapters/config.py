@@ -45,8 +45,7 @@ master_weights       false     float32 master weights, gradients and optimizer s
                                retained memory for bf16/fp16 parameters (and models that
                                mix dtypes); the model's parameters are cast from them after
                                every step (docs/loop.md, "Mixed precision"); with shard,
-                               each rank's shard of them; on gloo not yet with a
-                               GradScaler
+                               each rank's shard of them
 shard                false     ZeRO-style sharded state: each rank retains only its 1/W
                                shard of the parameters (master copy), gradients and
                                optimizer state; gradients are reduce-scattered, each rank
@@ -55,7 +54,7 @@ shard                false     ZeRO-style sharded state: each rank retains only 
                                parity (``auto`` resolves to it, ``replica`` is refused);
                                SGD, Adam, AdamW; each rank writes its own shard of a
                                disk checkpoint, which resumes at the world size and
-                               chunk_size it was written at; no ``GradScaler`` yet
+                               chunk_size it was written at
 ===================  ========  ==========================================================
 
 ``LETO_CONFIG=path.toml`` makes :meth:`Config.from_env` read that file first; the

@@ -82,15 +82,13 @@ def script_job(
     *,
     hang_timeout: float = 3.0,
     timeout: float = 240.0,
-    nproc: int = 2,
 ) -> JobResult:
-    """A 1x``nproc`` gloo job of ``script`` with ``--config`` a file of these ``settings``
-    (TOML lines under ``[leto]``) and the script's ``args``; nothing may be left running."""
+    """A 1x2 gloo job of ``script`` with ``--config`` a file of these ``settings`` (TOML
+    lines under ``[leto]``) and the script's ``args``; nothing may be left running."""
     cfg = run_dir.parent / f"{run_dir.name}.toml"
-    cfg.write_text(f'[leto]\nbackend = "gloo"\ntopology = "1x{nproc}"\n' + settings)
+    cfg.write_text('[leto]\nbackend = "gloo"\ntopology = "1x2"\n' + settings)
     res = run_local(
         script,
-        nproc=nproc,
         run_dir=run_dir,
         faults=faults,
         extra=["--quiet", "--hang-timeout", str(hang_timeout), "--heartbeat", "0.25"],

@@ -58,7 +58,7 @@ from .keeper_client import FencedError
 if TYPE_CHECKING:
     from .runtime import GlooSession
 
-__all__ = ["UserLoop", "finite_update"]
+__all__ = ["UserLoop", "scaler_update"]
 
 
 class UserLoop:
@@ -121,9 +121,10 @@ class UserLoop:
         sch = self.s.scheduler
         if sch is not None and not takes_metric(sch):
             step_scheduler(sch)
+        skipped = bool((pending or {}).get("skipped"))  # the scaler found an inf/NaN
         for obj in self.stateful.values():
             if isinstance(obj, torch.amp.GradScaler) and obj.is_enabled():
-                obj.load_state_dict(finite_update(obj.state_dict()))
+                obj.load_state_dict(scaler_update(obj.state_dict(), skipped))
 
     # ------------------------------------------------------------ recovery
 
@@ -233,7 +234,7 @@ class UserLoop:
             self.old = as_bytes(lay.grad_buffer).clone() if comp != NONE else None
             lay.clear_prepared()
         self.present = [False] * len(lay.params)
-        self._transact()
+        self._transact(skipped=True)
         self.stepped = True
 
     # ------------------------------------------------------------ hooks
@@ -382,6 +383,33 @@ class UserLoop:
         self._guard(clip)
         return out
 
+    def unscale_grads(
+        self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """``GradScaler._unscale_grads_`` with sharded state or float32 master weights
+        (wrap installs it on the scaler): the reduced gradients in retained memory (this
+        rank's shard; float32 with masters) unscaled in place and checked for inf/NaN, as
+        torch does for ``.grad``; sharded, the finding is all-reduced (as torch's
+        ``ShardedGradScaler`` does), so that every rank steps or skips alike."""
+        del optimizer
+        s = self.s
+        if self.void or not self.open or not self.reduced:
+            return {found_inf.device: found_inf}  # a void iteration: nothing is stepped
+        g = s.layout.grad_buffer
+        if g.dtype == torch.float16 and not allow_fp16:
+            raise ValueError("Attempting to unscale FP16 gradients.")  # torch's own refusal
+
+        def unscale() -> None:
+            assert s.keeper is not None
+            s.keeper.check_writer()
+            torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv_scale)
+            if s.full is not None:  # each rank checked its shard: every rank's finding
+                _coll(dist.all_reduce, found_inf, op=dist.ReduceOp.MAX)
+
+        if not self._guard(unscale):
+            found_inf.zero_()
+        return {found_inf.device: found_inf}
+
     # ------------------------------------------------------------ the optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -412,7 +440,7 @@ class UserLoop:
             except CollectiveFailed as e:
                 self.broken = f"collective failed: {e}"
 
-    def _transact(self) -> None:
+    def _transact(self, skipped: bool = False) -> None:
         s = self.s
         lay = s.layout
         V = s.step + 1
@@ -434,6 +462,7 @@ class UserLoop:
             scheduler=False,
             gather=False,
             checkpoint=False,
+            skipped=skipped,
         )
         self.ckpt_due = V
 
@@ -466,11 +495,16 @@ class _MasterGrad(_RefusedGrad):
     )
 
 
-def finite_update(st: dict[str, Any]) -> dict[str, Any]:
-    """A ``GradScaler`` state after ``update()`` of a step that found no inf/NaN (a
-    committed step: the scaler stepped the optimizer), as torch's
-    ``_amp_update_scale_`` computes it."""
+def scaler_update(st: dict[str, Any], skipped: bool) -> dict[str, Any]:
+    """A ``GradScaler`` state after ``update()`` of a committed step, as torch's
+    ``_amp_update_scale_`` computes it: ``skipped`` (its ``optimizer.step()`` was
+    skipped on an inf/NaN: an empty step) backs the scale off; a finite step grows it
+    every ``growth_interval`` steps."""
     out = dict(st)
+    if skipped:
+        out["scale"] = float(torch.tensor(st["scale"], dtype=torch.float32) * st["backoff_factor"])
+        out["_growth_tracker"] = 0
+        return out
     tracker = int(st["_growth_tracker"]) + 1
     if tracker == int(st["growth_interval"]):
         out["scale"] = float(torch.tensor(st["scale"], dtype=torch.float32) * st["growth_factor"])

@@ -201,6 +201,7 @@ class StepTransaction:
         metric: float | None = None,
         gather: bool = True,
         checkpoint: bool = True,
+        skipped: bool = False,
     ) -> float:
         """Steps 3-6 of step ``V``, its gradients in retained memory: prepare (seal, the
         gradient parity's ``gdelta``, the vote), decide, apply chunk by chunk, finish
@@ -208,7 +209,9 @@ class StepTransaction:
         ``metric``, the mean loss, for one that takes a metric; the user's loop steps
         its own; ``gather``: all-gather a sharded model's parameters here, else the caller
         does; ``checkpoint``: the periodic checkpoint here, else the caller writes it at
-        the step boundary, after its own scheduler's step)."""
+        the step boundary, after its own scheduler's step; ``skipped``: the user's loop
+        skipped ``optimizer.step()``, as a ``GradScaler`` does on an inf/NaN: recorded
+        for a roll-forward's replay of its ``update()``)."""
         s = self.s
         assert s.ropt is not None and s.keeper is not None
         ropt, lay, r = s.ropt, s.layout, s.rank
@@ -235,6 +238,7 @@ class StepTransaction:
             "present": present_mask,
             "grad_checksums": lay.grad_checksums(),
             "metric": metric,  # a metric scheduler's, for a roll-forward
+            "skipped": skipped,  # a GradScaler's skipped step, for a roll-forward
             "buffers": capture_buffers(s.model),  # after this step's forward
         }
         # the agent keeps the pending state (a recovery may need it) before it passes
