@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from jobs import LOOP_POINTS, digests_equal, explain, kills, params_of, script_job
+from jobs import LOOP_POINTS, assert_trace, digests_equal, explain, kills, params_of, script_job
 
 from leto.backends.gloo.harness import JobResult
 from leto.retained.checkpoint import CheckpointStore
@@ -88,6 +88,7 @@ def shard_faults(session_dir: Path) -> JobResult:
     res = _run(session_dir / "shard-masters-kills", True, "session", faults, shard=True,
                more=_ckpt(ckpt))  # fmt: skip
     assert res.ok, explain(res)
+    assert_trace(res.run_dir)  # the fallback and the checkpoints replay through the model
     return res
 
 
@@ -157,6 +158,7 @@ def test_sharded_masters_fall_back_to_their_disk_checkpoint_and_resume_from_it(
         more=f'resume = "{step}"\n',
     )  # fmt: skip
     assert resumed.ok, explain(resumed)
+    assert_trace(resumed.run_dir)
     (started,) = resumed.of("core_init")
     assert started["start"] == 4 and resumed.recoveries == []
     assert digests_equal(resumed, shard_ref), "not bitwise equal to the failure-free run"
@@ -183,6 +185,7 @@ def test_fp16_sharded_masters_with_a_grad_scaler_skip_alike_and_recover_bitwise(
     faults = kills(points)
     res = script_job(LOOP, session_dir / "fp16-scaler-kills", settings, args, faults)
     assert res.ok, explain(res)
+    assert_trace(res.run_dir)
     assert len(res.recoveries) == len(points), res.recoveries
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
     assert params_of(res) == params_of(ref)
