@@ -45,7 +45,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
 # a scale that overflows fp16 at first: the first steps are skipped, every rank alike
 scaler = torch.amp.GradScaler(
-    "cpu", init_scale=2.0**22, growth_interval=3, enabled=args.fp16_scaler
+    "cpu", init_scale=2.0**21, growth_interval=3, enabled=args.fp16_scaler
 )
 session = leto.wrap(model, opt, sched, loader, scaler=scaler, config=args.config)
 
