@@ -192,9 +192,11 @@ def wrap(
     ``loss.backward()`` (inside ``session.no_sync()`` for all micro-batches but the
     last), clipping, ``optimizer.step()`` on the optimizer passed here (its step is now
     leto's transaction), ``scheduler.step()``. ``scaler``: a ``torch.amp.GradScaler``
-    whose state leto retains; ``per_rank``: the loader yields this rank's batches
-    (default: it does when its sampler is a ``DistributedSampler``), else leto splits
-    global batches (tensors, lists of indices, tuples or dicts of them).
+    whose state leto retains (with ``shard`` or ``master_weights`` it unscales the
+    retained gradients, its inf/NaN finding shared by every rank); ``per_rank``: the
+    loader yields this rank's batches (default: it does when its sampler is a
+    ``DistributedSampler``), else leto splits global batches (tensors, lists of
+    indices, tuples or dicts of them).
     """
     cfg = Config.load(config)
     refuse_fsdp(model)

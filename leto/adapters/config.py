@@ -45,16 +45,16 @@ master_weights       false     float32 master weights, gradients and optimizer s
                                retained memory for bf16/fp16 parameters (and models that
                                mix dtypes); the model's parameters are cast from them after
                                every step (docs/loop.md, "Mixed precision"); with shard,
-                               each rank's shard of them; on gloo not yet with
-                               checkpoint_dir or a GradScaler
+                               each rank's shard of them
 shard                false     ZeRO-style sharded state: each rank retains only its 1/W
                                shard of the parameters (master copy), gradients and
                                optimizer state; gradients are reduce-scattered, each rank
                                steps its shard, the parameters are all-gathered
                                (docs/gloo.md, "Sharded state"). gloo only; tier 1 is
                                parity (``auto`` resolves to it, ``replica`` is refused);
-                               SGD, Adam, AdamW; no disk checkpoint (checkpoint_dir,
-                               resume) and no ``GradScaler`` yet
+                               SGD, Adam, AdamW; each rank writes its own shard of a
+                               disk checkpoint, which resumes at the world size and
+                               chunk_size it was written at
 ===================  ========  ==========================================================
 
 ``LETO_CONFIG=path.toml`` makes :meth:`Config.from_env` read that file first; the
@@ -242,12 +242,6 @@ class Config:
                 f"{self.tier2_parity} parities across {self.nodes} node(s): tier 2 with m "
                 "parities needs more than m nodes (each lost node's share lives on another)",
             )
-        if self.master_weights and self.backend == "gloo" and self.checkpoint_dir is not None:
-            raise ConfigError(
-                "master_weights",
-                "float32 master weights with disk checkpoints (checkpoint_dir) are not "
-                "built on gloo yet",
-            )
         if self.shard:
             self._check_shard()
         if self.tier1_code == "replica":
@@ -277,11 +271,6 @@ class Config:
                 "'replica' cannot protect sharded state (shard = true): each rank holds a "
                 "different shard, so no rank is another's replica (use 'parity' or 'auto')",
             )
-        for key in ("checkpoint_dir", "resume"):
-            if getattr(self, key) is not None:
-                raise ConfigError(
-                    key, "disk checkpoints of sharded state (shard = true) are not built yet"
-                )
 
     # --- derived ------------------------------------------------------------------
 

@@ -211,6 +211,12 @@ class CheckpointStore:
         return steps[-1] if steps else None
 
     def read(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        path, meta = self.durable(step)
+        return load_all(path), meta
+
+    def durable(self, step: int) -> tuple[Path, dict[str, Any]]:
+        """The durable checkpoint of ``step``: its directory (in a private checkpoint
+        directory) and metadata, not loaded (a sharded one is, each rank its shard)."""
         path = self.path(step)
         meta = read_meta(path)
         if meta is None:
@@ -219,7 +225,7 @@ class CheckpointStore:
             private_dir(self.directory, "checkpoint directory")
         except InsecurePathError as e:
             raise CheckpointError(str(e)) from None
-        return load_all(path), meta
+        return path, meta
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

@@ -39,6 +39,7 @@ from leto.retained.layout import RetainedLayout
 from leto.retained.optim import RetainedOptimizer
 
 __all__ = [
+    "checkpoint_path",
     "load_master_weights",
     "load_model_state",
     "load_retained_optimizer_state",
@@ -221,6 +222,13 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
     """A DCP checkpoint directory (leto's ``step-<n>/``, or any ``dcp.save`` of the same
     model), or a leto checkpoint directory (its latest durable ``step-<n>/``): its state
     and its ``leto.json`` (``None`` for a checkpoint leto did not write)."""
+    p = checkpoint_path(path)
+    return load_all(p), read_meta(p)
+
+
+def checkpoint_path(path: str | os.PathLike[str]) -> Path:
+    """The DCP checkpoint directory ``path`` names: itself, or a leto checkpoint
+    directory's latest durable ``step-<n>/``."""
     p = Path(path)
     if not p.is_dir():
         why = "it is not a directory" if p.exists() else "it does not exist"
@@ -233,7 +241,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
                 "complete step-<n>/ inside)"
             )
         p = CheckpointStore(p).path(latest)
-    return load_all(p), read_meta(p)
+    return p
 
 
 def young_daly_interval(save_seconds: float, mtbf_seconds: float, step_seconds: float) -> int:

@@ -103,11 +103,6 @@ def test_from_dict_with_topology_string() -> None:
             "tier1_code",
             "'replica' cannot protect sharded state (shard = true)",
         ),
-        (
-            {"backend": "gloo", "shard": True, "checkpoint_dir": "/tmp/x"},
-            "checkpoint_dir",
-            "disk checkpoints of sharded state (shard = true) are not built yet",
-        ),
         ({"colour": "blue"}, "colour", "unknown setting"),
         ({"checkpoint_dir": ""}, "checkpoint_dir", "must be a directory path"),
     ],
@@ -116,6 +111,20 @@ def test_bad_settings_name_their_field(data: dict, field: str, message: str) -> 
     e = err(Config.from_dict, data)
     assert e.field == field
     assert str(e).startswith(f"leto config: {field}: ") and message in str(e)
+
+
+def test_sharded_master_weights_keep_their_disk_checkpoint(tmp_path: Path) -> None:
+    cfg = Config.from_dict(
+        {
+            "backend": "gloo",
+            "topology": "1x2",
+            "shard": True,
+            "master_weights": True,
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "resume": str(tmp_path),
+        }
+    )
+    assert (cfg.checkpoint_dir, cfg.resume) == (str(tmp_path / "ckpt"), str(tmp_path))
 
 
 def test_checkpoint_dir_must_not_be_a_file(tmp_path: Path) -> None:

@@ -658,3 +658,18 @@ def test_a_compacted_log_rebuilds_the_same_model_and_every_state_round_trips(
         with pytest.raises(StateRecordError, match=re.escape(why)):
             state_from_record(bad)
     assert set(DECODE) == {f.name for f in attrs.fields(ClusterState)}
+
+
+def test_two_ranks_stopped_by_one_unexplained_collective_error_make_one_failure() -> None:
+    # both ranks report a failed collective and no failure explains it: once the grace
+    # has passed, the first blamed failure explains the other's (one recovery, no crash
+    # of the coordinator's timer)
+    h = Harness()
+    h.step(1)
+    for r in range(2):
+        h.send(0, {"t": "stopped", "rank": r, "gen": 0, "reason": "collective failed"})
+    h.c.tick(h.now + CoordinatorOptions().stopped_grace + 1.0)
+    assert h.c.failed is None, h.c.failed
+    (fail,) = h.events("failure")
+    assert fail["kind"] == "collective_error" and fail["rank"] in (0, 1)
+    assert h.c.stopped_at == {}

@@ -3,12 +3,26 @@ bit, the unsharded step; each rank retains about 1/W of the bytes."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
+from leto.retained.checkpoint import CheckpointError
+from leto.retained.dcp_shard import (
+    check_same_plan,
+    flat_boxes,
+    has_optimizer_state,
+    load_shard_state,
+    shard_training_state,
+)
+from leto.retained.dcp_state import read_checkpoint
 from leto.retained.layout import LayoutError, RetainedLayout
 from leto.retained.optim import UnsupportedOptimizerError, retain
 from leto.retained.shard import FullParams, ShardPlan, retain_shard, retained_nbytes
@@ -203,3 +217,103 @@ def test_a_rank_of_padding_only_holds_one_element_and_steps_nothing() -> None:
     ropt._apply_pending(1, None)
     ropt.end()
     assert torch.equal(lay.param_buffer, torch.zeros(64)) and ropt.version == 1
+
+
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    cut=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+)
+@settings(max_examples=200, deadline=None)
+def test_flat_boxes_tile_a_flat_range_in_order(shape: list[int], cut: tuple[float, float]) -> None:
+    """A sharded checkpoint's boxes (leto.retained.dcp_shard): a rank's flat range of a
+    parameter as rectangles, each a contiguous part of the range, in order."""
+    n = math.prod(shape)
+    a, b = sorted(round(c * n) for c in cut)
+    full = torch.arange(n).view(shape)
+    at = a
+    for offs, sizes, first in flat_boxes(a, b, shape):
+        assert first == at
+        box = full[tuple(slice(o, o + z) for o, z in zip(offs, sizes, strict=True))]
+        assert box.reshape(-1).tolist() == list(range(first, first + box.numel()))
+        at += box.numel()
+    assert at == b
+    assert len(flat_boxes(a, b, shape)) <= 2 * len(shape) - 1
+
+
+def test_flat_boxes_refuses_a_range_outside_the_tensor() -> None:
+    with pytest.raises(ValueError, match=r"\[3, 13\) is not a range of a \(3, 4\) tensor"):
+        flat_boxes(3, 13, (3, 4))
+
+
+def test_a_sharded_checkpoint_loads_at_its_own_world_and_chunk_size_only() -> None:
+    meta = {"world_size": 2, "chunk_numel": 128}
+    check_same_plan(meta, 2, 128, "ckpt")  # its own: accepted
+    with pytest.raises(CheckpointError, match="written by 2 ranks; this job has 4"):
+        check_same_plan(meta, 4, 128, "ckpt")
+    with pytest.raises(
+        CheckpointError, match="chunks of 128 elements; this job's chunk_size is 64"
+    ):
+        check_same_plan(meta, 2, 64, "ckpt")
+
+
+def _stepped_shard(seed: int) -> tuple[nn.Module, Any, ShardPlan]:
+    """A bf16 model's float32 master shard (one rank of one) after one AdamW step."""
+    m = _model().to(torch.bfloat16)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    named = list(m.named_parameters())
+    plan = ShardPlan(named, 1, 16, master_weights=True)
+    FullParams(plan, named, values=True)
+    ropt = retain_shard(m, opt, plan, 0, alloc=None, attach=False)
+    lay = ropt.layout
+    g = torch.Generator().manual_seed(seed)
+    lay.grad_buffer.copy_(torch.randn(lay.grad_buffer.shape, generator=g))
+    lay.seal_grads(1, [True] * len(lay.params))
+    ropt.begin(1)
+    ropt._apply_pending(1, None)
+    ropt.end()
+    return m, ropt, plan
+
+
+def test_a_sharded_checkpoint_is_read_whole_and_loads_back_bitwise(tmp_path: Path) -> None:
+    """leto.retained.dcp_shard on a process group of one: the float32 masters and AdamW
+    state go out as the parameters' full shapes (any DCP user reads them whole) and come
+    back into a fresh shard bitwise; a model-only checkpoint starts the masters from the
+    model; one of another shape is refused in one line."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        m, ropt, plan = _stepped_shard(0)
+        lay = ropt.layout
+        names = [[n for n, _ in m.named_parameters()]]
+        dcp.save(shard_training_state(m, ropt, plan, 0, names), checkpoint_id=str(tmp_path / "c"))
+        whole, _ = read_checkpoint(tmp_path / "c")
+        for i, (n, p) in enumerate(m.named_parameters()):
+            assert whole["master_weights"][n].shape == p.shape
+            assert torch.equal(whole["master_weights"][n].reshape(-1), lay.param_view(i))
+            assert torch.equal(
+                whole["optim"]["state"][n]["exp_avg"].reshape(-1), lay.state_view("exp_avg", i)
+            )
+        assert has_optimizer_state(tmp_path / "c")
+        m2, ropt2, plan2 = _stepped_shard(1)  # other values, to be overwritten
+        lay2 = ropt2.layout
+        assert not torch.equal(lay2.param_buffer, lay.param_buffer)
+        load_shard_state(tmp_path / "c", m2, lay2, plan2, 0, "c")
+        for a, b in zip(lay.data_buffers(), lay2.data_buffers(), strict=True):
+            assert torch.equal(a, b)
+        # a DCP checkpoint of the bf16 model alone: the masters are its cast up
+        dcp.save({"model": m.state_dict()}, checkpoint_id=str(tmp_path / "m"))
+        assert not has_optimizer_state(tmp_path / "m")
+        load_shard_state(tmp_path / "m", m2, lay2, plan2, 0, "m", optimizer=False)
+        for i, (_, p) in enumerate(m.named_parameters()):
+            assert torch.equal(lay2.param_view(i), p.detach().reshape(-1).float())
+        other = nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 3))
+        dcp.save({"model": other.state_dict()}, checkpoint_id=str(tmp_path / "o"))
+        with pytest.raises(
+            CheckpointError,
+            match=r"not a checkpoint of this model: it has \(15, 8\) for '0.weight', the model's \(16, 8\)$",
+        ):
+            load_shard_state(tmp_path / "o", m2, lay2, plan2, 0, "o")
+    finally:
+        dist.destroy_process_group()

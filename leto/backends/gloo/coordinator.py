@@ -382,6 +382,8 @@ class Coordinator:
         s = self.state
         assert s is not None
         for rank, since in list(self.stopped_at.items()):
+            if rank not in self.stopped_at:  # cleared: another rank's failure explains it
+                continue
             if now - since > self.opt.stopped_grace:
                 del self.stopped_at[rank]
                 if s.phase is Phase.RUNNING and s.trainer[rank] is TrainerState.ALIVE:

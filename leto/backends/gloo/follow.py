@@ -26,8 +26,7 @@ from leto.core.chunk import LOST, NONE
 from leto.retained import recovery as rx
 from leto.retained import replicas as rpl
 from leto.retained import rs
-from leto.retained.checkpoint import CheckpointError, CheckpointStore
-from leto.retained.dcp_state import load_model_state, load_retained_optimizer_state
+from leto.retained.checkpoint import CheckpointError
 from leto.retained.parity import TorchDistCollective, decode_rotated, encode
 from leto.retained.process_state import restore_buffers
 from leto.retained.recovery import IntegrityError
@@ -507,22 +506,11 @@ class Follower:
         self.s.ps.load(meta["ps"])
 
     def _restore_checkpoint(self, step: int) -> None:
-        """The latest durable checkpoint (``step``): the model's and optimizer's state
-        from the DCP files, this rank's process state beside them, checked bitwise."""
-        store = CheckpointStore(str(self.s.cfg.checkpoint_dir))
+        """The latest durable checkpoint (``step``), checked bitwise (:mod:`.checkpoints`)."""
         try:
-            state, meta = store.read(step)  # checks the tree is private before loading
+            self.s.checkpoints.restore(step)
         except CheckpointError as e:
             raise IntegrityError(str(e)) from None
-        lay = self.s.layout
-        rx.free_undo(lay)
-        where = f"the checkpoint of step {step} in {store.describe()}"
-        load_model_state(self.s.model, state, where)
-        load_retained_optimizer_state(lay, state, where)
-        r = str(self.s.rank)
-        rx.seal_checked(lay, step, meta["checksums"][r], "disk checkpoint", f"rank {r}")
-        lay.clear_prepared()
-        self.s.ps.load(meta["process_states"][r])
 
     def _after_recovery_state(
         self, target: int, *, snapshot: bool = True, intact: list[int] | None = None

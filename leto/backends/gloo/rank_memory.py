@@ -76,6 +76,9 @@ class RankMemory:
     def __init__(self, session: GlooSession) -> None:
         self.s = session
         self.status: torch.Tensor | None = None
+        #: sharded state: the names of each of the user's optimizer's groups' parameters
+        #: (its groups hold this rank's pieces once bound), for the checkpoint
+        self.shard_groups: list[list[str]] = []
 
     def _status_seg(self) -> torch.Tensor:
         if self.status is None:
@@ -116,6 +119,10 @@ class RankMemory:
         s = self.s
         assert s.keeper is not None
         named = list(s.model.named_parameters())
+        name_of = {id(p): n for n, p in named}
+        self.shard_groups = [
+            [name_of[id(p)] for p in g["params"]] for g in s.user_optimizer.param_groups
+        ]
         plan = ShardPlan(
             named, s.W, int(s.cfg.chunk_size), master_weights=bool(s.cfg.master_weights)
         )

@@ -116,25 +116,16 @@ def wrap_gloo(
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError("scheduler: it is bound to another optimizer than the one wrapped")
     check_supported(optimizer)
-    if config.shard and scaler is not None and scaler.is_enabled():
-        raise ConfigError(
-            "shard",
-            "a GradScaler is not supported with sharded state yet (its inf/NaN check "
-            "would see one shard of the gradients)",
-        )
-    if config.master_weights and scaler is not None and scaler.is_enabled():
-        raise ConfigError(
-            "master_weights",
-            "a GradScaler is not supported with float32 master weights on gloo yet (it "
-            "unscales the bf16/fp16 .grad, which the float32 gradients replace); bf16 "
-            "needs no loss scaling",
-        )
     session = GlooSession(ch, spec, model, optimizer, scheduler, sampler, config, step_fn)
     loop = UserLoop(
         session,
         stateful={} if scaler is None else {"scaler": scaler},
         per_rank=is_per_rank(sampler) if per_rank is None else per_rank,
     )
+    if scaler is not None and scaler.is_enabled() and (config.shard or config.master_weights):
+        # its gradients are in retained memory, not in .grad (float32 masters: of another
+        # dtype; sharded: this rank's shard, whose inf/NaN finding every rank must share)
+        scaler._unscale_grads_ = loop.unscale_grads
     session.start()
     loop.started()
     global _SESSION

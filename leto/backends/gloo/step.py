@@ -58,7 +58,7 @@ from .keeper_client import FencedError
 if TYPE_CHECKING:
     from .runtime import GlooSession
 
-__all__ = ["UserLoop", "finite_update"]
+__all__ = ["UserLoop", "scaler_update"]
 
 
 class UserLoop:
@@ -93,6 +93,9 @@ class UserLoop:
         opt.zero_grad = self.zero_grad  # type: ignore[method-assign]
         s.loop = self  # before the session starts: a promoted shadow's recovery loads its state
         self.resumed: str | None = None
+        # the step this process just committed, whose periodic checkpoint is written at
+        # the step boundary (never after a recovery: every rank or none writes it)
+        self.ckpt_due: int | None = None
 
     def started(self) -> None:
         """The session started (a promoted shadow: recovered): the loop begins there."""
@@ -118,9 +121,10 @@ class UserLoop:
         sch = self.s.scheduler
         if sch is not None and not takes_metric(sch):
             step_scheduler(sch)
+        skipped = bool((pending or {}).get("skipped"))  # the scaler found an inf/NaN
         for obj in self.stateful.values():
             if isinstance(obj, torch.amp.GradScaler) and obj.is_enabled():
-                obj.load_state_dict(finite_update(obj.state_dict()))
+                obj.load_state_dict(scaler_update(obj.state_dict(), skipped))
 
     # ------------------------------------------------------------ recovery
 
@@ -143,6 +147,7 @@ class UserLoop:
     def _resumed(self) -> None:
         self.resumed = self.s.ps.to_json(self.s.step)
         self.void = True
+        self.ckpt_due = None
         self.queued = False
         self._scratch_grads()
 
@@ -164,6 +169,8 @@ class UserLoop:
         while True:
             self._close()
             if steps is not None and s.step >= steps:
+                if not self._guard(self._checkpoint):
+                    continue
                 if s.complete():
                     self.open = False
                     return
@@ -192,7 +199,11 @@ class UserLoop:
     def next_batch(self) -> Any:
         s = self.s
         self._close()
-        while not self._guard(lambda: s.snapshots.maybe_take(s.step)):
+        # the tiers beyond one step, at the step boundary: the process state after the
+        # user's code that followed optimizer.step() (the scheduler's step)
+        while not (
+            self._guard(lambda: s.snapshots.maybe_take(s.step)) and self._guard(self._checkpoint)
+        ):
             self._close()
         self.V = s.step + 1
         s.txn.in_progress = self.V
@@ -200,6 +211,12 @@ class UserLoop:
         self.open, self.stepped, self.reduced = True, False, False
         s.ch.mark("forward", s.step)
         return batch if self.per_rank else shard(batch, s.rank, s.W)
+
+    def _checkpoint(self) -> None:
+        """The periodic checkpoint of the step just committed, if one is due."""
+        V, self.ckpt_due = self.ckpt_due, None
+        if V is not None and V == self.s.step:
+            self.s.checkpoints.maybe_write(V)
 
     def _post(self) -> None:
         """The process state after the user's code that followed ``optimizer.step()``."""
@@ -217,7 +234,7 @@ class UserLoop:
             self.old = as_bytes(lay.grad_buffer).clone() if comp != NONE else None
             lay.clear_prepared()
         self.present = [False] * len(lay.params)
-        self._transact()
+        self._transact(skipped=True)
         self.stepped = True
 
     # ------------------------------------------------------------ hooks
@@ -366,6 +383,33 @@ class UserLoop:
         self._guard(clip)
         return out
 
+    def unscale_grads(
+        self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """``GradScaler._unscale_grads_`` with sharded state or float32 master weights
+        (wrap installs it on the scaler): the reduced gradients in retained memory (this
+        rank's shard; float32 with masters) unscaled in place and checked for inf/NaN, as
+        torch does for ``.grad``; sharded, the finding is all-reduced (as torch's
+        ``ShardedGradScaler`` does), so that every rank steps or skips alike."""
+        del optimizer
+        s = self.s
+        if self.void or not self.open or not self.reduced:
+            return {found_inf.device: found_inf}  # a void iteration: nothing is stepped
+        g = s.layout.grad_buffer
+        if g.dtype == torch.float16 and not allow_fp16:
+            raise ValueError("Attempting to unscale FP16 gradients.")  # torch's own refusal
+
+        def unscale() -> None:
+            assert s.keeper is not None
+            s.keeper.check_writer()
+            torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv_scale)
+            if s.full is not None:  # each rank checked its shard: every rank's finding
+                _coll(dist.all_reduce, found_inf, op=dist.ReduceOp.MAX)
+
+        if not self._guard(unscale):
+            found_inf.zero_()
+        return {found_inf.device: found_inf}
+
     # ------------------------------------------------------------ the optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -396,7 +440,7 @@ class UserLoop:
             except CollectiveFailed as e:
                 self.broken = f"collective failed: {e}"
 
-    def _transact(self) -> None:
+    def _transact(self, skipped: bool = False) -> None:
         s = self.s
         lay = s.layout
         V = s.step + 1
@@ -409,8 +453,18 @@ class UserLoop:
             if self.old is not None:
                 gdelta.sub_(self.old)
         s.txn.commit(
-            V, bad, self.present, gdelta, capture_rng(), None, scheduler=False, gather=False
+            V,
+            bad,
+            self.present,
+            gdelta,
+            capture_rng(),
+            None,
+            scheduler=False,
+            gather=False,
+            checkpoint=False,
+            skipped=skipped,
         )
+        self.ckpt_due = V
 
 
 class _RefusedGrad(torch.Tensor):
@@ -441,11 +495,16 @@ class _MasterGrad(_RefusedGrad):
     )
 
 
-def finite_update(st: dict[str, Any]) -> dict[str, Any]:
-    """A ``GradScaler`` state after ``update()`` of a step that found no inf/NaN (a
-    committed step: the scaler stepped the optimizer), as torch's
-    ``_amp_update_scale_`` computes it."""
+def scaler_update(st: dict[str, Any], skipped: bool) -> dict[str, Any]:
+    """A ``GradScaler`` state after ``update()`` of a committed step, as torch's
+    ``_amp_update_scale_`` computes it: ``skipped`` (its ``optimizer.step()`` was
+    skipped on an inf/NaN: an empty step) backs the scale off; a finite step grows it
+    every ``growth_interval`` steps."""
     out = dict(st)
+    if skipped:
+        out["scale"] = float(torch.tensor(st["scale"], dtype=torch.float32) * st["backoff_factor"])
+        out["_growth_tracker"] = 0
+        return out
     tracker = int(st["_growth_tracker"]) + 1
     if tracker == int(st["growth_interval"]):
         out["scale"] = float(torch.tensor(st["scale"], dtype=torch.float32) * st["growth_factor"])

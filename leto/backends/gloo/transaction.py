@@ -200,13 +200,18 @@ class StepTransaction:
         scheduler: bool = True,
         metric: float | None = None,
         gather: bool = True,
+        checkpoint: bool = True,
+        skipped: bool = False,
     ) -> float:
         """Steps 3-6 of step ``V``, its gradients in retained memory: prepare (seal, the
         gradient parity's ``gdelta``, the vote), decide, apply chunk by chunk, finish
         (``scheduler``: step the LR scheduler, as the step-function form does, with
         ``metric``, the mean loss, for one that takes a metric; the user's loop steps
         its own; ``gather``: all-gather a sharded model's parameters here, else the caller
-        does)."""
+        does; ``checkpoint``: the periodic checkpoint here, else the caller writes it at
+        the step boundary, after its own scheduler's step; ``skipped``: the user's loop
+        skipped ``optimizer.step()``, as a ``GradScaler`` does on an inf/NaN: recorded
+        for a roll-forward's replay of its ``update()``)."""
         s = self.s
         assert s.ropt is not None and s.keeper is not None
         ropt, lay, r = s.ropt, s.layout, s.rank
@@ -233,6 +238,7 @@ class StepTransaction:
             "present": present_mask,
             "grad_checksums": lay.grad_checksums(),
             "metric": metric,  # a metric scheduler's, for a roll-forward
+            "skipped": skipped,  # a GradScaler's skipped step, for a roll-forward
             "buffers": capture_buffers(s.model),  # after this step's forward
         }
         # the agent keeps the pending state (a recovery may need it) before it passes
@@ -282,9 +288,8 @@ class StepTransaction:
             s.memory.gather_params()  # sharded: every rank's new shard into the model
         s.ch.mark("idle", V)
         s.snapshots.maybe_take(V)
-        interval = s.checkpoints.interval(V)
-        if interval and V % interval == 0:
-            s.checkpoints.write(V)
+        if checkpoint:
+            s.checkpoints.maybe_write(V)
         return lval if lval is not None else 0.0
 
     def tier1_chunk(self, c: int, step: int) -> None:
