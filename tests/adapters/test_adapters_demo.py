@@ -78,7 +78,7 @@ def test_demo_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path
     for backend in ("fake", "gloo"):  # refused before anything starts
         assert main(["demo", "--backend", backend, "--chunk-size", "-5"]) == 2
         assert "chunk_size: must be positive, got -5" in capsys.readouterr().err
-    # (the gloo demo itself runs in tests/gloo/test_demo.py.)
+    # (the gloo demo itself runs in tests/test_readme.py, `leto demo --json`.)
     assert main(["demo", "--backend", "nccl"]) == 2
     assert "nccl" in capsys.readouterr().err
     assert main(["demo", "--backend", "fake", "--steps", "10"]) == 2
