@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import digests_equal, explain, job, kills, params_of, script_job
+from jobs import STEPS_2x2, digests_equal, explain, job, kills, params_of, script_job
 from test_recovery import PHASES  # every point of a step
 
 from leto.backends.gloo.harness import JobResult
@@ -64,6 +64,35 @@ def test_sharded_faults_at_every_phase_are_bitwise(runs: dict[str, JobResult]) -
     assert sum(r.get("chunks_repaired_tier1", 0) for r in recs) >= 5, recs
     assert digests_equal(res, runs["shard"]), "not bitwise equal to the failure-free run"
     assert params_of(res) == params_of(runs["dp"])
+
+
+def test_sharded_over_two_nodes_a_crash_and_a_lost_node_are_bitwise(session_dir: Path) -> None:
+    """2 nodes x 2 ranks, each rank a quarter of the state: a crash (tier 1 as parity
+    across the node's shards keeps the rank's memory) and a whole node lost (its two
+    shards restored from the tier-2 snapshot on the other node) end bitwise equal to
+    the failure-free sharded run."""
+    env = {**ENV, "SHARD": "1"}
+    ref = job(session_dir / "shard-2x2", nnodes=2, nproc=2, steps=STEPS_2x2, env=env)
+    faults = [
+        {"kind": "crash", "rank": 3, "step": 4, "phase": "apply", "chunk": 1, "where": "written"},
+        {"kind": "lose_node", "rank": 2, "step": 7, "phase": "prepare"},
+    ]
+    res = job(
+        session_dir / "shard-2x2-faults",
+        nnodes=2,
+        nproc=2,
+        steps=STEPS_2x2,
+        env=env,
+        faults=faults,
+        extra=["--spare-timeout", "60"],
+    )
+    assert ref.ok and res.ok, f"{explain(ref)}\n{explain(res)}"
+    assert [f["kind"] for f in res.of("failure")] == ["crash", "node_lost"]
+    recs = res.recoveries
+    assert recs[-1]["kind"] == "tier2" and recs[-1]["chunks_restored"] > 0, recs
+    assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
+    assert len(set(params_of(ref, 4))) == 1  # the model's parameters: every rank's alike
+    assert params_of(res, 4) == params_of(ref, 4)
 
 
 LOOP = str(Path(__file__).resolve().parent / "scripts" / "shard_loop.py")
