@@ -9,7 +9,9 @@ One step ``V`` (the protocol's events in brackets):
    gradient parity (with replicas: only the record of their step), the prepare
    record (RNG, sampler position, present mask, gradient checksums) sent to the
    node agent, the vote sent [Prepare];
-4. wait for ``commit(V)`` from the coordinator [Decide];
+4. wait for ``commit(V)`` from the coordinator [Decide], meanwhile copying the first
+   chunk to apply into a free undo slot (the slot stays free: BeginChunk is still
+   step 5's, which then writes only its header);
 5. per chunk: undo copy [BeginChunk], new bytes written and sealed [EndChunk],
    the node's chunk parity (with replicas: its record) updated [ParityChunk],
    undo released;
