@@ -713,6 +713,7 @@ class RetainedLayout:
         self._slot_chunk = srows[0::_SLOT_WORDS]
         self._slot_ver = srows[1::_SLOT_WORDS]
         self._prepared = h[_H_PREPARED]
+        self._staged: tuple[int, int, int] | None = None  # stage_undo's (slot, chunk, version)
 
     def _hw(self, idx: int, value: int | torch.Tensor) -> None:
         if self._hnp is not None:
@@ -803,6 +804,7 @@ class RetainedLayout:
         calls it after rebuilding a chunk from parity.
         """
         self._check_index(i)
+        self._staged = None
         r = self._row(i)
         self._hw(r + 1, self.compute_checksum(i, version))
         self._hw(r, version)
@@ -810,6 +812,7 @@ class RetainedLayout:
 
     def seal_all(self, version: int) -> None:
         """Record every chunk's bytes as ``version`` (one batched checksum pass)."""
+        self._staged = None
         self._table[:, 1] = self.data_checksums([version] * self.n_chunks)
         self._table[:, 0] = version
         self._ver = [version] * self.n_chunks
@@ -973,27 +976,57 @@ class RetainedLayout:
 
     # -------------------------------------------------------------------- undo
 
-    def save_undo(self, i: int, *, verify: bool = False) -> None:
+    def stage_undo(self, i: int) -> bool:
+        """Copy CLEAN chunk i's data into a free undo slot ahead of its :meth:`save_undo`
+        (``staged=True``), which then writes only the slot's header: the copy runs where
+        the caller waits anyway (a step's COMMIT round trip). The slot stays free until
+        then (its header unchanged: a recovery ignores its bytes). False (nothing copied)
+        if no slot is free or the chunk is not clean.
+
+        The caller writes nothing into chunk i between the two calls; any other undo
+        operation, and any seal, drops the staged copy.
+        """
+        self._staged = None
+        if self.chunk_status(i) is not ChunkStatus.CLEAN or -1 not in self._slot_chunk:
+            return False
+        k = self._slot_chunk.index(-1)
+        self._copy_undo(k, i)
+        self._staged = (k, i, self._ver[i])
+        return True
+
+    def _copy_undo(self, k: int, i: int) -> None:
+        with torch.no_grad():
+            for dst, src in zip(self._undo[k], self.chunk_data(i), strict=True):
+                dst.copy_(src)
+
+    def save_undo(self, i: int, *, verify: bool = False, staged: bool = False) -> None:
         """Copy chunk i's data into a free undo slot; the chunk becomes TORN.
 
         ``verify=True`` first checks the bytes against their checksum (two extra
         reads), so corruption is caught before a step launders it into new bytes.
+        ``staged=True``: the bytes were copied by :meth:`stage_undo` (used if that copy
+        is of chunk i at its version and its slot is still free; else copied here).
         """
+        ahead, self._staged = self._staged, None
         status = self.chunk_status(i)
         if status is not ChunkStatus.CLEAN:
             raise ChunkStateError(f"save_undo: chunk {i} is {status.value}, not clean")
         if verify and not self.verify_chunk(i):
             raise ChecksumError(f"chunk {i} fails its checksum at version {self._ver[i]}")
-        try:
-            k = self._slot_chunk.index(-1)
-        except ValueError:
-            busy = [c for c in self._slot_chunk]
-            raise ChunkStateError(
-                f"save_undo: no free undo slot for chunk {i} (slots hold chunks {busy}; finish or restore one)"
-            ) from None
-        with torch.no_grad():
-            for dst, src in zip(self._undo[k], self.chunk_data(i), strict=True):
-                dst.copy_(src)
+        if staged and ahead is not None and ahead[1:] == (i, self._ver[i]):
+            k = ahead[0]
+            staged = self._slot_chunk[k] == -1
+        else:
+            staged = False
+        if not staged:
+            try:
+                k = self._slot_chunk.index(-1)
+            except ValueError:
+                busy = [c for c in self._slot_chunk]
+                raise ChunkStateError(
+                    f"save_undo: no free undo slot for chunk {i} (slots hold chunks {busy}; finish or restore one)"
+                ) from None
+            self._copy_undo(k, i)
         base = self._slot_base + _SLOT_WORDS * k
         self._hw(base + 2, self._hdr[self._row(i) + 1])
         self._hw(base + 1, self._ver[i])
@@ -1032,6 +1065,7 @@ class RetainedLayout:
 
     def restore_undo(self, i: int) -> None:
         """Put chunk i's undo copy back (after checking it); the chunk becomes CLEAN at the old version."""
+        self._staged = None
         k = self._slot_checked(i)
         if not self.verify_undo(i):
             raise ChecksumError(f"the undo copy of chunk {i} fails its checksum")

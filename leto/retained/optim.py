@@ -219,14 +219,15 @@ class RetainedOptimizer(torch.optim.Optimizer):
             raise ChunkStateError(f"{what}: no step begun (call begin)")
         return self._plan
 
-    def save_undo(self, i: int) -> None:
-        """Keep chunk i's old bytes (params + states) in an undo slot: CLEAN -> TORN."""
+    def save_undo(self, i: int, *, staged: bool = False) -> None:
+        """Keep chunk i's old bytes (params + states) in an undo slot: CLEAN -> TORN
+        (``staged``: copied ahead by ``layout.stage_undo``)."""
         plan = self._require_plan("save_undo")
         if self.layout.chunk_version(i) != plan.step - 1:
             raise ChunkStateError(
                 f"save_undo: chunk {i} is at version {self.layout.chunk_version(i)}, not {plan.step - 1}"
             )
-        self.layout.save_undo(i, verify=self._verify)
+        self.layout.save_undo(i, verify=self._verify, staged=staged)
 
     def apply_chunk(self, i: int, *, seal: bool = True) -> None:
         """Write chunk i's new bytes (the math, in place) and seal them: TORN -> APPLIED.

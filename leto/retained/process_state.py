@@ -24,6 +24,7 @@ import base64
 import inspect
 import json
 import random
+import struct
 import sys
 import warnings
 from collections.abc import Iterator
@@ -113,14 +114,18 @@ def capture_rng() -> dict[str, Any]:
     initialised), Python ``random``, NumPy if loaded."""
     t = torch.get_rng_state()
     version, internal, gauss = random.getstate()
+    # the Mersenne Twister words (and the position) as little-endian uint32 bytes in
+    # base64: a string is cheap to encode and parse, 625 numbers are not (two messages
+    # carry this every step)
     out: dict[str, Any] = {
         "torch": base64.b64encode(t.numpy().tobytes()).decode(),
-        "python": [version, list(internal), gauss],
+        "python": [version, _b64_words(internal), gauss],
     }
     np = sys.modules.get("numpy")
     if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
-        out["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+        words = base64.b64encode(np.asarray(keys, dtype="<u4").tobytes()).decode()
+        out["numpy"] = [kind, words, int(pos), int(has_gauss), float(cached)]
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         out["cuda"] = [
             base64.b64encode(g.numpy().tobytes()).decode() for g in torch.cuda.get_rng_state_all()
@@ -128,16 +133,30 @@ def capture_rng() -> dict[str, Any]:
     return out
 
 
+def _b64_words(words: tuple[int, ...]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(words)}I", *words)).decode()
+
+
+def _words(value: str | list[int]) -> tuple[int, ...]:
+    """uint32 words from :func:`_b64_words` (or, as a process state written before it, a
+    list of numbers)."""
+    if isinstance(value, list):
+        return tuple(int(x) for x in value)
+    raw = base64.b64decode(value)
+    return struct.unpack(f"<{len(raw) // 4}I", raw)
+
+
 def restore_rng(state: dict[str, Any]) -> None:
     """Make ``state`` (from :func:`capture_rng`) the process's RNG states."""
     raw = base64.b64decode(state["torch"])
     torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone())
     version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate((version, _words(internal), gauss))
     np = sys.modules.get("numpy")
     if np is not None and "numpy" in state:
         kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        keys = np.array(_words(keys), dtype=np.uint32)
+        np.random.set_state((kind, keys, pos, has_gauss, cached))
     if "cuda" in state:
         if not torch.cuda.is_available() or torch.cuda.device_count() < len(state["cuda"]):
             raise ProcessStateError(

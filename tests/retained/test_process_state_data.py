@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from leto.retained.process_state import (
     capture_rng,
     from_json,
     is_per_rank,
+    restore_rng,
     shard,
     step_scheduler,
     takes_metric,
@@ -69,6 +71,33 @@ def test_loader_over_a_distributed_sampler_is_per_rank() -> None:
     ds = TensorDataset(torch.arange(8))
     assert is_per_rank(DataLoader(ds, sampler=DistributedSampler(ds, 2, 0)))
     assert not is_per_rank(DataLoader(ds, batch_size=2))
+
+
+def test_rng_states_come_back_through_json_in_either_encoding() -> None:
+    np = pytest.importorskip("numpy")
+    random.seed(3)
+    np.random.seed(5)
+    torch.manual_seed(7)
+    st = json.loads(json.dumps(capture_rng()))
+    assert isinstance(st["python"][1], str) and isinstance(st["numpy"][1], str)  # base64 words
+
+    def draws() -> tuple[float, float, float]:
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    want = draws()
+    restore_rng(st)
+    assert draws() == want
+    # a process state written with the words as numbers (before the base64 words)
+    version, words, gauss = random.getstate()
+    np_state = np.random.get_state()
+    old = dict(st)
+    old["python"] = [version, list(words), gauss]
+    old["numpy"] = [np_state[0], [int(k) for k in np_state[1]], *np_state[2:]]
+    restore_rng(old)
+    again = draws()
+    restore_rng(st)  # another state between: the old encoding must restore, not keep
+    restore_rng(old)
+    assert draws() == again and again != want
 
 
 def test_cuda_rng_state_is_kept_with_the_cpu_ones() -> None:

@@ -137,6 +137,41 @@ def test_versions_checksums_and_undo_lifecycle() -> None:
         lay.save_undo(0, verify=True)
 
 
+def test_an_undo_copy_staged_ahead_serves_only_its_chunk_at_its_version() -> None:
+    lay = RetainedLayout.create(mlp(), chunk_numel=16, states=["s"], undo_slots=1)
+    assert lay.stage_undo(2)
+    # staged: the slot stays free in the header, the chunk clean
+    assert lay.chunk_status(2) is ChunkStatus.CLEAN and lay._slot_of(2) is None
+    marked = [t.clone() for t in lay._undo[0]]
+    for t in lay._undo[0]:
+        t.fill_(7.0)  # stands for the staged bytes: save_undo must take them as they are
+    lay.save_undo(2, staged=True)
+    assert lay.chunk_status(2) is ChunkStatus.TORN
+    assert all(bool((u == 7.0).all()) for u in lay.undo_data(2))
+    with pytest.raises(ChecksumError):  # bytes that are not the chunk's are never restored
+        lay.restore_undo(2)
+    for t, m in zip(lay._undo[0], marked, strict=True):
+        t.copy_(m)
+    lay.restore_undo(2)
+    # refused: another chunk, a chunk sealed since, or no staged=True: copied afresh
+    for case in ("other", "sealed", "unflagged"):
+        assert lay.stage_undo(2)
+        for t in lay._undo[0]:
+            t.fill_(7.0)
+        c = 3 if case == "other" else 2
+        if case == "sealed":
+            lay.chunk_data(2)[0].fill_(1.5)
+            lay.seal_chunk(2, lay.chunk_version(2))
+        lay.save_undo(c, staged=case != "unflagged")
+        assert all(
+            torch.equal(u, d) for u, d in zip(lay.undo_data(c), lay.chunk_data(c), strict=True)
+        ), case
+        lay.restore_undo(c)
+    # nothing to stage into: the only slot holds a chunk's undo copy
+    lay.save_undo(0)
+    assert not lay.stage_undo(1)
+
+
 def test_unresumable_names_chunks_off_target_and_corrupt_ones() -> None:
     lay = RetainedLayout.create(mlp(), chunk_numel=16, states=["s"], undo_slots=2)
     assert lay.unresumable(0) is None

@@ -43,6 +43,7 @@ class Tier2Snapshots:
         self.K = config.tier2_interval if config.tier2 else 10**12
         # m: lost nodes the snapshot survives (m >= 2: leto.retained.rs, striped)
         self.t2_parity = int(getattr(config, "tier2_parity", 1))
+        self._mapped: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}  # slot -> mapping
 
     def maybe_take(self, V: int) -> None:
         """The tier-2 snapshot of step ``V`` if the last one is K steps back."""
@@ -77,12 +78,21 @@ class Tier2Snapshots:
         return nb, m * rs.striped_share_nbytes(nb, s.nnodes, m)
 
     def segment(self, slot: int) -> torch.Tensor:
-        """The node's snapshot slot ``slot``, mapped (every local rank's bytes, then shares)."""
+        """The node's snapshot slot ``slot``, mapped (every local rank's bytes, then shares).
+
+        The mapping is kept for the next snapshot into the same segment (the agent's, for
+        its lifetime: the same inode): a fresh mapping would fault in every page of the
+        copy again, which cost this copy five times its memory traffic."""
         nb, share = self.layout()
         total = self.s.nproc * (nb + share)
         fd = self.s.memory.segment(f"snap.{slot}", total)
         try:
-            return segments.as_tensor(fd, total)
+            key = (total, os.fstat(fd).st_ino)
+            have = self._mapped.get(slot)
+            if have is None or have[0] != key:
+                have = (key, segments.as_tensor(fd, total))
+                self._mapped[slot] = have
+            return have[1]
         finally:
             os.close(fd)
 

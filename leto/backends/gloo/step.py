@@ -312,14 +312,13 @@ class UserLoop:
             work = _coll(REDUCE_SCATTER, buf, self.buf, op=dist.ReduceOp.SUM, async_op=True)
         s.fault_points.point("allreduce")
         _coll(work.wait)
-        flat.div_(s.W)
         s.keeper.check_writer()
         self.old = None
         if s.gparity is not None and not s.replica and s.gparity.versions()[s.lr] != NONE:
             self.old = as_bytes(lay.grad_buffer).clone()
         lay.clear_prepared()
-        with torch.no_grad():
-            lay.grad_buffer.copy_(flat)
+        with torch.no_grad():  # the mean written straight into retained memory: one pass
+            torch.div(flat, s.W, out=lay.grad_buffer)
         lay.mark_reduced(self.V)
         flags = buf[n:].tolist()
         if plan is None:

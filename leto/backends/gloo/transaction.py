@@ -9,7 +9,9 @@ One step ``V`` (the protocol's events in brackets):
    gradient parity (with replicas: only the record of their step), the prepare
    record (RNG, sampler position, present mask, gradient checksums) sent to the
    node agent, the vote sent [Prepare];
-4. wait for ``commit(V)`` from the coordinator [Decide];
+4. wait for ``commit(V)`` from the coordinator [Decide], meanwhile copying the first
+   chunk to apply into a free undo slot (the slot stays free: BeginChunk is still
+   step 5's, which then writes only its header);
 5. per chunk: undo copy [BeginChunk], new bytes written and sealed [EndChunk],
    the node's chunk parity (with replicas: its record) updated [ParityChunk],
    undo released;
@@ -160,12 +162,12 @@ class StepTransaction:
         mean_loss = (
             float(buf[-1]) / W
         )  # a metric scheduler's (ReduceLROnPlateau), alike on every rank
-        flat.div_(W)
         point("reduced")
         s.keeper.check_writer()
         m = s.lr
         gdelta = None
         if s.gparity is not None and not s.replica:
+            flat.div_(W)
             # this member's change of the gradient parity: new bytes - old bytes
             # (old: zeros if the parity never held this member's gradients)
             comp = s.gparity.versions()[m]
@@ -178,7 +180,10 @@ class StepTransaction:
                 gdelta.copy_(as_bytes(flat))
         lay.clear_prepared()
         with torch.no_grad():
-            lay.grad_buffer.copy_(flat)
+            if gdelta is None:  # the mean written straight into retained memory: one pass
+                torch.div(flat, W, out=lay.grad_buffer)
+            else:
+                lay.grad_buffer.copy_(flat)
         lay.mark_reduced(V)
         if plan is None:
             present_mask = [bool(c > 0) for c in present.tolist()]
@@ -247,6 +252,11 @@ class StepTransaction:
         # 4. decide
         s.ch.mark("decide")
         point("decide", where="before")
+        # the undo copy of the first chunk to apply, while the COMMIT is on its way: into
+        # a slot that stays free (a recovery ignores its bytes) until BeginChunk
+        first = m % n
+        s.keeper.check_writer()
+        staged = lay.stage_undo(first)
         s.ch.wait_for("commit", (s.gen, V), s.gen)
         point("decide", where="after")
         # 5. apply, chunk by chunk, each member of the node's parity group starting at
@@ -255,7 +265,7 @@ class StepTransaction:
         ropt.begin(V)
         for c in [(m + i) % n for i in range(n)]:
             s.keeper.check_writer()
-            ropt.save_undo(c)
+            ropt.save_undo(c, staged=staged and c == first)
             point("apply", c, "undo_saved")
 
             def tear(c: int = c) -> None:  # the trainer dies half way through the chunk
