@@ -382,8 +382,9 @@ class RecoveryDriver:
             }
             return True
         effects = self.c.feeder.feed_event(ev.Reconcile())
+        # runs of chunks (count), expanded by each node (leto.core.reconcile.Repair.expand)
         repairs = [
-            {"what": x.what, "rank": x.rank, "chunk": x.chunk, "step": x.step}
+            {"what": x.what, "rank": x.rank, "chunk": x.chunk, "step": x.step, "count": x.count}
             for x in effects
             if isinstance(x, fx.RunRepair)
         ]
