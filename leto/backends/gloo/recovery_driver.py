@@ -438,8 +438,8 @@ class RecoveryDriver:
         notes = []
         for r in range(self.c.W):
             rep = self.c.reports[r]
-            d = tuple(int(x) for x in rep["data"])
-            u = tuple(int(x) for x in rep["undo"])
+            d = tuple(map(int, rep["data"]))
+            u = tuple(map(int, rep["undo"]))
             g = int(rep["grad"])
             if (d, u, g) != (s.data[r], s.undo[r], s.grad[r]):
                 notes.append(
