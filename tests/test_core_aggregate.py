@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
+from leto.core import effects as fx
 from leto.core import events as ev
-from leto.core.aggregate import check_refinement, expand, refinement_failure
+from leto.core.aggregate import check_refinement, expand, plan_failure, refinement_failure
 from leto.core.checker import check
 from leto.core.chunk import LOST, NONE, TORN, repeated, uniform_row
 from leto.core.cluster import Aggregation, ClusterConfig, ClusterModel
 from leto.core.erasure import Topology
-from leto.core.reconcile import Survivors, plan
+from leto.core.reconcile import Plan, Repair, Survivors, expand_repairs, plan
+from leto.core.recovery import Kind, Phase
 from leto.core.verify import CHECK_CONFIGS
 
 
@@ -35,6 +38,18 @@ def test_refinement_over_two_steps() -> None:
     res = check_refinement(ClusterModel(cfg, aggregation=Aggregation.ON))
     assert res.ok, res.failure
     assert res.aggregated > 0
+    # plans in runs checked against the chunk-by-chunk plan, some with a run of 2 chunks
+    assert res.plans > 0 and res.runs > 0
+
+
+def test_refinement_check_rejects_a_broken_plan_aggregation() -> None:
+    """ROW_HEAD reads a rank's roll forward from its first chunk: a rank that died after
+    writing chunk 0 of the committed step gets no run, and its chunk 1 is not planned."""
+    res = check_refinement(ClusterModel(CHECK_CONFIGS["three-ranks"], aggregation="row_head"))
+    assert not res.ok and res.failure is not None
+    assert res.failure.startswith("Refines: the plan's runs expand to other repairs")
+    assert "chunk by chunk Repair(what='forward', rank=0, chunk=1" in res.failure
+    assert "Crash(rank=0)" in res.failure
 
 
 @pytest.mark.parametrize(
@@ -85,6 +100,8 @@ def test_random_runs_refine(data: st.DataObject) -> None:
         for e in m.candidates(s):
             if isinstance(e, ev.Aggregated):
                 assert refinement_failure(m, s, e) is None
+        if s.phase is Phase.RECONCILING:
+            assert plan_failure(m, s) is None
         enabled = m.enabled(s)
         if not enabled:
             break
@@ -129,9 +146,65 @@ def test_compressed_plan_is_the_reference_on_reachable_states(name: str) -> None
     for s in states:
         surv = m.survivors(s)
         got = plan(surv)
-        assert got == plan(surv, compress=False), s
+        assert _expanded(got) == plan(surv, compress=False), s
         kinds.add(got.kind)
     assert len(kinds) >= 4  # not vacuous: several kinds of plan compared
+
+
+def _expanded(p: Plan) -> Plan:
+    return attrs.evolve(p, repairs=expand_repairs(p.repairs))
+
+
+def test_plan_rolls_a_rank_forward_in_one_run() -> None:
+    """COMMIT(1) recorded, no rank applied it, a rank crashed: every rank rolls its 64
+    chunks forward, one repair each, that expand to the chunk-by-chunk plan; the
+    Reconcile effects are the same runs."""
+    m = ClusterModel(ClusterConfig(topology=Topology((2, 2)), chunks=64, max_step=3))
+    s, _ = m.step(m.initial(), ev.CommitStep(1))
+    s, _ = m.step(s, ev.ApplyStep(1, (3,)))  # rank 3 finished: no repair
+    for e in (ev.Crash(0), ev.Detect(), ev.Fence(), ev.Promote(0), ev.EndPromote()):
+        s, _ = m.step(s, e)
+    p = m.plan(s)
+    assert p.kind is Kind.FORWARD and p.target == 1
+    assert p.repairs == tuple(Repair("forward", r, 0, 1, 64) for r in range(3))
+    assert _expanded(p) == plan(m.survivors(s), compress=False)
+    assert len(expand_repairs(p.repairs)) == 3 * 64
+    assert plan_failure(m, s) is None
+    _, effects = m.step(s, ev.Reconcile())
+    assert [x for x in effects if isinstance(x, fx.RunRepair)] == [
+        fx.RunRepair("forward", r, 0, 1, 64) for r in range(3)
+    ]
+
+
+def test_partial_rows_plan_runs_of_the_chunks_behind() -> None:
+    """Rank 0 applied chunks 0..2 of 8 and died writing chunk 3 (torn: only its undo
+    copy of step 0 is usable): one run of chunks 3..7; rank 1, untouched, one of all 8."""
+    m = ClusterModel(ClusterConfig(topology=Topology((2,)), chunks=8, max_step=3))
+    s, _ = m.step(m.initial(), ev.CommitStep(1))
+    for c in range(3):
+        for e in (ev.BeginChunk(0, c), ev.EndChunk(0, c), ev.ParityChunk(0, c)):
+            s, _ = m.step(s, e)
+    s, _ = m.step(s, ev.BeginChunk(0, 3))
+    for e in (ev.Crash(0), ev.Detect(), ev.Fence(), ev.Promote(0), ev.EndPromote()):
+        s, _ = m.step(s, e)
+    p = m.plan(s)
+    assert p.repairs == (Repair("forward", 0, 3, 1, 5), Repair("forward", 1, 0, 1, 8))
+    assert _expanded(p) == plan(m.survivors(s), compress=False)
+    assert plan_failure(m, s) is None
+
+
+def test_repair_runs_validate_and_expand() -> None:
+    assert Repair("tier1", 2, 4, 7, 3).expand() == tuple(
+        Repair("tier1", 2, c, 7) for c in (4, 5, 6)
+    )
+    assert Repair("grad-tier1", 2, -1, 7).expand() == (Repair("grad-tier1", 2, -1, 7),)
+    assert fx.RunRepair("forward", 1, 0, 2, 2).expand() == (
+        fx.RunRepair("forward", 1, 0, 2), fx.RunRepair("forward", 1, 1, 2),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        Repair("forward", 0, 0, 1, 0)
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        fx.RunRepair("forward", 0, 0, 1, 0)
 
 
 _VAL = st.sampled_from([0, 1, 2, TORN, LOST])
@@ -174,4 +247,4 @@ def test_compressed_plan_is_the_reference_on_random_survivors(data: st.DataObjec
         t2=0,
         t2_intact=data.draw(st.booleans()),
     )
-    assert plan(surv) == plan(surv, compress=False)
+    assert _expanded(plan(surv)) == plan(surv, compress=False)

@@ -18,7 +18,7 @@ import pytest
 
 from leto.cli import main
 from leto.core import events as ev
-from leto.core.chunk import LOST, NONE
+from leto.core.chunk import GARBAGE, LOST, NONE, TORN
 from leto.core.errors import ProtocolError
 from leto.core.recovery import Phase
 from leto.spec.state_record import state_to_record
@@ -173,6 +173,8 @@ def test_adoption_is_checked() -> None:
         ({"grad": [1, 1]}, "rank 1's gradients are LOST in the model"),
         ({"data": [[1, 1, 1], [LOST, LOST]]}, "rank 0: 2 chunks expected"),
         ({"data": [[1, -3], [LOST, LOST]]}, "rank 0 chunk 1: no chunk value -3"),
+        ({"undo": [[NONE, TORN], [NONE, NONE]]}, f"rank 0 chunk 1: no undo value {TORN}"),
+        ({"gpar": [[1, GARBAGE]]}, "node 0: no parity version"),
         ({"par": [[[1, 1]]]}, "node 0: parity of 2 chunks x 2 members expected"),
         ({"t2lost": [3]}, "lost blocks of nodes [3]"),
         # gradients released while the node's gradient parity still names them

@@ -161,8 +161,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _no_tier2(p)
     p = sub.add_parser(
         "control",
-        help="the coordinator's protocol-model CPU per step and per recovery plan "
-        "(in process, no training), aggregated vs chunk-level",
+        help="the coordinator's protocol-model CPU per step, per recovery plan and per "
+        "adoption of the trainers' reports (in process, no training), aggregated vs "
+        "chunk-level",
     )
     p.add_argument("--ranks", type=int, default=1024, help="ranks (default 1024)")
     p.add_argument("--chunks", type=int, default=4096, help="chunks per rank (default 4096)")

@@ -7,14 +7,21 @@ the way the coordinator feeds it, and timed in CPU seconds (``time.process_time`
 * aggregated (today): ``CommitStep(V)`` once every rank voted; each rank's
   ``finished(V)`` judged on arrival by the guard of ``ApplyStep(V, [rank])``; one
   ``ApplyStep(V, ranks)``. Then the reconcile plan after a loss
-  (``ClusterModel.plan``: a rank's memory lost -> tier 1; a node lost -> tier 2).
+  (``ClusterModel.plan``: a rank's memory lost -> tier 1; a node lost -> tier 2; a
+  rank crashed after COMMIT of the next step, before any rank applied it -> every
+  rank rolls every chunk forward, one run of chunks per rank).
 * chunk-level (the reference semantics, what the coordinator fed before): every
   rank's Compute, Reduce, Prepare, Decide, then every chunk's BeginChunk, EndChunk,
   ParityChunk and Finish of every rank (:func:`leto.core.aggregate.expand`); the plan
-  read chunk by chunk (``plan(..., compress=False)``). Only at the sizes it can still do.
+  read chunk by chunk, one repair per chunk (``plan(..., compress=False)``). Only at
+  the sizes it can still do.
 
-Both paths must end in the same model state (checked; ``same_state``); the ratios are
-measured side by side in one run.
+Both paths must end in the same model state (checked; ``same_state``) and plan the
+same repairs (the runs expanded; ``same_plans``); the ratios are measured side by side
+in one run. ``adopt``: the roll-forward recovery's adoption of the trainers' reports
+(:func:`leto.core.adopt.adopt`, every rank's retained headers as fresh tuples, as the
+gloo coordinator builds them) and the plan computed from the adopted state; the same
+code on both paths, timed on the aggregated one.
 """
 
 from __future__ import annotations
@@ -24,16 +31,20 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
+
 from leto.core import events as ev
+from leto.core.adopt import Retained, adopt
 from leto.core.aggregate import expand
 from leto.core.cluster import ClusterModel, ClusterState
-from leto.core.reconcile import plan
+from leto.core.reconcile import Plan, expand_repairs, plan
 from leto.spec.trace import CoreSetup
 
 __all__ = ["control_table", "parse_sizes", "run_control"]
 
 TARGET_STEP_MS = 5.0
 TARGET_PLAN_MS = 100.0
+_OBJECTS = ("state", "planned")  # compared, not reported
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -75,6 +86,38 @@ def _chunk_level_step(m: ClusterModel, s: ClusterState, v: int) -> ClusterState:
     return s
 
 
+def _roll_forward(m: ClusterModel, s: ClusterState, v: int, aggregated: bool) -> ClusterState:
+    """COMMIT(v) recorded, then rank 0 crashes before any rank applied it: the recovery
+    up to its plan (every rank rolls forward)."""
+    commit = [ev.CommitStep(v)] if aggregated else list(expand(m, ev.CommitStep(v)))
+    for e in (*commit, ev.Crash(0), ev.Detect(), ev.Fence(), ev.Promote(0), ev.EndPromote()):
+        s, _ = m.step(s, e)
+    return s
+
+
+def _reports(m: ClusterModel, s: ClusterState) -> Retained:
+    """``s``'s retained state as the trainers report it: fresh rows of ints."""
+    return Retained(
+        data=tuple(tuple(list(row)) for row in s.data),
+        undo=tuple(tuple(list(row)) for row in s.undo),
+        grad=s.grad,
+        par=s.par,
+        gpar=s.gpar,
+        t2=s.t2,
+        t2lost=s.t2lost,
+    )
+
+
+def _plan_row(ms: float, p: Plan) -> dict[str, Any]:
+    return {
+        "ms": ms,
+        "kind": p.kind.value,
+        "target": p.target,
+        "repairs": sum(x.count for x in p.repairs),  # chunk-level repairs
+        "runs": len(p.repairs),  # as planned: runs of chunks
+    }
+
+
 def _run_path(
     ranks: int, chunks: int, per_node: int, steps: int, aggregated: bool
 ) -> dict[str, Any]:
@@ -85,24 +128,38 @@ def _run_path(
         ms, s = _cpu_ms(functools.partial(feed, m, s, v))
         times.append(ms)
     plans: dict[str, Any] = {}
+    planned: dict[str, Plan] = {}
     node = m.config.topology.nodes - 1
-    for name, fault in (("lose_memory", ev.LoseMemory(0)), ("lose_node", ev.LoseNode(node))):
-        lost, _ = m.step(s, fault)
-        surv = m.survivors(lost)
+    forward = _roll_forward(m, s, steps + 1, aggregated)
+    for name, before in (
+        ("lose_memory", m.step(s, ev.LoseMemory(0))[0]),
+        ("lose_node", m.step(s, ev.LoseNode(node))[0]),
+        ("roll_forward", forward),
+    ):
+        surv = m.survivors(before)
         ms, p = _cpu_ms(functools.partial(plan, surv, compress=aggregated))
-        plans[name] = {
-            "ms": ms,
-            "kind": p.kind.value,
-            "target": p.target,
-            "repairs": len(p.repairs),
-        }
+        plans[name] = _plan_row(ms, p)
+        planned[name] = p
+    out: dict[str, Any] = {}
+    if aggregated:
+        reports = _reports(m, forward)
+        adopt_ms, adopted = _cpu_ms(functools.partial(adopt, m, forward, reports))
+        plan_ms, p = _cpu_ms(functools.partial(m.plan, adopted))
+        out["adopt"] = {"ms": adopt_ms, "plan_ms": plan_ms, "runs": len(p.repairs)}
     warm = times[1:] or times
     return {
         "step_ms": sorted(warm)[len(warm) // 2],
         "step_ms_all": times,
         "plan": plans,
+        **out,
         "state": s,
+        "planned": planned,
     }
+
+
+def _same_plans(agg: dict[str, Plan], ref: dict[str, Plan]) -> bool:
+    """The aggregated plans' runs expand to the chunk-level plans."""
+    return all(attrs.evolve(agg[k], repairs=expand_repairs(agg[k].repairs)) == ref[k] for k in agg)
 
 
 def run_control(
@@ -124,20 +181,18 @@ def run_control(
         row: dict[str, Any] = {
             "ranks": r,
             "chunks": c,
-            "aggregated": {k: v for k, v in agg.items() if k != "state"},
+            "aggregated": {k: v for k, v in agg.items() if k not in _OBJECTS},
         }
         if reference:
             say(f"{r} ranks x {c} chunks: chunk-level")
             ref = _run_path(r, c, min(per_node, r), steps, aggregated=False)
-            row["chunk_level"] = {k: v for k, v in ref.items() if k != "state"}
+            row["chunk_level"] = {k: v for k, v in ref.items() if k not in _OBJECTS}
             row["same_state"] = ref["state"] == agg["state"]
             row["step_ratio"] = ref["step_ms"] / max(agg["step_ms"], 1e-6)
             row["plan_ratio"] = {
                 k: ref["plan"][k]["ms"] / max(agg["plan"][k]["ms"], 1e-6) for k in agg["plan"]
             }
-            row["same_plans"] = all(
-                {**ref["plan"][k], "ms": 0} == {**agg["plan"][k], "ms": 0} for k in agg["plan"]
-            )
+            row["same_plans"] = _same_plans(agg["planned"], ref["planned"])
         rows.append(row)
     main = rows[-1]["aggregated"]
     plan_ms = max(p["ms"] for p in main["plan"].values())
@@ -156,7 +211,8 @@ def control_table(res: dict[str, Any]) -> str:
     lines = [
         f"leto bench control: the coordinator's model CPU (ms), {res['per_node']} ranks per node",
         f"{'ranks x chunks':>16} {'path':<12} {'step':>10} {'plan tier1':>11} "
-        f"{'plan node':>10} {'ratio step':>11} {'ratio plan':>11}",
+        f"{'plan node':>10} {'plan fwd':>10} {'ratio step':>11} {'ratio plan':>11} "
+        f"{'adopt':>9} {'its plan':>9}",
     ]
     for row in res["rows"]:
         size = f"{row['ranks']} x {row['chunks']}"
@@ -164,14 +220,19 @@ def control_table(res: dict[str, Any]) -> str:
             if path not in row:
                 continue
             d = row[path]
-            ratio_s = ratio_p = ""
+            ratio_s = ratio_p = adopt_ms = adopted_plan = ""
             if path == "aggregated" and "step_ratio" in row:
                 ratio_s = f"{row['step_ratio']:.0f}x"
                 ratio_p = f"{max(row['plan_ratio'].values()):.0f}x"
+            if "adopt" in d:
+                adopt_ms = f"{d['adopt']['ms']:.2f}"
+                adopted_plan = f"{d['adopt']['plan_ms']:.2f}"
+            plans = d["plan"]
             lines.append(
                 f"{size:>16} {path.replace('_', '-'):<12} {d['step_ms']:>10.2f} "
-                f"{d['plan']['lose_memory']['ms']:>11.2f} {d['plan']['lose_node']['ms']:>10.2f} "
-                f"{ratio_s:>11} {ratio_p:>11}"
+                f"{plans['lose_memory']['ms']:>11.2f} {plans['lose_node']['ms']:>10.2f} "
+                f"{plans['roll_forward']['ms']:>10.2f} {ratio_s:>11} {ratio_p:>11} "
+                f"{adopt_ms:>9} {adopted_plan:>9}"
             )
     checked = [r for r in res["rows"] if "same_state" in r]
     if checked:

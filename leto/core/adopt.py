@@ -13,6 +13,7 @@ the state unchanged. Pure: values in, a state out.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import attrs
@@ -120,19 +121,17 @@ def adoption_refusal(model: ClusterModel, s: ClusterState, r: Retained) -> str |
             return f"rank {q}'s trainer is {t.value}"
     if len(r.data) != R or len(r.undo) != R or len(r.grad) != R:
         return f"{R} ranks expected, got data {len(r.data)}, undo {len(r.undo)}, grad {len(r.grad)}"
+    # each distinct (report, model) row once (few: the rows of a step are alike)
+    rows = set(zip(r.data, r.undo, s.data, strict=True))
+    rows_ok = all(len(d) == len(u) == C and _row_ok(d, u, m) for d, u, m in rows)
     for q in range(R):
         if len(r.data[q]) != C or len(r.undo[q]) != C:
             return (
                 f"rank {q}: {C} chunks expected, got data {list(r.data[q])} undo {list(r.undo[q])}"
             )
-        for c in range(C):
-            d, u = r.data[q][c], r.undo[q][c]
-            if d < 0 and d not in (TORN, LOST):
-                return f"rank {q} chunk {c}: no chunk value {d}"
-            if u < 0 and u != NONE:
-                return f"rank {q} chunk {c}: no undo value {u}"
-            if s.data[q][c] == LOST and d != LOST:
-                return f"rank {q} chunk {c} is LOST in the model, reported {d}"
+        why = None if rows_ok else _row_refusal(q, r, s)
+        if why is not None:
+            return why
         g = r.grad[q]
         if g < 0 and g not in (NONE, LOST):
             return f"rank {q}: no gradient value {g}"
@@ -143,13 +142,12 @@ def adoption_refusal(model: ClusterModel, s: ClusterState, r: Retained) -> str |
         return f"{len(groups)} nodes expected, got par {len(r.par)}, gpar {len(r.gpar)}"
     for n, members in enumerate(groups):
         p, gp = r.par[n], r.gpar[n]
-        if p is not None and (len(p) != C or any(len(row) != len(members) for row in p)):
+        if p is not None and (len(p) != C or set(map(len, p)) - {len(members)}):
             return f"node {n}: parity of {C} chunks x {len(members)} members expected, got {p}"
         if gp is not None and len(gp) != len(members):
             return f"node {n}: gradient parity of {len(members)} members expected, got {gp}"
-        if any(v < 0 and v != NONE for row in p or () for v in row) or any(
-            v < 0 and v != NONE for v in gp or ()
-        ):
+        versions = {*itertools.chain.from_iterable(set(p or ())), *(gp or ())}
+        if any(v < 0 and v != NONE for v in versions):
             return f"node {n}: no parity version in {p} / {gp}"
     if r.t2 < 0 or not r.t2lost <= set(range(len(groups))):
         return f"tier 2: snapshot step {r.t2}, lost blocks of nodes {sorted(r.t2lost)}"
@@ -161,6 +159,31 @@ def adoption_refusal(model: ClusterModel, s: ClusterState, r: Retained) -> str |
             "the reported state breaks ParityOK's gradient clause: a node's gradient "
             "parity names gradients a member does not hold"
         )
+    return None
+
+
+def _row_ok(data: tuple[int, ...], undo: tuple[int, ...], model: tuple[int, ...]) -> bool:
+    """:func:`_row_refusal` finds nothing, read by distinct values (O(chunks) in C, not
+    in Python): every value one a header can hold, and no chunk the model lost found."""
+    return (
+        all(d >= 0 or d in (TORN, LOST) for d in set(data))
+        and all(u >= 0 or u == NONE for u in set(undo))
+        and (
+            LOST not in model
+            or all(d == LOST for d, m in zip(data, model, strict=True) if m == LOST)
+        )
+    )
+
+
+def _row_refusal(q: int, r: Retained, s: ClusterState) -> str | None:
+    """The first chunk of rank ``q`` whose report cannot be adopted, and why."""
+    for c, (d, u) in enumerate(zip(r.data[q], r.undo[q], strict=True)):
+        if d < 0 and d not in (TORN, LOST):
+            return f"rank {q} chunk {c}: no chunk value {d}"
+        if u < 0 and u != NONE:
+            return f"rank {q} chunk {c}: no undo value {u}"
+        if s.data[q][c] == LOST and d != LOST:
+            return f"rank {q} chunk {c} is LOST in the model, reported {d}"
     return None
 
 

@@ -21,6 +21,21 @@ A broken aggregation (:class:`~leto.core.cluster.Aggregation` ``NO_PARITY_FOLD``
 ``UNCOMMITTED``) must be rejected by this check. The effects of an aggregated event are
 a summary (``CommitStep``: ``RecordCommit``; ``ApplyStep``: none), not its
 expansion's per-chunk effects: a coordinator feeds it once the ranks did the work.
+
+The recovery path is aggregated the same way: the reconcile plan writes consecutive
+chunks' repairs as one run (:class:`~leto.core.reconcile.Repair` and
+:class:`~leto.core.effects.RunRepair` ``count``: "roll rank r's chunks 0..4095 forward
+to V" is one repair), so a plan that rolls every rank forward costs O(ranks), not
+O(ranks x chunks). The run means its expansion (``Repair.expand``), and the
+chunk-by-chunk plan (``plan(..., compress=False)``) stays the reference:
+:func:`plan_failure` checks, in every reconciling state the checker reaches, that the
+model's plan has the reference's target, kind and reason (so ``Reconcile`` and
+``GoFallback`` are enabled exactly where they are chunk by chunk, and ``Reconcile``
+reaches the same state) and that its runs, and the ``RunRepair`` effects of
+``Reconcile``, expand to the reference's repairs in order. ``Reconcile`` stays one
+action of the spec (``spec/Leto.tla`` has no per-chunk repair action): a run is only a
+summary of its effects, so the spec needs no change. ``Aggregation.ROW_HEAD`` (a
+rank's roll forward read from its first chunk) must be rejected.
 """
 
 from __future__ import annotations
@@ -29,10 +44,19 @@ from collections import deque
 
 import attrs
 
+from leto.core import effects as fx
 from leto.core import events as ev
 from leto.core.cluster import Aggregation, ClusterModel, ClusterState
+from leto.core.reconcile import Repair, expand_repairs, plan
+from leto.core.recovery import Phase
 
-__all__ = ["RefinementResult", "check_refinement", "expand", "refinement_failure"]
+__all__ = [
+    "RefinementResult",
+    "check_refinement",
+    "expand",
+    "plan_failure",
+    "refinement_failure",
+]
 
 
 def expand(model: ClusterModel, e: ev.Aggregated) -> tuple[ev.Event, ...]:
@@ -94,6 +118,43 @@ def refinement_failure(model: ClusterModel, s: ClusterState, e: ev.Aggregated) -
     return None
 
 
+def _first_difference(got: tuple[object, ...], want: tuple[object, ...]) -> str:
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return f"repair {i}: {a!r}, chunk by chunk {b!r}"
+    return f"{len(got)} repairs, chunk by chunk {len(want)}"
+
+
+def plan_failure(model: ClusterModel, s: ClusterState) -> str | None:
+    """None if the model's plan of ``s`` (its repairs in runs) is the chunk-by-chunk
+    plan, and the ``RunRepair`` effects of ``Reconcile`` (where enabled) expand to its
+    repairs; else why not."""
+    ref = plan(model.survivors(s), compress=False)
+    got = model.plan(s)
+    if (got.target, got.kind, got.reason) != (ref.target, ref.kind, ref.reason):
+        return (
+            f"Refines: the plan in runs is {got.kind.value} to {got.target} ({got.reason}), "
+            f"chunk by chunk {ref.kind.value} to {ref.target} ({ref.reason})"
+        )
+    if expand_repairs(got.repairs) != ref.repairs:
+        diff = _first_difference(expand_repairs(got.repairs), ref.repairs)
+        return f"Refines: the plan's runs expand to other repairs than the reference ({diff})"
+    if model.why_not(s, ev.Reconcile()) is None:
+        _, effects = model.step(s, ev.Reconcile())
+        runs = tuple(x for e in effects if isinstance(e, fx.RunRepair) for x in e.expand())
+        want = tuple(fx.RunRepair(x.what, x.rank, x.chunk, x.version) for x in ref.repairs)
+        if runs != want:
+            return (
+                "Refines: Reconcile's RunRepair effects expand to other repairs than the "
+                f"reference ({_first_difference(runs, want)})"
+            )
+    return None
+
+
+def _has_run(repairs: tuple[Repair, ...]) -> bool:
+    return any(x.count > 1 for x in repairs)
+
+
 @attrs.frozen
 class RefinementResult:
     states: int  # states of the aggregated model reached
@@ -101,6 +162,8 @@ class RefinementResult:
     refused: int  # aggregated candidates refused, each checked against its expansion
     failure: str | None  # the first disagreement, with the shortest path to it
     complete: bool
+    plans: int = 0  # reconciling states whose plan was checked against the reference
+    runs: int = 0  # of those, plans with a run of more than one chunk
 
     @property
     def ok(self) -> bool:
@@ -110,14 +173,15 @@ class RefinementResult:
 def check_refinement(model: ClusterModel, *, max_states: int | None = None) -> RefinementResult:
     """Breadth-first over every state the aggregated model reaches (chunk-level and
     aggregated events, ``model.aggregation`` not OFF); every aggregated candidate in
-    every state is compared with its expansion (:func:`refinement_failure`). Stops at
-    the first disagreement, with the shortest event path that reaches it."""
+    every state is compared with its expansion (:func:`refinement_failure`), and in
+    every reconciling state the plan with the chunk-by-chunk one (:func:`plan_failure`).
+    Stops at the first disagreement, with the shortest event path that reaches it."""
     if model.aggregation is Aggregation.OFF:
         model = attrs.evolve(model, aggregation=Aggregation.ON)
     init = model.initial()
     parent: dict[ClusterState, tuple[ClusterState | None, ev.Event | None]] = {init: (None, None)}
     queue = deque([init])
-    accepted = refused = 0
+    accepted = refused = plans = runs = 0
 
     def path(s: ClusterState) -> str:
         out: list[str] = []
@@ -129,17 +193,24 @@ def check_refinement(model: ClusterModel, *, max_states: int | None = None) -> R
             cur = prev
         return " -> ".join(reversed(out)) or "init"
 
+    def result(failure: str | None, complete: bool) -> RefinementResult:
+        return RefinementResult(len(parent), accepted, refused, failure, complete, plans, runs)
+
     while queue:
         if max_states is not None and len(parent) >= max_states:
-            return RefinementResult(len(parent), accepted, refused, None, False)
+            return result(None, False)
         s = queue.popleft()
+        if s.phase is Phase.RECONCILING:
+            why = plan_failure(model, s)
+            if why is not None:
+                return result(f"{why}; after {path(s)}", False)
+            plans += 1
+            runs += _has_run(model.plan(s).repairs)
         for e in model.candidates(s):
             if isinstance(e, ev.Aggregated):
                 why = refinement_failure(model, s, e)
                 if why is not None:
-                    return RefinementResult(
-                        len(parent), accepted, refused, f"{why}; after {path(s)}", False
-                    )
+                    return result(f"{why}; after {path(s)}", False)
                 if model.why_not(s, e) is not None:
                     refused += 1
                     continue
@@ -150,4 +221,4 @@ def check_refinement(model: ClusterModel, *, max_states: int | None = None) -> R
             if nxt not in parent:
                 parent[nxt] = (s, e)
                 queue.append(nxt)
-    return RefinementResult(len(parent), accepted, refused, None, True)
+    return result(None, True)

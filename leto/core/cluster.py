@@ -38,7 +38,7 @@ from leto.core.chunk import (
 )
 from leto.core.erasure import Topology
 from leto.core.errors import ProtocolError
-from leto.core.reconcile import Plan, Survivors, empty_grad_parity, plan, reencoded_parity
+from leto.core.reconcile import Plan, Repair, Survivors, empty_grad_parity, plan, reencoded_parity
 from leto.core.recovery import RECOVERY, Kind, Phase
 from leto.core.shadow import SHADOW, ShadowState
 from leto.core.table import Table
@@ -63,13 +63,16 @@ class Aggregation(enum.Enum):
     """Whether the checker tries the commit path's aggregated events
     (:class:`~leto.core.events.CommitStep`, :class:`~leto.core.events.ApplyStep`), and
     deliberately broken aggregations the refinement check must reject. ``step`` accepts
-    aggregated events in every mode: this only says which ones ``candidates`` offers
-    and how ``ApplyStep`` behaves."""
+    aggregated events in every mode: this only says which ones ``candidates`` offers,
+    how ``ApplyStep`` behaves and how the plan summarizes its repairs in runs."""
 
     OFF = "off"  # candidates are the chunk-level events only
     ON = "on"
     NO_PARITY_FOLD = "no_parity_fold"  # broken: ApplyStep leaves tier-1 parity behind
     UNCOMMITTED = "uncommitted"  # broken: ApplyStep does not wait for COMMIT
+    # broken: the plan reads each rank's roll forward from its first chunk, as if every
+    # rank's chunks were alike (one run of all of them, or none)
+    ROW_HEAD = "row_head"
 
 
 FAULT_KINDS = frozenset({"crash", "hang", "lose_memory", "lose_node"})
@@ -370,7 +373,18 @@ class ClusterModel:
         )
 
     def plan(self, s: ClusterState) -> Plan:
-        return plan(self.survivors(s))
+        """The reconcile plan of ``s``, its repairs in runs (:class:`Repair` ``count``)."""
+        p = plan(self.survivors(s))
+        if self.aggregation is Aggregation.ROW_HEAD and p.target is not None:
+            heads = [x.rank for x in p.repairs if x.what == "forward" and x.chunk == 0]
+            p = attrs.evolve(
+                p,
+                repairs=(
+                    *(x for x in p.repairs if x.what != "forward"),
+                    *(Repair("forward", r, 0, p.target, self.config.chunks) for r in heads),
+                ),
+            )
+        return p
 
     def active(self, s: ClusterState, r: int) -> bool:
         return (
@@ -1195,7 +1209,7 @@ def _u_reconcile(
     p = m.plan(s)
     assert p.target is not None
     effects: tuple[Effect, ...] = tuple(
-        fx.RunRepair(x.what, x.rank, x.chunk, x.version) for x in p.repairs
+        fx.RunRepair(x.what, x.rank, x.chunk, x.version, x.count) for x in p.repairs
     ) + (fx.Reconciled(p.target, p.kind.value, p.reason),)
     return _recovered(m, s, e, p.target, p.kind), effects
 

@@ -282,15 +282,33 @@ class Promote(Effect):
     generation: int = attrs.field(validator=_int)
 
 
+def _count(_inst: Any, attribute: attrs.Attribute[int], value: int) -> None:
+    _int(_inst, attribute, value)
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
+
+
 @attrs.frozen
 class RunRepair(Effect):
     """One repair of the reconcile plan (:class:`leto.core.reconcile.Repair`):
-    ``what`` is ``tier1``, ``grad-tier1``, ``forward``, ``snapshot`` or ``checkpoint``."""
+    ``what`` is ``tier1``, ``grad-tier1``, ``forward``, ``snapshot`` or ``checkpoint``;
+    with ``count > 1`` the same repair of chunks ``chunk .. chunk + count - 1``, in
+    order (:meth:`expand`)."""
 
     what: str
     rank: int = attrs.field(validator=_int)
     chunk: int = attrs.field(validator=_int)  # -1: the rank's gradients, or the whole rank
     step: int = attrs.field(validator=_int)
+    count: int = attrs.field(default=1, validator=_count)
+
+    def expand(self) -> tuple[RunRepair, ...]:
+        """The chunk-level repairs this run stands for, in order."""
+        if self.count == 1:
+            return (self,)
+        return tuple(
+            RunRepair(self.what, self.rank, c, self.step)
+            for c in range(self.chunk, self.chunk + self.count)
+        )
 
 
 @attrs.frozen

@@ -14,7 +14,7 @@ chunk), and then picks, in order:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -22,9 +22,22 @@ from leto.core.chunk import LOST, NONE, is_uniform, producible, repeated, unifor
 from leto.core.recovery import Kind
 
 
+def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
+
+
 @attrs.frozen
 class Repair:
-    """One step of the plan, in execution order."""
+    """One step of the plan, in execution order; with ``count > 1``, a run of chunks.
+
+    A run is the plan's summary of ``count`` chunk-level repairs (:meth:`expand`: the
+    same repair of chunks ``chunk``, ``chunk + 1``, ..., in that order): a rank whose
+    chunks are all alike rolls forward, or is rebuilt from tier 1, in one repair, so a
+    plan costs O(ranks + what differs), not O(ranks x chunks). The chunk-by-chunk
+    plan (``plan(..., compress=False)``) stays the reference;
+    :func:`leto.core.aggregate.check_refinement` checks on every state the checker
+    reaches that the runs expand to it exactly."""
 
     # "tier1" | "grad-tier1" | "forward" (restore the undo copy if torn, then re-apply the
     # committed step) | "snapshot" | "checkpoint"
@@ -32,6 +45,37 @@ class Repair:
     rank: int
     chunk: int  # -1 for a rank's gradient block or whole-rank operations
     version: int
+    count: int = attrs.field(default=1, validator=_positive)
+
+    @property
+    def chunks(self) -> range:
+        """The chunks this repair covers (``range(-1, 0)`` for a whole-rank one)."""
+        return range(self.chunk, self.chunk + self.count)
+
+    def expand(self) -> tuple[Repair, ...]:
+        """The chunk-level repairs this one stands for, in order."""
+        if self.count == 1:
+            return (self,)
+        return tuple(Repair(self.what, self.rank, c, self.version) for c in self.chunks)
+
+
+def expand_repairs(repairs: Iterable[Repair]) -> tuple[Repair, ...]:
+    """Every run of ``repairs`` expanded: the chunk-by-chunk plan's repairs."""
+    return tuple(x for run in repairs for x in run.expand())
+
+
+def _append(out: list[Repair], x: Repair) -> None:
+    """Append ``x``, extending the last repair's run where ``x`` continues it."""
+    last = out[-1] if out else None
+    if (
+        last is not None
+        and last.chunk >= 0
+        and (last.what, last.rank, last.version) == (x.what, x.rank, x.version)
+        and x.chunk == last.chunk + last.count
+    ):
+        out[-1] = Repair(last.what, last.rank, last.chunk, last.version, last.count + x.count)
+    else:
+        out.append(x)
 
 
 @attrs.frozen
@@ -85,11 +129,15 @@ def _alike(par: tuple[tuple[int, ...], ...]) -> bool:
 
 
 def plan(s: Survivors, *, compress: bool = True) -> Plan:
-    """The plan for ``s``. ``compress=False`` reads every chunk on its own (the reference
-    the compressed reading is tested against); the compressed reading plans a rank whose
-    chunks are all alike, and a node whose members and parity are, once for all chunks:
-    O(ranks + nodes + what differs) instead of O(ranks x chunks)."""
+    """The plan for ``s``. ``compress=False`` reads every chunk on its own and plans one
+    repair per chunk (the reference the compressed reading is checked against); the
+    compressed reading plans a rank whose chunks are all alike, and a node whose members
+    and parity are, once for all chunks, and writes consecutive chunks' repairs as one
+    run (:class:`Repair` ``count``): O(ranks + nodes + what differs) instead of
+    O(ranks x chunks). The two agree: the same target, kind and reason, and the runs
+    expand to the chunk-by-chunk repairs (:func:`expand_repairs`)."""
     V = s.committed
+    add: Callable[[list[Repair], Repair], None] = _append if compress else list.append
     prod = _local(s, compress)
     n_chunks = len(s.data[0]) if s.data else 0
     repairs: list[Repair] = []
@@ -117,12 +165,12 @@ def plan(s: Survivors, *, compress: bool = True) -> Plan:
                 version = par[c][members.index(r)]
                 if alike:
                     prod[r] = frozenset((version,))
-                    repairs += [Repair("tier1", r, x, version) for x in range(n_chunks)]
+                    repairs.append(Repair("tier1", r, 0, version, n_chunks))
                 else:
                     row = prod[r]
                     assert isinstance(row, list)
                     row[c] = frozenset((version,))
-                    repairs.append(Repair("tier1", r, c, version))
+                    add(repairs, Repair("tier1", r, c, version))
     # Gradients: held locally, or rebuilt from the node's gradient parity.
     grads = list(s.grad)
     for n, members in enumerate(s.groups):
@@ -142,10 +190,10 @@ def plan(s: Survivors, *, compress: bool = True) -> Plan:
         p = prod[r]
         return (p,) if isinstance(p, frozenset) else p
 
-    def chunks_where(r: int, pred: Callable[[frozenset[int]], bool]) -> list[int]:
+    def chunks_where(r: int, pred: Callable[[frozenset[int]], bool]) -> Sequence[int]:
         p = prod[r]
         if isinstance(p, frozenset):
-            return list(range(n_chunks)) if pred(p) else []
+            return range(n_chunks if pred(p) else 0)
         return [c for c, got in enumerate(p) if pred(got)]
 
     reaches = True
@@ -161,11 +209,15 @@ def plan(s: Survivors, *, compress: bool = True) -> Plan:
     if reaches:
         used_tier1 = any(x.what in ("tier1", "grad-tier1") for x in repairs)
         dropped = any(g == V + 1 for g in s.grad)
-        rolled = [
-            Repair("forward", r, c, V)
-            for r in range(len(s.data))
-            for c in chunks_where(r, lambda got: V not in got)
-        ]
+        rolled: list[Repair] = []
+        for r in range(len(s.data)):
+            behind = chunks_where(r, lambda got: V not in got)
+            if isinstance(behind, range):
+                if behind:
+                    rolled.append(Repair("forward", r, 0, V, len(behind)))
+                continue
+            for c in behind:
+                add(rolled, Repair("forward", r, c, V))
         if used_tier1:
             kind = Kind.TIER1
         elif forward:

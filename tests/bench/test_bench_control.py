@@ -24,8 +24,17 @@ def test_bench_control_reports_both_paths_that_agree(capsys: pytest.CaptureFixtu
         assert agg["plan"]["lose_memory"]["repairs"] == row["chunks"] + 1  # + its gradients
         assert agg["plan"]["lose_node"]["kind"] == "tier2"
         assert agg["plan"]["lose_node"]["repairs"] == row["ranks"]
+        # COMMIT of the next step, no rank applied it: every chunk rolls forward, in
+        # one run per rank; the adopted reports plan the same
+        fwd = agg["plan"]["roll_forward"]
+        assert (fwd["kind"], fwd["target"], fwd["runs"]) == ("forward", 4, row["ranks"])
+        assert fwd["repairs"] == row["ranks"] * row["chunks"]
+        assert agg["adopt"]["runs"] == row["ranks"] and agg["adopt"]["ms"] >= 0
     for row in res["rows"][:2]:
         assert row["same_state"] and row["same_plans"]
+        ref = row["chunk_level"]["plan"]["roll_forward"]
+        assert ref["runs"] == ref["repairs"] == row["ranks"] * row["chunks"]  # per chunk
+        assert "adopt" not in row["chunk_level"]
         assert row["step_ratio"] > 0 and all(x > 0 for x in row["plan_ratio"].values())
     assert "chunk_level" not in res["rows"][2]
     assert set(res["met"]) == {"step", "plan"}

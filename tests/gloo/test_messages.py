@@ -77,7 +77,7 @@ GOOD: dict[str, Any] = {
     "keeper_pid": 8,
     "keeper_socket": "leto-keeper",
     "target": 3,
-    "repairs": [{"what": "tier1", "rank": 1, "chunk": 0, "step": 3}],
+    "repairs": [{"what": "tier1", "rank": 1, "chunk": 0, "step": 3, "count": 1}],
     "retake_t2": True,
     "t2": 0,
     "start": 2,

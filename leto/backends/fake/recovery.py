@@ -89,9 +89,9 @@ def reconcile(
         snapshots.restore(eng, target)
         eng.stats["snapshot_restores"] += 1
     else:
-        for a in effects:
-            if not isinstance(a, fx.RunRepair):
-                continue
+        # a run of chunks (RunRepair.count) is each chunk's repair, in order
+        chunk_level = [x for a in effects if isinstance(a, fx.RunRepair) for x in a.expand()]
+        for a in chunk_level:
             if a.what == "tier1":
                 tier1.decode_chunk(eng, a.rank, a.chunk, a.step)
                 eng.stats["chunks_repaired_from_parity"] += 1

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from leto.core.chunk import LOST, NONE
+from leto.core.reconcile import Repair, expand_repairs
 from leto.retained import recovery as rx
 from leto.retained import replicas as rpl
 from leto.retained import rs
@@ -198,25 +199,21 @@ class Follower:
             # settle at the target; 3. every lost chunk is copied, from one of them if
             # there is one (leto.retained.replicas), then the gradients a member whose chunks
             # are still behind lacks; 4. the members that lost chunks settle
-            repairs = [rep for rep in msg.repairs if rep["rank"] // self.s.nproc == self.s.node]
+            repairs = self._node_repairs(msg)
             base = self.s.node * self.s.nproc
-            chunks = [
-                (int(x["rank"]) - base, int(x["chunk"]), int(x["step"]))
-                for x in repairs
-                if x["what"] == "tier1"
-            ]
+            chunks = [(x.rank - base, x.chunk, x.version) for x in repairs if x.what == "tier1"]
             lost = {base + m for m, _, _ in chunks}
             self._check_deferred(gen, {c for _, c, _ in chunks})
             ex = TorchDistCollective(self.s.groups.node_group)
             for rep in repairs:
-                if rep["what"] == "grad-tier1":
-                    r = int(rep["rank"])
+                if rep.what == "grad-tier1":
+                    r = rep.rank
                     if (
                         rpl.copy_grads(
                             ex,
                             self.s.layout,
                             r - base,
-                            int(rep["step"]),
+                            rep.version,
                             pending=lambda: self.s.ps.node_state()[1],
                             who=self._who,
                         )
@@ -254,25 +251,16 @@ class Follower:
             summary["chunks_rolled_forward"] = fwd
             summary["chunks_rolled_back"] = back
         else:
-            self._check_deferred(
-                gen,
-                {
-                    int(x["chunk"])
-                    for x in msg.repairs
-                    if x["what"] == "tier1" and int(x["rank"]) // self.s.nproc == self.s.node
-                },
-            )
-            for rep in msg.repairs:
-                what = rep["what"]
-                if rep["rank"] // self.s.nproc != self.s.node:
-                    continue
-                if what == "tier1":
-                    self._decode_chunk(int(rep["rank"]), int(rep["chunk"]), int(rep["step"]))
-                    if rep["rank"] == self.s.rank:
+            repairs = self._node_repairs(msg)
+            self._check_deferred(gen, {x.chunk for x in repairs if x.what == "tier1"})
+            for rep in repairs:
+                if rep.what == "tier1":
+                    self._decode_chunk(rep.rank, rep.chunk, rep.version)
+                    if rep.rank == self.s.rank:
                         summary["chunks_repaired_tier1"] += 1
-                elif what == "grad-tier1":
-                    self._decode_grads(int(rep["rank"]), int(rep["step"]))
-                    if rep["rank"] == self.s.rank:
+                elif rep.what == "grad-tier1":
+                    self._decode_grads(rep.rank, rep.version)
+                    if rep.rank == self.s.rank:
                         summary["grads_repaired_tier1"] += 1
             self._forget_grad_parity()
             fwd, back = self._settle(target)
@@ -292,6 +280,18 @@ class Follower:
         summary["parity_checked"] = int(self.s._parity_checked)
         self.s.memory.status_lost(False)
         self.s.ch.send(M.Reconciled(rank=self.s.rank, gen=gen, summary=summary, snapshot=meta))
+
+    def _runs(self, msg: M.Reconcile) -> list[Repair]:
+        """The plan's repairs as the coordinator sent them: runs of chunks (``count``)."""
+        return [
+            Repair(x["what"], int(x["rank"]), int(x["chunk"]), int(x["step"]), int(x["count"]))
+            for x in msg.repairs
+        ]
+
+    def _node_repairs(self, msg: M.Reconcile) -> tuple[Repair, ...]:
+        """The repairs of this node's ranks, chunk by chunk: each run expanded by the
+        core (:meth:`leto.core.reconcile.Repair.expand`), in the plan's order."""
+        return expand_repairs(x for x in self._runs(msg) if x.rank // self.s.nproc == self.s.node)
 
     def _check_deferred(self, gen: int, chunks: set[int] | None = None) -> None:
         """Read now the deferred chunks (``chunks`` of them; None: all) that this
@@ -342,11 +342,7 @@ class Follower:
         target that the reconcile wrote nothing to: no restore, no repair of this rank."""
         if self.intact is None or self.intact[0] != msg.gen or msg.kind in ("tier2", "ckpt"):
             return []
-        mine = {
-            int(x["chunk"])
-            for x in msg.repairs
-            if int(x["rank"]) == self.s.rank and x.get("chunk") is not None
-        }
+        mine = {c for x in self._runs(msg) if x.rank == self.s.rank for c in x.chunks}
         return [c for c, v in self.intact[1].items() if v == msg.target and c not in mine]
 
     def _resume(self, msg: M.Resume) -> None:

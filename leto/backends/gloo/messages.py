@@ -668,7 +668,9 @@ class CallReports(Message):
 
 @attrs.frozen
 class Reconcile(Message):
-    """Carry out the core's plan: ``kind`` and ``target``, the repairs, the snapshot."""
+    """Carry out the core's plan: ``kind`` and ``target``, the repairs (each a run of
+    ``count`` chunks from ``chunk``, expanded by the receiver through the core), the
+    snapshot."""
 
     TAG = "reconcile"
     ROUTE = (C, A, T)

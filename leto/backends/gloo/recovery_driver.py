@@ -386,8 +386,9 @@ class RecoveryDriver:
             }
             return True
         effects = self.c.feeder.feed_event(ev.Reconcile())
+        # runs of chunks (count), expanded by each node (leto.core.reconcile.Repair.expand)
         repairs = [
-            {"what": x.what, "rank": x.rank, "chunk": x.chunk, "step": x.step}
+            {"what": x.what, "rank": x.rank, "chunk": x.chunk, "step": x.step, "count": x.count}
             for x in effects
             if isinstance(x, fx.RunRepair)
         ]
@@ -441,8 +442,8 @@ class RecoveryDriver:
         notes = []
         for r in range(self.c.W):
             rep = self.c.reports[r]
-            d = tuple(int(x) for x in rep["data"])
-            u = tuple(int(x) for x in rep["undo"])
+            d = tuple(map(int, rep["data"]))
+            u = tuple(map(int, rep["undo"]))
             g = int(rep["grad"])
             if (d, u, g) != (s.data[r], s.undo[r], s.grad[r]):
                 notes.append(
