@@ -170,7 +170,8 @@ def check_spec(cmd: str, tmp_path: Path) -> None:
     assert "violations: 0" in out, out[-2000:]
     main = re.search(r"TLC MCLeto\.cfg: (\d+) distinct states, violations none", out)
     assert main is not None and int(main.group(1)) > 10_000, out[-2000:]
-    assert re.search(r"TLC MCLetoLiveness\.cfg: \d+ distinct states, violations none", out)
+    live = re.search(r"TLC MCLetoLiveness\.cfg: (\d+) distinct states, violations none", out)
+    assert live is not None and int(live.group(1)) > 5_000, out[-2000:]
     assert "unreached 'sometimes' properties: none" in out, out[-2000:]
     # the core's explicit-state check, every configuration (its one run in the tests)
     core = re.search(r"core checker: (\d+) states over (\d+) configs", out)
@@ -179,6 +180,13 @@ def check_spec(cmd: str, tmp_path: Path) -> None:
 
     assert int(core.group(2)) == len(CHECK_CONFIGS), out[-2000:]
     assert f"mutants caught: {len(MUTANTS)}/{len(MUTANTS)}" in out, out[-2000:]
+    # each by the invariant (or property) PROTOCOL.md names for it, under TLC
+    from test_tlc import MUTANTS as TLC_INVARIANTS
+
+    from leto.spec.cli import TEMPORAL_MUTANTS
+
+    tlc_by = dict(re.findall(r"^\s+(\w+): core \[.*\]; tlc \['(\w+)'\]$", out, re.M))
+    assert tlc_by == {**TLC_INVARIANTS, **TEMPORAL_MUTANTS}, out[-2000:]
 
 
 def check_simulate(cmd: str, tmp_path: Path) -> None:
