@@ -199,11 +199,18 @@ def curve_table(res: dict[str, Any]) -> str:
         )
     fx, sc = res["fit"]["fixed_s"], res["fit"]["scaling"]
     at = res["step_s_at_target"]
-    where = "no step time (see the fit)" if at is None else f"{at:.3f} s steps"
+    where = (
+        f"leto costs {res['target_pct']:g}% at {at:.3f} s steps"
+        if at is not None
+        else f"leto costs more than {res['target_pct']:g}% at every step time "
+        "(the fit's proportional part alone is above it)"
+        if 100 * sc >= res["target_pct"]
+        else f"leto costs less than {res['target_pct']:g}% at every step time "
+        "(the fit has no fixed part)"
+    )
     lines += [
         f"fit: leto - plain = {1000 * fx:.1f} ms + {100 * sc:+.2f}% x plain step "
         f"(least squares over every round)",
-        f"leto costs {res['target_pct']:g}% at {where}; "
-        f"at 0.25 s steps {res['overhead_pct_at_0_25_s']:+.1f}%",
+        f"{where}; at 0.25 s steps {res['overhead_pct_at_0_25_s']:+.1f}%",
     ]
     return "\n".join(lines)
