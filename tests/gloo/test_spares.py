@@ -312,13 +312,15 @@ def _node(ag: Agent, node: int) -> tuple[Conn, list[M.Message]]:
 def test_a_successor_welcomes_live_nodes_back_then_loses_its_predecessors_node() -> None:
     """Node 1's agent took the coordinator over from node 0's (3 nodes): node 2 rejoins
     as itself (no new processes); node 0, not yet counted lost, is refused until then;
-    once every live node is back, node 0 is lost and its replacement joins as one. A
+    once every live node is back, node 0 is lost and its replacement joins as one. Node
+    2 hears the current tier-2 snapshot again first (its agent may have missed it). A
     node that does not come back within the rejoin deadline is lost too."""
     h = Harness(nodes=3, per_node=1)
     h.step(1)
     ag = _agent(h)
     ag.node, ag.started, ag.joined = 1, True, {1}
     ag.lost_leader, ag.rejoin, ag.rejoin_by = 0, {2}, h.now + 60.0
+    h.c.set_tier2(1, dict.fromkeys(range(3)))  # kept by the predecessor: node 2 may not know
     conns = []
     try:
         c, early = _node(ag, 0)  # node 0's replacement, before node 2 is back
@@ -327,6 +329,7 @@ def test_a_successor_welcomes_live_nodes_back_then_loses_its_predecessors_node()
         c, back = _node(ag, 2)
         conns.append(c)
         assert [type(m) for m in back][:1] == [M.Welcome] and not back[0].spare, back  # type: ignore[union-attr]
+        assert back[1] == M.Tier2(step=1, gen=0), back  # before the recovery's orders
         assert not any(isinstance(m, M.Go) for m in back), back
         (lost,) = [e for e in h.events("failure") if e["kind"] == "node_lost"]
         assert lost["node"] == 0 and ag.lost_leader is None and ag.rejoin == set()

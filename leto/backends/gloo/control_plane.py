@@ -227,6 +227,7 @@ class ControlPlane:
         now = time.monotonic()
         a.joined = {a.node}
         a.coord.node_up(a.node, spare=False, now=now)
+        a.coord.tell_tier2(a.node)
         lost = old.get("node")
         a.lost_leader = lost if isinstance(lost, int) else None
         a.rejoin = set(range(o.nnodes)) - {a.node, a.lost_leader}

@@ -201,6 +201,13 @@ class Coordinator:
             core_init=self.core_init,  # and its constants (this log may be a new file)
         )
 
+    def tell_tier2(self, node: int) -> None:
+        """The current tier-2 snapshot, told again to ``node``: a successor's own node and
+        each that rejoins it may not have heard it from the predecessor, which kept it
+        (:meth:`set_tier2`) before the ranks heard; a keeper that did not hear it would
+        count its node's snapshot gone at the next tier-2 restore."""
+        self._send(node, M.Tier2(step=self.t2_step, gen=self.generation))
+
     def _compact(self) -> None:
         """The commit record's log so far replaced by what rebuilds the model as it is
         now (the model's constants, the settings, the state: ``core_state``)."""

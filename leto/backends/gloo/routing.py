@@ -357,6 +357,7 @@ class Routing:
             _send_link(conn, M.Go(spare=True))
         elif rejoined:
             a.say(f"node {n} rejoined")
+            a.coord.tell_tier2(n)
             a.control.settle_rejoin(now)
         elif len(a.joined) == a.o.nnodes and not a.supervisor.elastic():
             a.say(f"all {a.o.nnodes} nodes joined: starting {a.W} trainers")
