@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from jobs import TRAIN, STEPS_2x2, digests_equal, explain, job, left_after
 from test_coordinator import Harness
 
@@ -354,3 +355,44 @@ def test_a_successor_welcomes_live_nodes_back_then_loses_its_predecessors_node()
         for conn in list(ag.links.values()):
             conn.close()
         ag.listener.close()  # type: ignore[union-attr]
+
+
+def test_what_comes_with_a_new_coordinators_answer_is_handled_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pooled spare whose coordinator failed over joins the new one's pool; the new
+    coordinator assigns it a lost node's place at once, so its Assign and Go arrive in
+    the same read as the answer. They are handled then: the socket has nothing more to
+    wake the agent with (the job would wait for this node until its timeout)."""
+    ag = Agent(AgentOptions(script="x.py", script_args=[], nnodes=2, quiet=True))
+    ag.pooled = True
+    old_ours, old_theirs = socket.socketpair()
+    old_theirs.close()  # the coordinator's agent is gone
+    ag.coord_conn = Conn(old_ours, send_timeout=5.0)
+    new_ours, new_theirs = socket.socketpair()
+    seen: list[tuple[str, object]] = []
+
+    def repooled() -> None:  # control_plane.repool, its etcd and proofs aside
+        theirs = Conn(new_theirs, send_timeout=5.0)
+        for m in (
+            M.Pooled(spare_id=0, proof="p"),
+            M.Assign(node=1, gen=1, nnodes=2, at_start=False),
+            M.Go(spare=True),
+        ):
+            theirs.send(m.to_wire())
+        ag.coord_conn = Conn(new_ours, send_timeout=5.0)
+        assert isinstance(M.decode(ag.coord_conn.recv(timeout=5)[0]), M.Pooled)
+
+    def take_place(node: int, gen: int, nnodes: int, *, start: bool) -> None:
+        seen.append(("assign", node))
+        ag.pooled = False
+
+    monkeypatch.setattr(ag.control, "coordinator_lost", repooled)
+    monkeypatch.setattr(ag.supervisor, "take_place", take_place)
+    monkeypatch.setattr(ag.supervisor, "go", lambda spare: seen.append(("go", spare)))
+    try:
+        ag.routing.on_coord()
+        assert seen == [("assign", 1), ("go", True)], seen
+    finally:
+        ag.coord_conn.close()
+        new_theirs.close()

@@ -493,6 +493,8 @@ class Routing:
                 a.stop = True
                 return
             a.control.coordinator_lost()
+            if a.coord_conn is not None:  # what came with the new coordinator's answer
+                self.coord_messages()  # (an Assign and Go, a Tier2): its socket is quiet
 
     def coord_messages(self) -> None:
         a = self.a
