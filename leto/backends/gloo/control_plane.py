@@ -95,15 +95,20 @@ class ControlPlane:
             raise LaunchError(str(e)) from None
         a.etcd_refreshed = time.monotonic()
 
-    def claim_fault(self, fault: str) -> bool:
-        """The first claim of the plan's fault ``fault`` in this job (it fires then):
-        in etcd (it outlives every node), or on the job's TCPStore."""
+    def _fault_key(self, fault: str) -> str:
+        """Where the claim of the plan's fault ``fault`` lives: in etcd (it outlives
+        every node), or on the job's TCPStore."""
         a = self.a
+        return f"r/fault/{fault}" if a.etcd is not None else f"leto/{a.job}/fault/{fault}"
+
+    def claim_fault(self, fault: str) -> bool:
+        """The first claim of the plan's fault ``fault`` in this job (it fires then)."""
+        a = self.a
+        key = self._fault_key(fault)
         try:
             if a.etcd is not None:
-                name = f"r/fault/{fault}"
-                return a.etcd.write({name: 0}, [(name, {})]) is not None
-            return int(a.store.add(f"leto/{a.job}/fault/{fault}", 1)) == 1
+                return a.etcd.write({key: 0}, [(key, {})]) is not None
+            return int(a.store.add(key, 1)) == 1
         except StoreError as e:
             raise LaunchError(f"cannot claim the fault {fault}: {e}") from None
 
@@ -111,10 +116,11 @@ class ControlPlane:
         """Has the plan's fault ``fault`` been claimed in this job (a restart marks it
         claimed in the next one)?"""
         a = self.a
+        key = self._fault_key(fault)
         try:
             if a.etcd is not None:
-                return a.etcd.get(f"r/fault/{fault}") is not None
-            return a.store is not None and int(a.store.add(f"leto/{a.job}/fault/{fault}", 0)) > 0
+                return a.etcd.get(key) is not None
+            return a.store is not None and int(a.store.add(key, 0)) > 0
         except StoreError as e:
             raise LaunchError(f"cannot read the fault {fault}'s claim: {e}") from None
 
