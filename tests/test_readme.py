@@ -173,6 +173,7 @@ def check_spec(cmd: str, tmp_path: Path) -> None:
     live = re.search(r"TLC MCLetoLiveness\.cfg: (\d+) distinct states, violations none", out)
     assert live is not None and int(live.group(1)) > 5_000, out[-2000:]
     assert "unreached 'sometimes' properties: none" in out, out[-2000:]
+    assert "reached where forbidden (leto.core.verify.NEVER): none" in out, out[-2000:]
     # the core's explicit-state check, every configuration (its one run in the tests)
     core = re.search(r"core checker: (\d+) states over (\d+) configs", out)
     assert core is not None and int(core.group(1)) > 100_000, out[-2000:]
@@ -187,6 +188,13 @@ def check_spec(cmd: str, tmp_path: Path) -> None:
 
     tlc_by = dict(re.findall(r"^\s+(\w+): core \[.*\]; tlc \['(\w+)'\]$", out, re.M))
     assert tlc_by == {**TLC_INVARIANTS, **TEMPORAL_MUTANTS}, out[-2000:]
+    # and by the core's checker, each by the invariant test_core_checker expects
+    from test_core_checker import EXPECTED_CATCH
+
+    core_by = dict(re.findall(r"^\s+(\w+): core \[(.*)\]; tlc ", out, re.M))
+    assert set(core_by) == {m.value for m in MUTANTS}, out[-2000:]
+    for m in MUTANTS:
+        assert f"'{EXPECTED_CATCH[m]}'" in core_by[m.value].split(", "), (m, core_by)
 
 
 def check_simulate(cmd: str, tmp_path: Path) -> None:

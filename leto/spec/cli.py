@@ -161,6 +161,7 @@ def run_checks(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         "tlc_distinct_states": None,
         "core_states": None,
         "unreached_sometimes": [],
+        "forbidden_reached": [],
         "mutants_caught": 0,
         "mutants_total": 0,
         "tlc": [],
@@ -184,6 +185,7 @@ def run_checks(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         out["core_states"] = report.states
         out["violations"] += report.violations
         out["unreached_sometimes"] = list(report.unreached)
+        out["forbidden_reached"] = list(report.forbidden)
         for name, res in report.results.items():
             out["core"][name] = {
                 "states": res.states,
@@ -238,6 +240,8 @@ def _summary(out: dict[str, Any]) -> str:
             )
         unreached = ", ".join(out["unreached_sometimes"]) or "none"
         lines.append(f"  unreached 'sometimes' properties: {unreached}")
+        forbidden = ", ".join(out["forbidden_reached"]) or "none"
+        lines.append(f"  reached where forbidden (leto.core.verify.NEVER): {forbidden}")
     if out["mutants_total"]:
         lines.append(f"  mutants caught: {out['mutants_caught']}/{out['mutants_total']}")
         for name, m in out["mutants"].items():
