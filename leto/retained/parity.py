@@ -58,6 +58,7 @@ __all__ = [
     "decode",
     "encode_rotated",
     "update_rotated",
+    "encode_rotated_alike",
     "decode_rotated",
     "rotated_share_nbytes",
     "encode_local",
@@ -295,6 +296,38 @@ def encode_rotated(coll: Collective, data: Data, out: torch.Tensor | None = None
     if out is not None:
         as_bytes(out).copy_(share)
         return as_bytes(out)
+    return share
+
+
+def encode_rotated_alike(
+    data: Data, size: int, rank: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Member ``rank``'s share of :func:`encode_rotated` where every one of the ``size``
+    members holds the same bytes ``data`` (data-parallel replicas): computed here, with
+    no collective, bitwise what :func:`encode_rotated` returns for those members.
+
+    Stripe ``s``'s share is the sum of block ``s`` of the members after ``s`` and block
+    ``s - 1`` of those before it (:func:`_block_of`); alike members make that
+    ``(size - 1 - s) * D[s] + s * D[s - 1]``, bytewise mod 256. Where the members' bytes
+    differ after all, the shares are wrong: a decode from them fails the lost member's
+    checksums, which every tier-2 restore checks.
+    """
+    if size < 2:
+        raise ValueError("rotated parity needs a group of at least 2 members")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not a rank of a group of size {size}")
+    blocks = _blocks(data, size, copy=False)
+    blk = blocks.shape[1]
+    share = as_bytes(out) if out is not None else torch.empty(blk, dtype=torch.uint8)
+    if share.numel() != blk:
+        raise ValueError(f"share buffer has {share.numel()} bytes, expected {blk}")
+    # (block, how many members add it): D[s] from the members after s, D[s-1] before
+    terms = [(blocks[rank], size - 1 - rank)] if rank < size - 1 else []
+    if rank > 0:
+        terms.append((blocks[rank - 1], rank))
+    torch.mul(terms[0][0], terms[0][1], out=share)
+    for block, times in terms[1:]:
+        share.add_(block, alpha=times)
     return share
 
 

@@ -22,6 +22,7 @@ from leto.retained.parity import (
     encode,
     encode_local,
     encode_rotated,
+    encode_rotated_alike,
     rotated_share_nbytes,
     run_spmd,
     update,
@@ -273,3 +274,40 @@ def test_layout_chunks_survive_a_lost_rank() -> None:
     assert lay.verify() == []  # the rebuilt bytes match the checksums in the header
     for i in range(n):
         assert same(lay.chunk_data(i), truth[i])
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 7])
+def test_rotated_share_of_alike_members_is_computed_without_a_collective(size: int) -> None:
+    """Members holding the same bytes (data-parallel replicas): each share computed
+    alone is bitwise the collective's, and decodes a lost member; members whose bytes
+    differ get shares that are not the collective's."""
+    alike = member_data(0, 21, (40, 9))  # 196 bytes: padded for 3, 5 and 7 members
+    nbytes = sum(t.numel() * t.element_size() for t in alike)
+    blk = rotated_share_nbytes(nbytes, size)
+    lost = size - 1
+
+    def program(c: Any) -> Any:
+        data = [t.clone() for t in alike]
+        share = encode_rotated(c, data)
+        out = torch.full((blk,), 0x5A, dtype=torch.uint8)
+        local = encode_rotated_alike(data, size, c.rank, out=out)
+        if c.rank == lost:
+            for t in data:
+                t.zero_()
+        decode_rotated(c, data, lost, None if c.rank == lost else local)
+        return share, local, data
+
+    res = run_spmd(size, program)
+    for r in range(size):
+        share, local, data = res[r]
+        assert torch.equal(share, local)
+        assert same(data, alike)  # the lost member rebuilt from the local shares
+    differ = [member_data(r, 22, (40, 9)) for r in range(size)]
+    got = run_spmd(size, lambda c: encode_rotated(c, differ[c.rank]))
+    assert not all(
+        torch.equal(got[r], encode_rotated_alike(differ[r], size, r)) for r in range(size)
+    )
+    with pytest.raises(ValueError, match="share buffer has"):
+        encode_rotated_alike(alike, size, 0, out=torch.empty(blk + 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="is not a rank"):
+        encode_rotated_alike(alike, size, size)

@@ -3,8 +3,10 @@
 A snapshot survives the loss of ``m`` whole nodes: each rank copies its retained bytes
 into a slot of its node agent's snapshot segment and, with two nodes or more, stores
 its share of the code across the ranks of the same local rank on every node (``m =
-1``: the rotated sum; ``m >= 2``: :mod:`leto.retained.rs`, striped). A recovery
-restores from the active slot (:mod:`.follow`).
+1``: the rotated sum; ``m >= 2``: :mod:`leto.retained.rs`, striped). With tier 1 as
+replicas every rank holds the same bytes, and a rank computes its rotated share alone
+(:func:`~leto.retained.parity.encode_rotated_alike`: the same bytes, no traffic). A
+recovery restores from the active slot (:mod:`.follow`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from leto.retained.parity import (
     TorchDistCollective,
     as_bytes,
     encode_rotated,
+    encode_rotated_alike,
     rotated_share_nbytes,
 )
 from leto.retained.recovery import IntegrityError
@@ -113,7 +116,12 @@ class Tier2Snapshots:
             base = s.nproc * nb
             out = seg[base + s.lr * share : base + (s.lr + 1) * share]
             coll = TorchDistCollective(s.groups.cross_group)
-            if self.t2_parity == 1:
+            if self.t2_parity == 1 and s.replica:
+                # tier 1 as replicas: every rank holds these same bytes (data-parallel),
+                # so the share is computed here, bitwise the collective's, with none of
+                # its traffic (a restore checks the decoded bytes' checksums regardless)
+                encode_rotated_alike(own, s.nnodes, s.node, out=out)
+            elif self.t2_parity == 1:
                 encode_rotated(coll, own, out=out)
             else:
                 rs.encode_striped(coll, own, self.t2_parity, out)
