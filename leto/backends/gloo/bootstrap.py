@@ -21,6 +21,7 @@ from typing import Any
 
 from . import messages as M
 from .channel import AgentChannel, AgentGone
+from .procs import steady_heap
 
 __all__ = ["CHANNEL", "SPEC", "child_main"]
 
@@ -46,6 +47,7 @@ def child_main(spec: dict[str, Any]) -> int:
     import torch
 
     torch.set_num_threads(int(spec.get("threads", 1)))
+    steady_heap()  # a step's activations stay mapped for the next (procs.steady_heap)
     keys: tuple[str, ...] = ("role", "rank", "local_rank", "node", "incarnation")
     hello: dict[str, Any] = {k: spec[k] for k in keys if k in spec}
     CHANNEL = AgentChannel(
