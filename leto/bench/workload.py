@@ -153,13 +153,12 @@ class Workload:
             # retained state in its keeper (16 B/param, + one chunk's undo copy); the
             # trainer's own gradients and all-reduce buffer (8 B/param); a shadow's model
             # before it becomes a skeleton (4 B/param); with tier 2, the node's two
-            # snapshot slots, each with the rank's state (12 B/param) and its parity
-            # share for the other nodes (12 B/param / (nodes - 1)): measured 65 B/param
-            # of shared memory per rank with tier 2 (22.5M params, 4 ranks, 2 nodes)
-            nodes = 2 if W % 2 == 0 else 1
+            # snapshot slots, each with the rank's state (12 B/param; tier 1 as replicas,
+            # the default of 2 ranks per node, stores no parity share: each is computed
+            # from the rank's own bytes when a restore needs it)
             undo = 3 * 4 * self.chunk_numel
             own = 2 * proc + data + 28 * P + undo
-            snap = 2 * (12 * P + (12 * P // (nodes - 1) if nodes > 1 else 0)) if tier2 else 0
+            snap = 2 * 12 * P if tier2 else 0
             return W * (own + snap)
         raise BenchError(f"unknown system {system!r}")
 

@@ -28,7 +28,12 @@ from leto.retained import recovery as rx
 from leto.retained import replicas as rpl
 from leto.retained import rs
 from leto.retained.checkpoint import CheckpointError
-from leto.retained.parity import TorchDistCollective, decode_rotated, encode
+from leto.retained.parity import (
+    TorchDistCollective,
+    decode_rotated,
+    encode,
+    encode_rotated_alike,
+)
 from leto.retained.process_state import restore_buffers
 from leto.retained.recovery import IntegrityError
 
@@ -490,6 +495,8 @@ class Follower:
             sh = None
         if missing_nodes:
             coll = TorchDistCollective(self.s.groups.cross_group)
+            if self.s.snapshots.alike and sh is not None:  # not stored: every rank's bytes alike
+                sh = encode_rotated_alike(data, self.s.nnodes, self.s.node)
             if m == 1:
                 decode_rotated(coll, data, missing_nodes[0], sh)
             else:  # a lost node's own shares are not kept: the snapshot is retaken

@@ -4,8 +4,9 @@ A snapshot survives the loss of ``m`` whole nodes: each rank copies its retained
 into a slot of its node agent's snapshot segment and, with two nodes or more, stores
 its share of the code across the ranks of the same local rank on every node (``m =
 1``: the rotated sum; ``m >= 2``: :mod:`leto.retained.rs`, striped). With tier 1 as
-replicas every rank holds the same bytes, and a rank computes its rotated share alone
-(:func:`~leto.retained.parity.encode_rotated_alike`: the same bytes, no traffic). A
+replicas every rank holds the same bytes, so a rank's rotated share is a function of its
+own (:func:`~leto.retained.parity.encode_rotated_alike`): nothing is encoded, sent or
+stored at a snapshot, and a restore computes the survivors' shares from their bytes. A
 recovery restores from the active slot (:mod:`.follow`).
 """
 
@@ -21,7 +22,6 @@ from leto.retained.parity import (
     TorchDistCollective,
     as_bytes,
     encode_rotated,
-    encode_rotated_alike,
     rotated_share_nbytes,
 )
 from leto.retained.recovery import IntegrityError
@@ -46,6 +46,10 @@ class Tier2Snapshots:
         self.K = config.tier2_interval if config.tier2 else 10**12
         # m: lost nodes the snapshot survives (m >= 2: leto.retained.rs, striped)
         self.t2_parity = int(getattr(config, "tier2_parity", 1))
+        # tier 1 as replicas: every rank holds the same bytes (data-parallel), so a rank's
+        # share of the rotated code is a function of its own bytes (encode_rotated_alike):
+        # it is computed when a restore needs it, not stored (nor sent) at each snapshot
+        self.alike = self.t2_parity == 1 and session.replica
         self._mapped: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}  # slot -> mapping
 
     def maybe_take(self, V: int) -> None:
@@ -74,7 +78,7 @@ class Tier2Snapshots:
         s = self.s
         nb = sum(as_bytes(b).numel() for b in s.layout.data_buffers())
         m = self.t2_parity
-        if s.nnodes < 2:
+        if s.nnodes < 2 or self.alike:
             return nb, 0
         if m == 1:
             return nb, rotated_share_nbytes(nb, s.nnodes)
@@ -112,16 +116,11 @@ class Tier2Snapshots:
             bb = as_bytes(b)
             own[off : off + bb.numel()].copy_(bb)
             off += bb.numel()
-        if s.nnodes >= 2:
+        if s.nnodes >= 2 and not self.alike:
             base = s.nproc * nb
             out = seg[base + s.lr * share : base + (s.lr + 1) * share]
             coll = TorchDistCollective(s.groups.cross_group)
-            if self.t2_parity == 1 and s.replica:
-                # tier 1 as replicas: every rank holds these same bytes (data-parallel),
-                # so the share is computed here, bitwise the collective's, with none of
-                # its traffic (a restore checks the decoded bytes' checksums regardless)
-                encode_rotated_alike(own, s.nnodes, s.node, out=out)
-            elif self.t2_parity == 1:
+            if self.t2_parity == 1:
                 encode_rotated(coll, own, out=out)
             else:
                 rs.encode_striped(coll, own, self.t2_parity, out)
