@@ -312,11 +312,9 @@ def encode_rotated_alike(
     differ after all, the shares are wrong: a decode from them fails the lost member's
     checksums, which every tier-2 restore checks.
     """
-    if size < 2:
-        raise ValueError("rotated parity needs a group of at least 2 members")
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is not a rank of a group of size {size}")
-    blocks = _blocks(data, size, copy=False)
+    blocks = _blocks(data, size, copy=False)  # refuses a group of fewer than 2
     blk = blocks.shape[1]
     share = as_bytes(out) if out is not None else torch.empty(blk, dtype=torch.uint8)
     if share.numel() != blk:
