@@ -6,7 +6,7 @@
     leto bench overhead [--params 1M] [--batch 16384] [--rounds 5] [--json]
     leto bench overhead --batches 1024,4096,16384 [--rounds 3] [--json]   # against step time
     leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 30] [--rounds 3] [--json]
-    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--no-tier2] [--json]
+    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--layers 4] [--no-tier2] [--json]
     leto bench control  [--ranks 1024] [--chunks 4096] [--per-node 8] [--json]
     leto bench tier2    [--nodes 4] [--mib 64] [--parities 2] [--rounds 5] [--json]
 
@@ -44,7 +44,16 @@ from leto.argcheck import (
     show,
 )
 
-from .workload import BenchError, Workload, available_memory, format_count, parse_count
+from .workload import (
+    LAYERS,
+    BenchError,
+    Workload,
+    available_memory,
+    format_count,
+    parse_count,
+)
+
+MAX_LAYERS = 256
 
 __all__ = ["configure", "run"]
 
@@ -158,6 +167,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--mtbf", type=float, default=60.0)
     p.add_argument("--gap", type=float, default=10.0)
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=LAYERS,
+        help=f"the MLP's hidden layers (default {LAYERS}): a size's state grows with "
+        "layers x width^2, the compute of one layer (what a survivor finishes before it "
+        f"stops for a recovery) with width^2; at most {MAX_LAYERS}",
+    )
     _no_tier2(p)
     p = sub.add_parser(
         "control",
@@ -249,7 +266,12 @@ def _workload(args: argparse.Namespace, params: str) -> Workload:
         count = parse_count(params)
     except OverflowError:
         raise BenchError(f"model size {show(params)} is not a parameter count") from None
-    return Workload.for_params(count, batch=args.batch, world=args.world, seed=args.seed)
+    layers = getattr(args, "layers", LAYERS)
+    if not 1 <= layers <= MAX_LAYERS:
+        raise BenchError(f"--layers {layers}: choose 1 to {MAX_LAYERS} hidden layers")
+    return Workload.for_params(
+        count, batch=args.batch, world=args.world, seed=args.seed, layers=layers
+    )
 
 
 def check_memory(

@@ -13,7 +13,7 @@ the coordinator's own record of the recovery (``recovery_end``: its phases in
 milliseconds, measured in the agent):
 
 =============  =====================================================================
-detection      the trainer's death -> the agent's ``failure`` record (pidfd), + detect
+detection      the trainer's death -> the agent's ``failure`` record (deathwatch), + detect
 process_state  fence (stale writers refused) + promote (the warm shadow takes the rank)
 model_state    reconcile (integrity checks, roll forward/back, parity repair, parity
                and snapshot re-encoded), in every trainer process

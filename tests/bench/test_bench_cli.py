@@ -28,6 +28,8 @@ from leto.cli import main
         (["recovery", "--world", "1"], "--world must be at least 2"),
         (["scaling", "--sizes", "1M"], "at least two different model sizes"),
         (["scaling", "--sizes", "1M,1.0M"], "at least two different model sizes"),
+        (["scaling", "--layers", "0"], "--layers 0: choose 1 to 256 hidden layers"),
+        (["scaling", "--layers", "257"], "--layers 257: choose 1 to 256"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -84,3 +86,20 @@ def test_help_lists_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for name in ("recovery", "overhead", "goodput", "scaling"):
         assert name in out
+
+
+def test_scaling_layers_keep_the_size_and_shrink_a_layer() -> None:
+    """``--layers``: the same state per rank in more, narrower layers (a layer's compute,
+    what a survivor finishes before it stops, falls with width^2)."""
+    from argparse import Namespace
+
+    from leto.bench.cli import _workload
+
+    args = Namespace(batch=512, world=4, seed=0, layers=32)
+    deep, shallow = (
+        _workload(args, "90M"),
+        _workload(Namespace(**{**vars(args), "layers": 4}), "90M"),
+    )
+    assert (deep.layers, shallow.layers) == (32, 4)
+    assert abs(deep.params - shallow.params) / shallow.params < 0.03
+    assert deep.width**2 * 7 < shallow.width**2 < deep.width**2 * 9

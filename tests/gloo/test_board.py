@@ -52,7 +52,7 @@ def test_a_write_half_done_is_not_read() -> None:
 def test_a_segment_of_another_size_is_refused() -> None:
     fd = segments.create("not-a-board", SIZE + 8)
     try:
-        with pytest.raises(ValueError, match="status board has 32 bytes"):
+        with pytest.raises(ValueError, match="status board has 128 bytes"):
             StatusBoard(fd)
     finally:
         os.close(fd)

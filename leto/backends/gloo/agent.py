@@ -13,8 +13,9 @@ It owns everything leto runs on its node:
 * the node's **host memory**: tier-1 blocks (parity, or replica records) and
   tier-2 snapshot segments, the ranks' process states and prepare records (small
   JSON);
-* **detection**: a pidfd per process (an exit is seen the moment it happens), the
-  exit status from the zygote, tracebacks reported by the bootstrap, heartbeats
+* **detection**: a robust mutex each process's main thread holds (its death is seen
+  before the kernel has torn its memory down, :mod:`.deathwatch`), else a pidfd per
+  process and the exit status from the zygote, tracebacks reported by the bootstrap, heartbeats
   (silence or no progress for ``hang_timeout`` is a hang), keeper exits;
 * on node 0 (with ``--rdzv-backend etcd``: on the agent elected, another node's
   after a failover, :mod:`.control_plane`), the job's **coordinator**
@@ -63,6 +64,7 @@ from .children import Children
 from .commit_record import EtcdRecord
 from .control_plane import ControlPlane
 from .coordinator import Coordinator
+from .deathwatch import DeathWatch
 from .election import Election
 from .etcdstore import EtcdStore
 from .eventlog import EventLog
@@ -90,6 +92,9 @@ class Agent:
         self.local_ranks = range(self.nproc)
         self.run_dir = Path(opts.run_dir).resolve()
         self.sel = selectors.DefaultSelector()
+        # deaths seen before the kernel's teardown of the dead process's memory
+        self.deathwatch = DeathWatch()
+        self.sel.register(self.deathwatch.fd, selectors.EVENT_READ, ("owner_died", None))
         self.keepers: dict[int, KeeperHandle] = {}
         self.trainer: dict[int, Proc | None] = dict.fromkeys(self.local_ranks)
         self.shadow: dict[int, Proc | None] = dict.fromkeys(self.local_ranks)

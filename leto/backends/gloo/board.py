@@ -1,4 +1,5 @@
-"""A process's phase, step and progress counter, in 32 bytes of shared memory.
+"""A process's phase, step and progress counter in shared memory, and the mutex that
+tells its death.
 
 A trainer changes phase eight times a step (forward, backward, allreduce, ...).
 Its node agent needs the phase only when something goes wrong: to place a death
@@ -14,6 +15,9 @@ is a seqlock: ``seq`` odd, the three words, ``seq`` even; a reader takes the
 words only from a read with an even ``seq`` that a second read repeats. One
 writer per board (the trainer's main thread; :meth:`write` is not thread-safe).
 A phase outside :data:`PHASES` is not written: the caller sends it as a message.
+At :data:`MUTEX_AT`, a robust mutex the process's main thread holds for its life
+(:mod:`.deathwatch`): the agent learns of its death from it before the kernel has
+torn the process's memory down.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import os
 import struct
 
 from . import segments
+from .deathwatch import MUTEX_BYTES, hold
 
-__all__ = ["PHASES", "SIZE", "StatusBoard"]
+__all__ = ["MUTEX_AT", "PHASES", "SIZE", "StatusBoard"]
 
 PHASES = (
     "startup",
@@ -48,7 +53,8 @@ _INDEX = {p: i for i, p in enumerate(PHASES)}
 _WORDS = struct.Struct("<qqqq")
 _SEQ = struct.Struct("<q")
 _DATA = struct.Struct("<qqq")
-SIZE = _WORDS.size
+MUTEX_AT = 64  # the words, then the mutex, each on its own cache line
+SIZE = MUTEX_AT + MUTEX_BYTES
 
 
 class StatusBoard:
@@ -59,13 +65,17 @@ class StatusBoard:
             raise ValueError(f"a status board has {SIZE} bytes, not {segments.size_of(fd)}")
         self.mm = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._seq = 0
+        self._held: object | None = None  # the writer's mutex (it pins the mapping)
 
     @classmethod
     def create(cls) -> tuple[StatusBoard, int]:
-        """A new board and its descriptor (to send to the reader; the caller closes it)."""
+        """A new board, its mutex held by the calling thread for the rest of the process's
+        life, and its descriptor (to send to the reader; the caller closes it)."""
         fd = segments.create(f"leto-board-{os.getpid()}", SIZE)
         try:
-            return cls(fd), fd
+            board = cls(fd)
+            board._held = hold(board.mm, MUTEX_AT)
+            return board, fd
         except BaseException:
             os.close(fd)
             raise
@@ -95,4 +105,7 @@ class StatusBoard:
         return None
 
     def close(self) -> None:
-        self.mm.close()
+        """Unmap a reader's board; a writer's stays mapped (its mutex stays held) until
+        the process ends."""
+        if self._held is None:
+            self.mm.close()

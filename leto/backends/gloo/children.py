@@ -1,6 +1,8 @@
 """The processes a node agent starts and reaps: one keeper per local rank, and the
-trainers and shadows forked by the zygote. A death is seen on the process's pidfd
-the moment it happens, its status comes from the zygote; a trainer's death or a
+trainers and shadows forked by the zygote. A death is seen from the robust mutex the
+process's main thread held (:mod:`.deathwatch`), its status then read from ``/proc``,
+before the kernel has torn the process's memory down; else on its pidfd, its status
+from the zygote; a trainer's death or a
 keeper's becomes a failure report to the coordinator, a shadow's a shadow report
 (and a retry, up to three times). Fencing a generation kills the stale processes
 and fences every keeper."""
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import messages as M
 from . import procs as P
+from .deathwatch import quiesced
 from .keeper import spawn_keeper
 from .records import LaunchError, Proc, look
 from .wire import WireError
@@ -22,7 +25,11 @@ from .wire import WireError
 if TYPE_CHECKING:
     from .agent import Agent
 
-__all__ = ["Children"]
+__all__ = ["QUIESCE_WAIT", "Children"]
+
+#: how long the agent waits for a dying process's threads to lose their address space
+#: once its main thread died, before it leaves the death to the pidfd
+QUIESCE_WAIT = 0.05
 
 
 class Children:
@@ -167,6 +174,26 @@ class Children:
                     os.close(fd)
         if not alive and not a.stop:
             raise LaunchError("the zygote (fork server) died")
+
+    def on_owner_died(self) -> None:
+        """Processes whose main thread died (:mod:`.deathwatch`): each whose threads have
+        all lost their address space is dead from here on, its exit status read from
+        ``/proc``, before the kernel has torn its memory down and the pidfd says so.
+        One that does not get there in :data:`QUIESCE_WAIT` seconds (a main thread that
+        exited alone, or a slow exit) is left to its pidfd."""
+        for pid in self.a.deathwatch.pids():
+            p = self.a.by_pid.get(pid)
+            if p is None or p.dead_at is not None:
+                continue
+            deadline = time.monotonic() + QUIESCE_WAIT
+            code = quiesced(pid, p.pidfd)
+            while code is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+                code = quiesced(pid, p.pidfd)
+            if code is not None:
+                self.a.routing.drain_proc(p)
+                p.exited = code
+                self.on_pidfd(p)
 
     def on_pidfd(self, p: Proc) -> None:
         a = self.a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import selectors
 import socket
 import sys
@@ -21,7 +22,7 @@ import attrs
 from . import auth
 from . import messages as M
 from . import procs as P
-from .board import StatusBoard
+from .board import MUTEX_AT, SIZE, StatusBoard
 from .records import LaunchError, Link, Proc, ProcConn, note
 from .wire import MAX_FRAME, Conn, WireError, check_peer
 
@@ -124,6 +125,18 @@ class Routing:
                     stale.close()
             self.drop_conn(conn)
 
+    def drain_proc(self, p: Proc) -> None:
+        """Take every message ``p`` sent before it died (none of its threads runs: all
+        it sent is on the socket), so that its death is judged with them (a traceback
+        sent before the exit makes it an exception, not a crash)."""
+        a = self.a
+        while p.conn is not None and select.select([p.conn], [], [], 0)[0]:
+            try:
+                _, pc = a.sel.get_key(p.conn).data
+            except (KeyError, ValueError):
+                return
+            self.on_pconn(pc)
+
     def proc_hello(self, pc: ProcConn, msg: M.Message, fds: list[int]) -> WireError | None:
         """Take the first message of a connection; why not, if it is refused."""
         a = self.a
@@ -136,6 +149,8 @@ class Routing:
         elif p is None and P.parent_of(pc.pid) != a.zygote.pid:
             why = f"pid {pc.pid} is not a process this agent started"
         board = _board_of(fds) if why is None else None
+        if board is not None:
+            a.deathwatch.watch(fds[0], MUTEX_AT, SIZE, pc.pid)
         for fd in fds:
             os.close(fd)
         if why is not None:

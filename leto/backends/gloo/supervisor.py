@@ -526,6 +526,8 @@ class Supervisor:
                     a.routing.on_pconn(obj)
                 elif kind == "pidfd":
                     a.children.on_pidfd(obj)
+                elif kind == "owner_died":
+                    a.children.on_owner_died()
                 elif kind == "keeper_dead":
                     a.children.on_keeper_dead(obj)
                 elif kind == "log":
@@ -737,6 +739,7 @@ class Supervisor:
             a.listener.close()
         self.end_spares()
         a.control.close()
+        a.deathwatch.close()
         a.store = None
 
     def end_spares(self) -> None:
