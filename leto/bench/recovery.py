@@ -305,13 +305,23 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den
 
 
+def _resume(system: dict[str, Any]) -> float:
+    """A system's resume at one size: the median of its recoveries' (total - lost work)."""
+    runs = system.get("runs")
+    if runs:
+        return float(statistics.median(r["total"] - r["lost_work"] for r in runs))
+    return float(system["phases"]["total"] - system["phases"]["lost_work"])
+
+
 def summarize_scaling(res: dict[str, Any]) -> dict[str, Any]:
     """Add how each system's recovery grows with the state to a scaling result.
 
     A recovery's total (failure -> the step in flight completed) is split, per size,
     into *resume* (detect + process + model + comm: the time until training runs
-    again) and *lost work* (recomputing what the failure lost, at least the step in
-    flight, whose cost grows with the model for every system). For each series:
+    again; the median over the recoveries of each one's total minus its lost work, not
+    the difference of two medians, which may come from different recoveries) and *lost
+    work* (recomputing what the failure lost, at least the step in flight, whose cost
+    grows with the model for every system). For each series:
     the seconds added from the smallest size to the largest (``added_s``) and the
     least-squares slope in seconds per GiB of state per rank (``slope_s_per_gib``).
     ``leto_slope_vs_disk``: leto's total slope over ``ckpt-disk``'s (below 1: leto's
@@ -320,13 +330,7 @@ def summarize_scaling(res: dict[str, Any]) -> dict[str, Any]:
     gib = [b / 2**30 for b in res["state_bytes_per_rank"]]
     names = list(res["totals"])
     series: dict[str, dict[str, list[float]]] = {"total": res["totals"]}
-    series["resume"] = {
-        n: [
-            r["systems"][n]["phases"]["total"] - r["systems"][n]["phases"]["lost_work"]
-            for r in res["results"]
-        ]
-        for n in names
-    }
+    series["resume"] = {n: [_resume(r["systems"][n]) for r in res["results"]] for n in names}
     series["lost_work"] = {
         n: [r["systems"][n]["phases"]["lost_work"] for r in res["results"]] for n in names
     }

@@ -54,3 +54,15 @@ def test_slopes_split_resume_and_lost_work() -> None:
 def test_a_single_size_has_no_slope() -> None:
     with pytest.raises(BenchError, match="two different model sizes"):
         summarize_scaling(_scaling([0.5, 0.5], [{"leto": (1.0, 0.5)}, {"leto": (2.0, 1.0)}]))
+
+
+def test_resume_is_the_median_of_each_recoverys_own_resume() -> None:
+    """Not median(total) - median(lost work): those may come from different recoveries."""
+    res = _scaling([0.0, 1.0], [{"leto": (3.0, 2.0)}, {"leto": (3.0, 2.0)}])
+    runs = [{"total": 1.0, "lost_work": 0.4}, {"total": 5.0, "lost_work": 4.9}]
+    runs.append({"total": 3.0, "lost_work": 2.0})
+    res["results"][1]["systems"]["leto"]["runs"] = runs  # type: ignore[index]
+    out = summarize_scaling(res)
+    # per recovery 0.6, 0.1, 1.0: the median 0.6, where the medians' difference is 1.0
+    assert out["resume"]["leto"] == pytest.approx([1.0, 0.6])
+    assert out["slope_s_per_gib"]["resume"]["leto"] == pytest.approx(-0.4)
