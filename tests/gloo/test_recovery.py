@@ -63,7 +63,11 @@ def test_sigkill_at_every_phase_recovers_bitwise(
     assert res.ok, explain(res)
     fails = res.of("failure")
     assert len(fails) == len(PHASES)
-    assert all(f["kind"] == "crash" and f["detected_by"] == "process exit (pidfd)" for f in fails)
+    # seen before the kernel's teardown (deathwatch), else (a slow exit) by the pidfd
+    seen = [f["detected_by"] for f in fails]
+    assert all(f["kind"] == "crash" for f in fails)
+    assert set(seen) <= {"process exit (deathwatch)", "process exit (pidfd)"}, seen
+    assert "process exit (deathwatch)" in seen, seen
     assert all(f["detail"] == "killed by SIGKILL" for f in fails)
     recs = res.recoveries
     assert len(recs) == len(PHASES)

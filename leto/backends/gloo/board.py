@@ -74,7 +74,10 @@ class StatusBoard:
         fd = segments.create(f"leto-board-{os.getpid()}", SIZE)
         try:
             board = cls(fd)
-            board._held = hold(board.mm, MUTEX_AT)
+            try:
+                board._held = hold(board.mm, MUTEX_AT)
+            except (OSError, AttributeError):  # no robust mutexes here: the pidfd decides
+                pass
             return board, fd
         except BaseException:
             os.close(fd)

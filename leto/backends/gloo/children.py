@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import messages as M
 from . import procs as P
-from .deathwatch import quiesced
+from .deathwatch import Undecided, quiesced
 from .keeper import spawn_keeper
 from .records import LaunchError, Proc, look
 from .wire import WireError
@@ -183,19 +183,25 @@ class Children:
         exited alone, or a slow exit) is left to its pidfd."""
         for pid in self.a.deathwatch.pids():
             p = self.a.by_pid.get(pid)
-            if p is None or p.dead_at is not None:
+            # a process the agent killed (fencing, reclaiming, the end) is no news
+            if p is None or p.dead_at is not None or p.expected_exit or P.readable(p.pidfd):
                 continue
             deadline = time.monotonic() + QUIESCE_WAIT
-            code = quiesced(pid, p.pidfd)
-            while code is None and time.monotonic() < deadline:
-                time.sleep(0.0005)
+            try:
                 code = quiesced(pid, p.pidfd)
+                while code is None and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+                    code = quiesced(pid, p.pidfd)
+            except Undecided:
+                continue
             if code is not None:
                 self.a.routing.drain_proc(p)
-                p.exited = code
+                p.exited, p.seen_by = code, "deathwatch"
                 self.on_pidfd(p)
 
     def on_pidfd(self, p: Proc) -> None:
+        if p.dead_at is not None:  # seen already (deathwatch): its pidfd is closed
+            return
         a = self.a
         a.sel.unregister(p.pidfd)
         p.dead_at = time.monotonic()
@@ -234,7 +240,9 @@ class Children:
                 a.supervisor.check_node_finished()
                 return
             kind = "exception" if p.error else "crash"
-            detected = "exception reported by the trainer" if p.error else "process exit (pidfd)"
+            detected = (
+                "exception reported by the trainer" if p.error else f"process exit ({p.seen_by})"
+            )
             if code == 0 and p.status == "starting":
                 how = (
                     "the script ended (exit code 0) without calling leto.wrap with "

@@ -21,6 +21,14 @@ of the process shows 0 (or is gone), and the pidfd still names the process after
 (the pid was not reaped and reused while it read). A process whose main thread exits
 while others run (``pthread_exit``) is not dead: its other threads have an address
 space, ``quiesced`` stays None, and the pidfd decides as before.
+
+What the gate covers is what the gloo backend's retained memory is written by: the
+process's own threads, on the CPU. Writes that do not go through a thread of the
+process are not covered (asynchronous I/O, a device's DMA into pinned pages, a
+``vfork`` child sharing the address space); memory written that way needs the pidfd.
+The agent takes the mutex with glibc's code on memory the trainer (and anything it
+forks) can write: a corrupted mutex can at worst mislead the watcher thread, which
+exits right after; the gate, not the mutex, decides a death.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import signal
 import struct
 import threading
 
-__all__ = ["MUTEX_BYTES", "DeathWatch", "hold", "quiesced"]
+__all__ = ["MUTEX_BYTES", "DeathWatch", "Undecided", "hold", "quiesced"]
 
 #: bytes reserved for the mutex: more than glibc's ``pthread_mutex_t`` (40 on x86-64,
 #: 48 on aarch64)
@@ -41,6 +49,21 @@ MUTEX_BYTES = 64
 _SHARED = 1  # PTHREAD_PROCESS_SHARED
 _ROBUST = 1  # PTHREAD_MUTEX_ROBUST
 _libc = ctypes.CDLL(None, use_errno=True)  # glibc >= 2.34 has pthread in libc
+# resolved at import (in the zygote, before it forks): a lookup takes the dynamic
+# loader's lock, which a fork of a process with threads may inherit held
+_fn = {
+    name: getattr(_libc, f"pthread_{name}")
+    for name in (
+        "mutexattr_init",
+        "mutexattr_setpshared",
+        "mutexattr_setrobust",
+        "mutexattr_destroy",
+        "mutex_init",
+        "mutex_lock",
+        "mutex_consistent",
+        "mutex_unlock",
+    )
+}
 _PID = struct.Struct("<q")
 # /proc/PID/stat fields after the command's closing parenthesis: field 3 is index 0
 _VSIZE = 23 - 3
@@ -58,14 +81,14 @@ def hold(buf: mmap.mmap, offset: int) -> ctypes.Array[ctypes.c_char]:
     the kernel is the news). The returned view pins the mapping: keep it."""
     m = (ctypes.c_char * MUTEX_BYTES).from_buffer(buf, offset)
     attr = ctypes.create_string_buffer(64)  # pthread_mutexattr_t: 4 bytes on glibc
-    _check(_libc.pthread_mutexattr_init(attr), "pthread_mutexattr_init")
+    _check(_fn["mutexattr_init"](attr), "pthread_mutexattr_init")
     try:
-        _check(_libc.pthread_mutexattr_setpshared(attr, _SHARED), "pthread_mutexattr_setpshared")
-        _check(_libc.pthread_mutexattr_setrobust(attr, _ROBUST), "pthread_mutexattr_setrobust")
-        _check(_libc.pthread_mutex_init(m, attr), "pthread_mutex_init")
+        _check(_fn["mutexattr_setpshared"](attr, _SHARED), "pthread_mutexattr_setpshared")
+        _check(_fn["mutexattr_setrobust"](attr, _ROBUST), "pthread_mutexattr_setrobust")
+        _check(_fn["mutex_init"](m, attr), "pthread_mutex_init")
     finally:
-        _libc.pthread_mutexattr_destroy(attr)
-    _check(_libc.pthread_mutex_lock(m), "pthread_mutex_lock")
+        _fn["mutexattr_destroy"](attr)
+    _check(_fn["mutex_lock"](m), "pthread_mutex_lock")
     return m
 
 
@@ -89,13 +112,13 @@ class DeathWatch:
 
     def _wait(self, mm: mmap.mmap, offset: int, pid: int) -> None:
         m = (ctypes.c_char * MUTEX_BYTES).from_buffer(mm, offset)
-        rc = _libc.pthread_mutex_lock(m)  # ctypes lets go of the GIL here
+        rc = _fn["mutex_lock"](m)  # ctypes lets go of the GIL here
         if rc in (0, errno.EOWNERDEAD):  # 0: the mutex was never held (nothing to watch)
             if rc == errno.EOWNERDEAD:
-                _libc.pthread_mutex_consistent(m)
+                _fn["mutex_consistent"](m)
             # unlocked before the mapping goes: glibc keeps a thread's robust mutexes
             # in a list through their own memory
-            _libc.pthread_mutex_unlock(m)
+            _fn["mutex_unlock"](m)
         del m
         mm.close()
         if rc == errno.EOWNERDEAD:
@@ -124,27 +147,46 @@ class DeathWatch:
             os.close(self.fd)
 
 
+class Undecided(Exception):
+    """The early path cannot decide this death (the process was reaped, or ``/proc``
+    shows no exit status): its pidfd and the zygote's ``waitpid`` decide."""
+
+
+def _field(stat: bytes, i: int) -> int:
+    return int(stat.rsplit(b")", 1)[1].split()[i])
+
+
 def quiesced(pid: int, pidfd: int) -> int | None:
     """Process ``pid``'s exit code (Popen style: negative, the signal) once none of its
-    threads has an address space left (see the module docstring); None while one has,
-    or if the process was already reaped (its pidfd then says so)."""
+    threads has an address space left (see the module docstring); None while one has.
+    Raises :class:`Undecided` if the process is gone (reaped: the pid may name another
+    process by now) or ``/proc`` shows no exit status (0: a clean exit, or a status
+    ``/proc`` withholds), which the zygote's ``waitpid`` then gives."""
+    task = f"/proc/{pid}/task"
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            leader = f.read()
-    except OSError:
-        return None
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # that thread is gone
-        if int(stat.rsplit(b")", 1)[1].split()[_VSIZE]) != 0:
+        tids = set(os.listdir(task))
+        for tid in tids:
+            try:
+                with open(f"{task}/{tid}/stat", "rb") as f:
+                    if _field(f.read(), _VSIZE) != 0:
+                        return None
+            except FileNotFoundError:
+                continue  # that thread is gone
+        # the same threads after the scan: none cloned one the scan did not see (only
+        # possible while the process is not exiting as a whole; then it has one still)
+        if set(os.listdir(task)) - tids:
             return None
-    status = int(leader.rsplit(b")", 1)[1].split()[_EXIT_CODE])
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            status = _field(f.read(), _EXIT_CODE)
+    except OSError:
+        raise Undecided(f"pid {pid} is gone from /proc") from None
     try:
         signal.pidfd_send_signal(pidfd, 0)  # still the process we read (not reaped)
+    except ProcessLookupError:
+        raise Undecided(f"pid {pid} was reaped") from None
+    if status == 0:
+        raise Undecided(f"pid {pid}: no exit status in /proc")
+    try:
         return os.waitstatus_to_exitcode(status)
-    except (ProcessLookupError, ValueError):
-        return None
+    except ValueError:
+        raise Undecided(f"pid {pid}: exit status {status:#x} is not one") from None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import socket
 import sys
@@ -35,6 +36,7 @@ __all__ = [
     "parent_of",
     "pidfd",
     "port_in_use",
+    "readable",
     "rss_bytes",
     "steady_heap",
     "tie_to_parent",
@@ -105,6 +107,14 @@ def die_with_starter() -> None:
         )
         os._exit(1)
     die_with_parent(int(value))
+
+
+def readable(fd: int) -> bool:
+    """Is ``fd`` readable now (a pidfd: its process has exited)? ``poll``, not
+    ``select``: descriptors past 1024 are fine."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 def pidfd(pid: int) -> int:

@@ -96,6 +96,7 @@ class Proc:
     exit_reported: int | None = None
     exited: int | None = None
     dead_at: float | None = None
+    seen_by: str = "pidfd"  # what showed its death: "deathwatch" (before the teardown) or "pidfd"
     hang_reported: bool = False
     promote_gen: int | None = None
     promote_started: float = 0.0

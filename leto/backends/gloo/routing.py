@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import selectors
 import socket
 import sys
@@ -130,7 +129,7 @@ class Routing:
         it sent is on the socket), so that its death is judged with them (a traceback
         sent before the exit makes it an exception, not a crash)."""
         a = self.a
-        while p.conn is not None and select.select([p.conn], [], [], 0)[0]:
+        while p.conn is not None and P.readable(p.conn.fileno()):
             try:
                 _, pc = a.sel.get_key(p.conn).data
             except (KeyError, ValueError):
@@ -150,7 +149,10 @@ class Routing:
             why = f"pid {pc.pid} is not a process this agent started"
         board = _board_of(fds) if why is None else None
         if board is not None:
-            a.deathwatch.watch(fds[0], MUTEX_AT, SIZE, pc.pid)
+            try:
+                a.deathwatch.watch(fds[0], MUTEX_AT, SIZE, pc.pid)
+            except (OSError, RuntimeError) as e:  # its death is then the pidfd's news
+                a.say(f"pid {pc.pid}: its death is watched by its pidfd only ({e})")
         for fd in fds:
             os.close(fd)
         if why is not None:

@@ -739,6 +739,10 @@ class Supervisor:
             a.listener.close()
         self.end_spares()
         a.control.close()
+        try:
+            a.sel.unregister(a.deathwatch.fd)
+        except (KeyError, ValueError):
+            pass
         a.deathwatch.close()
         a.store = None
 
