@@ -76,7 +76,7 @@ class StatusBoard:
             board = cls(fd)
             try:
                 board._held = hold(board.mm, MUTEX_AT)
-            except (OSError, AttributeError):  # no robust mutexes here: the pidfd decides
+            except OSError:  # no robust mutexes here: the pidfd decides
                 pass
             return board, fd
         except BaseException:

@@ -2,9 +2,8 @@
 trainers and shadows forked by the zygote. A death is seen from the robust mutex the
 process's main thread held (:mod:`.deathwatch`), its status then read from ``/proc``,
 before the kernel has torn the process's memory down; else on its pidfd, its status
-from the zygote; a trainer's death or a
-keeper's becomes a failure report to the coordinator, a shadow's a shadow report
-(and a retry, up to three times). Fencing a generation kills the stale processes
+from the zygote. A trainer's death or a keeper's becomes a failure report to the
+coordinator, a shadow's a shadow report (and a retry, up to three times). Fencing a generation kills the stale processes
 and fences every keeper."""
 
 from __future__ import annotations
