@@ -2,11 +2,11 @@
 
 ::
 
-    leto bench recovery [--params 1M] [--repeats 5] [--mtbf 60] [--no-tier2] [--json]
+    leto bench recovery [--params 1M] [--repeats 5] [--mtbf 60] [--no-tier2] [--fail-at forward] [--json]
     leto bench overhead [--params 1M] [--batch 16384] [--rounds 5] [--json]
     leto bench overhead --batches 1024,4096,16384 [--rounds 3] [--json]   # against step time
     leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 30] [--rounds 3] [--json]
-    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--layers 4] [--no-tier2] [--json]
+    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--layers 4] [--no-tier2] [--fail-at forward] [--json]
     leto bench control  [--ranks 1024] [--chunks 4096] [--per-node 8] [--json]
     leto bench tier2    [--nodes 4] [--mib 64] [--parities 2] [--rounds 5] [--json]
 
@@ -44,6 +44,7 @@ from leto.argcheck import (
     show,
 )
 
+from .interval import FAIL_AT
 from .workload import (
     LAYERS,
     BenchError,
@@ -104,6 +105,17 @@ def _no_tier2(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _fail_at(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--fail-at",
+        choices=FAIL_AT,
+        default="forward",
+        help="where in its step a rank dies: after its forward pass (default; the step is "
+        "computed again by every system) or at the update, after the step's vote and "
+        "commit (leto rolls it forward; a baseline dies before optimizer.step())",
+    )
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("::", 1)[1] if __doc__ else None
@@ -121,6 +133,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--gap", type=float, default=10.0, help="seconds of training between failures (default 10)"
     )
     _no_tier2(p)
+    _fail_at(p)
     p = sub.add_parser(
         "overhead",
         help="failure-free step time: plain DDP vs leto (its defaults: tier 1 as replicas on gloo), "
@@ -176,6 +189,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"stops for a recovery) with width^2; at most {MAX_LAYERS}",
     )
     _no_tier2(p)
+    _fail_at(p)
     p = sub.add_parser(
         "control",
         help="the coordinator's protocol-model CPU per step, per recovery plan and per "
@@ -422,6 +436,7 @@ def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], prog
             gap_s=args.gap,
             progress=progress,
             tier2=not args.no_tier2,
+            fail_at=args.fail_at,
         )
         return res, report.recovery_table, plots.plot_recovery
     if args.bench == "overhead" and args.batches is not None:
@@ -469,5 +484,6 @@ def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], prog
         gap_s=args.gap,
         progress=progress,
         tier2=not args.no_tier2,
+        fail_at=args.fail_at,
     )
     return res, report.scaling_table, plots.plot_scaling

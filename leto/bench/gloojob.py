@@ -20,8 +20,14 @@ model_state    reconcile (integrity checks, roll forward/back, parity repair, pa
 communicator   the rest of the recovery: rejoin (every trainer joins the new
                generation's gloo group, attaches its retained state, reports it) and
                rebuild
-lost_work      recovery end -> the step that was in flight is committed
+lost_work      recovery end -> the step that was in flight is committed (0 when the
+               recovery kept it: rolled forward, ``resumed_at`` >= the failed step)
 =============  =====================================================================
+
+A failure ``{"rank", "step", "at": "update"}`` (:mod:`leto.bench.interval`) is a
+crash of leto's own fault plan (``leto launch --faults``) at the rank's first undo
+copy of that step's apply: after its vote and the step's commit. Its time is the one
+the trainer records before it dies (``RUN_DIR/faults.jsonl``).
 """
 
 from __future__ import annotations
@@ -78,6 +84,12 @@ class GlooJob:
             "tier2_interval": tier2_interval,
             "cpu_probe": list(cpu_probe) if cpu_probe else None,
         }
+        # failures after the vote: crashes of leto's own plan, in the step's apply
+        self.fault_plan = [
+            {"kind": "crash", "rank": f["rank"], "step": f["step"], "phase": "apply",
+             "chunk": 0, "where": "undo_saved"}
+            for f in failures or [] if f.get("at", "forward") == "update"
+        ]  # fmt: skip
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stopping = False
         self._pos = 0
@@ -94,6 +106,7 @@ class GlooJob:
                 "--nnodes", str(self.nodes), "--nproc-per-node", str(nproc),
                 "--node-rank", str(n), "--rdzv-endpoint", f"127.0.0.1:{port}",
                 "--run-dir", str(self.run_dir), "--quiet", "--no-echo",
+                *(["--faults", json.dumps(self.fault_plan)] if self.fault_plan else []),
                 SCRIPT, json.dumps(self.spec),
             ]  # fmt: skip
             # Each agent leads its own process group (for the SIGKILL of a stop) but stays in
@@ -159,11 +172,15 @@ class GlooJob:
         return [e for e in self.events if e["event"] == event]
 
     def stamps(self) -> list[dict[str, Any]]:
-        """The failures the trainers stamped before dying (``letojob``)."""
-        path = self.run_dir / "bench-failures.jsonl"
-        if not path.exists():
-            return []
-        return sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda s: s["i"])
+        """The failures the trainers stamped before dying, in the order they struck:
+        ``letojob``'s and leto's fault plan's (``faults.jsonl``), each ``{"t", "rank",
+        "step"}``."""
+        out = []
+        for name in ("bench-failures.jsonl", "faults.jsonl"):
+            path = self.run_dir / name
+            if path.exists():
+                out += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        return sorted(out, key=lambda s: s["t"])
 
     def cpu(self, first: int, last: int) -> dict[str, Any]:
         """CPU per step between the ``cpu_probe`` steps (:func:`leto.bench.cpu.leto_cpu_report`)."""
@@ -227,10 +244,14 @@ def leto_breakdown(events: list[dict[str, Any]], stamp: dict[str, Any]) -> dict[
     t_fail, f = stamp["t"], stamp["step"]
     fail = _first(events, "failure", t_fail, rank=stamp["rank"])
     end = _first(events, "recovery_end", fail["t"])
-    done = next(
-        (e for e in events if e["event"] == "step" and e["t"] >= end["t"] and e["step"] >= f),
-        None,
-    )
+    done: dict[str, Any] | None
+    if (end.get("resumed_at") or 0) >= f:  # rolled forward: the step in flight was kept
+        done = end
+    else:
+        done = next(
+            (e for e in events if e["event"] == "step" and e["t"] >= end["t"] and e["step"] >= f),
+            None,
+        )
     if done is None:
         raise BenchError(f"leto: step {f} was never completed after the recovery")
     ms = end["phases_ms"]

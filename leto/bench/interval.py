@@ -13,17 +13,34 @@ disk baseline, so the steps lost to it are spread evenly over the interval (thei
 median is half of it, the expected loss under failures uniform in time). Every
 system gets the same steps and the same failing ranks (rotating, so a rank's
 shadow has time to warm again), spaced at least ``gap_s`` of training apart.
+
+Where in its step a rank dies (``at``, the same for every system): ``forward`` (the
+default), after its forward pass, before its backward, so the step was never voted on
+and every system computes it again; or ``update``, after the step's gradients are
+reduced and, for leto, after the step was voted on and committed: during its apply
+(the first undo copy), which leto rolls forward, while a baseline dies before its
+``optimizer.step()`` and computes the step again after its restart.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from leto.sim.theory import daly_interval, young_interval
 
 from .workload import BenchError
 
-__all__ = ["checkpoint_interval_steps", "failure_schedule", "young_interval", "daly_interval"]
+__all__ = [
+    "FAIL_AT",
+    "checkpoint_interval_steps",
+    "failure_schedule",
+    "young_interval",
+    "daly_interval",
+]
+
+#: where in its step a rank dies (see the module docstring)
+FAIL_AT = ("forward", "update")
 
 
 def checkpoint_interval_steps(
@@ -42,16 +59,29 @@ def checkpoint_interval_steps(
 
 
 def failure_schedule(
-    n: int, interval: int, *, step_s: float, world: int, after_step: int, gap_s: float
-) -> list[dict[str, int]]:
-    """``n`` failures ``{"rank", "step"}`` (see the module docstring)."""
+    n: int,
+    interval: int,
+    *,
+    step_s: float,
+    world: int,
+    after_step: int,
+    gap_s: float,
+    at: str = "forward",
+) -> list[dict[str, Any]]:
+    """``n`` failures ``{"rank", "step"}``, with ``"at"`` where it is not ``forward``
+    (see the module docstring)."""
     if n < 1 or interval < 1:
         raise BenchError("a failure schedule needs n >= 1 failures and an interval >= 1 step")
+    if at not in FAIL_AT:
+        raise BenchError(f"a failure strikes at one of {', '.join(FAIL_AT)}, not {at!r}")
     gap_steps = max(1, math.ceil(gap_s / max(step_s, 1e-9)))
     spacing = interval * max(1, math.ceil(gap_steps / interval))
     base = interval * (after_step // interval + 1)
     out = []
     for j in range(n):
         offset = 1 + int((j + 0.5) * interval / n)  # 1..interval
-        out.append({"rank": (j + 1) % world, "step": base + j * spacing + offset})
+        f: dict[str, Any] = {"rank": (j + 1) % world, "step": base + j * spacing + offset}
+        if at != "forward":
+            f["at"] = at
+        out.append(f)
     return out

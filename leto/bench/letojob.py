@@ -5,8 +5,10 @@
 baselines train) through ``leto.wrap`` with ``backend = "gloo"``.
 
 Failures strike at the same point as in the baselines' workers
-(:mod:`leto.bench.worker`): after a rank's forward pass, before its backward. The
-step function does it: when its rank is due, it stamps the time (``time.time()``,
+(:mod:`leto.bench.worker`): after a rank's forward pass, before its backward (a
+failure ``"at": "update"`` is not this script's: :class:`leto.bench.gloojob.GlooJob`
+plans it as a crash of leto's own fault plan, in the step's apply). The step
+function does it: when its rank is due, it stamps the time (``time.time()``,
 the clock of leto's event log) in ``RUN_DIR/bench-failures.jsonl`` and SIGKILLs its
 own process. A failure is claimed with an exclusive marker file first, so it fires
 once, not again in the shadow that takes the rank's place. Due means either
@@ -69,7 +71,7 @@ class _Faults:
     def check(self, step: int) -> None:
         now = time.time()
         for i, f in enumerate(self.plan):
-            if f["rank"] != self.rank:
+            if f["rank"] != self.rank or f.get("at", "forward") != "forward":
                 continue
             if "step" in f:
                 due = f["step"] == step

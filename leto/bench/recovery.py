@@ -7,7 +7,8 @@ agent (:class:`leto.bench.agent.Job`), leto under ``leto launch``
 first calibrates (a few steps, then three saves of its own kind, timed in place);
 the checkpoint interval follows (:mod:`leto.bench.interval`), and so does the
 failure schedule, which every later system gets unchanged: the scheduled rank
-dies at the scheduled step (after its forward pass), the system recovers, and
+dies at the scheduled step (after its forward pass, or with ``--fail-at update`` at
+the update: :mod:`leto.bench.interval`), the system recovers, and
 training goes on to the next failure. Every recovery is broken down into the
 phases of :mod:`leto.bench.timeline` (leto's from its coordinator's record,
 :func:`leto.bench.gloojob.leto_breakdown`); the figures are medians over the
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .agent import RESTART_SYSTEMS, Job
-from .interval import checkpoint_interval_steps, failure_schedule
+from .interval import FAIL_AT, checkpoint_interval_steps, failure_schedule
 from .timeline import PHASES, restart_breakdown
 from .workload import BenchError, Workload
 
@@ -82,14 +83,16 @@ def measure_system(
     *,
     mtbf_s: float,
     repeats: int,
-    schedule: list[dict[str, int]] | None,
+    schedule: list[dict[str, Any]] | None,
     gap_s: float,
     progress: Any = None,
+    fail_at: str = "forward",
 ) -> dict[str, Any]:
     """Run baseline ``system`` through ``repeats`` failures; its breakdowns and calibration.
 
     ``schedule`` None: derive it from this job's own checkpoint interval (the first
-    system measured sets the schedule every other system then gets).
+    system measured sets the schedule every other system then gets), its failures
+    striking at ``fail_at`` (:mod:`leto.bench.interval`).
     """
     plan = _Plan(None)
     with Job(system, wl, plan_for=plan, max_failures=repeats + 3) as job:
@@ -107,6 +110,7 @@ def measure_system(
                 world=wl.world,
                 after_step=CAL_STEPS,
                 gap_s=gap_s,
+                at=fail_at,
             )
         plan.schedule, plan.interval = schedule, k
         job.set_plan("plan/0/run", plan(0))
@@ -135,10 +139,11 @@ def measure_leto(
     wl: Workload,
     *,
     repeats: int,
-    schedule: list[dict[str, int]] | None,
+    schedule: list[dict[str, Any]] | None,
     gap_s: float,
     progress: Any = None,
     tier2: bool = True,
+    fail_at: str = "forward",
 ) -> dict[str, Any]:
     """leto through ``leto launch``: the same failures, recovered in place (``tier2``:
     with its tier-2 snapshot, leto's default)."""
@@ -150,7 +155,13 @@ def measure_leto(
             cal_job.wait(lambda: bool(cal_job.seen("job_end")), _TIMEOUT_S, "calibration")
             step_s = step_time(cal_job.events, 2)
         schedule = failure_schedule(
-            repeats, 1, step_s=step_s, world=wl.world, after_step=CAL_STEPS, gap_s=gap_s
+            repeats,
+            1,
+            step_s=step_s,
+            world=wl.world,
+            after_step=CAL_STEPS,
+            gap_s=gap_s,
+            at=fail_at,
         )
     last = schedule[-1]["step"]
     with GlooJob(wl, steps=last, failures=schedule, tier2=tier2) as job:
@@ -183,21 +194,31 @@ def run_recovery(
     gap_s: float = 10.0,
     progress: bool = True,
     tier2: bool = True,
+    fail_at: str = "forward",
 ) -> dict[str, Any]:
     """The recovery benchmark's result (the JSON of ``leto bench recovery``); ``tier2``:
-    leto's job keeps its tier-2 snapshot."""
+    leto's job keeps its tier-2 snapshot; ``fail_at``: where in its step a rank dies
+    (:mod:`leto.bench.interval`)."""
+    if fail_at not in FAIL_AT:
+        raise BenchError(f"a failure strikes at one of {', '.join(FAIL_AT)}, not {fail_at!r}")
     from leto.sim.sweep import Progress
 
     ordered = [s for s in ORDER if s in systems]
     steps = len(ordered) * (repeats + 1)
     bar = Progress(steps, f"recovery {wl.label}") if progress else None
     start = time.monotonic()
-    schedule: list[dict[str, int]] | None = None
+    schedule: list[dict[str, Any]] | None = None
     out: dict[str, Any] = {}
     for system in ordered:
         if system == "leto":
             res = measure_leto(
-                wl, repeats=repeats, schedule=schedule, gap_s=gap_s, progress=bar, tier2=tier2
+                wl,
+                repeats=repeats,
+                schedule=schedule,
+                gap_s=gap_s,
+                progress=bar,
+                tier2=tier2,
+                fail_at=fail_at,
             )
             if bar is not None:
                 bar.advance("leto done")
@@ -210,6 +231,7 @@ def run_recovery(
                 schedule=schedule,
                 gap_s=gap_s,
                 progress=bar,
+                fail_at=fail_at,
             )
         schedule = res["schedule"]
         res["phases"] = summarize(res["runs"])
@@ -221,6 +243,7 @@ def run_recovery(
         "workload": {**wl.as_dict(), "params": wl.params, "label": wl.label},
         "mtbf_s": mtbf_s,
         "repeats": repeats,
+        "fail_at": fail_at,
         "schedule": schedule,
         "systems": out,
         "elapsed_s": time.monotonic() - start,
@@ -262,6 +285,7 @@ def run_scaling(
     gap_s: float = 10.0,
     progress: bool = True,
     tier2: bool = True,
+    fail_at: str = "forward",
 ) -> dict[str, Any]:
     """The recovery benchmark at several model sizes (``leto bench scaling``)."""
     start = time.monotonic()
@@ -274,6 +298,7 @@ def run_scaling(
             gap_s=gap_s,
             progress=progress,
             tier2=tier2,
+            fail_at=fail_at,
         )
         for wl in workloads
     ]
@@ -290,6 +315,7 @@ def run_scaling(
             "growth": {n: t[-1] / t[0] for n, t in totals.items()},
             "ratio_vs_best_baseline": [r.get("ratio_vs_best_baseline") for r in results],
             "leto_tier2": tier2,
+            "fail_at": fail_at,
             "results": results,
             "elapsed_s": time.monotonic() - start,
         }

@@ -25,9 +25,17 @@ def _wl(res: dict[str, Any]) -> str:
     )
 
 
+def _fail_note(res: dict[str, Any]) -> str:
+    """Where the failures struck, when not after the forward pass (the default)."""
+    if res.get("fail_at", "forward") == "forward":
+        return ""
+    return "; deaths at the update, after the step's vote and commit"
+
+
 def recovery_table(res: dict[str, Any]) -> str:
     lines = [
-        f"recovery: {_wl(res)}; MTBF {res['mtbf_s']:g} s; median of {res['repeats']} recoveries",
+        f"recovery: {_wl(res)}; MTBF {res['mtbf_s']:g} s; median of {res['repeats']} recoveries"
+        + _fail_note(res),
         f"{'system':<16}" + "".join(f"{_LABEL[p]:>10}" for p in PHASES) + f"{'total':>10}  notes",
     ]
     for name, s in res["systems"].items():
@@ -147,7 +155,7 @@ def goodput_table(res: dict[str, Any]) -> str:
 def scaling_table(res: dict[str, Any]) -> str:
     sizes = res["sizes"]
     head = f"{'system':<16}" + "".join(f"{s:>10}" for s in sizes) + f"{'added':>10}{'s/GiB':>9}"
-    lines = ["scaling: recovery (median) by model size"]
+    lines = ["scaling: recovery (median) by model size" + _fail_note(res)]
     for key, title in (
         ("total", "total: failure -> the step in flight completed"),
         ("resume", "resume: failure -> training runs again (detect+process+model+comm)"),

@@ -125,9 +125,20 @@ class _Trainer:
             timeout=timedelta(seconds=60),
         )
 
-    def should_fail(self, s: int) -> bool:
+    def should_fail(self, s: int, at: str = "forward") -> bool:
+        """Is this rank due to die at point ``at`` of step ``s`` (``forward``: after
+        its forward pass; ``update``: after its backward, the gradients reduced,
+        before ``optimizer.step()``; :mod:`leto.bench.interval`)? A signal's request
+        (``leto bench goodput``) is honoured after the forward."""
+        if _fail_requested and at == "forward":
+            return True
         f = self.plan.get("fail")
-        return _fail_requested or (f is not None and f["rank"] == self.rank and f["step"] == s)
+        return (
+            f is not None
+            and f.get("at", "forward") == at
+            and f["rank"] == self.rank
+            and f["step"] == s
+        )
 
     def die(self, s: int) -> None:
         self.out.emit("fail", step=s)
@@ -199,6 +210,8 @@ class _DDPTrainer(_Trainer):
             if self.should_fail(s):
                 self.die(s)
             loss.backward()
+            if self.should_fail(s, "update"):
+                self.die(s)
             self.opt.step()
             self.step = s
             # this process's CPU seconds so far, and in forward passes: the overhead

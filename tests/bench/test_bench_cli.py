@@ -48,6 +48,18 @@ def test_bad_input_is_one_line_and_exit_2(
     assert time.monotonic() - t < 5
 
 
+@pytest.mark.parametrize("bench", ["recovery", "scaling"])
+def test_an_unknown_failure_point_is_refused_in_one_line(
+    bench: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", bench, "--fail-at", "backward", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "--fail-at: invalid choice: 'backward' (choose from 'forward', 'update')" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_no_benchmark_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench"]) == 2
     assert "choose a benchmark" in capsys.readouterr().err

@@ -100,3 +100,15 @@ def test_failure_times_are_poisson_and_seeded() -> None:
     assert len(a) == pytest.approx(200, rel=0.25)  # budget / MTBF
     with pytest.raises(BenchError, match="MTBF"):
         failure_times(100.0, 0.0, 4, seed=0)
+
+
+def test_leto_breakdown_of_a_step_rolled_forward_loses_no_work() -> None:
+    # a death after the vote: the recovery keeps the step (resumed at it), so the
+    # recovery's end is when training runs again, and nothing is computed again
+    log = _leto_log()
+    log[2] = {**log[2], "resumed_at": 12, "kind": "forward"}
+    b = leto_breakdown(log, {"t": 100.0, "rank": 1, "step": 12})
+    assert b["lost_work"] == 0.0
+    assert b["total"] == pytest.approx(0.47)
+    assert sum(b[p] for p in PHASES) == pytest.approx(b["total"])
+    assert b["detail"]["resumed_at"] == 12 and b["detail"]["steps_lost"] == 0

@@ -79,3 +79,13 @@ def test_schedule_same_for_the_same_inputs_and_checked() -> None:
     assert a == failure_schedule(3, 7, step_s=0.2, world=2, after_step=5, gap_s=1.0)
     with pytest.raises(BenchError):
         failure_schedule(0, 7, step_s=0.2, world=2, after_step=5, gap_s=1.0)
+
+
+def test_schedule_says_where_a_failure_strikes() -> None:
+    fwd = failure_schedule(3, 7, step_s=0.2, world=2, after_step=5, gap_s=1.0)
+    upd = failure_schedule(3, 7, step_s=0.2, world=2, after_step=5, gap_s=1.0, at="update")
+    assert all("at" not in f for f in fwd)  # the default: after the forward pass
+    assert [f["at"] for f in upd] == ["update"] * 3
+    assert [(f["rank"], f["step"]) for f in upd] == [(f["rank"], f["step"]) for f in fwd]
+    with pytest.raises(BenchError, match="forward, update, not 'backward'"):
+        failure_schedule(3, 7, step_s=0.2, world=2, after_step=5, gap_s=1.0, at="backward")

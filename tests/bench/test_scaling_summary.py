@@ -49,6 +49,9 @@ def test_slopes_split_resume_and_lost_work() -> None:
     table = scaling_table(res)
     assert "leto's total grows 10.0x slower than ckpt-disk's" in table
     assert table.count("ckpt-disk") >= 3  # total, resume and lost work blocks
+    assert "deaths at the update" not in table  # the default: after the forward pass
+    upd = scaling_table({**res, "fail_at": "update"})
+    assert upd.splitlines()[0].endswith("deaths at the update, after the step's vote and commit")
 
 
 def test_a_single_size_has_no_slope() -> None:

@@ -77,6 +77,35 @@ def test_tiny_recovery_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_tiny_recovery_run_with_a_death_after_the_vote() -> None:
+    from leto.bench.recovery import run_recovery
+
+    res = run_recovery(
+        ["leto", "ckpt-disk"],
+        TINY,
+        mtbf_s=30.0,
+        repeats=1,
+        gap_s=0.5,
+        progress=False,
+        fail_at="update",
+    )
+    assert res["fail_at"] == "update"
+    f = res["schedule"][0]
+    assert f["at"] == "update"
+    leto = res["systems"]["leto"]["runs"][0]
+    # leto's death came in the step's apply (its own fault plan), after the commit:
+    # rolled forward, the step kept, nothing computed again
+    assert leto["detail"]["failed_step"] == f["step"]
+    assert leto["detail"]["kind"] == "forward" and leto["detail"]["resumed_at"] == f["step"]
+    assert leto["detail"]["steps_lost"] == 0 and leto["lost_work"] == 0.0
+    assert sum(leto[p] for p in PHASES) == pytest.approx(leto["total"], abs=1e-6)
+    # the baseline died before its optimizer step: that step is computed again
+    disk = res["systems"]["ckpt-disk"]["runs"][0]
+    assert disk["detail"]["failed_step"] == f["step"]
+    assert disk["detail"]["steps_recomputed"] >= 1 and disk["lost_work"] > 0
+
+
+@pytest.mark.slow
 def test_tiny_leto_goodput_run() -> None:
     from leto.bench.goodput import run_leto
 

@@ -9,6 +9,7 @@ Each job packs several failures at different steps, to keep the start-up cost
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,21 @@ def test_sigkill_at_every_phase_recovers_bitwise(
     assert recs[0]["parity_checked"] >= 1 and recs[7]["parity_checked"] >= 1, recs
     assert all(p["warm"] for r in recs for p in r["promoted"])
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
+
+
+def test_every_fault_records_its_firing_before_it_acts(kill_at_every_phase: JobResult) -> None:
+    # RUN_DIR/faults.jsonl: what a measurement of each recovery starts from
+    res = kill_at_every_phase
+    lines = (res.run_dir / "faults.jsonl").read_text().splitlines()
+    fired = [json.loads(x) for x in lines]
+    assert [(f["rank"], f["step"], f["phase"]) for f in fired] == [
+        (i % 2, i + 2, p["phase"]) for i, p in enumerate(PHASES)
+    ]
+    assert [f["id"] for f in fired] == list(range(len(PHASES)))
+    fails = res.of("failure")
+    for f, seen in zip(fired, fails, strict=True):
+        assert f["kind"] == "crash" and seen["rank"] == f["rank"]
+        assert f["t"] <= seen["t"]  # fired, then seen dead
 
 
 def test_survivors_keep_their_process(kill_at_every_phase: JobResult) -> None:

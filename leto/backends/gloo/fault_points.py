@@ -8,6 +8,7 @@ restarted trainer, or one of a replacement node, does not fire it again).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -65,6 +66,7 @@ class FaultPoints:
         what = fault_label(f)
         print(f"leto: injecting fault: {what}", flush=True)
         sys.stdout.flush()
+        self._record(f)
         kind = f["kind"]
         if kind == "crash":
             if tear is not None:
@@ -90,3 +92,20 @@ class FaultPoints:
             first[0] ^= 0x10  # and train on: nothing reported a memory error
             return
         time.sleep(120)
+
+    def _record(self, f: dict[str, Any]) -> None:
+        """Append the fault's firing, with its time (``time.time()``, the event log's
+        clock), to ``RUN_DIR/faults.jsonl``: what a measurement of the recovery that
+        follows needs (its detection starts here), written before the fault acts."""
+        run_dir = os.environ.get("LETO_RUN_DIR")
+        if not run_dir:
+            return
+        rec = {k: f.get(k) for k in ("id", "kind", "rank", "step", "phase", "chunk", "where")}
+        line = json.dumps({**rec, "t": time.time(), "pid": os.getpid()}) + "\n"
+        fd = os.open(
+            os.path.join(run_dir, "faults.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600
+        )
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
