@@ -25,9 +25,10 @@ lost_work      recovery end -> the step that was in flight is committed (0 when 
 =============  =====================================================================
 
 A failure ``{"rank", "step", "at": "update"}`` (:mod:`leto.bench.interval`) is a
-crash of leto's own fault plan (``leto launch --faults``) at the rank's first undo
-copy of that step's apply: after its vote and the step's commit. Its time is the one
-the trainer records before it dies (``RUN_DIR/faults.jsonl``).
+crash of leto's own fault plan (``leto launch --faults``) where the rank has the
+step's COMMIT and has applied nothing yet (phase ``decide``, ``after``): after its
+vote and the step's commit, the same point for every rank. Its time is the one the
+trainer records before it dies (``RUN_DIR/faults.jsonl``).
 """
 
 from __future__ import annotations
@@ -84,10 +85,10 @@ class GlooJob:
             "tier2_interval": tier2_interval,
             "cpu_probe": list(cpu_probe) if cpu_probe else None,
         }
-        # failures after the vote: crashes of leto's own plan, in the step's apply
+        # failures after the vote: crashes of leto's own plan, the COMMIT received
         self.fault_plan = [
-            {"kind": "crash", "rank": f["rank"], "step": f["step"], "phase": "apply",
-             "chunk": 0, "where": "undo_saved"}
+            {"kind": "crash", "rank": f["rank"], "step": f["step"], "phase": "decide",
+             "where": "after"}
             for f in failures or [] if f.get("at", "forward") == "update"
         ]  # fmt: skip
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -176,10 +177,14 @@ class GlooJob:
         ``letojob``'s and leto's fault plan's (``faults.jsonl``), each ``{"t", "rank",
         "step"}``."""
         out = []
-        for name in ("bench-failures.jsonl", "faults.jsonl"):
-            path = self.run_dir / name
-            if path.exists():
-                out += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        path = self.run_dir / "bench-failures.jsonl"
+        if path.exists():
+            out += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        path = self.run_dir / "faults.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                f = json.loads(line)
+                out.append({"t": f["time"], "rank": f["rank"], "step": f["step"]})
         return sorted(out, key=lambda s: s["t"])
 
     def cpu(self, first: int, last: int) -> dict[str, Any]:

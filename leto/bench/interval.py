@@ -17,9 +17,9 @@ shadow has time to warm again), spaced at least ``gap_s`` of training apart.
 Where in its step a rank dies (``at``, the same for every system): ``forward`` (the
 default), after its forward pass, before its backward, so the step was never voted on
 and every system computes it again; or ``update``, after the step's gradients are
-reduced and, for leto, after the step was voted on and committed: during its apply
-(the first undo copy), which leto rolls forward, while a baseline dies before its
-``optimizer.step()`` and computes the step again after its restart.
+reduced and, for leto, after the step was voted on and committed (the rank has the
+COMMIT and has applied nothing), which leto rolls forward, while a baseline dies
+before its ``optimizer.step()`` and computes the step again after its restart.
 """
 
 from __future__ import annotations

@@ -172,6 +172,11 @@ def measure_leto(
                 progress.advance(f"leto recovery {j + 1}")
         job.wait(lambda: bool(job.seen("job_end")), _TIMEOUT_S, "the end of the run")
         stamps = job.stamps()
+        if len(stamps) != len(schedule):
+            raise BenchError(
+                f"leto: {len(stamps)} failure stamps for {len(schedule)} scheduled failures "
+                f"(in {job.run_dir})"
+            )
         runs = [leto_breakdown(job.events, st) for st in stamps]
         step_s = step_time(job.events, 2, schedule[0]["step"] - 1)
     return {

@@ -24,7 +24,9 @@ Systems (``spec["system"]``):
 Failures strike at one point of a step, the same for every system: after the
 forward pass, before the backward (so no gradient of the step has been
 exchanged): where ``plan["fail"]`` says, or at the first such point after a
-``SIGUSR1`` from the agent. The process then reports ``fail`` and SIGKILLs itself.
+``SIGUSR1`` from the agent; or, for a failure ``"at": "update"``
+(:mod:`leto.bench.interval`), after the backward (the gradients reduced), before
+``optimizer.step()``. The process then reports ``fail`` and SIGKILLs itself.
 """
 
 from __future__ import annotations

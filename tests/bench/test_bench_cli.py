@@ -56,7 +56,8 @@ def test_an_unknown_failure_point_is_refused_in_one_line(
         main(["bench", bench, "--fail-at", "backward", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
-    assert "--fail-at: invalid choice: 'backward' (choose from 'forward', 'update')" in err
+    assert "--fail-at: invalid choice: 'backward'" in err
+    assert "forward" in err and "update" in err
     assert not (tmp_path / "out").exists()
 
 

@@ -103,7 +103,7 @@ def test_every_fault_records_its_firing_before_it_acts(kill_at_every_phase: JobR
     fails = res.of("failure")
     for f, seen in zip(fired, fails, strict=True):
         assert f["kind"] == "crash" and seen["rank"] == f["rank"]
-        assert f["t"] <= seen["t"]  # fired, then seen dead
+        assert f["time"] <= seen["t"]  # fired, then seen dead
 
 
 def test_survivors_keep_their_process(kill_at_every_phase: JobResult) -> None:
@@ -420,3 +420,19 @@ def test_report_of_a_directory_without_a_log(
 
     assert main(["report", str(tmp_path)]) == 2
     assert "no event log" in capsys.readouterr().err
+
+
+def test_a_fault_that_cannot_be_recorded_still_acts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from leto.backends.gloo.fault_points import FaultPoints
+
+    fp = FaultPoints.__new__(FaultPoints)  # _record reads only the environment
+    f = {"id": 3, "kind": "crash", "rank": 1, "step": 4, "phase": "decide", "where": "after"}
+    monkeypatch.setenv("LETO_RUN_DIR", str(tmp_path))
+    fp._record(f)
+    (rec,) = [json.loads(x) for x in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert rec["id"] == 3 and rec["phase"] == "decide" and rec["pid"] == os.getpid()
+    monkeypatch.setenv("LETO_RUN_DIR", str(tmp_path / "gone"))
+    fp._record(f)  # no directory: said on stderr, no exception (the fault is claimed)
+    assert "cannot record the fault" in capsys.readouterr().err

@@ -36,7 +36,7 @@ What each kind does, *for real*, when rank ``rank`` reaches the point:
 Each fault fires once per job, even across trainer incarnations and replacement
 nodes: a trainer claims it with an atomic ``add`` on the job's TCPStore first. Before
 it acts, the trainer appends the firing to ``RUN_DIR/faults.jsonl`` (the plan entry's
-``id``, ``kind``, ``rank``, ``step``, ``phase``, ``chunk``, ``where``, the time ``t``
+``id``, ``kind``, ``rank``, ``step``, ``phase``, ``chunk``, ``where``, the ``time``
 on the event log's clock, its ``pid``): where a measurement of the recovery starts.
 """
 
