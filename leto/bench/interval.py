@@ -33,6 +33,7 @@ from .workload import BenchError
 
 __all__ = [
     "FAIL_AT",
+    "check_fail_at",
     "checkpoint_interval_steps",
     "failure_schedule",
     "young_interval",
@@ -41,6 +42,12 @@ __all__ = [
 
 #: where in its step a rank dies (see the module docstring)
 FAIL_AT = ("forward", "update")
+
+
+def check_fail_at(at: str) -> None:
+    """Refuse a failure point that is not one of :data:`FAIL_AT`."""
+    if at not in FAIL_AT:
+        raise BenchError(f"a failure strikes at one of {', '.join(FAIL_AT)}, not {at!r}")
 
 
 def checkpoint_interval_steps(
@@ -72,8 +79,7 @@ def failure_schedule(
     (see the module docstring)."""
     if n < 1 or interval < 1:
         raise BenchError("a failure schedule needs n >= 1 failures and an interval >= 1 step")
-    if at not in FAIL_AT:
-        raise BenchError(f"a failure strikes at one of {', '.join(FAIL_AT)}, not {at!r}")
+    check_fail_at(at)
     gap_steps = max(1, math.ceil(gap_s / max(step_s, 1e-9)))
     spacing = interval * max(1, math.ceil(gap_steps / interval))
     base = interval * (after_step // interval + 1)

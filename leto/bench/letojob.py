@@ -7,7 +7,7 @@ baselines train) through ``leto.wrap`` with ``backend = "gloo"``.
 Failures strike at the same point as in the baselines' workers
 (:mod:`leto.bench.worker`): after a rank's forward pass, before its backward (a
 failure ``"at": "update"`` is not this script's: :class:`leto.bench.gloojob.GlooJob`
-plans it as a crash of leto's own fault plan, in the step's apply). The step
+plans it as a crash of leto's own fault plan, once the rank has the step's COMMIT). The step
 function does it: when its rank is due, it stamps the time (``time.time()``,
 the clock of leto's event log) in ``RUN_DIR/bench-failures.jsonl`` and SIGKILLs its
 own process. A failure is claimed with an exclusive marker file first, so it fires

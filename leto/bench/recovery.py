@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .agent import RESTART_SYSTEMS, Job
-from .interval import FAIL_AT, checkpoint_interval_steps, failure_schedule
+from .interval import check_fail_at, checkpoint_interval_steps, failure_schedule
 from .timeline import PHASES, restart_breakdown
 from .workload import BenchError, Workload
 
@@ -204,8 +204,7 @@ def run_recovery(
     """The recovery benchmark's result (the JSON of ``leto bench recovery``); ``tier2``:
     leto's job keeps its tier-2 snapshot; ``fail_at``: where in its step a rank dies
     (:mod:`leto.bench.interval`)."""
-    if fail_at not in FAIL_AT:
-        raise BenchError(f"a failure strikes at one of {', '.join(FAIL_AT)}, not {fail_at!r}")
+    check_fail_at(fail_at)  # before any job starts (the schedule comes after a calibration)
     from leto.sim.sweep import Progress
 
     ordered = [s for s in ORDER if s in systems]
