@@ -264,3 +264,31 @@ def reencoded_parity(
 
 def empty_grad_parity(groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(NONE for _ in members) for members in groups)
+
+
+# Repairs that write none of a rank's chunks: its retained gradients only, which a
+# step's compute neither reads nor writes (they enter retained memory at Reduce).
+_GRADIENTS_ONLY = frozenset({"grad-tier1"})
+
+
+def keeps_compute(plans: Sequence[Plan], rank: int, begun_at: int) -> bool:
+    """Whether ``rank``'s compute of step ``begun_at + 1``, begun before a recovery and
+    paused inside it, stands as its ``Compute`` after the recovery's ``Resume``
+    (PROTOCOL.md, "A compute kept across a recovery").
+
+    ``plans``: every plan the rank carried out since the compute paused (one per
+    generation that reached its reconcile; none: nothing to judge, so no). The compute
+    read the rank's chunks at ``begun_at``; ``Compute`` after ``Resume`` reads them at the
+    target. The two are the same bytes when every plan resumes at ``begun_at`` and none
+    writes a chunk of ``rank``: no tier-1 rebuild or roll forward of it, no tier-2 or
+    checkpoint restore (each writes every chunk). A rank whose chunk was rebuilt had lost
+    it: its compute may have read the damage, so it is computed again.
+    """
+    if not plans:
+        return False
+    for p in plans:
+        if p.target != begun_at or p.kind in (Kind.TIER2, Kind.CKPT):
+            return False
+        if any(x.rank == rank and x.what not in _GRADIENTS_ONLY for x in p.repairs):
+            return False
+    return True

@@ -315,6 +315,69 @@ def test_a_recovery_leaves_intact_chunks_to_the_next_prepare(tag: str, ref_1x2: 
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
 
 
+def test_a_survivor_keeps_its_compute_across_the_recovery(tag: str, ref_1x2: JobResult) -> None:
+    # rank 1 dies after its forward of step 5 while rank 0 is inside its backward (it
+    # waits 1.5 s before the last layer's): the recovery is carried out at rank 0's next
+    # layer, resumes at 4 with none of rank 0's chunks written, and rank 0's backward goes
+    # on. Its compute is not run again, and the job still ends bitwise equal to the
+    # failure-free run (the model's dropout: the RNG after the kept forward is the one
+    # recorded)
+    faults = [{"kind": "crash", "rank": 1, "step": 5, "phase": "forward"}]
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, env={"SLOW_BACKWARD": "0:5:1.5"})
+    assert res.ok, explain(res)
+    (rec,) = res.recoveries
+    assert (rec["kind"], rec["target"]) == ("inplace", 4), rec
+    assert [(e["rank"], e["step"]) for e in res.of("compute_kept")] == [(0, 5)]
+    # one compute per step: rank 0 never ran step 5's again
+    assert (res.run_dir / "computes-rank0").read_text() == str(STEPS_1x2)
+    assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
+
+
+def test_a_kept_compute_that_read_a_flipped_bit_is_caught_before_the_vote(
+    tag: str, ref_1x2: JobResult
+) -> None:
+    # the same, with a bit of rank 0's chunk 1 flipped after step 5: the recovery's report
+    # leaves that chunk to the next PREPARE (it writes nothing from it), so rank 0's
+    # compute of step 6, which read the flip, is kept; step 6's PREPARE finds the flip
+    # before the vote and stops rank 0 (its process replaced, as on any integrity
+    # failure), and that recovery rebuilds the chunk: nothing computed from the damage
+    # is ever voted on
+    faults = [
+        {"kind": "corrupt", "rank": 0, "step": 5, "phase": "finish", "chunk": 1},
+        {"kind": "crash", "rank": 1, "step": 6, "phase": "forward"},
+    ]
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, env={"SLOW_BACKWARD": "0:6:1.5"})
+    assert res.ok, explain(res)
+    assert [(e["rank"], e["step"]) for e in res.of("compute_kept")] == [(0, 6)]
+    crash, found = res.of("failure")
+    assert (crash["rank"], found["kind"], found["rank"]) == (1, "exception", 0), (crash, found)
+    assert "chunks [1] fail their checksums at PREPARE of step 6" in found["traceback"], found
+    first, second = res.recoveries
+    assert (first["kind"], second["kind"], second["chunks_repaired_tier1"]) == (
+        "inplace",
+        "tier1",
+        1,
+    ), (first, second)
+    assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
+
+
+def test_a_flipped_bit_found_by_the_tier2_snapshot_is_rebuilt(tag: str, ref_1x2: JobResult) -> None:
+    # a bit of rank 0's chunk 1 flips after step 4, whose tier-2 snapshot (every 2 steps)
+    # reads it first: the rank stops there, and the recovery reads every chunk (the
+    # layout is marked suspect, as PREPARE's failure marks it) and rebuilds it from tier
+    # 1. Before, the report left the chunk to the next check, the recovery resumed in
+    # place, the snapshot failed again, and the job stopped as a script's error
+    faults = [{"kind": "corrupt", "rank": 0, "step": 4, "phase": "finish", "chunk": 1}]
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults)
+    assert res.ok, explain(res)
+    (found,) = res.of("failure")
+    assert (found["kind"], found["rank"]) == ("exception", 0), found
+    assert "fail their checksums at the tier-2 snapshot of step 4" in found["traceback"], found
+    (rec,) = res.recoveries
+    assert (rec["kind"], rec["target"], rec["chunks_repaired_tier1"]) == ("tier1", 4, 1), rec
+    assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
+
+
 def test_corruption_during_the_allreduce_is_found_before_the_vote(
     tag: str, ref_1x2: JobResult
 ) -> None:

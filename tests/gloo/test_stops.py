@@ -82,3 +82,41 @@ def test_the_step_runs_alike_with_stop_points() -> None:
         hooked(x).sum().backward()
     for a, b in zip(plain.parameters(), hooked.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_a_pause_that_returns_lets_the_compute_go_on_unchanged() -> None:
+    """The recovery carried out inside the backward; the compute goes on, and its
+    gradients are those of a compute never paused. Nothing the pause runs is stopped."""
+    x = torch.randn(4, 8)
+    plain, paused = _model(), _model()
+    plain(x).sum().backward()
+    flag = [False]
+    stops = StopPoints(paused, lambda: flag[0], Stop)
+    seen: list[bool] = []
+
+    def pause() -> None:
+        seen.append(stops.on)  # disarmed: a forward run here is not stopped
+        paused(torch.randn(2, 8))
+        flag[0] = False  # the recovery is over
+
+    stops.pause = pause
+    ran = _after(paused, 1, flag, "backward")
+    with stops.armed():
+        paused(x).sum().backward()
+    assert seen == [False] and ran == [2, 1, 0] and stops.on is False
+    for a, b in zip(plain.parameters(), paused.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_pause_that_raises_voids_the_compute() -> None:
+    model, flag = _model(), [False]
+    stops = StopPoints(model, lambda: flag[0], Stop)
+
+    def pause() -> None:
+        raise Stop("the core did not keep it")
+
+    stops.pause = pause
+    ran = _after(model, 1, flag, "forward")
+    with pytest.raises(Stop, match="did not keep"), stops.armed():
+        model(torch.randn(4, 8)).sum().backward()
+    assert ran == [0] and not stops.on

@@ -273,6 +273,9 @@ class Coordinator:
                     self.fail(f"rank {msg.rank}: {msg.error}", rank=msg.rank)
                 case M.Stopped():
                     self.driver.on_stopped(msg, now)
+                case M.Kept():
+                    if self._current(msg.gen):
+                        self.log.write("compute_kept", rank=msg.rank, step=msg.step)
                 case M.Fenced():
                     self.driver.ack("fence", node, msg.gen)
                 case M.Promoted():

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from leto.core.chunk import LOST, NONE
-from leto.core.reconcile import Repair, expand_repairs
+from leto.core.reconcile import Plan, Repair, expand_repairs
+from leto.core.recovery import Kind
 from leto.retained import recovery as rx
 from leto.retained import replicas as rpl
 from leto.retained import rs
@@ -59,9 +60,13 @@ class Follower:
         # (generation, chunks): those whose checksums the report left to the next
         # PREPARE (leto.retained.recovery.deferrable), until this recovery reads them
         self.deferred: tuple[int, set[int]] | None = None
+        # the core's plans this rank carried out (each Reconcile), since ``_follow`` began,
+        # which a compute paused across the recovery is judged by (transaction.paused)
+        self.plans: list[Plan] = []
 
     def _follow(self) -> None:
         """Carry out the coordinator's recovery commands until ``resume``."""
+        self.plans = []
         self.s.groups.destroy()
         while True:
             msg = self.s.ch.next_command()
@@ -177,6 +182,7 @@ class Follower:
     def _reconcile(self, msg: M.Reconcile) -> None:
         self.s.ch.mark("reconcile")
         gen, kind, target = msg.gen, msg.kind, msg.target
+        self.plans.append(Plan(target, Kind(kind), tuple(self._runs(msg)), ""))
         self.s.groups.init(gen)
         t0 = time.perf_counter()
         summary: dict[str, Any] = {

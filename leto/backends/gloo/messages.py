@@ -369,6 +369,18 @@ class Stopped(Message):
 
 
 @attrs.frozen
+class Kept(Message):
+    """The rank's compute of step ``step``, paused by the recovery that ended in
+    generation ``gen``, goes on: the core kept it (:func:`leto.core.reconcile.keeps_compute`)."""
+
+    TAG = "kept"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    step: int = _f(_nat)
+    gen: int = _f(_nat)
+
+
+@attrs.frozen
 class Report(Message):
     """A trainer's answer to :class:`CallReports`: the truth of its retained state
     (chunk versions, undo copies, sealed gradients, and from a node's first rank its
@@ -717,6 +729,7 @@ KINDS: tuple[type[Message], ...] = (
     SnapshotDone,
     CheckpointWritten,
     Stopped,
+    Kept,
     Report,
     Reconciled,
     Rebuilt,

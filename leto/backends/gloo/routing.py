@@ -240,6 +240,7 @@ class Routing:
                 | M.SnapshotDone()
                 | M.CheckpointWritten()
                 | M.Stopped()
+                | M.Kept()
                 | M.Report()
                 | M.Reconciled()
                 | M.Rebuilt()

@@ -202,6 +202,7 @@ class GlooSession:
         self.stats: dict[str, int] = {
             "steps_run": 0,
             "recoveries": 0,
+            "computes_kept": 0,  # a compute paused by a recovery and not run again
             "chunks_repaired_from_parity": 0,
             "grad_blocks_repaired_from_parity": 0,
             "chunks_copied_from_replicas": 0,
@@ -222,6 +223,7 @@ class GlooSession:
         self.checkpoints = Checkpoints(self)
         self.follower = Follower(self)  # carries out recoveries (follow.py)
         self.stops = StopPoints(model, lambda: ch.aborted_since(self.gen), Interrupted)
+        self.stops.pause = self.txn.paused  # a recovery noticed inside the compute
         self.loop: Any = None  # the user's own loop (step.py), once wrap installs it
 
     # ================================================================ properties

@@ -61,6 +61,10 @@ class Tier2Snapshots:
             s.ch.wait_for("t2", self.pending, s.gen)
         bad = s.layout.verify() if s.cfg.verify_chunks else []
         if bad:  # PROTOCOL.md, Tier2Snapshot: a snapshot captures verified bytes only
+            # the recovery this starts reads every chunk in its reports (as PREPARE's
+            # failure does): else its report leaves the damaged chunk to the next
+            # check, resumes in place, and the snapshot fails again the same way
+            s.layout.mark_suspect()
             raise IntegrityError(
                 f"chunks {bad} fail their checksums at the tier-2 snapshot of step {V}"
             )

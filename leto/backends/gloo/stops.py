@@ -12,12 +12,19 @@ of the retained state is touched. So the step's compute stops at the next layer:
   registered by a forward hook, so nothing is kept on the parameters themselves,
   which attaching the retained state may replace).
 
-A stop raises the session's interruption, as a safe point does; the step is void.
-That is safe: the forward and backward write nothing but private tensors (the
-gradients enter retained memory after the all-reduce, PREPARE after that), and the
-step is run again after the recovery from its process state. The hooks check only
-while :meth:`StopPoints.armed` (the step function's forward and backward): a forward
-outside it (an evaluation, the user's own loop) is never stopped.
+A stop hands over to ``pause`` (the step transaction's :meth:`~.transaction.
+StepTransaction.paused`): the recovery is carried out right there, inside the
+compute, and then the compute either goes on (the core judged that it stands as
+the rank's compute after the recovery: :func:`leto.core.reconcile.keeps_compute`)
+or is void (``pause`` raises). Without ``pause`` a stop raises ``exc``, as a safe
+point does, and the step is void. Either is safe: the forward and backward write
+nothing but private tensors (the gradients enter retained memory after the
+all-reduce, PREPARE after that), so a void step is run again after the recovery
+from its process state, and a kept one reads only bytes the recovery left as they
+were. The hooks check only while :meth:`StopPoints.armed` (the step function's
+forward and backward): a forward outside it (an evaluation, the user's own loop) is
+never stopped, nor is anything the recovery itself runs (disarmed while ``pause``
+runs).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class StopPoints:
         self.stopped = stopped
         self.exc = exc
         self.on = False
+        self.pause: Callable[[], None] | None = None  # carries the recovery out, or raises
         for mod in model.modules():
             if next(mod.parameters(recurse=False), None) is not None:
                 mod.register_forward_pre_hook(self._before)
@@ -53,8 +61,15 @@ class StopPoints:
             self.on = before
 
     def check(self) -> None:
-        if self.on and self.stopped():
+        if not (self.on and self.stopped()):
+            return
+        if self.pause is None:
             raise self.exc("a recovery started: the step in flight stops here")
+        self.on = False  # nothing the recovery runs is stopped
+        try:
+            self.pause()
+        finally:
+            self.on = True
 
     def _before(self, module: nn.Module, args: Any) -> None:
         self.check()

@@ -22,7 +22,10 @@ One step ``V`` (the protocol's events in brackets):
 The step-function form runs all six here (:meth:`StepTransaction.run`); the user's own
 loop (:mod:`.step`) runs 1-2 itself and steps 3-6 through :meth:`StepTransaction.commit`.
 A step stopped by a recovery (:meth:`StepTransaction.stopped`) hands over to
-:mod:`.follow`.
+:mod:`.follow`. A recovery noticed inside step 1 (a stop point of :mod:`.stops`) is
+carried out there, and the compute goes on where the core keeps it
+(:meth:`StepTransaction.paused`): a survivor does not compute its share of the step
+again when its retained state came through the recovery untouched.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from leto.core.chunk import NONE
+from leto.core.reconcile import keeps_compute
 from leto.retained.parity import as_bytes
 from leto.retained.process_state import (
     capture_buffers,
@@ -53,7 +57,12 @@ from .keeper_client import FencedError
 if TYPE_CHECKING:
     from .runtime import GlooSession, StepFn
 
-__all__ = ["StepTransaction"]
+__all__ = ["Recovered", "StepTransaction"]
+
+
+class Recovered(Exception):
+    """A recovery was carried out inside the step's compute, which is void: the step is
+    run again from the recovery's state."""
 
 
 class StepTransaction:
@@ -65,6 +74,11 @@ class StepTransaction:
         self._red: torch.Tensor | None = None  # the all-reduce buffer, reused
         self._gdelta: torch.Tensor | None = None  # the gradient parity's delta, reused
         self._out = torch.zeros(0)  # sharded: the reduce-scatter's output, reused
+        self._phase = "forward"  # the part of step 1 under way (the status board's mark)
+        # the model holds persistent buffers, which a recovery writes back (process
+        # state), so its compute is never kept across one: a write into a tensor saved
+        # for the backward would fail it
+        self._buffers = bool(capture_buffers(session.model))
 
     def run(self, step_fn: StepFn | None = None) -> float | None:
         """One step (every rank runs it); its loss on this rank, or None if interrupted."""
@@ -75,6 +89,8 @@ class StepTransaction:
             raise RuntimeError("no step function: pass one to train() / run_step()")
         try:
             return self._step()
+        except Recovered:
+            return None  # followed already, inside the compute
         except (Interrupted, Aborted, FencedError):
             self.stopped("")
         except CollectiveFailed as e:
@@ -88,6 +104,33 @@ class StepTransaction:
         s.groups.destroy()
         s.ch.mark("stopped")
         s.ch.send(M.Stopped(rank=s.rank, gen=s.gen, reason=reason[: M.MAX_TEXT]))
+
+    def paused(self) -> None:
+        """A recovery noticed at a stop point of the compute of step ``in_progress``
+        (:mod:`.stops`): carried out here, then the compute goes on if the core keeps it
+        (:func:`leto.core.reconcile.keeps_compute`: every plan since resumed at the step
+        the compute began from and wrote none of this rank's chunks), else
+        :class:`Recovered` (the step is run again). The backend adds what the protocol
+        does not see: a sharded model's parameters are gathered again, and a model's
+        persistent buffers written back, by every recovery, so their compute is void."""
+        s = self.s
+        assert s.ropt is not None
+        begun = self.in_progress - 1
+        self.stopped("")
+        s.follower._follow()
+        kept = (
+            keeps_compute(s.follower.plans, s.rank, begun) and s.full is None and not self._buffers
+        )
+        if not kept:
+            raise Recovered(f"step {self.in_progress} is computed again after the recovery")
+        # as the step's start: a snapshot now K steps back first (every rank takes it
+        # before its compute; collective), the sampler after this step's batch again
+        s.snapshots.maybe_take(s.ropt.version)
+        s.cursor.batch(self.in_progress)
+        s.stats["computes_kept"] += 1
+        s.ch.send(M.Kept(rank=s.rank, step=self.in_progress, gen=s.gen))
+        s._log("compute kept", step=self.in_progress, generation=s.gen)
+        s.ch.mark(self._phase)
 
     def _step(self) -> float:
         s = self.s
@@ -109,10 +152,12 @@ class StepTransaction:
         for prm in s.model.parameters():
             prm.grad = None
         assert s.step_fn is not None
-        with s.stops.armed():  # a recovery stops the compute at the next layer
+        self._phase = "forward"
+        with s.stops.armed():  # a recovery pauses the compute at the next layer
             loss = s.step_fn(s.model, batch)
             point("forward")
             s.ch.mark("backward")
+            self._phase = "backward"
             loss.backward()
         point("backward")
         rng_after = capture_rng()

@@ -2,7 +2,9 @@
 
 Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
 ("1"/"0"), OPT (a torch.optim class name, AdamW by default), SHARD ("1": shard = true;
-the model's parameters' SHA-256 is then written to RUN_DIR/params-rank<r> at the end, as without it), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's), STEP_SLEEP (seconds per step), BIG_MB (allocate that much while steps
+the model's parameters' SHA-256 is then written to RUN_DIR/params-rank<r> at the end, as without it), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's), STEP_SLEEP (seconds per step), SLOW_BACKWARD ("rank:step:seconds": that rank's backward of
+that step waits that long before the model's last layer, so a peer's death finds it inside
+its compute; the number of computes each rank ran is written to RUN_DIR/computes-rank<r>), BIG_MB (allocate that much while steps
 3..6 run, to push the trainers over a shadow memory budget; the math is unchanged).
 """
 
@@ -50,8 +52,29 @@ big = int(os.environ.get("BIG_MB", "0")) << 20
 calls = {"n": 0, "blob": None}
 
 
+class _Slow(torch.autograd.Function):
+    """The identity, whose backward waits ``seconds`` first."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+slow = os.environ.get("SLOW_BACKWARD", "")
+
+
 def step_fn(m, idx):
     calls["n"] += 1
+    if slow:
+        rank, step, seconds = slow.split(":")
+        if os.environ.get("RANK") == rank and session.step + 1 == int(step):
+            return F.mse_loss(_Slow.apply(m(X[idx]), float(seconds)), Y[idx])
     if os.environ.get("STEP_SLEEP"):
         time.sleep(float(os.environ["STEP_SLEEP"]))
     if big and 3 <= calls["n"] <= 6:
@@ -73,4 +96,8 @@ if os.environ.get("SHARD"):  # the model's own parameters, sharded or not
     out = os.path.join(os.environ["LETO_RUN_DIR"], f"params-rank{os.environ['RANK']}")
     with open(out, "w") as f:
         f.write(hashlib.sha256(blob).hexdigest())
+if slow:
+    out = os.path.join(os.environ["LETO_RUN_DIR"], f"computes-rank{os.environ['RANK']}")
+    with open(out, "w") as f:
+        f.write(str(calls["n"]))
 print(f"done at step {session.step}")
