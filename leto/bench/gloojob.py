@@ -278,6 +278,13 @@ def leto_breakdown(events: list[dict[str, Any]], stamp: dict[str, Any]) -> dict[
             "steps_lost": end.get("steps_lost"),
             "leto_phases_ms": ms,
             "promoted": end.get("promoted"),
+            # the survivors whose compute of the failed step the recovery kept (paused
+            # inside it, not run again: leto.core.reconcile.keeps_compute)
+            "computes_kept": sorted(
+                e["rank"]
+                for e in events
+                if e["event"] == "compute_kept" and e["step"] == f and end["t"] <= e["t"]
+            ),
         },
     }
 

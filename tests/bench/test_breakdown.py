@@ -78,6 +78,20 @@ def test_leto_breakdown_partitions_the_total() -> None:
     assert b["detail"]["leto_phases_ms"]["rejoin"] == 100.0
 
 
+def test_leto_breakdown_names_the_survivors_that_kept_their_compute() -> None:
+    log = _leto_log()
+    assert leto_breakdown(log, {"t": 100.0, "rank": 1, "step": 12})["detail"]["computes_kept"] == []
+    end = log[2]["t"]
+    assert isinstance(end, float)
+    log[3:3] = [
+        {"event": "compute_kept", "t": end + 0.001, "rank": 2, "step": 12},
+        {"event": "compute_kept", "t": end + 0.002, "rank": 0, "step": 12},
+        {"event": "compute_kept", "t": end - 5.0, "rank": 3, "step": 12},  # an earlier one
+    ]
+    b = leto_breakdown(log, {"t": 100.0, "rank": 1, "step": 12})
+    assert b["detail"]["computes_kept"] == [0, 2]
+
+
 def test_leto_breakdown_refuses_a_missing_record() -> None:
     with pytest.raises(BenchError, match="failure"):
         leto_breakdown(_leto_log(), {"t": 100.0, "rank": 3, "step": 12})
