@@ -272,11 +272,12 @@ _GRADIENTS_ONLY = frozenset({"grad-tier1"})
 
 
 def keeps_compute(plans: Sequence[Plan], rank: int, begun_at: int) -> bool:
-    """Whether ``rank``'s compute of step ``begun_at + 1``, begun before a recovery and
-    paused inside it, stands as its ``Compute`` after the recovery's ``Resume``
+    """Whether ``rank``'s compute of step ``begun_at + 1``, begun before a recovery (and
+    carried on beside it, or paused in it), stands as its ``Compute`` after the
+    recovery's ``Resume``
     (PROTOCOL.md, "A compute kept across a recovery").
 
-    ``plans``: every plan the rank carried out since the compute paused (one per
+    ``plans``: every plan the rank carried out since the compute began (one per
     generation that reached its reconcile; none: nothing to judge, so no). The compute
     read the rank's chunks at ``begun_at``; ``Compute`` after ``Resume`` reads them at the
     target. The two are the same bytes when every plan resumes at ``begun_at`` and none

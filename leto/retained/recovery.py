@@ -118,6 +118,19 @@ def deferrable(lay: RetainedLayout) -> list[int]:
     ]
 
 
+def grads_deferrable(lay: RetainedLayout, deferred: Collection[int]) -> bool:
+    """Whether a recovery's report may leave the sealed gradients' checksums unread too.
+
+    When every chunk is deferred and at the gradients' step (the step they were sealed
+    for is fully applied on this rank), the rank's own settle never reads them (a roll
+    forward reads the gradients of the step after its chunks'); only a repair of
+    another member of its node may (a gradient copy or decode from them), and the
+    executor reads them before that (PROTOCOL.md, "Which bytes a report reads").
+    """
+    ps = lay.prepared_step
+    return ps >= 0 and len(deferred) == lay.n_chunks > 0 and lay.chunk_version(0) == ps
+
+
 def intact_at(lay: RetainedLayout, data: list[int]) -> dict[int, int]:
     """The chunks :func:`observe` found CLEAN with their checksums holding (``data``: its
     values), with their versions. A reconcile to step ``t`` writes no chunk CLEAN at ``t``

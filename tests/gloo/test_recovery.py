@@ -316,17 +316,20 @@ def test_a_recovery_leaves_intact_chunks_to_the_next_prepare(tag: str, ref_1x2: 
 
 
 def test_a_survivor_keeps_its_compute_across_the_recovery(tag: str, ref_1x2: JobResult) -> None:
-    # rank 1 dies after its forward of step 5 while rank 0 is inside its backward (it
-    # waits 1.5 s before the last layer's): the recovery is carried out at rank 0's next
-    # layer, resumes at 4 with none of rank 0's chunks written, and rank 0's backward goes
-    # on. Its compute is not run again, and the job still ends bitwise equal to the
-    # failure-free run (the model's dropout: the RNG after the kept forward is the one
-    # recorded)
+    # rank 1 dies after its forward of step 5 (begun 0.5 s late, so rank 0 is surely in
+    # its step) while rank 0 is inside its backward (it waits 1.5 s before the last
+    # layer's): rank 0's recovery runs beside its backward,
+    # so the recovery does not wait for it; it resumes at 4 with none of rank 0's chunks
+    # written, and rank 0's backward goes on. Its compute is not run again, and the job
+    # still ends bitwise equal to the failure-free run (the model's dropout: the RNG
+    # after the kept forward is the one recorded)
     faults = [{"kind": "crash", "rank": 1, "step": 5, "phase": "forward"}]
-    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, env={"SLOW_BACKWARD": "0:5:1.5"})
+    slow = {"SLOW_BACKWARD": "0:5:1.5", "SLOW_FORWARD": "1:5:0.5"}
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, env=slow)
     assert res.ok, explain(res)
     (rec,) = res.recoveries
     assert (rec["kind"], rec["target"]) == ("inplace", 4), rec
+    assert rec["phases_ms"]["rejoin"] < 1000, rec  # not the 1.5 s of rank 0's layer
     assert [(e["rank"], e["step"]) for e in res.of("compute_kept")] == [(0, 5)]
     # one compute per step: rank 0 never ran step 5's again
     assert (res.run_dir / "computes-rank0").read_text() == str(STEPS_1x2)
@@ -346,7 +349,8 @@ def test_a_kept_compute_that_read_a_flipped_bit_is_caught_before_the_vote(
         {"kind": "corrupt", "rank": 0, "step": 5, "phase": "finish", "chunk": 1},
         {"kind": "crash", "rank": 1, "step": 6, "phase": "forward"},
     ]
-    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, env={"SLOW_BACKWARD": "0:6:1.5"})
+    slow = {"SLOW_BACKWARD": "0:6:1.5", "SLOW_FORWARD": "1:6:0.5"}
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, env=slow)
     assert res.ok, explain(res)
     assert [(e["rank"], e["step"]) for e in res.of("compute_kept")] == [(0, 6)]
     crash, found = res.of("failure")

@@ -27,6 +27,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -87,6 +88,8 @@ class AgentChannel:
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self.gone = False
+        # called on this reader thread after an abort is recorded (the session's)
+        self.on_abort: Callable[[], None] | None = None
         # the phase, step and progress, for the agent to read when it looks (no message)
         self.board, fd = StatusBoard.create()
         try:
@@ -128,6 +131,8 @@ class AgentChannel:
                 self._cond.notify_all()
             if isinstance(msg, COMMANDS):
                 self.commands.put(msg)
+            if isinstance(msg, M.Abort) and self.on_abort is not None:
+                self.on_abort()
 
     def _beat(self, interval: float) -> None:
         while not self.gone:
@@ -150,7 +155,7 @@ class AgentChannel:
 
     def request(
         self,
-        msg: M.GetState | M.NodeSegment | M.SnapshotSlot | M.ClaimFault,
+        msg: M.GetState | M.NodeSegment | M.NodeSegments | M.SnapshotSlot | M.ClaimFault,
         timeout: float = 60.0,
     ) -> tuple[dict[str, Any], list[int]]:
         """Send ``msg`` (its ``id`` filled in here) and wait for the agent's reply to it."""

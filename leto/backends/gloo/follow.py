@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,13 +61,20 @@ class Follower:
         # (generation, chunks): those whose checksums the report left to the next
         # PREPARE (leto.retained.recovery.deferrable), until this recovery reads them
         self.deferred: tuple[int, set[int]] | None = None
+        # (generation, step): the sealed gradients the report left unread likewise
+        # (leto.retained.recovery.grads_deferrable), until a repair of the node reads them
+        self.deferred_grads: tuple[int, int] | None = None
         # the core's plans this rank carried out (each Reconcile), since ``_follow`` began,
         # which a compute paused across the recovery is judged by (transaction.paused)
         self.plans: list[Plan] = []
+        self._before_writes: Callable[[], None] | None = None
 
-    def _follow(self) -> None:
-        """Carry out the coordinator's recovery commands until ``resume``."""
+    def _follow(self, before_writes: Callable[[], None] | None = None) -> None:
+        """Carry out the coordinator's recovery commands until ``resume``.
+        ``before_writes``: called before each plan is carried out (its plan in
+        :attr:`plans`), by a recovery beside the compute (transaction)."""
         self.plans = []
+        self._before_writes = before_writes
         self.s.groups.destroy()
         while True:
             msg = self.s.ch.next_command()
@@ -132,7 +140,7 @@ class Follower:
             self.s.memory.node_memory()
         lay = self.s.layout
         C = lay.n_chunks
-        self.intact = self.deferred = None
+        self.intact = self.deferred = self.deferred_grads = None
         if lost:
             data, undo, grad = [LOST] * C, [NONE] * C, LOST
         else:
@@ -147,7 +155,11 @@ class Follower:
             self.intact = (gen, rx.intact_at(lay, data))
             self.deferred = (gen, set(deferred))
             ps = lay.prepared_step
-            grad = ps if ps >= 0 and not lay.verify_grads(ps) else (NONE if ps < 0 else LOST)
+            if rx.grads_deferrable(lay, deferred):  # read before a repair of the node
+                grad, self.deferred_grads = ps, (gen, ps)
+            else:
+                ok = ps >= 0 and not lay.verify_grads(ps)
+                grad = ps if ok else (NONE if ps < 0 else LOST)
             if ps < 0 and lay.reduced_step == self.s.step + 1:
                 # the next step's gradients, reduced and not sealed (the spec's REDUCED:
                 # the node's gradient parity still records the step before)
@@ -183,6 +195,8 @@ class Follower:
         self.s.ch.mark("reconcile")
         gen, kind, target = msg.gen, msg.kind, msg.target
         self.plans.append(Plan(target, Kind(kind), tuple(self._runs(msg)), ""))
+        if self._before_writes is not None:
+            self._before_writes()
         self.s.groups.init(gen)
         t0 = time.perf_counter()
         summary: dict[str, Any] = {
@@ -211,6 +225,7 @@ class Follower:
             # there is one (leto.retained.replicas), then the gradients a member whose chunks
             # are still behind lacks; 4. the members that lost chunks settle
             repairs = self._node_repairs(msg)
+            self._check_deferred_grads(gen, repairs)
             base = self.s.node * self.s.nproc
             chunks = [(x.rank - base, x.chunk, x.version) for x in repairs if x.what == "tier1"]
             lost = {base + m for m, _, _ in chunks}
@@ -264,6 +279,7 @@ class Follower:
         else:
             repairs = self._node_repairs(msg)
             self._check_deferred(gen, {x.chunk for x in repairs if x.what == "tier1"})
+            self._check_deferred_grads(gen, repairs)
             for rep in repairs:
                 if rep.what == "tier1":
                     self._decode_chunk(rep.rank, rep.chunk, rep.version)
@@ -325,6 +341,23 @@ class Follower:
                 f"recovery of generation {gen})"
             )
 
+    def _check_deferred_grads(self, gen: int, repairs: tuple[Repair, ...]) -> None:
+        """Read now the gradients the report left unread, if a repair of this node may
+        read them (a member's gradients copied or decoded from the others', or a lost
+        member's chunks rolled forward with gradients copied from them). One failing
+        marks the layout suspect and fails the recovery loudly, as a chunk does."""
+        if self.deferred_grads is None or self.deferred_grads[0] != gen or not repairs:
+            return
+        step = self.deferred_grads[1]
+        self.deferred_grads = None
+        lay = self.s.layout
+        if lay.verify_grads(step):
+            lay.mark_suspect()
+            raise IntegrityError(
+                f"rank {self.s.rank}: the gradients of step {step} fail their checksums "
+                f"(read by the recovery of generation {gen})"
+            )
+
     def _gparity_names_mine(self) -> bool:
         """The node's gradient parity records gradients of some step for this rank."""
         g = self.s.gparity
@@ -370,7 +403,7 @@ class Follower:
         self.s.cursor.restore(self.s.sampler_state)
         self.s.stats["recoveries"] += 1
         self.s.layout.mark_suspect(False)  # every chunk was read or is left to PREPARE
-        self.deferred = None
+        self.deferred = self.deferred_grads = None
         self.s._log("resumed", step=step, generation=self.s.gen)
         self.s.ch.mark("idle", step)
 

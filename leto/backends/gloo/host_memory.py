@@ -57,6 +57,19 @@ class HostMemory:
             return {"ok": False, "why": f"{name} has {have[1]} bytes"}, []
         return {"ok": True, "created": False}, [have[0]]
 
+    def node_segments_of(
+        self, names: list[str], sizes: list[int]
+    ) -> tuple[dict[str, Any], list[int]]:
+        """:meth:`node_segment` for each name, in one reply (refused as a whole, naming
+        the first segment refused, if any is)."""
+        fds = []
+        for name, nbytes in zip(names, sizes, strict=True):
+            reply, got = self.node_segment(name, nbytes)
+            if not reply["ok"]:
+                return reply, []
+            fds += got
+        return {"ok": True}, fds
+
     def snapshot_slot(self, step: int) -> dict[str, Any]:
         """The tier-2 slot to write the snapshot of ``step`` into (the one that is not
         current; the same for every rank of the node), and the current one."""

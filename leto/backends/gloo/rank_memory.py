@@ -24,6 +24,7 @@ from leto.retained.shard import FullParams, ShardPlan, retain_shard
 from . import messages as M
 from .collective import ALL_GATHER, coll
 from .parity_block import ParityBlock, block_bytes
+from .wire import MAX_FDS
 
 if TYPE_CHECKING:
     from .runtime import GlooSession
@@ -171,12 +172,25 @@ class RankMemory:
             return
         item = 0 if s.replica else lay.dtype.itemsize  # replicas: the records only
         cbytes = (1 + len(lay.states)) * lay.chunk_numel * item
-        s.parity = [self._block(f"parity.{c}", cbytes) for c in range(lay.n_chunks)]
-        s.gparity = self._block("gparity", lay.numel * item)
+        want = [(f"parity.{c}", cbytes) for c in range(lay.n_chunks)]
+        *s.parity, s.gparity = self._blocks([*want, ("gparity", lay.numel * item)])
 
-    def _block(self, name: str, nbytes: int) -> ParityBlock:
-        fd = self.segment(name, block_bytes(self.s.members, nbytes))
-        return ParityBlock(fd, self.s.members, nbytes)
+    def _blocks(self, want: list[tuple[str, int]]) -> list[ParityBlock]:
+        """The node's blocks ``(name, payload bytes)``, MAX_FDS to a request: a promoted
+        rank maps one per chunk while the recovery waits for its report, and a round
+        trip to the agent each would grow that wait with the state."""
+        m = self.s.members
+        out: list[ParityBlock] = []
+        for i in range(0, len(want), MAX_FDS):
+            part = want[i : i + MAX_FDS]
+            names = [n for n, _ in part]
+            _, fds = self.s.ch.request(
+                M.NodeSegments(names=names, sizes=[block_bytes(m, b) for _, b in part])
+            )
+            if len(fds) != len(part):
+                raise IntegrityError(f"the agent sent {len(fds)} segments for {len(part)}")
+            out += [ParityBlock(fd, m, b) for fd, (_, b) in zip(fds, part, strict=True)]
+        return out
 
     def segment(self, name: str, nbytes: int) -> int:
         """A descriptor of the node agent's segment ``name`` (created on first ask)."""

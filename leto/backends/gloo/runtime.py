@@ -222,8 +222,11 @@ class GlooSession:
         self.snapshots = Tier2Snapshots(self, config)
         self.checkpoints = Checkpoints(self)
         self.follower = Follower(self)  # carries out recoveries (follow.py)
-        self.stops = StopPoints(model, lambda: ch.aborted_since(self.gen), Interrupted)
+        self.stops = StopPoints(
+            model, lambda: ch.aborted_since(self.gen) or self.txn.beside(), Interrupted
+        )
         self.stops.pause = self.txn.paused  # a recovery noticed inside the compute
+        ch.on_abort = self.txn._abort_seen  # inside the compute: the recovery starts beside it
         self.loop: Any = None  # the user's own loop (step.py), once wrap installs it
 
     # ================================================================ properties

@@ -13,10 +13,11 @@ of the retained state is touched. So the step's compute stops at the next layer:
   which attaching the retained state may replace).
 
 A stop hands over to ``pause`` (the step transaction's :meth:`~.transaction.
-StepTransaction.paused`): the recovery is carried out right there, inside the
-compute, and then the compute either goes on (the core judged that it stands as
-the rank's compute after the recovery: :func:`leto.core.reconcile.keeps_compute`)
-or is void (``pause`` raises). Without ``pause`` a stop raises ``exc``, as a safe
+StepTransaction.paused`), which returns for the compute to go on (a recovery runs
+beside it on another thread; or it ended and the core judged that the compute stands
+as the rank's compute after it: :func:`leto.core.reconcile.keeps_compute`), waits
+there (the recovery is about to write what the compute reads), or raises (the
+compute is void). Without ``pause`` a stop raises ``exc``, as a safe
 point does, and the step is void. Either is safe: the forward and backward write
 nothing but private tensors (the gradients enter retained memory after the
 all-reduce, PREPARE after that), so a void step is run again after the recovery

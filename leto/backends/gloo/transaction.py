@@ -22,15 +22,20 @@ One step ``V`` (the protocol's events in brackets):
 The step-function form runs all six here (:meth:`StepTransaction.run`); the user's own
 loop (:mod:`.step`) runs 1-2 itself and steps 3-6 through :meth:`StepTransaction.commit`.
 A step stopped by a recovery (:meth:`StepTransaction.stopped`) hands over to
-:mod:`.follow`. A recovery noticed inside step 1 (a stop point of :mod:`.stops`) is
-carried out there, and the compute goes on where the core keeps it
-(:meth:`StepTransaction.paused`): a survivor does not compute its share of the step
-again when its retained state came through the recovery untouched.
+:mod:`.follow`. An abort that arrives inside step 1 starts the recovery at once on a
+thread of its own, beside the compute, which goes on; it stops at a layer (:mod:`.stops`)
+only where the recovery must write what it reads, and at the end it goes on if the core
+keeps it (:meth:`StepTransaction.paused`, "a recovery in the compute" below): a
+survivor does not compute its share of the step again when its retained state came
+through the recovery untouched, and the recovery does not wait for its layer in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,6 +65,16 @@ if TYPE_CHECKING:
 __all__ = ["Recovered", "StepTransaction"]
 
 
+class _Beside:
+    """A recovery carried out on its own thread while the compute goes on."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()  # it ended (resumed, or failed: ``error``)
+        self.park = threading.Event()  # it must write what the compute may read: stop
+        self.parked = threading.Event()  # the compute stopped (or ended) until it is done
+        self.error: BaseException | None = None
+
+
 class Recovered(Exception):
     """A recovery was carried out inside the step's compute, which is void: the step is
     run again from the recovery's state."""
@@ -79,6 +94,10 @@ class StepTransaction:
         # state), so its compute is never kept across one: a write into a tensor saved
         # for the backward would fail it
         self._buffers = bool(capture_buffers(session.model))
+        # a recovery beside the compute (see "a recovery in the compute" below)
+        self._lock = threading.Lock()
+        self._computing = False  # inside step 1: an abort starts the recovery beside it
+        self._rec: _Beside | None = None
 
     def run(self, step_fn: StepFn | None = None) -> float | None:
         """One step (every rank runs it); its loss on this rank, or None if interrupted."""
@@ -105,23 +124,91 @@ class StepTransaction:
         s.ch.mark("stopped")
         s.ch.send(M.Stopped(rank=s.rank, gen=s.gen, reason=reason[: M.MAX_TEXT]))
 
+    # --------------------------------------------------------- a recovery in the compute
+
+    def beside(self) -> bool:
+        """A recovery runs beside the compute (the stop points then ask :meth:`paused`
+        at each layer whether the compute must stop; a safe point does not interrupt)."""
+        return self._rec is not None
+
+    def _abort_seen(self) -> None:
+        """The channel's reader thread, on an ``abort``: inside the compute (step 1), the
+        recovery starts at once on a thread of its own, beside the compute, which goes
+        on (it writes nothing the recovery reads: its forward and backward write only
+        private tensors). Elsewhere the step's next safe point takes it, as before."""
+        with self._lock:
+            if not self._computing or self._rec is not None:
+                return
+            rec = self._rec = _Beside()
+        threading.Thread(
+            target=self._recover_beside, args=(rec,), name="leto-recovery", daemon=True
+        ).start()
+
+    def _recover_beside(self, rec: _Beside) -> None:
+        try:
+            self.stopped("")
+            self.s.follower._follow(before_writes=lambda: self._before_writes(rec))
+        except BaseException as e:  # noqa: BLE001 - handed to the compute's thread
+            rec.error = e
+        finally:
+            rec.done.set()
+
+    def _before_writes(self, rec: _Beside) -> None:
+        """The follower is about to carry out a plan (the recovery thread): one under which
+        the compute is not kept may write what the compute reads, so the compute stops
+        at its next stop point first."""
+        if self._keeps():
+            return
+        rec.park.set()
+        rec.parked.wait()
+
+    def _keeps(self) -> bool:
+        """The core keeps the compute (:func:`leto.core.reconcile.keeps_compute`: every
+        plan since it paused resumed at the step it began from and wrote none of this
+        rank's chunks), and the backend does too: a sharded model's parameters are
+        gathered again, and a model's persistent buffers written back, by every recovery,
+        which the protocol does not see, so their compute is void."""
+        s = self.s
+        return (
+            keeps_compute(s.follower.plans, s.rank, self.in_progress - 1)
+            and s.full is None
+            and not self._buffers
+        )
+
     def paused(self) -> None:
-        """A recovery noticed at a stop point of the compute of step ``in_progress``
-        (:mod:`.stops`): carried out here, then the compute goes on if the core keeps it
-        (:func:`leto.core.reconcile.keeps_compute`: every plan since resumed at the step
-        the compute began from and wrote none of this rank's chunks), else
-        :class:`Recovered` (the step is run again). The backend adds what the protocol
-        does not see: a sharded model's parameters are gathered again, and a model's
-        persistent buffers written back, by every recovery, so their compute is void."""
+        """A stop point of the compute of step ``in_progress`` found a recovery
+        (:mod:`.stops`). With one beside the compute: go on, unless it asks the compute
+        to stop or has ended (then :meth:`_join`). Without (the abort came before the
+        compute began): carried out here. Either way the compute then goes on if kept,
+        else :class:`Recovered` (the step is run again)."""
+        with self._lock:
+            rec = self._rec
+            if rec is None:
+                self._computing = False  # carried out here: none starts beside
+        if rec is not None:
+            if rec.park.is_set() or rec.done.is_set():
+                self._join(rec)
+            return
+        self.stopped("")
+        self.s.follower._follow()
+        self._decide()
+        with self._lock:
+            self._computing = True
+
+    def _join(self, rec: _Beside) -> None:
+        """Stop the compute until the recovery beside it ends, then keep it or not."""
+        rec.parked.set()
+        rec.done.wait()
+        with self._lock:
+            self._rec = None
+        if rec.error is not None:
+            raise rec.error
+        self._decide()
+
+    def _decide(self) -> None:
         s = self.s
         assert s.ropt is not None
-        begun = self.in_progress - 1
-        self.stopped("")
-        s.follower._follow()
-        kept = (
-            keeps_compute(s.follower.plans, s.rank, begun) and s.full is None and not self._buffers
-        )
-        if not kept:
+        if not self._keeps():
             raise Recovered(f"step {self.in_progress} is computed again after the recovery")
         # as the step's start: a snapshot now K steps back first (every rank takes it
         # before its compute; collective), the sampler after this step's batch again
@@ -131,6 +218,22 @@ class StepTransaction:
         s.ch.send(M.Kept(rank=s.rank, step=self.in_progress, gen=s.gen))
         s._log("compute kept", step=self.in_progress, generation=s.gen)
         s.ch.mark(self._phase)
+
+    @contextlib.contextmanager
+    def _compute(self) -> Iterator[None]:
+        """Step 1, where a recovery runs beside the compute (:meth:`_abort_seen`) and the
+        stop points are armed; at its end, a recovery still beside it is joined."""
+        with self._lock:
+            self._computing = True
+        try:
+            with self.s.stops.armed():
+                yield
+        finally:
+            with self._lock:
+                self._computing = False
+                rec = self._rec
+            if rec is not None:  # also under an exception: one recovery, not two
+                self._join(rec)
 
     def _step(self) -> float:
         s = self.s
@@ -153,7 +256,7 @@ class StepTransaction:
             prm.grad = None
         assert s.step_fn is not None
         self._phase = "forward"
-        with s.stops.armed():  # a recovery pauses the compute at the next layer
+        with self._compute():  # a recovery runs beside it; it stops at a layer if it must
             loss = s.step_fn(s.model, batch)
             point("forward")
             s.ch.mark("backward")

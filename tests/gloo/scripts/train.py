@@ -4,7 +4,8 @@ Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
 ("1"/"0"), OPT (a torch.optim class name, AdamW by default), SHARD ("1": shard = true;
 the model's parameters' SHA-256 is then written to RUN_DIR/params-rank<r> at the end, as without it), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's), STEP_SLEEP (seconds per step), SLOW_BACKWARD ("rank:step:seconds": that rank's backward of
 that step waits that long before the model's last layer, so a peer's death finds it inside
-its compute; the number of computes each rank ran is written to RUN_DIR/computes-rank<r>), BIG_MB (allocate that much while steps
+its compute; the number of computes each rank ran is written to RUN_DIR/computes-rank<r>),
+SLOW_FORWARD ("rank:step:seconds": that rank's step function waits that long first), BIG_MB (allocate that much while steps
 3..6 run, to push the trainers over a shadow memory budget; the math is unchanged).
 """
 
@@ -67,10 +68,15 @@ class _Slow(torch.autograd.Function):
 
 
 slow = os.environ.get("SLOW_BACKWARD", "")
+slow_fwd = os.environ.get("SLOW_FORWARD", "")
 
 
 def step_fn(m, idx):
     calls["n"] += 1
+    if slow_fwd:
+        rank, step, seconds = slow_fwd.split(":")
+        if os.environ.get("RANK") == rank and session.step + 1 == int(step):
+            time.sleep(float(seconds))
     if slow:
         rank, step, seconds = slow.split(":")
         if os.environ.get("RANK") == rank and session.step + 1 == int(step):
