@@ -120,3 +120,21 @@ def test_a_pause_that_raises_voids_the_compute() -> None:
     with pytest.raises(Stop, match="did not keep"), stops.armed():
         model(torch.randn(4, 8)).sum().backward()
     assert ran == [0] and not stops.on
+
+
+def test_every_layer_passed_ticks_while_armed() -> None:
+    """Progress for the agent's hang check at every layer of the forward and backward
+    (six: three layers' forwards, then their three backwards), none outside the armed
+    compute."""
+    model, ticks = _model(), [0]
+    stops = StopPoints(model, lambda: False, Stop)
+
+    def tick() -> None:
+        ticks[0] += 1
+
+    stops.tick = tick
+    model(torch.randn(4, 8)).sum().backward()
+    assert ticks == [0]
+    with stops.armed():
+        model(torch.randn(4, 8)).sum().backward()
+    assert ticks == [6]

@@ -90,6 +90,7 @@ class AgentChannel:
         self.gone = False
         # called on this reader thread after an abort is recorded (the session's)
         self.on_abort: Callable[[], None] | None = None
+        self._board_lock = threading.Lock()  # one writer at a time (its sequence count)
         # the phase, step and progress, for the agent to read when it looks (no message)
         self.board, fd = StatusBoard.create()
         try:
@@ -191,12 +192,22 @@ class AgentChannel:
         self.phase = phase
         if step is not None:
             self.step = step
-        self.progress += 1
-        if not self.board.write(phase, self.step, self.progress) and changed:
+        with self._board_lock:
+            self.progress += 1
+            written = self.board.write(phase, self.step, self.progress)
+        if not written and changed:
             try:
                 self.conn.send(self._heartbeat(phase))
             except WireError:
                 pass
+
+    def tick(self) -> None:
+        """Progress inside a phase (a layer of the forward or backward): the agent's hang
+        check counts it, so a phase longer than the hang timeout is not a hang while its
+        layers go by."""
+        with self._board_lock:
+            self.progress += 1
+            self.board.write(self.phase, self.step, self.progress)
 
     def wait_for(self, what: str, key: Any, gen: int, timeout: float | None = None) -> None:
         """Block until ``commit``/``t2`` ``key`` arrived; :class:`Aborted` if ``gen`` is aborted."""

@@ -226,6 +226,7 @@ class GlooSession:
             model, lambda: ch.aborted_since(self.gen) or self.txn.beside(), Interrupted
         )
         self.stops.pause = self.txn.paused  # a recovery noticed inside the compute
+        self.stops.tick = ch.tick  # each layer is progress for the agent's hang check
         ch.on_abort = self.txn._abort_seen  # inside the compute: the recovery starts beside it
         self.loop: Any = None  # the user's own loop (step.py), once wrap installs it
 

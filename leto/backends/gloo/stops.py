@@ -22,7 +22,10 @@ point does, and the step is void. Either is safe: the forward and backward write
 nothing but private tensors (the gradients enter retained memory after the
 all-reduce, PREPARE after that), so a void step is run again after the recovery
 from its process state, and a kept one reads only bytes the recovery left as they
-were. The hooks check only while :meth:`StopPoints.armed` (the step function's
+were. Each stop point passed also calls ``tick`` (the session's: progress that the
+agent's hang check sees, so a forward or backward longer than the hang timeout is not
+taken for a hang while its layers go by). The hooks check only while
+:meth:`StopPoints.armed` (the step function's
 forward and backward): a forward outside it (an evaluation, the user's own loop) is
 never stopped, nor is anything the recovery itself runs (disarmed while ``pause``
 runs).
@@ -48,6 +51,7 @@ class StopPoints:
         self.exc = exc
         self.on = False
         self.pause: Callable[[], None] | None = None  # carries the recovery out, or raises
+        self.tick: Callable[[], None] | None = None  # called at every stop point passed
         for mod in model.modules():
             if next(mod.parameters(recurse=False), None) is not None:
                 mod.register_forward_pre_hook(self._before)
@@ -62,7 +66,11 @@ class StopPoints:
             self.on = before
 
     def check(self) -> None:
-        if not (self.on and self.stopped()):
+        if not self.on:
+            return
+        if self.tick is not None:
+            self.tick()  # a layer went by: progress for the agent's hang check
+        if not self.stopped():
             return
         if self.pause is None:
             raise self.exc("a recovery started: the step in flight stops here")
