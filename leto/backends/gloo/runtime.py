@@ -22,7 +22,9 @@ completion barrier); small collaborators, each holding the session, do the rest:
 * :mod:`.step`: the user's own loop; :mod:`.follow`: a recovery, carried out.
 
 A recovery (``abort`` from the coordinator, or a collective that fails because
-a peer died) stops the step at the next safe point; the process keeps running,
+a peer died) stops the step at the next safe point, or, arriving inside the step
+function's forward and backward, runs on a thread beside them while they go on
+(:mod:`.transaction`, "a recovery in the compute"); the process keeps running,
 tears its process group down and follows the coordinator's commands: ``report``
 (join the communicator of the new generation, attach, report the retained
 truth), ``reconcile`` (tier-1 repairs, roll forward/back, tier-2 restore or the
