@@ -75,8 +75,14 @@ def test_sigkill_at_every_phase_recovers_bitwise(
     kinds = [r["kind"] for r in recs]
     # before any vote: nothing to undo; gradients sealed but no COMMIT: roll back (drop them).
     # In the all-reduce it depends on whether the survivor's reduce completed (then it
-    # sealed its gradients: they are dropped) before the peer's death broke it.
-    assert kinds[:2] == ["inplace", "inplace"] and kinds[2] in ("inplace", "back"), kinds
+    # sealed its gradients: they are dropped) before the peer's death broke it; or, if
+    # the peer was still applying the step before (its last chunk) when rank 0 reached
+    # the all-reduce and died, that step is rolled forward on the peer (timing: seen
+    # once, on a machine with both cores busy)
+    assert kinds[:2] == ["inplace", "inplace"], kinds
+    assert kinds[2] in ("inplace", "back", "forward"), kinds
+    if kinds[2] == "forward":
+        assert {(x["what"], x["rank"]) for x in recs[2]["repairs"]} == {("forward", 1)}, recs[2]
     assert kinds[3] == "back", kinds
     # COMMIT recorded, chunks not (all) applied: roll forward (a torn chunk from its undo copy)
     assert kinds[5:8] == ["forward"] * 3 and kinds[9] == "forward", kinds

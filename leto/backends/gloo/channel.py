@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -133,7 +134,10 @@ class AgentChannel:
             if isinstance(msg, COMMANDS):
                 self.commands.put(msg)
             if isinstance(msg, M.Abort) and self.on_abort is not None:
-                self.on_abort()
+                try:
+                    self.on_abort()
+                except Exception as e:  # noqa: BLE001 - the reader must go on reading
+                    sys.stderr.write(f"leto: the recovery beside the compute: {e!r}\n")
 
     def _beat(self, interval: float) -> None:
         while not self.gone:

@@ -58,8 +58,8 @@ class FaultPoints:
             if not reply.get("first"):
                 continue  # fired by an earlier incarnation
             self._fire(f, tear)
-        if phase != "recovery" and s.ch.aborted_since(s.gen) and not s.txn.beside():
-            raise Interrupted  # (a recovery beside the compute is joined at its end)
+        if phase != "recovery" and s.ch.aborted_since(s.gen) and s.txn.claims_recovery():
+            raise Interrupted  # (a recovery beside the compute is waited for at its end)
 
     def _fire(self, f: dict[str, Any], tear: Any) -> None:
         s = self.s

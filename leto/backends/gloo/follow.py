@@ -68,13 +68,19 @@ class Follower:
         # which a compute paused across the recovery is judged by (transaction.paused)
         self.plans: list[Plan] = []
         self._before_writes: Callable[[], None] | None = None
+        self._beside = False  # following on a thread beside the compute (_follow)
 
-    def _follow(self, before_writes: Callable[[], None] | None = None) -> None:
+    def _follow(
+        self, before_writes: Callable[[], None] | None = None, *, beside: bool = False
+    ) -> None:
         """Carry out the coordinator's recovery commands until ``resume``.
         ``before_writes``: called before each plan is carried out (its plan in
-        :attr:`plans`), by a recovery beside the compute (transaction)."""
+        :attr:`plans`), by a recovery beside the compute (transaction); ``beside``: on
+        that recovery's thread, the sampler is left for the compute's thread to put
+        back (after it, with the rest of what the compute reads)."""
         self.plans = []
         self._before_writes = before_writes
+        self._beside = beside
         self.s.groups.destroy()
         while True:
             msg = self.s.ch.next_command()
@@ -400,7 +406,8 @@ class Follower:
         self.s.snapshots.t2 = step if msg.t2 is None else msg.t2
         self.s.snapshots.pending = None
         assert self.s.sampler_state is not None
-        self.s.cursor.restore(self.s.sampler_state)
+        if not self._beside:
+            self.s.cursor.restore(self.s.sampler_state)
         self.s.stats["recoveries"] += 1
         self.s.layout.mark_suspect(False)  # every chunk was read or is left to PREPARE
         self.deferred = self.deferred_grads = None

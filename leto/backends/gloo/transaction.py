@@ -147,7 +147,7 @@ class StepTransaction:
     def _recover_beside(self, rec: _Beside) -> None:
         try:
             self.stopped("")
-            self.s.follower._follow(before_writes=lambda: self._before_writes(rec))
+            self.s.follower._follow(before_writes=lambda: self._before_writes(rec), beside=True)
         except BaseException as e:  # noqa: BLE001 - handed to the compute's thread
             rec.error = e
         finally:
@@ -175,35 +175,52 @@ class StepTransaction:
             and not self._buffers
         )
 
+    def claims_recovery(self) -> bool:
+        """A safe point found an abort: True if this thread is to follow it (no recovery
+        runs beside the compute, and from now on none starts: the reader thread may set
+        the abort a moment before it offers the recovery, :meth:`_abort_seen`)."""
+        with self._lock:
+            if self._rec is not None:
+                return False
+            self._computing = False
+            return True
+
     def paused(self) -> None:
         """A stop point of the compute of step ``in_progress`` found a recovery
         (:mod:`.stops`). With one beside the compute: go on, unless it asks the compute
-        to stop or has ended (then :meth:`_join`). Without (the abort came before the
-        compute began): carried out here. Either way the compute then goes on if kept,
-        else :class:`Recovered` (the step is run again)."""
+        to stop or has ended (then :meth:`_wait` for it). Without (the abort came before
+        the compute began): carried out here. Either way the compute then goes on if
+        kept, else :class:`Recovered` (the step is run again)."""
         with self._lock:
             rec = self._rec
-            if rec is None:
-                self._computing = False  # carried out here: none starts beside
+            self._computing = rec is not None  # carried out here: none starts beside
         if rec is not None:
-            if rec.park.is_set() or rec.done.is_set():
-                self._join(rec)
-            return
-        self.stopped("")
-        self.s.follower._follow()
+            if not (rec.park.is_set() or rec.done.is_set()):
+                return
+            self._wait(rec)
+        else:
+            self.stopped("")
+            self.s.follower._follow()
         self._decide()
         with self._lock:
             self._computing = True
 
-    def _join(self, rec: _Beside) -> None:
-        """Stop the compute until the recovery beside it ends, then keep it or not."""
+    def _wait(self, rec: _Beside) -> None:
+        """Stop the compute until the recovery beside it ends (no other starts beside it
+        meanwhile: this thread decides, and may run collectives, before the compute goes
+        on); its error, if it failed, raised here."""
+        s = self.s
+        s.ch.mark("stopped")  # a phase the agent's hang check does not time: it waits
         rec.parked.set()
         rec.done.wait()
         with self._lock:
             self._rec = None
+            self._computing = False
         if rec.error is not None:
             raise rec.error
-        self._decide()
+        # the sampler back where the recovery resumed (not on the recovery's thread: a
+        # plain iterable is replayed under fork_rng, which would rewind the compute's RNG)
+        s.cursor.restore(s.sampler_state)
 
     def _decide(self) -> None:
         s = self.s
@@ -222,18 +239,31 @@ class StepTransaction:
     @contextlib.contextmanager
     def _compute(self) -> Iterator[None]:
         """Step 1, where a recovery runs beside the compute (:meth:`_abort_seen`) and the
-        stop points are armed; at its end, a recovery still beside it is joined."""
+        stop points are armed; at its end, a recovery still beside it is waited for.
+        Under an exception the compute is not kept: a recovery beside it is waited for
+        (one recovery, not two), then a recovery's exception becomes :class:`Recovered`
+        (followed already) and any other goes on as it was."""
         with self._lock:
             self._computing = True
         try:
             with self.s.stops.armed():
                 yield
-        finally:
+        except BaseException as e:
             with self._lock:
                 self._computing = False
                 rec = self._rec
-            if rec is not None:  # also under an exception: one recovery, not two
-                self._join(rec)
+            if rec is None:
+                raise
+            self._wait(rec)
+            if isinstance(e, (Interrupted, Aborted, FencedError, CollectiveFailed)):
+                raise Recovered(f"step {self.in_progress}: {e}") from e
+            raise
+        with self._lock:
+            self._computing = False
+            rec = self._rec
+        if rec is not None:
+            self._wait(rec)
+            self._decide()
 
     def _step(self) -> float:
         s = self.s
