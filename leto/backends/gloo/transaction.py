@@ -191,16 +191,15 @@ class StepTransaction:
         to stop or has ended (then :meth:`_wait` for it). Without (the abort came before
         the compute began): carried out here. Either way the compute then goes on if
         kept, else :class:`Recovered` (the step is run again)."""
-        with self._lock:
-            rec = self._rec
-            self._computing = rec is not None  # carried out here: none starts beside
-        if rec is not None:
+        if self.claims_recovery():  # none beside: carried out here
+            self.stopped("")
+            self.s.follower._follow()
+        else:
+            rec = self._rec  # cleared only by this thread (_wait)
+            assert rec is not None
             if not (rec.park.is_set() or rec.done.is_set()):
                 return
             self._wait(rec)
-        else:
-            self.stopped("")
-            self.s.follower._follow()
         self._decide()
         with self._lock:
             self._computing = True
@@ -249,21 +248,23 @@ class StepTransaction:
             with self.s.stops.armed():
                 yield
         except BaseException as e:
-            with self._lock:
-                self._computing = False
-                rec = self._rec
+            rec = self._end_compute()
             if rec is None:
                 raise
             self._wait(rec)
             if isinstance(e, (Interrupted, Aborted, FencedError, CollectiveFailed)):
                 raise Recovered(f"step {self.in_progress}: {e}") from e
             raise
-        with self._lock:
-            self._computing = False
-            rec = self._rec
+        rec = self._end_compute()
         if rec is not None:
             self._wait(rec)
             self._decide()
+
+    def _end_compute(self) -> _Beside | None:
+        """Step 1 is over: no recovery starts beside it now; the one that runs, if any."""
+        with self._lock:
+            self._computing = False
+            return self._rec
 
     def _step(self) -> float:
         s = self.s
