@@ -134,6 +134,23 @@ def explain(res: JobResult) -> str:
     return f"codes {res.codes}, error {res.error}\n{out}\n" + "\n".join(tails)
 
 
+def story(res: JobResult) -> str:
+    """The job's failures and recoveries, a line each, in order: what a test that counts
+    them prints when the count is not the one it expected."""
+    lines = []
+    for e in res.events:
+        if e["event"] == "failure":
+            keys = ("kind", "rank", "step", "phase", "detected_by")
+            what = " ".join(f"{k}={e[k]}" for k in keys if e.get(k) is not None)
+            lines.append(f"{e['t_rel']:8.3f} gen {e.get('generation')} failure {what}")
+        elif e["event"] == "recovery_end":
+            lines.append(
+                f"{e['t_rel']:8.3f} gen {e.get('generation')} recovery {e.get('kind')} "
+                f"-> {e.get('target')} ({e.get('reason')})"
+            )
+    return "\n" + "\n".join(lines)
+
+
 def digests_equal(a: JobResult, b: JobResult) -> bool:
     return a.digests is not None and a.digests == b.digests
 

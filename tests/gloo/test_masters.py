@@ -13,7 +13,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from jobs import LOOP_POINTS, assert_trace, digests_equal, explain, kills, params_of, script_job
+from jobs import (
+    LOOP_POINTS,
+    assert_trace,
+    digests_equal,
+    explain,
+    kills,
+    params_of,
+    script_job,
+    story,
+)
 
 from leto.backends.gloo.harness import JobResult
 from leto.retained.checkpoint import CheckpointStore
@@ -70,8 +79,8 @@ def test_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(session_dir:
     ckpt = session_dir / "bf16-masters-ckpt"
     res = _run(session_dir / "bf16-masters-kills", True, "session", faults, more=_ckpt(ckpt))
     assert res.ok, explain(res)
-    assert len(res.recoveries) == len(LOOP_POINTS) + 1, res.recoveries
-    assert ("ckpt", 4) in [(r["kind"], r["target"]) for r in res.recoveries], res.recoveries
+    assert len(res.recoveries) == len(LOOP_POINTS) + 1, story(res)
+    assert ("ckpt", 4) in [(r["kind"], r["target"]) for r in res.recoveries], story(res)
     assert [e["step"] for e in res.of("checkpoint")] == checkpointed(res)
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
     assert params_of(res) == params_of(ref)  # the bf16 parameters too: cast from the masters
@@ -116,7 +125,7 @@ def test_sharded_bf16_with_float32_masters_killed_at_every_phase_is_bitwise(
     kinds = [f["kind"] for f in res.of("failure")]
     lost = ["keeper_lost"] * 2
     assert kinds == ["crash"] * 4 + lost + ["crash"] * (len(LOOP_POINTS) - 4) + lost[:1], kinds
-    assert len(res.recoveries) == len(LOOP_POINTS) + 2, res.recoveries
+    assert len(res.recoveries) == len(LOOP_POINTS) + 2, story(res)
     assert res.recoveries[-1].get("chunks_repaired_tier1", 0) > 0, res.recoveries[-1]
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
     assert params_of(res) == params_of(ref)

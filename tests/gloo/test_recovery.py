@@ -18,6 +18,7 @@ import pytest
 from jobs import STEPS_2x2, digests_equal, explain, job
 
 from leto.backends.gloo.harness import JobResult
+from leto.backends.gloo.procs import Backseat
 
 STEPS_1x2 = 13
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -339,6 +340,11 @@ def test_a_survivor_keeps_its_compute_across_the_recovery(tag: str, ref_1x2: Job
     assert [(e["rank"], e["step"]) for e in res.of("compute_kept")] == [(0, 5)]
     # one compute per step: rank 0 never ran step 5's again
     assert (res.run_dir / "computes-rank0").read_text() == str(STEPS_1x2)
+    # while the recovery ran beside it, rank 0's compute had the lowest CPU priority
+    # (where the trainer may give it back: procs.Backseat), and has its own back since
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # the trainers inherit this process's
+    lowest, now = map(int, (res.run_dir / "nice-rank0").read_text().split())
+    assert (lowest, now) == ((Backseat.LOWEST if Backseat().able else base), base)
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
 
 

@@ -15,7 +15,9 @@
 * :func:`describe_status`: "exit code 3" / "killed by SIGKILL";
 * :func:`steady_heap`: glibc malloc's trim and mmap thresholds fixed for a training
   process, so that a step's freed activations are not handed back to the kernel and
-  faulted in again by the next step.
+  faulted in again by the next step;
+* :class:`Backseat`: a thread's CPU priority lowered while other work of its process
+  comes first, and given back after, where this process may give it back.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import select
 import signal
 import socket
 import sys
+import threading
 
 __all__ = [
+    "Backseat",
     "describe_status",
     "die_with_parent",
     "die_with_starter",
@@ -84,6 +88,73 @@ def steady_heap() -> bool:
 
 
 PARENT_ENV = "LETO_PARENT_PID"
+
+
+class Backseat:
+    """One thread's CPU priority (its Linux nice value) lowered to the lowest while other
+    threads of the process come first, then given back.
+
+    Giving it back lowers the nice value again, which needs ``CAP_SYS_NICE`` or an
+    ``RLIMIT_NICE`` that allows it: where the process may not, :attr:`able` is False
+    and nothing is ever lowered (a thread left at the lowest priority for good would
+    be worse than none of this). Found out once, on a thread of its own that ends.
+    """
+
+    LOWEST = 19
+
+    def __init__(self) -> None:
+        self.able = _can_renice()
+        self._lock = threading.Lock()
+        self._held: dict[int, int] = {}  # native thread id -> its nice value before
+
+    def lower(self, tid: int) -> bool:
+        """Thread ``tid`` to the lowest priority (until :meth:`restore`); True if it is."""
+        if not self.able:
+            return False
+        with self._lock:
+            if tid in self._held:
+                return True
+            try:
+                before = os.getpriority(os.PRIO_PROCESS, tid)
+                os.setpriority(os.PRIO_PROCESS, tid, self.LOWEST)
+            except OSError:
+                return False
+            self._held[tid] = before
+            return True
+
+    def restore(self, tid: int) -> None:
+        """Thread ``tid``'s priority as it was before :meth:`lower` (if it was lowered)."""
+        with self._lock:
+            before = self._held.pop(tid, None)
+            if before is None:
+                return
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, before)
+            except OSError:  # the thread has ended (or the limit changed): nothing to undo
+                pass
+
+
+def _can_renice() -> bool:
+    """Can a thread of this process lower its nice value back after raising it?"""
+    result: list[bool] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        try:
+            now = os.getpriority(os.PRIO_PROCESS, tid)
+            if now >= Backseat.LOWEST:
+                result.append(False)
+                return
+            os.setpriority(os.PRIO_PROCESS, tid, now + 1)
+            os.setpriority(os.PRIO_PROCESS, tid, now)
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    t = threading.Thread(target=probe, name="leto-renice-probe")
+    t.start()
+    t.join()
+    return bool(result and result[0])
 
 
 def tie_to_parent(env: dict[str, str]) -> dict[str, str]:

@@ -58,6 +58,7 @@ from .channel import Aborted
 from .collective import REDUCE_SCATTER, CollectiveFailed, Interrupted
 from .collective import coll as _coll
 from .keeper_client import FencedError
+from .procs import Backseat
 
 if TYPE_CHECKING:
     from .runtime import GlooSession, StepFn
@@ -98,6 +99,9 @@ class StepTransaction:
         self._lock = threading.Lock()
         self._computing = False  # inside step 1: an abort starts the recovery beside it
         self._rec: _Beside | None = None
+        # while a recovery runs beside it, the compute's thread yields the CPU to it
+        self._backseat = Backseat()
+        self._compute_tid = 0
 
     def run(self, step_fn: StepFn | None = None) -> float | None:
         """One step (every rank runs it); its loss on this rank, or None if interrupted."""
@@ -140,6 +144,9 @@ class StepTransaction:
             if not self._computing or self._rec is not None:
                 return
             rec = self._rec = _Beside()
+        # the recovery first: every rank waits for it (the next collective needs the
+        # replaced rank, which computes only after it), not for this rank's compute
+        self._backseat.lower(self._compute_tid)
         threading.Thread(
             target=self._recover_beside, args=(rec,), name="leto-recovery", daemon=True
         ).start()
@@ -151,6 +158,7 @@ class StepTransaction:
         except BaseException as e:  # noqa: BLE001 - handed to the compute's thread
             rec.error = e
         finally:
+            self._backseat.restore(self._compute_tid)
             rec.done.set()
 
     def _before_writes(self, rec: _Beside) -> None:
@@ -244,6 +252,7 @@ class StepTransaction:
         (followed already) and any other goes on as it was."""
         with self._lock:
             self._computing = True
+            self._compute_tid = threading.get_native_id()
         try:
             with self.s.stops.armed():
                 yield

@@ -4,7 +4,8 @@ Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
 ("1"/"0"), OPT (a torch.optim class name, AdamW by default), SHARD ("1": shard = true;
 the model's parameters' SHA-256 is then written to RUN_DIR/params-rank<r> at the end, as without it), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's), STEP_SLEEP (seconds per step), SLOW_BACKWARD ("rank:step:seconds": that rank's backward of
 that step waits that long before the model's last layer, so a peer's death finds it inside
-its compute; the number of computes each rank ran is written to RUN_DIR/computes-rank<r>),
+its compute; the number of computes each rank ran is written to RUN_DIR/computes-rank<r>, and
+the main thread's highest nice value during that backward and at the end to nice-rank<r>),
 SLOW_FORWARD ("rank:step:seconds": that rank's step function waits that long first), BIG_MB (allocate that much while steps
 3..6 run, to push the trainers over a shadow memory budget; the math is unchanged).
 """
@@ -12,6 +13,7 @@ SLOW_FORWARD ("rank:step:seconds": that rank's step function waits that long fir
 import hashlib
 import os
 import random
+import threading
 import time
 
 import numpy
@@ -50,11 +52,17 @@ opt = getattr(torch.optim, os.environ.get("OPT", "AdamW"))(model.parameters(), l
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
 sampler = ResumableBatchSampler(64, 8, seed=0)
 big = int(os.environ.get("BIG_MB", "0")) << 20
-calls = {"n": 0, "blob": None}
+calls = {"n": 0, "blob": None, "nice": 0}
+
+
+def _nice() -> int:
+    """This thread's CPU priority (its nice value)."""
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
 class _Slow(torch.autograd.Function):
-    """The identity, whose backward waits ``seconds`` first."""
+    """The identity, whose backward waits ``seconds`` first (the lowest priority the
+    thread had meanwhile into ``calls["nice"]``)."""
 
     @staticmethod
     def forward(ctx, x, seconds):
@@ -63,7 +71,10 @@ class _Slow(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        time.sleep(ctx.seconds)
+        end = time.monotonic() + ctx.seconds
+        while time.monotonic() < end:
+            calls["nice"] = max(calls["nice"], _nice())
+            time.sleep(0.02)
         return g, None
 
 
@@ -106,4 +117,7 @@ if slow:
     out = os.path.join(os.environ["LETO_RUN_DIR"], f"computes-rank{os.environ['RANK']}")
     with open(out, "w") as f:
         f.write(str(calls["n"]))
+    out = os.path.join(os.environ["LETO_RUN_DIR"], f"nice-rank{os.environ['RANK']}")
+    with open(out, "w") as f:  # the lowest priority during the slow backward, and now
+        f.write(f"{calls['nice']} {_nice()}")
 print(f"done at step {session.step}")

@@ -1,0 +1,87 @@
+"""``procs.Backseat``: a thread's CPU priority lowered while a recovery runs beside its
+compute, and given back after; never lowered where it could not be given back."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from leto.backends.gloo import procs
+from leto.backends.gloo.procs import Backseat
+
+
+def _nice(tid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+def _on_a_thread(work) -> None:  # type: ignore[no-untyped-def]
+    """Run ``work(tid)`` on a fresh thread (its priority goes with it)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work(threading.get_native_id())
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_lowered_to_the_lowest_then_given_back() -> None:
+    seat = Backseat()
+    if not seat.able:
+        pytest.skip("this process may not lower a nice value back (no CAP_SYS_NICE/RLIMIT_NICE)")
+
+    def work(tid: int) -> None:
+        before = _nice(tid)
+        assert seat.lower(tid) and _nice(tid) == Backseat.LOWEST
+        assert seat.lower(tid)  # twice: still the one value to give back
+        seat.restore(tid)
+        assert _nice(tid) == before
+        seat.restore(tid)  # nothing held: nothing changes
+        assert _nice(tid) == before
+
+    _on_a_thread(work)
+
+
+def test_another_thread_is_not_touched() -> None:
+    seat = Backseat()
+    if not seat.able:
+        pytest.skip("this process may not lower a nice value back (no CAP_SYS_NICE/RLIMIT_NICE)")
+    me = threading.get_native_id()
+    mine = _nice(me)
+
+    def work(tid: int) -> None:
+        seat.lower(tid)
+        assert _nice(me) == mine and _nice(tid) == Backseat.LOWEST
+        seat.restore(tid)
+
+    _on_a_thread(work)
+    assert _nice(me) == mine
+
+
+def test_never_lowered_where_it_could_not_be_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a process without the right to lower a nice value: raising one succeeds, lowering
+    # it again fails, as the kernel answers an unprivileged process
+    def setpriority(which: int, who: int, value: int) -> None:
+        if value < os.getpriority(which, who):
+            raise PermissionError(1, "Operation not permitted")
+        real(which, who, value)
+
+    real = os.setpriority
+    monkeypatch.setattr(procs.os, "setpriority", setpriority)
+    seat = Backseat()
+    assert not seat.able
+
+    def work(tid: int) -> None:
+        before = _nice(tid)
+        assert not seat.lower(tid)
+        assert _nice(tid) == before  # nothing lowered, nothing left lowered
+
+    _on_a_thread(work)
