@@ -129,7 +129,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     import leto
-    from leto.bench.workload import StepBatches, Workload  # a script: absolute imports
+    from leto.bench.workload import StepBatches, Workload, worker_torch  # a script: absolute
 
     spec = json.loads(sys.argv[1])
     wl = Workload.from_dict(spec["workload"])
@@ -144,7 +144,7 @@ def main() -> None:
         tier2=spec.get("tier2", True),
         tier2_interval=spec.get("tier2_interval", 10),
     )
-    torch.set_num_threads(1)
+    worker_torch()
     model = wl.build_model()
     optimizer = wl.build_optimizer(model)
     sampler = StepBatches(wl)

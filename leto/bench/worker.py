@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     steady_heap()
     out = Events(spec["events_fd"])
     out.emit("main", t=t0)
-    import torch
+    from leto.bench.workload import worker_torch
 
-    torch.set_num_threads(1)
+    worker_torch()  # imports torch
     out.emit("torch")
     try:
         _DDPTrainer(spec, out).run()

@@ -32,6 +32,7 @@ __all__ = [
     "StepBatches",
     "Workload",
     "available_memory",
+    "worker_torch",
     "parse_count",
     "format_count",
 ]
@@ -198,6 +199,20 @@ class Workload:
     def batch_indices(self, step: int, rank: int) -> torch.Tensor:
         """Rows of rank ``rank``'s share of global batch ``step``."""
         return self.global_batch(step)[rank :: self.world]
+
+
+def worker_torch() -> None:
+    """torch as every system's training process has it, set before the model is built
+    (and before leto starts a thread, which inherits the floating-point mode): one
+    intra-op thread (the ranks share the machine's cores), and subnormal numbers flushed
+    to zero. From about step 9 this MLP's backward meets subnormal values, whose
+    arithmetic on this CPU is many times slower: at 89.8M its backward went from 1.3 s
+    to 4 s of CPU by step 11 on every rank, so a system's lost work depended on when in
+    the run its death came, not on the system. A GPU computes them at full speed."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
 
 
 class StepBatches:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from leto.bench.workload import BenchError, StepBatches, Workload, format_count, parse_count
@@ -70,3 +73,22 @@ def test_memory_estimates() -> None:
     assert small.memory_estimate("gemini") > small.memory_estimate("ckpt-disk")
     with pytest.raises(BenchError):
         small.memory_estimate("nope")
+
+
+def test_a_worker_flushes_subnormals_on_one_thread() -> None:
+    # in a fresh process (the floating-point mode is the process's threads'): a
+    # subnormal product is zero after worker_torch, on a thread started after it too
+    probe = (
+        "import threading, torch\n"
+        "from leto.bench.workload import worker_torch\n"
+        "tiny = lambda: float(torch.tensor([1e-39]) * 1.0)\n"
+        "before = tiny()\n"
+        "worker_torch()\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(tiny())); t.start(); t.join()\n"
+        "print(before > 0, tiny(), seen[0], torch.get_num_threads())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.split() == ["True", "0.0", "0.0", "1"], out.stdout
