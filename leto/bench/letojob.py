@@ -129,7 +129,9 @@ def main() -> None:
     import torch.nn.functional as F
 
     import leto
-    from leto.bench.workload import StepBatches, Workload, worker_torch  # a script: absolute
+
+    # a script: absolute imports
+    from leto.bench.workload import StepBatches, Workload, worker_torch
 
     spec = json.loads(sys.argv[1])
     wl = Workload.from_dict(spec["workload"])
