@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import STEPS_2x2, digests_equal, explain, job
+from jobs import STEPS_2x2, digests_equal, explain, job, story
 
 from leto.backends.gloo.harness import JobResult
 from leto.backends.gloo.procs import Backseat
@@ -290,6 +290,7 @@ def test_silent_corruption_of_both_ranks_is_found_and_rebuilt(
     assert fails[-1]["kind"] == "crash", fails
     assert all(f["kind"] == "exception" for f in fails[:-1]), fails
     assert "fail their checksums at PREPARE of step 3" in fails[0]["traceback"]
+    assert len(res.recoveries) == 2, story(res)
     rec, again = res.recoveries
     assert (rec["kind"], rec["target"], rec["chunks_repaired_tier1"]) == ("tier1", 2, 2), rec
     assert rec["tier1_from_replicas"] == (2 if code == "replica" else 0), rec
@@ -299,15 +300,18 @@ def test_silent_corruption_of_both_ranks_is_found_and_rebuilt(
 
 def test_a_recovery_leaves_intact_chunks_to_the_next_prepare(tag: str, ref_1x2: JobResult) -> None:
     # a bit flips in rank 0's chunk 1 after step 5 finished, then rank 1 dies in step 6's
-    # forward: the recovery's report reads only what it writes from (nothing here), so
-    # it resumes in place at 5 without reading chunk 1; step 6's PREPARE finds the flip
-    # before the vote, and that recovery (marked suspect: every chunk read) rebuilds it
+    # forward while rank 0 is inside its own (it waits 1 s there: its PREPARE pass has
+    # not run, else that pass's mark would have the report read every chunk): the
+    # recovery's report reads only what it writes from (nothing here), so it resumes in
+    # place at 5 without reading chunk 1; step 6's PREPARE finds the flip before the
+    # vote, and that recovery (marked suspect: every chunk read) rebuilds it
     faults = [
         {"kind": "corrupt", "rank": 0, "step": 5, "phase": "finish", "chunk": 1},
         {"kind": "crash", "rank": 1, "step": 6, "phase": "forward"},
     ]
-    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults)
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, env={"SLOW_FORWARD": "0:6:1"})
     assert res.ok, explain(res)
+    assert len(res.of("failure")) == 2, story(res)
     crash, found = res.of("failure")
     assert (crash["kind"], crash["rank"], found["kind"], found["rank"]) == (
         "crash",
@@ -316,6 +320,7 @@ def test_a_recovery_leaves_intact_chunks_to_the_next_prepare(tag: str, ref_1x2: 
         0,
     ), (crash, found)
     assert "chunks [1] fail their checksums at PREPARE of step 6" in found["traceback"], found
+    assert len(res.recoveries) == 2, story(res)
     first, second = res.recoveries
     assert (first["kind"], first["target"], first["chunks_repaired_tier1"]) == ("inplace", 5, 0)
     assert (second["kind"], second["target"], second["chunks_repaired_tier1"]) == ("tier1", 5, 1)
@@ -368,6 +373,7 @@ def test_a_kept_compute_that_read_a_flipped_bit_is_caught_before_the_vote(
     crash, found = res.of("failure")
     assert (crash["rank"], found["kind"], found["rank"]) == (1, "exception", 0), (crash, found)
     assert "chunks [1] fail their checksums at PREPARE of step 6" in found["traceback"], found
+    assert len(res.recoveries) == 2, story(res)
     first, second = res.recoveries
     assert (first["kind"], second["kind"], second["chunks_repaired_tier1"]) == (
         "inplace",
@@ -410,6 +416,32 @@ def test_corruption_during_the_allreduce_is_found_before_the_vote(
     (fail,) = res.of("failure")
     assert (fail["kind"], fail["rank"]) == ("exception", 1), fail
     assert "chunks [2] fail their checksums at PREPARE of step 3" in fail["traceback"], fail
+    (rec,) = res.recoveries
+    assert (rec["kind"], rec["target"], rec["chunks_repaired_tier1"]) == ("tier1", 2, 1), rec
+    assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
+
+
+def test_a_pass_that_fails_marks_the_rank_suspect_before_a_peer_stops_it(
+    tag: str, ref_1x2: JobResult
+) -> None:
+    # rank 1's PREPARE pass finds chunk 3 failing while the all-reduce is in flight;
+    # rank 0 dies just after that all-reduce, and the stop may reach rank 1 before it
+    # raises. Its report reads every chunk all the same (the pass marked its layout
+    # suspect at once), so the recovery for rank 0 rebuilds the chunk too, not a
+    # second recovery at the next PREPARE (CI once saw one, with both ranks corrupted;
+    # tests/gloo/test_prepare_pass.py checks the mark itself). Had rank 0 died before
+    # rank 1's pass ran, the chunk would be left to the next PREPARE, by design
+    faults = [
+        {"kind": "corrupt", "rank": 1, "step": 3, "phase": "forward", "chunk": 3},
+        {"kind": "crash", "rank": 0, "step": 3, "phase": "prepare"},
+    ]
+    res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults)
+    assert res.ok, explain(res)
+    # rank 1 may raise its own IntegrityError first, or after rank 0's death is seen:
+    # one recovery takes both up
+    fails = sorted((f["rank"], f["kind"]) for f in res.of("failure"))
+    assert fails in ([(0, "crash")], [(0, "crash"), (1, "exception")]), story(res)
+    assert len(res.recoveries) == 1, story(res)
     (rec,) = res.recoveries
     assert (rec["kind"], rec["target"], rec["chunks_repaired_tier1"]) == ("tier1", 2, 1), rec
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"

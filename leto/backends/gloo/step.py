@@ -54,6 +54,7 @@ from .channel import Aborted
 from .collective import REDUCE_SCATTER, CollectiveFailed, Interrupted
 from .collective import coll as _coll
 from .keeper_client import FencedError
+from .transaction import prepare_pass
 
 if TYPE_CHECKING:
     from .runtime import GlooSession
@@ -445,7 +446,7 @@ class UserLoop:
         V = s.step + 1
         if V != self.V:
             raise RuntimeError(f"the batch is of step {self.V}, the optimizer is at step {V - 1}")
-        bad = lay.verify() if s.cfg.verify_chunks else []
+        bad = prepare_pass(s)
         gdelta = None
         if s.gparity is not None and not s.replica:
             gdelta = as_bytes(lay.grad_buffer).clone()

@@ -63,7 +63,21 @@ from .procs import Backseat
 if TYPE_CHECKING:
     from .runtime import GlooSession, StepFn
 
-__all__ = ["Recovered", "StepTransaction"]
+__all__ = ["Recovered", "StepTransaction", "prepare_pass"]
+
+
+def prepare_pass(s: GlooSession) -> list[int]:
+    """PREPARE's checksum pass over the rank's chunks: those failing. One failing marks
+    the layout suspect at once, before anything else may stop this step (a peer's
+    death, an abort): the recovery that follows, whichever ends the step, then reads
+    every chunk of this rank in its report and rebuilds the chunk, instead of leaving
+    it to the next PREPARE (PROTOCOL.md, "Which bytes a report reads")."""
+    if not s.cfg.verify_chunks:
+        return []
+    bad = s.layout.verify()
+    if bad:
+        s.layout.mark_suspect()
+    return bad
 
 
 class _Beside:
@@ -344,7 +358,7 @@ class StepTransaction:
         # PREPARE's checksum pass over the chunks runs while the all-reduce is in
         # flight: it reads only the chunks, which nothing writes before APPLY, and a
         # rank mostly waits for the slowest one here (its CPU counts as "allreduce")
-        bad = lay.verify() if s.cfg.verify_chunks else []
+        bad = prepare_pass(s)
         _coll(work.wait)
         present = buf[n:-1]
         mean_loss = (
@@ -412,8 +426,7 @@ class StepTransaction:
         point = s.fault_points.point
         # 3. prepare
         s.ch.mark("prepare")
-        if bad:
-            lay.mark_suspect()  # the recovery this starts reads every chunk in its reports
+        if bad:  # (the layout is marked suspect already: prepare_pass)
             raise IntegrityError(f"chunks {bad} fail their checksums at PREPARE of step {V}")
         lay.seal_grads(V, present_mask)
         point("prepare")

@@ -1,0 +1,40 @@
+"""PREPARE's checksum pass marks the rank's layout suspect the moment it finds a chunk
+failing, before anything may stop the step (a peer's death, an abort): the recovery
+that follows then reads every chunk of the rank in its report."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from leto.backends.gloo.transaction import prepare_pass
+from leto.retained import RetainedLayout
+from leto.retained.recovery import deferrable
+
+
+def _session(verify: bool) -> SimpleNamespace:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    lay = RetainedLayout.create(model, chunk_numel=16, states=["exp_avg"])
+    return SimpleNamespace(layout=lay, cfg=SimpleNamespace(verify_chunks=verify))
+
+
+def test_a_failing_chunk_marks_the_layout_suspect_at_once() -> None:
+    s = _session(True)
+    lay = s.layout
+    assert prepare_pass(s) == [] and not lay.suspect  # nothing failing: nothing marked
+    assert deferrable(lay)  # a report could leave clean chunks to the next PREPARE
+    with torch.no_grad():
+        lay.param_buffer[16] += 1  # chunk 1's bytes change, no header records it
+    assert prepare_pass(s) == [1]
+    assert lay.suspect  # before the caller raises, or is stopped first
+    assert deferrable(lay) == []  # the recovery's report reads every chunk
+
+
+def test_with_verify_chunks_off_the_pass_reads_nothing() -> None:
+    s = _session(False)
+    with torch.no_grad():
+        s.layout.param_buffer[16] += 1
+    assert prepare_pass(s) == [] and not s.layout.suspect
