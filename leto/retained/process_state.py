@@ -40,6 +40,7 @@ __all__ = [
     "capture_buffers",
     "capture_rng",
     "check_json",
+    "flush_denormal_on",
     "from_json",
     "is_per_rank",
     "restore_buffers",
@@ -144,6 +145,21 @@ def _words(value: str | list[int]) -> tuple[int, ...]:
         return tuple(int(x) for x in value)
     raw = base64.b64decode(value)
     return struct.unpack(f"<{len(raw) // 4}I", raw)
+
+
+_SUBNORMAL = 1e-39  # below float32's smallest normal (1.18e-38)
+
+
+def flush_denormal_on() -> bool:
+    """Whether this thread flushes subnormal floats to zero (``torch.set_flush_denormal``).
+
+    The mode is the thread's own (the CPU's control register: MXCSR on x86, FPCR on
+    ARM); a thread starts with the mode of the thread that created it, and torch has no
+    getter, so it is read by a computation: a subnormal float32 times 2 is zero only
+    when flushed. The mode decides the bytes of a step's math where subnormals occur,
+    so it is as much the process's state as its RNG."""
+    x = torch.full((1,), _SUBNORMAL, dtype=torch.float32)
+    return bool(float((x * 2.0).item()) == 0.0)
 
 
 def restore_rng(state: dict[str, Any]) -> None:

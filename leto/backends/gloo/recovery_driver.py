@@ -283,10 +283,13 @@ class RecoveryDriver:
         assert rec is not None
         last = [rec.failures] + [r.get("failures", []) for r in reversed(self.c.recoveries)]
         seen = [_exception_of(fs) for fs in last[:REPEATS]]
-        if len(seen) == REPEATS and seen[0] is not None and all(x == seen[0] for x in seen):
-            rank, step, line = seen[0]
+        first = seen[0]
+        if len(seen) == REPEATS and first is not None and all(x == first for x in seen):
+            step, line = first
+            ranks = sorted({int(f.get("rank", -1)) for fs in last[:REPEATS] for f in fs})
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
             return (
-                f"rank {rank} raised the same exception at step {step + 1} {REPEATS} times in "
+                f"{who} raised the same exception at step {step + 1} {REPEATS} times in "
                 f"a row ({line}): an error of the script, not of the hardware; giving up",
                 restart.Ending.SCRIPT_ERROR,
             )
@@ -584,11 +587,14 @@ class RecoveryDriver:
 REPEATS = 3
 
 
-def _exception_of(failures: list[dict[str, Any]]) -> tuple[int, int, str] | None:
-    """(rank, committed step, last line of the traceback) of a recovery's one failure if it
-    was an exception of the script, else None."""
-    if len(failures) != 1 or failures[0].get("kind") != "exception":
+def _exception_of(failures: list[dict[str, Any]]) -> tuple[int, str] | None:
+    """(committed step, last line of the traceback) of a recovery whose failures were all
+    one exception of the script (one rank's, or every rank that ran the same line, as a
+    script's error does), else None."""
+    if not failures or any(f.get("kind") != "exception" for f in failures):
         return None
-    f = failures[0]
-    tb = str(f.get("traceback", "")).strip().splitlines()
-    return int(f.get("rank", -1)), int(f.get("step", -1)), tb[-1] if tb else ""
+    seen = set()
+    for f in failures:
+        tb = str(f.get("traceback", "")).strip().splitlines()
+        seen.add((int(f.get("step", -1)), tb[-1] if tb else ""))
+    return seen.pop() if len(seen) == 1 else None

@@ -50,7 +50,12 @@ from leto.retained import recovery as rx
 from leto.retained.layout import RetainedLayout
 from leto.retained.optim import RetainedOptimizer, check_supported
 from leto.retained.parity import as_bytes
-from leto.retained.process_state import BatchCursor, capture_rng, is_per_rank
+from leto.retained.process_state import (
+    BatchCursor,
+    capture_rng,
+    flush_denormal_on,
+    is_per_rank,
+)
 from leto.retained.recovery import IntegrityError
 from leto.retained.shard import FullParams
 
@@ -187,6 +192,9 @@ class GlooSession:
         self.keeper: KeeperClient | None = None
         self.rng: dict[str, Any] | None = None
         self.sampler_state: dict[str, Any] | None = None
+        # the main thread's subnormal mode at leto.wrap (set in start): every step's and
+        # every recovery's math runs in it (check_float_mode, the recovery's thread)
+        self.flush_denormal = False
         self._store: Any = None
         self._store_at: tuple[str, int] | None = None
         self.parity: list[ParityBlock] = []
@@ -285,6 +293,20 @@ class GlooSession:
         """Wall seconds this process has spent in each phase so far (as :meth:`phase_cpu_s`)."""
         return dict(self.ch.phase_wall)
 
+    def check_float_mode(self) -> None:
+        """At a step's start, on the thread that computes it: the subnormal mode is still
+        the one at ``leto.wrap``. A shadow promoted in this rank's place takes the mode
+        its script had when it reached ``leto.wrap``, and leto's own threads that of the
+        process then, so a mode changed afterwards would make a recovery's math differ
+        from the steps' (not bitwise the run that never failed): refused in one line."""
+        if flush_denormal_on() != self.flush_denormal:
+            now = "on" if not self.flush_denormal else "off"
+            raise RuntimeError(
+                f"torch.set_flush_denormal() turned subnormal flushing {now} after leto.wrap: "
+                "call it before leto.wrap, so that a recovery computes in the same mode as "
+                "the steps"
+            )
+
     def _log(self, event: str, **kw: Any) -> None:
         self.timeline.append(
             {"t_ms": round((time.perf_counter() - self.t0) * 1e3, 3), "event": event, **kw}
@@ -293,6 +315,7 @@ class GlooSession:
     # ================================================================ start
 
     def start(self) -> None:
+        self.flush_denormal = flush_denormal_on()  # as a promoted shadow's will be
         self.store  # noqa: B018 - connected at the start, as a trainer of torchrun is
         if self.role == "shadow":
             self._as_shadow()

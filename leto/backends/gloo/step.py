@@ -208,6 +208,7 @@ class UserLoop:
             self._close()
         self.V = s.step + 1
         s.txn.in_progress = self.V
+        s.check_float_mode()
         batch = s.cursor.batch(self.V)
         self.open, self.stepped, self.reduced = True, False, False
         s.ch.mark("forward", s.step)

@@ -167,6 +167,9 @@ class StepTransaction:
 
     def _recover_beside(self, rec: _Beside) -> None:
         try:
+            # this thread's math (a roll forward, the masters' casts) in the steps' mode:
+            # it was started by the channel's reader, which may predate the script's call
+            torch.set_flush_denormal(self.s.flush_denormal)
             self.stopped("")
             self.s.follower._follow(before_writes=lambda: self._before_writes(rec), beside=True)
         except BaseException as e:  # noqa: BLE001 - handed to the compute's thread
@@ -301,6 +304,7 @@ class StepTransaction:
         point = s.fault_points.point
 
         # 1. compute
+        s.check_float_mode()
         s.ch.mark("forward", ropt.version)
         point("forward_start")
         batch = shard(s.cursor.batch(V), r, W)

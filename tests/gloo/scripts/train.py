@@ -6,7 +6,7 @@ the model's parameters' SHA-256 is then written to RUN_DIR/params-rank<r> at the
 that step waits that long before the model's last layer, so a peer's death finds it inside
 its compute; the number of computes each rank ran is written to RUN_DIR/computes-rank<r>, and
 the main thread's highest nice value during that backward and at the end to nice-rank<r>),
-SLOW_FORWARD ("rank:step:seconds": that rank's step function waits that long first), BIG_MB (allocate that much while steps
+SLOW_FORWARD ("rank:step:seconds": that rank's step function waits that long first), FLUSH_AFTER_WRAP (subnormal flushing turned on after leto.wrap), BIG_MB (allocate that much while steps
 3..6 run, to push the trainers over a shadow memory budget; the math is unchanged).
 """
 
@@ -107,6 +107,8 @@ def step_fn(m, idx):
 
 
 session = leto.wrap(model, opt, sched, sampler, config=cfg)
+if os.environ.get("FLUSH_AFTER_WRAP"):  # a floating-point mode changed too late
+    torch.set_flush_denormal(True)
 session.train(step_fn, int(os.environ.get("STEPS", "6")))
 if os.environ.get("SHARD"):  # the model's own parameters, sharded or not
     blob = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
