@@ -37,6 +37,7 @@ def _txn() -> tuple[StepTransaction, Any]:
     s = SimpleNamespace(
         model=model,
         rank=0,
+        flush_denormal=False,
         gen=1,
         full=None,
         ch=ch,
