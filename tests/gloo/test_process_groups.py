@@ -8,14 +8,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from leto.backends.gloo.procs import free_port
 from leto.backends.gloo.process_groups import ProcessGroups
+from leto.backends.gloo.procs import free_port
 
 
 def test_destroy_leaves_at_once_and_tears_down_on_its_own_thread(tmp_path: Path) -> None:
