@@ -160,7 +160,14 @@ class AgentChannel:
 
     def request(
         self,
-        msg: M.GetState | M.NodeSegment | M.NodeSegments | M.SnapshotSlot | M.ClaimFault,
+        msg: (
+            M.GetState
+            | M.NodeSegment
+            | M.NodeSegments
+            | M.NodeListing
+            | M.SnapshotSlot
+            | M.ClaimFault
+        ),
         timeout: float = 60.0,
     ) -> tuple[dict[str, Any], list[int]]:
         """Send ``msg`` (its ``id`` filled in here) and wait for the agent's reply to it."""

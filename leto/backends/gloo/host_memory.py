@@ -70,6 +70,11 @@ class HostMemory:
             fds += got
         return {"ok": True}, fds
 
+    def node_listing(self) -> dict[str, Any]:
+        """The node's segments made so far: names and sizes, in name order."""
+        names = sorted(self.node_segments)
+        return {"ok": True, "names": names, "sizes": [self.node_segments[n][1] for n in names]}
+
     def snapshot_slot(self, step: int) -> dict[str, Any]:
         """The tier-2 slot to write the snapshot of ``step`` into (the one that is not
         current; the same for every rank of the node), and the current one."""

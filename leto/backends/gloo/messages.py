@@ -281,6 +281,16 @@ class NodeSegments(Message):
 
 
 @attrs.frozen
+class NodeListing(Message):
+    """Request: the node's segments made so far, each name with its size (no
+    descriptors): a warm shadow maps its node's tier-1 blocks before any promotion."""
+
+    TAG = "node_listing"
+    ROUTE = (T, A)
+    id: int = _f(_nat, 0)  # filled in by the channel
+
+
+@attrs.frozen
 class SnapshotSlot(Message):
     """Request: which tier-2 slot to write the snapshot of ``step`` into (-1: just ask)."""
 
@@ -749,6 +759,7 @@ KINDS: tuple[type[Message], ...] = (
     GetState,
     NodeSegment,
     NodeSegments,
+    NodeListing,
     SnapshotSlot,
     ClaimFault,
     StoreAt,

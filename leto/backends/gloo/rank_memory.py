@@ -10,6 +10,7 @@ latter. A shadow keeps a skeleton of the model (:func:`to_meta`) until it is pro
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,9 @@ class RankMemory:
         #: sharded state: the names of each of the user's optimizer's groups' parameters
         #: (its groups hold this rank's pieces once bound), for the checkpoint
         self.shard_groups: list[list[str]] = []
+        # a warm shadow's mappings of its node's tier-1 blocks, made before any
+        # promotion (:meth:`premap_node`): name -> (payload bytes, block)
+        self.premapped: dict[str, tuple[int, ParityBlock]] = {}
 
     def _status_seg(self) -> torch.Tensor:
         if self.status is None:
@@ -176,21 +180,64 @@ class RankMemory:
         *s.parity, s.gparity = self._blocks([*want, ("gparity", lay.numel * item)])
 
     def _blocks(self, want: list[tuple[str, int]]) -> list[ParityBlock]:
-        """The node's blocks ``(name, payload bytes)``, MAX_FDS to a request: a promoted
+        """The node's blocks ``(name, payload bytes)``: those a warm shadow mapped before
+        its promotion (:meth:`premap_node`), the rest MAX_FDS to a request. A promoted
         rank maps one per chunk while the recovery waits for its report, and a round
         trip to the agent each would grow that wait with the state."""
         m = self.s.members
-        out: list[ParityBlock] = []
-        for i in range(0, len(want), MAX_FDS):
-            part = want[i : i + MAX_FDS]
+        wanted = set(want)
+        have = {n: blk for n, (b, blk) in self.premapped.items() if (n, b) in wanted}
+        for n, (_, blk) in self.premapped.items():
+            if n not in have:
+                os.close(blk.fd)  # a block of another geometry: not this layout's
+        self.premapped = {}
+        missing = [(n, b) for n, b in want if n not in have]
+        for i in range(0, len(missing), MAX_FDS):
+            part = missing[i : i + MAX_FDS]
             names = [n for n, _ in part]
             _, fds = self.s.ch.request(
                 M.NodeSegments(names=names, sizes=[block_bytes(m, b) for _, b in part])
             )
             if len(fds) != len(part):
                 raise IntegrityError(f"the agent sent {len(fds)} segments for {len(part)}")
-            out += [ParityBlock(fd, m, b) for fd, (_, b) in zip(fds, part, strict=True)]
-        return out
+            for fd, (n, b) in zip(fds, part, strict=True):
+                have[n] = ParityBlock(fd, m, b)
+        return [have[n] for n, _ in want]
+
+    def premap_node(self) -> int:
+        """A warm shadow maps its node's tier-1 blocks (every segment the node's ranks
+        made so far that is a block, and not mapped by an earlier call) before any
+        promotion, so a promoted rank does not map them while the recovery waits for
+        its report (:meth:`node_memory` takes those it wants). A block's segment lives
+        as long as the node's agent, and its bytes and records are read through the
+        mapping when used, so a mapping made early is the one a promotion would make.
+        Returns the number mapped so far."""
+        s = self.s
+        if not s.cfg.tier1:
+            return 0
+        reply, _ = s.ch.request(M.NodeListing())
+        m = s.members
+        hdr = block_bytes(m, 0)
+        want = [
+            (n, (size - hdr) // 2)
+            for n, size in zip(reply.get("names", []), reply.get("sizes", []), strict=True)
+            if (n.startswith("parity.") or n == "gparity")
+            and size >= hdr
+            and (size - hdr) % 2 == 0
+            and n not in self.premapped
+        ]
+        for i in range(0, len(want), MAX_FDS):
+            part = want[i : i + MAX_FDS]
+            _, fds = s.ch.request(
+                M.NodeSegments(
+                    names=[n for n, _ in part], sizes=[block_bytes(m, b) for _, b in part]
+                )
+            )
+            if len(fds) != len(part):
+                raise IntegrityError(f"the agent sent {len(fds)} segments for {len(part)}")
+            for fd, (n, b) in zip(fds, part, strict=True):
+                self.premapped[n] = (b, ParityBlock(fd, m, b))
+        return len(self.premapped)
 
     def segment(self, name: str, nbytes: int) -> int:
         """A descriptor of the node agent's segment ``name`` (created on first ask)."""

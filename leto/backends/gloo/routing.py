@@ -221,6 +221,8 @@ class Routing:
                 self.reply(p, msg.id, *mem.node_segment(msg.name, msg.nbytes))
             case M.NodeSegments():
                 self.reply(p, msg.id, *mem.node_segments_of(msg.names, msg.sizes))
+            case M.NodeListing():
+                self.reply(p, msg.id, mem.node_listing())
             case M.SnapshotSlot():
                 self.reply(p, msg.id, mem.snapshot_slot(msg.step))
             case M.ClaimFault():
