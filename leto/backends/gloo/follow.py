@@ -623,11 +623,12 @@ class Follower:
             if self.s.lr == 0:
                 assert self.s.gparity is not None
                 self.s.gparity.write_full(None, [NONE] * self.s.nproc, [0] * self.s.nproc)
-            dist.barrier(group=self.s.groups.node_group)
+        # No barrier after the writes: a rank reports its end (``reconciled``, or ``ready``
+        # at the start) only after them, and nothing goes on until every rank has (the
+        # coordinator's rebuild and resume, or its start, wait for all of them).
         if self.s.cfg.tier2 and snapshot:
             self._check_deferred(self.s.gen)  # every chunk is copied into the snapshot
         meta = self.s.snapshots.take(target) if self.s.cfg.tier2 and snapshot else None
         lay.derive_params()  # master weights: bf16/fp16 parameters cast from the target's
         self.s.memory.gather_params()  # sharded: the model's parameters at the target
-        dist.barrier()
         return meta
