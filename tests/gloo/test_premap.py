@@ -74,7 +74,7 @@ def test_early_blocks_of_another_geometry_are_not_used() -> None:
     _rank(ch)._blocks([("parity.0", 64)])
     shadow = _rank(ch)
     assert shadow.premap_node() == 1
-    (early,) = [blk for _, blk in shadow.premapped.values()]
+    (early,) = shadow.premapped.values()
     ch.asked.clear()
     # the promoted rank's layout wants another size: asked for, and refused by the agent
     # as before (the segment has the other size); the early mapping's descriptor closed

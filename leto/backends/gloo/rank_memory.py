@@ -82,8 +82,8 @@ class RankMemory:
         #: (its groups hold this rank's pieces once bound), for the checkpoint
         self.shard_groups: list[list[str]] = []
         # a warm shadow's mappings of its node's tier-1 blocks, made before any
-        # promotion (:meth:`premap_node`): name -> (payload bytes, block)
-        self.premapped: dict[str, tuple[int, ParityBlock]] = {}
+        # promotion (:meth:`premap_node`), by name
+        self.premapped: dict[str, ParityBlock] = {}
 
     def _status_seg(self) -> torch.Tensor:
         if self.status is None:
@@ -184,25 +184,31 @@ class RankMemory:
         its promotion (:meth:`premap_node`), the rest MAX_FDS to a request. A promoted
         rank maps one per chunk while the recovery waits for its report, and a round
         trip to the agent each would grow that wait with the state."""
-        m = self.s.members
         wanted = set(want)
-        have = {n: blk for n, (b, blk) in self.premapped.items() if (n, b) in wanted}
-        for n, (_, blk) in self.premapped.items():
+        have = {n: blk for n, blk in self.premapped.items() if (n, blk.nbytes) in wanted}
+        for n, blk in self.premapped.items():
             if n not in have:
                 os.close(blk.fd)  # a block of another geometry: not this layout's
         self.premapped = {}
-        missing = [(n, b) for n, b in want if n not in have]
-        for i in range(0, len(missing), MAX_FDS):
-            part = missing[i : i + MAX_FDS]
-            names = [n for n, _ in part]
+        have.update(self._request_blocks([(n, b) for n, b in want if n not in have]))
+        return [have[n] for n, _ in want]
+
+    def _request_blocks(self, want: list[tuple[str, int]]) -> dict[str, ParityBlock]:
+        """The agent's blocks ``(name, payload bytes)``, MAX_FDS to a request."""
+        m = self.s.members
+        out: dict[str, ParityBlock] = {}
+        for i in range(0, len(want), MAX_FDS):
+            part = want[i : i + MAX_FDS]
             _, fds = self.s.ch.request(
-                M.NodeSegments(names=names, sizes=[block_bytes(m, b) for _, b in part])
+                M.NodeSegments(
+                    names=[n for n, _ in part], sizes=[block_bytes(m, b) for _, b in part]
+                )
             )
             if len(fds) != len(part):
                 raise IntegrityError(f"the agent sent {len(fds)} segments for {len(part)}")
             for fd, (n, b) in zip(fds, part, strict=True):
-                have[n] = ParityBlock(fd, m, b)
-        return [have[n] for n, _ in want]
+                out[n] = ParityBlock(fd, m, b)
+        return out
 
     def premap_node(self) -> int:
         """A warm shadow maps its node's tier-1 blocks (every segment the node's ranks
@@ -226,17 +232,7 @@ class RankMemory:
             and (size - hdr) % 2 == 0
             and n not in self.premapped
         ]
-        for i in range(0, len(want), MAX_FDS):
-            part = want[i : i + MAX_FDS]
-            _, fds = s.ch.request(
-                M.NodeSegments(
-                    names=[n for n, _ in part], sizes=[block_bytes(m, b) for _, b in part]
-                )
-            )
-            if len(fds) != len(part):
-                raise IntegrityError(f"the agent sent {len(fds)} segments for {len(part)}")
-            for fd, (n, b) in zip(fds, part, strict=True):
-                self.premapped[n] = (b, ParityBlock(fd, m, b))
+        self.premapped.update(self._request_blocks(want))
         return len(self.premapped)
 
     def segment(self, name: str, nbytes: int) -> int:
