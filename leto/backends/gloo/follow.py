@@ -309,7 +309,8 @@ class Follower:
         )
         summary["repair_ms"] = round((t1 - t0) * 1e3, 3)
         summary["redundancy_ms"] = round((time.perf_counter() - t1) * 1e3, 3)
-        summary["parity_reencoded"] = int(self.s._reencoded)
+        summary["parity_reencoded"] = int(self.s._reencoded > 0)
+        summary["parity_chunks_reencoded"] = self.s._reencoded
         summary["parity_checked"] = int(self.s._parity_checked)
         self.s.memory.status_lost(False)
         self.s.ch.send(M.Reconciled(rank=self.s.rank, gen=gen, summary=summary, snapshot=meta))
@@ -480,20 +481,21 @@ class Follower:
             restore_buffers(self.s.model, done.buffers)
         return done.forward, done.back
 
-    def _check_kept_parity(self, coll: TorchDistCollective, target: int) -> None:
-        """Test aid (``LETOCHECK_KEPT_PARITY=1``): the node's kept parity, byte for
-        byte, against a fresh encoding of every member's chunks at ``target``."""
+    def _check_kept_parity(self, coll: TorchDistCollective, target: int, kept: list[int]) -> None:
+        """Test aid (``LETO_CHECK_KEPT_PARITY=1``): the node's kept parity of chunks
+        ``kept``, byte for byte, against a fresh encoding of every member's chunks at
+        ``target``."""
         lay = self.s.layout
-        par = encode(coll, [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)], 0)
+        par = encode(coll, [t for c in kept for t in lay.chunk_data(c)], 0)
         self.s._parity_checked = True
         if self.s.lr == 0:
             assert par is not None
-            cb = par.numel() // lay.n_chunks
-            bad = [
-                c
-                for c in range(lay.n_chunks)
-                if not torch.equal(par[c * cb : (c + 1) * cb], self.s.parity[c].parity())
-            ]
+            bad, at = [], 0
+            for c in kept:
+                n = sum(t.numel() * t.element_size() for t in lay.chunk_data(c))
+                if not torch.equal(par[at : at + n], self.s.parity[c].parity()):
+                    bad.append(c)
+                at += n
             if bad:
                 raise IntegrityError(
                     f"node {self.s.node}: the kept parity of chunks {bad} is not the encoding "
@@ -505,7 +507,7 @@ class Follower:
 
         Only where the parity holds this member's chunk one step back (a death between
         seal and parity update leaves it there; after the update it is already at
-        ``step``); otherwise the recovery re-encodes the node's parity as a whole.
+        ``step``); otherwise the recovery re-encodes this chunk's parity.
         """
         if not self.s.parity:
             return
@@ -568,7 +570,7 @@ class Follower:
         (``snapshot``: the coordinator says the tier-2 snapshot lost blocks) the snapshot.
         ``intact``: chunks whose checksums this recovery checked already."""
         lay = self.s.layout
-        self.s._reencoded = False
+        self.s._reencoded = 0
         self.s._parity_checked = False
         rx.check_resumable(lay, self.s.ropt, target, f"rank {self.s.rank}", intact or ())
         self.s.ch.send(M.Pending(rank=self.s.rank, json=""))
@@ -583,16 +585,20 @@ class Follower:
             allsums = [torch.zeros_like(sums) for _ in range(self.s.nproc)]
             dist.all_gather(allsums, sums, group=self.s.groups.node_group)
             want = [[int(s[c]) for s in allsums] for c in range(lay.n_chunks)]
-            # The node's parity already encodes every member at ``target`` (a recovery
-            # that changed no byte: a crash before PREPARE, a hang): it is, byte for
-            # byte, what re-encoding would write. Every rank of the node reads the same
-            # shared blocks and the same gathered checksums, so all decide alike.
-            current = all(
-                b.valid and b.versions() == [target] * self.s.nproc and b.checksums() == want[c]
+            # A chunk whose parity already encodes every member at ``target`` (no byte of
+            # it changed in this recovery, or a roll forward updated it as APPLY does) is,
+            # byte for byte, what re-encoding would write: only the others are encoded.
+            # Every rank of the node reads the same shared blocks and the same gathered
+            # checksums, so all choose the same chunks.
+            stale = [
+                c
                 for c, b in enumerate(self.s.parity)
-            )
-            self.s.stats["parity_reencodes_skipped"] += int(current)
-            self.s._reencoded = not current
+                if not (
+                    b.valid and b.versions() == [target] * self.s.nproc and b.checksums() == want[c]
+                )
+            ]
+            self.s.stats["parity_reencodes_skipped"] += int(not stale)
+            self.s._reencoded = len(stale)
             if self.s.replica:
                 # no bytes to encode: the replicas must agree, then the records say so
                 split = [c for c in range(lay.n_chunks) if len(set(want[c])) != 1]
@@ -603,23 +609,26 @@ class Follower:
                         "needs every rank of a node to hold the same state (data-parallel "
                         "training): set tier1_code = 'parity'"
                     )
-                if not current and self.s.lr == 0:
-                    for c in range(lay.n_chunks):
-                        self.s.parity[c].write_full(None, [target] * self.s.nproc, want[c])
-            elif current and CHECK_KEPT_PARITY:
-                self._check_kept_parity(coll, target)
-            elif not current:
-                self._check_deferred(self.s.gen)  # every chunk is encoded
-                # one reduce for every chunk: chunk c's parity is bytes [c*cb, (c+1)*cb)
-                parts = [t for c in range(lay.n_chunks) for t in lay.chunk_data(c)]
-                par = encode(coll, parts, 0)
                 if self.s.lr == 0:
-                    assert par is not None
-                    cb = par.numel() // lay.n_chunks
-                    for c in range(lay.n_chunks):
-                        self.s.parity[c].write_full(
-                            par[c * cb : (c + 1) * cb], [target] * self.s.nproc, want[c]
-                        )
+                    for c in stale:
+                        self.s.parity[c].write_full(None, [target] * self.s.nproc, want[c])
+            else:
+                kept = sorted(set(range(lay.n_chunks)) - set(stale))
+                if kept and CHECK_KEPT_PARITY:
+                    self._check_kept_parity(coll, target, kept)
+                if stale:
+                    self._check_deferred(self.s.gen, set(stale))  # the chunks encoded
+                    # one reduce for every stale chunk, in order, its bytes after the last's
+                    par = encode(coll, [t for c in stale for t in lay.chunk_data(c)], 0)
+                    if self.s.lr == 0:
+                        assert par is not None
+                        at = 0
+                        for c in stale:
+                            n = sum(t.numel() * t.element_size() for t in lay.chunk_data(c))
+                            self.s.parity[c].write_full(
+                                par[at : at + n], [target] * self.s.nproc, want[c]
+                            )
+                            at += n
             if self.s.lr == 0:
                 assert self.s.gparity is not None
                 self.s.gparity.write_full(None, [NONE] * self.s.nproc, [0] * self.s.nproc)

@@ -517,6 +517,7 @@ class RecoveryDriver:
                 "chunks_restored",
                 "tier1_from_replicas",
                 "parity_reencoded",
+                "parity_chunks_reencoded",
                 "parity_checked",
             )
         }

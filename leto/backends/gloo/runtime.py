@@ -206,7 +206,7 @@ class GlooSession:
         # ranks per node): the node's other ranks hold the same state; the blocks
         # keep only each member's versions and checksums
         self.replica = config.tier1_kind == "replica"
-        self._reencoded = False  # did the last recovery re-encode the node's tier-1 parity
+        self._reencoded = 0  # chunks whose tier-1 parity the last recovery re-encoded
         self._parity_checked = False  # did it check a kept parity (LETO_CHECK_KEPT_PARITY)
         self.completed = False
         self.t0 = time.perf_counter()
