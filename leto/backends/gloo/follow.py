@@ -40,7 +40,7 @@ from leto.retained.process_state import restore_buffers
 from leto.retained.recovery import IntegrityError
 
 from . import messages as M
-from .collective import CHECK_KEPT_PARITY, coll, comm_error
+from .collective import CHECK_KEPT_PARITY, comm_error
 from .faults import COMMAND_POINT
 from .keeper_client import FencedError
 
@@ -105,8 +105,10 @@ class Follower:
                     case M.Reconcile():
                         self._reconcile(msg)
                     case M.Rebuild():
+                        # The communicator of this generation was formed before Reconcile
+                        # and carried its collectives: the rank only says it is on it (no
+                        # barrier: the coordinator's wait for every Rebuilt is one)
                         self.s.ch.mark("rebuild")
-                        coll(dist.barrier)
                         self.s.ch.send(M.Rebuilt(rank=self.s.rank, gen=gen))
                     case M.Resume():
                         self._resume(msg)
