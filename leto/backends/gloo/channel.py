@@ -60,6 +60,11 @@ COMMANDS = (
 )
 _GONE = None  # queued when the agent goes away
 
+Request = (
+    M.GetState | M.NodeSegment | M.NodeSegments | M.NodeListing | M.SnapshotSlot | M.ClaimFault
+)
+"""The messages the agent replies to (:meth:`AgentChannel.request`)."""
+
 
 class AgentChannel:
     def __init__(
@@ -86,6 +91,7 @@ class AgentChannel:
         self.store_at: tuple[str, int] | None = None  # where the job's TCPStore moved
         self.commands: queue.Queue[M.Message | None] = queue.Queue()
         self._replies: dict[int, tuple[dict[str, Any], list[int]]] = {}
+        self._forgotten: set[int] = set()  # requests whose replies nobody will read
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self.gone = False
@@ -121,7 +127,12 @@ class AgentChannel:
             with self._cond:
                 match msg:
                     case None:
-                        self._replies[int(obj["re"])] = (obj, fds)
+                        if int(obj["re"]) in self._forgotten:
+                            self._forgotten.discard(int(obj["re"]))
+                            for fd in fds:
+                                os.close(fd)
+                        else:
+                            self._replies[int(obj["re"])] = (obj, fds)
                     case M.Commit(step=step, gen=gen):
                         self.commits.add((gen, step))
                     case M.Tier2(step=step):
@@ -158,21 +169,28 @@ class AgentChannel:
         except WireError as e:
             raise AgentGone(f"the node agent is gone: {e}") from None
 
-    def request(
-        self,
-        msg: (
-            M.GetState
-            | M.NodeSegment
-            | M.NodeSegments
-            | M.NodeListing
-            | M.SnapshotSlot
-            | M.ClaimFault
-        ),
-        timeout: float = 60.0,
-    ) -> tuple[dict[str, Any], list[int]]:
+    def request(self, msg: Request, timeout: float = 60.0) -> tuple[dict[str, Any], list[int]]:
         """Send ``msg`` (its ``id`` filled in here) and wait for the agent's reply to it."""
+        return self.answer(self.ask(msg), msg.TAG, timeout)
+
+    def ask(self, msg: Request) -> int:
+        """Send ``msg`` with an ``id`` of its own; :meth:`answer` with that id waits for
+        the reply (the round trip runs while the caller does something else)."""
         rid = next(self._ids)
         self.send(attrs.evolve(msg, id=rid))
+        return rid
+
+    def forget(self, rid: int) -> None:
+        """Nobody will read the reply to request ``rid``: dropped when it comes."""
+        with self._cond:
+            if rid in self._replies:
+                for fd in self._replies.pop(rid)[1]:
+                    os.close(fd)
+            else:
+                self._forgotten.add(rid)
+
+    def answer(self, rid: int, tag: str, timeout: float = 60.0) -> tuple[dict[str, Any], list[int]]:
+        """The agent's reply to request ``rid`` (a ``tag`` message), once it is here."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while rid not in self._replies:
@@ -180,13 +198,13 @@ class AgentChannel:
                     raise AgentGone("the node agent is gone")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no reply from the agent to {msg.TAG} in {timeout} s")
+                    raise TimeoutError(f"no reply from the agent to {tag} in {timeout} s")
                 self._cond.wait(left)
             reply, fds = self._replies.pop(rid)
         if not reply.get("ok", True):
             for fd in fds:
                 os.close(fd)
-            raise RuntimeError(f"agent refused {msg.TAG}: {reply.get('why')}")
+            raise RuntimeError(f"agent refused {tag}: {reply.get('why')}")
         return reply, fds
 
     def aborted_since(self, gen: int) -> bool:

@@ -103,7 +103,10 @@ class Follower:
                     case M.CallReports():
                         self._report(gen)
                     case M.Reconcile():
-                        self._reconcile(msg)
+                        try:
+                            self._reconcile(msg)
+                        finally:
+                            self.s.ps.drop_prefetch()
                     case M.Rebuild():
                         # The communicator of this generation was formed before Reconcile
                         # and carried its collectives: the rank only says it is on it (no
@@ -201,6 +204,7 @@ class Follower:
 
     def _reconcile(self, msg: M.Reconcile) -> None:
         self.s.ch.mark("reconcile")
+        self.s.ps.prefetch()  # the settle's node state, asked for beside what comes first
         gen, kind, target = msg.gen, msg.kind, msg.target
         self.plans.append(Plan(target, Kind(kind), tuple(self._runs(msg)), ""))
         if self._before_writes is not None:

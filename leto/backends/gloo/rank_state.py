@@ -32,6 +32,7 @@ class RankState:
 
     def __init__(self, session: GlooSession) -> None:
         self.s = session
+        self._asked: int | None = None  # a GetState sent by prefetch, its reply not read
 
     def to_json(self, step: int) -> str:
         s = self.s
@@ -75,9 +76,27 @@ class RankState:
         if s.loop is not None:
             s.loop.load_state(ps.get("extra"))
 
+    def prefetch(self) -> None:
+        """Ask the agent for this rank's node state now; the next :meth:`node_state`
+        takes that reply. A reconcile asks as it begins, so the round trip runs beside
+        its first collective: nothing this rank sends before its settle changes what the
+        agent keeps for it (its process state is sent after)."""
+        self.drop_prefetch()
+        self._asked = self.s.ch.ask(M.GetState(rank=self.s.rank))
+
+    def drop_prefetch(self) -> None:
+        """The reconcile that prefetched is over: its reply, if unread, is stale."""
+        if self._asked is not None:
+            self.s.ch.forget(self._asked)
+            self._asked = None
+
     def node_state(self) -> tuple[dict[int, str], dict[str, Any] | None]:
         """(step -> process state kept by the node agent, the pending prepare record)."""
-        reply, _ = self.s.ch.request(M.GetState(rank=self.s.rank))
+        rid, self._asked = self._asked, None
+        if rid is None:
+            reply, _ = self.s.ch.request(M.GetState(rank=self.s.rank))
+        else:
+            reply, _ = self.s.ch.answer(rid, M.GetState.TAG)
         hist = {int(k): v for k, v in reply.get("ps", {}).items()}
         pend = reply.get("pending")
         return hist, (json.loads(pend) if pend else None)
