@@ -9,7 +9,7 @@ import pytest
 
 from leto.core import events as ev
 from leto.core.cluster import ClusterModel, ClusterState, TrainerState
-from leto.core.reconcile import Plan, Repair, keeps_compute
+from leto.core.reconcile import Plan, Repair, keeps_compute, writes_no_chunk
 from leto.core.recovery import Kind, Phase
 from leto.core.verify import CHECK_CONFIGS
 
@@ -103,3 +103,49 @@ def test_the_check_rejects_a_rule_that_ignores_the_repairs() -> None:
 
     _, _, wrong = _wrongly_kept(by_target_only, "three-ranks")
     assert wrong, "a survivor whose chunk the plan rebuilds must not keep its compute"
+
+
+# ---- a plan that writes no chunk (the executor gathers checksums before its settle)
+
+Writes = Callable[[Plan], bool]
+
+
+def _written_unexpectedly(rule: Writes, cfg_name: str) -> tuple[int, int, list[str]]:
+    """(plans said to write no chunk, other plans, those of the first whose Reconcile
+    changed a chunk of some rank)."""
+    none = some = 0
+    wrong: list[str] = []
+    for model, s, p in _reconciles(cfg_name, 30_000):
+        if not rule(p):
+            some += 1
+            continue
+        none += 1
+        post, _ = model.step(s, ev.Reconcile())
+        if post.data != s.data:
+            wrong.append(f"{s.data} -> {post.data}, plan {p}")
+    return none, some, wrong
+
+
+@pytest.mark.parametrize("cfg_name", ["three-ranks", "two-faults"])
+def test_a_plan_said_to_write_no_chunk_leaves_every_chunk_in_every_reachable_recovery(
+    cfg_name: str,
+) -> None:
+    none, some, wrong = _written_unexpectedly(writes_no_chunk, cfg_name)
+    assert wrong == []
+    assert none > 0 and some > 0, (none, some)  # both outcomes are reached
+
+
+def test_writes_no_chunk_by_kind() -> None:
+    assert writes_no_chunk(_plan(4, Kind.INPLACE))
+    assert not writes_no_chunk(_plan(4, Kind.FORWARD, Repair("forward", 0, 0, 4, 8)))
+    assert not writes_no_chunk(_plan(4, Kind.TIER1, Repair("grad-tier1", 0, -1, 4)))
+    assert not writes_no_chunk(_plan(3, Kind.BACK))
+    assert not writes_no_chunk(_plan(4, Kind.TIER2, Repair("snapshot", 1, -1, 4)))
+
+
+def test_the_check_rejects_a_rule_that_counts_only_rebuilds_as_writing() -> None:
+    def no_rebuild(p: Plan) -> bool:
+        return p.kind is not Kind.CKPT and all(x.what != "tier1" for x in p.repairs)
+
+    _, _, wrong = _written_unexpectedly(no_rebuild, "three-ranks")
+    assert wrong, "a plan that rolls chunks forward or restores them writes them"

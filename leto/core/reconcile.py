@@ -293,3 +293,14 @@ def keeps_compute(plans: Sequence[Plan], rank: int, begun_at: int) -> bool:
         if any(x.rank == rank and x.what not in _GRADIENTS_ONLY for x in p.repairs):
             return False
     return True
+
+
+def writes_no_chunk(plan: Plan) -> bool:
+    """Whether carrying ``plan`` out leaves every chunk's bytes as they are (PROTOCOL.md,
+    "Gradient parity during a reconcile"): an INPLACE plan, whose every chunk of every
+    rank already holds the target (no repair, no roll forward or back; the executor may
+    release an undo copy, or restore a chunk and roll it forward to the same bytes).
+    So the chunks' checksums at the reconcile's end are those at its start, and an
+    executor may gather them at the start, in the collective that orders the release of
+    the node's gradients, instead of after the settle."""
+    return plan.kind is Kind.INPLACE and not plan.repairs

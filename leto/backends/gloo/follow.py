@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from leto.core.chunk import LOST, NONE
-from leto.core.reconcile import Plan, Repair, expand_repairs
+from leto.core.reconcile import Plan, Repair, expand_repairs, writes_no_chunk
 from leto.core.recovery import Kind
 from leto.retained import recovery as rx
 from leto.retained import replicas as rpl
@@ -67,6 +67,9 @@ class Follower:
         # the core's plans this rank carried out (each Reconcile), since ``_follow`` began,
         # which a compute paused across the recovery is judged by (transaction.paused)
         self.plans: list[Plan] = []
+        # the node's checksums gathered at the start of a reconcile whose plan writes
+        # no chunk ([chunk][member]), until its end uses them
+        self._sums_at_start: list[list[int]] | None = None
         self._before_writes: Callable[[], None] | None = None
         self._beside = False  # following on a thread beside the compute (_follow)
 
@@ -207,6 +210,10 @@ class Follower:
         self.s.ps.prefetch()  # the settle's node state, asked for beside what comes first
         gen, kind, target = msg.gen, msg.kind, msg.target
         self.plans.append(Plan(target, Kind(kind), tuple(self._runs(msg)), ""))
+        # a plan that writes no chunk: the node's checksums are gathered as the gradient
+        # parity is forgotten (that collective orders the release), not again at the end
+        early = writes_no_chunk(self.plans[-1])
+        self._sums_at_start = None
         if self._before_writes is not None:
             self._before_writes()
         self.s.groups.init(gen)
@@ -259,7 +266,7 @@ class Follower:
                     ):
                         summary["grads_repaired_tier1"] += 1
                         summary["tier1_from_replicas"] += 1
-            self._forget_grad_parity()
+            self._forget_grad_parity(gather=early)
             fwd = back = 0
             if self.s.rank not in lost:
                 fwd, back = self._settle(target)
@@ -301,7 +308,7 @@ class Follower:
                     self._decode_grads(rep.rank, rep.version)
                     if rep.rank == self.s.rank:
                         summary["grads_repaired_tier1"] += 1
-            self._forget_grad_parity()
+            self._forget_grad_parity(gather=early)
             fwd, back = self._settle(target)
             summary["chunks_rolled_forward"] = fwd
             summary["chunks_rolled_back"] = back
@@ -378,7 +385,7 @@ class Follower:
             self.s.cfg.tier1 and g is not None and g.valid and g.versions()[self.s.lr] != NONE
         )
 
-    def _forget_grad_parity(self) -> None:
+    def _forget_grad_parity(self, *, gather: bool = False) -> None:
         """The node's gradient parity is LOST from here until :meth:`_after_recovery_state`
         writes it again (PROTOCOL.md, "Gradient parity during a reconcile").
 
@@ -387,12 +394,31 @@ class Follower:
         would still name the released step. Invalidated first, behind a barrier of the
         node, a recovery that interrupts this one reads no record of gradients that are
         gone (found by ``leto spec trace --tlc`` on the demo's faulted run).
+
+        ``gather``: the plan writes no chunk (``leto.core.reconcile.writes_no_chunk``), so
+        the collective is the gather of the node's checksums, which the end of the
+        reconcile then uses (an all-gather orders what follows it as a barrier does).
         """
         if not self.s.cfg.tier1 or self.s.gparity is None:
             return
         if self.s.lr == 0:
             self.s.gparity.invalidate()
-        dist.barrier(group=self.s.groups.node_group)
+        if gather:
+            self._sums_at_start = self._node_checksums()
+        else:
+            dist.barrier(group=self.s.groups.node_group)
+
+    def _own_checksums(self) -> list[int]:
+        lay = self.s.layout
+        return [lay.stored_checksum(c) for c in range(lay.n_chunks)]
+
+    def _node_checksums(self) -> list[list[int]]:
+        """Every chunk's stored checksum on every rank of the node: ``[chunk][member]``
+        (one all-gather of the node)."""
+        sums = torch.tensor(self._own_checksums(), dtype=torch.int64)
+        allsums = [torch.zeros_like(sums) for _ in range(self.s.nproc)]
+        dist.all_gather(allsums, sums, group=self.s.groups.node_group)
+        return [[int(s[c]) for s in allsums] for c in range(len(sums))]
 
     def _untouched(self, msg: M.Reconcile) -> list[int]:
         """The chunks this rank's report of ``msg``'s generation found intact at the
@@ -585,12 +611,16 @@ class Follower:
             if not self.s.parity:
                 self.s.memory.node_memory()
             coll = TorchDistCollective(self.s.groups.node_group)
-            sums = torch.tensor(
-                [lay.stored_checksum(c) for c in range(lay.n_chunks)], dtype=torch.int64
-            )
-            allsums = [torch.zeros_like(sums) for _ in range(self.s.nproc)]
-            dist.all_gather(allsums, sums, group=self.s.groups.node_group)
-            want = [[int(s[c]) for s in allsums] for c in range(lay.n_chunks)]
+            want, self._sums_at_start = self._sums_at_start, None
+            if want is None:
+                want = self._node_checksums()
+            else:  # gathered before the settle: the plan wrote no chunk, so they hold
+                moved = [c for c, v in enumerate(self._own_checksums()) if v != want[c][self.s.lr]]
+                if moved:
+                    raise IntegrityError(
+                        f"rank {self.s.rank}: chunks {moved} changed in a reconcile whose "
+                        "plan writes no chunk"
+                    )
             # A chunk whose parity already encodes every member at ``target`` (no byte of
             # it changed in this recovery, or a roll forward updated it as APPLY does) is,
             # byte for byte, what re-encoding would write: only the others are encoded.
