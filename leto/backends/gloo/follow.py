@@ -495,6 +495,12 @@ class Follower:
         (chunks rolled forward, chunks rolled back)."""
         assert self.s.ropt is not None
         hist, pend = self.s.ps.node_state()
+        # Checksums gathered before the settle (a plan that writes no chunk): no
+        # collective follows it before each rank reads the node's shared records to pick
+        # the stale chunks, so no settle may write them. A chunk it restores and rolls
+        # forward (one that failed its checksum since the report) ends with the same
+        # bytes, and its parity, one step behind for this member, is re-encoded there.
+        early = self._sums_at_start is not None
         done = rx.settle(
             self.s.layout,
             self.s.ropt,
@@ -504,7 +510,7 @@ class Follower:
             load_ps=self.s.ps.load,
             step_scheduler=lambda: self.s.ps.replay_scheduler(pend),
             who=f"rank {self.s.rank}",
-            on_applied=lambda c: self._parity_follows(c, target),
+            on_applied=None if early else (lambda c: self._parity_follows(c, target)),
         )
         if done.rng is not None:
             self.s.rng = done.rng
