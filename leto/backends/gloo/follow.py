@@ -523,22 +523,35 @@ class Follower:
         """Test aid (``LETO_CHECK_KEPT_PARITY=1``): the node's kept parity of chunks
         ``kept``, byte for byte, against a fresh encoding of every member's chunks at
         ``target``."""
-        lay = self.s.layout
-        par = encode(coll, [t for c in kept for t in lay.chunk_data(c)], 0)
+        par = self._encode_chunks(coll, kept)
         self.s._parity_checked = True
-        if self.s.lr == 0:
-            assert par is not None
-            bad, at = [], 0
-            for c in kept:
-                n = sum(t.numel() * t.element_size() for t in lay.chunk_data(c))
-                if not torch.equal(par[at : at + n], self.s.parity[c].parity()):
-                    bad.append(c)
-                at += n
+        if par is not None:
+            bad = [
+                c
+                for c, p in zip(kept, par, strict=True)
+                if not torch.equal(p, self.s.parity[c].parity())
+            ]
             if bad:
                 raise IntegrityError(
                     f"node {self.s.node}: the kept parity of chunks {bad} is not the encoding "
                     f"of its members at step {target}"
                 )
+
+    def _encode_chunks(
+        self, coll: TorchDistCollective, chunks: list[int]
+    ) -> list[torch.Tensor] | None:
+        """Tier-1 parity of ``chunks`` (every member calls it): one reduce of their bytes,
+        in order; on the node's first rank each chunk's parity, else None."""
+        lay = self.s.layout
+        par = encode(coll, [t for c in chunks for t in lay.chunk_data(c)], 0)
+        if par is None:
+            return None
+        out, at = [], 0
+        for c in chunks:
+            n = sum(t.numel() * t.element_size() for t in lay.chunk_data(c))
+            out.append(par[at : at + n])
+            at += n
+        return out
 
     def _parity_follows(self, c: int, step: int) -> None:
         """A rolled-forward chunk's change into the node's parity, as a step's APPLY does.
@@ -660,17 +673,10 @@ class Follower:
                     self._check_kept_parity(coll, target, kept)
                 if stale:
                     self._check_deferred(self.s.gen, set(stale))  # the chunks encoded
-                    # one reduce for every stale chunk, in order, its bytes after the last's
-                    par = encode(coll, [t for c in stale for t in lay.chunk_data(c)], 0)
-                    if self.s.lr == 0:
-                        assert par is not None
-                        at = 0
-                        for c in stale:
-                            n = sum(t.numel() * t.element_size() for t in lay.chunk_data(c))
-                            self.s.parity[c].write_full(
-                                par[at : at + n], [target] * self.s.nproc, want[c]
-                            )
-                            at += n
+                    par = self._encode_chunks(coll, stale)
+                    if par is not None:  # the node's first rank writes the blocks
+                        for c, p in zip(stale, par, strict=True):
+                            self.s.parity[c].write_full(p, [target] * self.s.nproc, want[c])
             if self.s.lr == 0:
                 assert self.s.gparity is not None
                 self.s.gparity.write_full(None, [NONE] * self.s.nproc, [0] * self.s.nproc)
