@@ -737,7 +737,9 @@ class RetainedLayout:
 
     def chunk_status(self, i: int) -> ChunkStatus:
         self._check_index(i)
-        k = self._slot_of(i)
+        return self._status(i, self._slot_of(i))
+
+    def _status(self, i: int, k: int | None) -> ChunkStatus:
         if k is None:
             return ChunkStatus.CLEAN
         if self._ver[i] == self._slot_ver[k]:
@@ -747,6 +749,18 @@ class RetainedLayout:
         raise ChunkStateError(
             f"chunk {i}: header version {self._ver[i]} and undo version {self._slot_ver[k]} are inconsistent"
         )
+
+    def chunk_statuses(self) -> list[ChunkStatus]:
+        """Every chunk's :meth:`chunk_status`, read in one pass over the header's cache
+        (a recovery reads them all: its cost per chunk is a list entry, not a call)."""
+        slot = {c: k for k, c in enumerate(self._slot_chunk) if c >= 0}
+        if not slot:
+            return [ChunkStatus.CLEAN] * self.n_chunks
+        return [self._status(i, slot.get(i)) for i in range(self.n_chunks)]
+
+    def chunk_versions(self) -> list[int]:
+        """Every chunk's :meth:`chunk_version` (a copy)."""
+        return list(self._ver)
 
     def base_version(self) -> int:
         """The step every chunk's trusted bytes are at least at (undo version for torn/applied)."""
@@ -762,6 +776,10 @@ class RetainedLayout:
     def stored_checksums(self) -> torch.Tensor:
         """Every chunk's recorded checksum (int64, a copy)."""
         return self._table[:, 1].clone()
+
+    def stored_checksum_list(self) -> list[int]:
+        """Every chunk's :meth:`stored_checksum`, read in one call."""
+        return [int(x) for x in self._table[:, 1].tolist()]
 
     def grad_checksums(self) -> list[int]:
         """The per-chunk gradient checksums recorded by the last :meth:`seal_grads`."""
@@ -829,14 +847,14 @@ class RetainedLayout:
         checked since anything last wrote them (not read again).
         """
         if intact:
+            intact = set(intact)
             bad = [i not in intact and not self.verify_chunk(i) for i in range(self.n_chunks)]
         else:
             bad = (self.data_checksums(self._ver) != self._table[:, 1]).tolist()
-        return [
-            i
-            for i in range(self.n_chunks)
-            if bad[i] and self.chunk_status(i) is not ChunkStatus.TORN
-        ]
+        if not any(bad):
+            return []
+        st = self.chunk_statuses()
+        return [i for i in range(self.n_chunks) if bad[i] and st[i] is not ChunkStatus.TORN]
 
     def unresumable(self, target: int, intact: Collection[int] = ()) -> str | None:
         """Why this state cannot resume at step ``target``, or None if it can.
@@ -845,10 +863,9 @@ class RetainedLayout:
         recovery checks before training goes on); the checksums of ``intact`` chunks
         (checked since anything last wrote them) are not computed again.
         """
+        st = self.chunk_statuses()
         wrong = [
-            c
-            for c in range(self.n_chunks)
-            if self.chunk_status(c) is not ChunkStatus.CLEAN or self.chunk_version(c) != target
+            c for c, v in enumerate(self._ver) if st[c] is not ChunkStatus.CLEAN or v != target
         ]
         bad = self.verify(intact)
         if not wrong and not bad:

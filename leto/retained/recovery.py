@@ -81,15 +81,15 @@ def observe(lay: RetainedLayout, bad: set[int] | None = None) -> tuple[list[int]
     bad = set(lay.verify()) if bad is None else bad
     data: list[int] = []
     undo: list[int] = []
-    for c in range(lay.n_chunks):
-        st = lay.chunk_status(c)
+    versions = lay.chunk_versions()
+    for c, st in enumerate(lay.chunk_statuses()):
         u = lay.undo_version(c) if st is not ChunkStatus.CLEAN else NONE
         if u != NONE and not lay.verify_undo(c):
             u = NONE
         if st is ChunkStatus.TORN or c in bad:
             d = TORN if u != NONE else LOST  # damaged new bytes: back to the undo copy
         else:
-            d = lay.chunk_version(c)
+            d = versions[c]
         data.append(d)
         undo.append(u)
     return data, undo
@@ -110,12 +110,12 @@ def deferrable(lay: RetainedLayout) -> list[int]:
     if lay.suspect or lay.n_chunks == 0:
         return []
     ahead = lay.prepared_step - 1
-    top = max(lay.chunk_version(c) for c in range(lay.n_chunks))
-    return [
-        c
-        for c in range(lay.n_chunks)
-        if lay.chunk_status(c) is ChunkStatus.CLEAN and lay.chunk_version(c) == top != ahead
-    ]
+    versions = lay.chunk_versions()
+    top = max(versions)
+    if top == ahead:
+        return []
+    st = lay.chunk_statuses()
+    return [c for c, v in enumerate(versions) if v == top and st[c] is ChunkStatus.CLEAN]
 
 
 def grads_deferrable(lay: RetainedLayout, deferred: Collection[int]) -> bool:
@@ -136,11 +136,8 @@ def intact_at(lay: RetainedLayout, data: list[int]) -> dict[int, int]:
     values), with their versions. A reconcile to step ``t`` writes no chunk CLEAN at ``t``
     unless the plan repairs or restores it, so its check before resuming need not read
     the others again (:func:`check_resumable`'s ``intact``)."""
-    return {
-        c: data[c]
-        for c in range(lay.n_chunks)
-        if data[c] >= 0 and lay.chunk_status(c) is ChunkStatus.CLEAN
-    }
+    st = lay.chunk_statuses()
+    return {c: data[c] for c in range(lay.n_chunks) if data[c] >= 0 and st[c] is ChunkStatus.CLEAN}
 
 
 def bytes_at(lay: RetainedLayout, c: int, version: int) -> list[torch.Tensor]:
@@ -156,8 +153,7 @@ def bytes_at(lay: RetainedLayout, c: int, version: int) -> list[torch.Tensor]:
 def free_undo(lay: RetainedLayout) -> None:
     """Before every chunk is overwritten: torn chunks back to their undo copy, the undo
     copies of applied ones released."""
-    for c in range(lay.n_chunks):
-        st = lay.chunk_status(c)
+    for c, st in enumerate(lay.chunk_statuses()):
         if st is ChunkStatus.TORN:
             lay.restore_undo(c)
         elif st is ChunkStatus.APPLIED:
@@ -229,20 +225,23 @@ def settle(
     """
     dropped = lay.prepared_step > target
     back = 0
-    for c in range(lay.n_chunks):
-        st = lay.chunk_status(c)
-        if st is ChunkStatus.APPLIED and lay.chunk_version(c) == target:
+    versions = lay.chunk_versions()
+    for c, st in enumerate(lay.chunk_statuses()):
+        if st is ChunkStatus.CLEAN:
+            continue
+        if st is ChunkStatus.APPLIED and versions[c] == target:
             if lay.verify_chunk(c):
                 lay.release_undo(c)  # parity written, undo not yet released: finish that
             else:  # observed TORN: back to the undo copy, then forward again below
                 lay.restore_undo(c)
-        elif st is not ChunkStatus.CLEAN and lay.undo_version(c) == target:
+        elif lay.undo_version(c) == target:
             lay.restore_undo(c)  # a step beyond the target had begun: undo it
             back += 1
+    st = lay.chunk_statuses()
     behind = [
         c
-        for c in range(lay.n_chunks)
-        if lay.chunk_status(c) is not ChunkStatus.CLEAN or lay.chunk_version(c) != target
+        for c, v in enumerate(lay.chunk_versions())
+        if st[c] is not ChunkStatus.CLEAN or v != target
     ]
     if not behind and target in history:
         load_ps(history[target])

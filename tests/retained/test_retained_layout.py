@@ -137,6 +137,43 @@ def test_versions_checksums_and_undo_lifecycle() -> None:
         lay.save_undo(0, verify=True)
 
 
+def test_the_bulk_header_reads_are_the_per_chunk_ones() -> None:
+    """chunk_statuses, chunk_versions and stored_checksum_list (a recovery's reads of
+    every chunk in one call) say what chunk_status, chunk_version and stored_checksum
+    say of each chunk, in every status, and raise as chunk_status does."""
+    lay = RetainedLayout.create(mlp(), chunk_numel=16, states=["s"], undo_slots=3)
+    n = lay.n_chunks
+    assert n >= 5 and lay.chunk_statuses() == [ChunkStatus.CLEAN] * n
+
+    def same() -> None:
+        assert lay.chunk_statuses() == [lay.chunk_status(i) for i in range(n)]
+        assert lay.chunk_versions() == [lay.chunk_version(i) for i in range(n)]
+        assert lay.stored_checksum_list() == [lay.stored_checksum(i) for i in range(n)]
+
+    lay.save_undo(1)  # torn
+    lay.save_undo(3)
+    lay.chunk_data(3)[0].fill_(2.5)
+    lay.seal_chunk(3, 1)  # applied
+    lay.chunk_data(4)[0].fill_(0.5)
+    lay.seal_chunk(4, 1)  # clean at another version
+    same()
+    st = lay.chunk_statuses()
+    assert (st[1], st[3], st[4]) == (ChunkStatus.TORN, ChunkStatus.APPLIED, ChunkStatus.CLEAN)
+    assert lay.chunk_versions()[3:5] == [1, 1]
+    lay.chunk_versions()[0] = 99  # a copy: the layout's own is untouched
+    assert lay.chunk_version(0) == 0
+    lay.release_undo(3)
+    lay.restore_undo(1)
+    same()
+    lay._ver[2] = 5  # a header no protocol step writes: neither read accepts it
+    lay.save_undo(2)
+    lay._ver[2] = 9
+    with pytest.raises(ChunkStateError, match="inconsistent"):
+        lay.chunk_statuses()
+    with pytest.raises(ChunkStateError, match="inconsistent"):
+        lay.chunk_status(2)
+
+
 def test_an_undo_copy_staged_ahead_serves_only_its_chunk_at_its_version() -> None:
     lay = RetainedLayout.create(mlp(), chunk_numel=16, states=["s"], undo_slots=1)
     assert lay.stage_undo(2)

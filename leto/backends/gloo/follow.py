@@ -409,16 +409,15 @@ class Follower:
             dist.barrier(group=self.s.groups.node_group)
 
     def _own_checksums(self) -> list[int]:
-        lay = self.s.layout
-        return [lay.stored_checksum(c) for c in range(lay.n_chunks)]
+        return self.s.layout.stored_checksum_list()
 
     def _node_checksums(self) -> list[list[int]]:
         """Every chunk's stored checksum on every rank of the node: ``[chunk][member]``
         (one all-gather of the node)."""
-        sums = torch.tensor(self._own_checksums(), dtype=torch.int64)
+        sums = self.s.layout.stored_checksums()
         allsums = [torch.zeros_like(sums) for _ in range(self.s.nproc)]
         dist.all_gather(allsums, sums, group=self.s.groups.node_group)
-        return [[int(s[c]) for s in allsums] for c in range(len(sums))]
+        return [[int(x) for x in row] for row in torch.stack(allsums, dim=1).tolist()]
 
     def _untouched(self, msg: M.Reconcile) -> list[int]:
         """The chunks this rank's report of ``msg``'s generation found intact at the

@@ -80,11 +80,11 @@ class ParityBlock:
 
     def versions(self) -> list[int]:
         o = self._off(self.active)
-        return [int(x) for x in self.hn[o : o + self.members]]
+        return list(map(int, self.hn[o : o + self.members].tolist()))
 
     def checksums(self) -> list[int]:
         o = self._off(self.active) + self.members
-        return [int(x) for x in self.hn[o : o + self.members]]
+        return list(map(int, self.hn[o : o + self.members].tolist()))
 
     def parity(self) -> torch.Tensor:
         return self.buf[self.active]
