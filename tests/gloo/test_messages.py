@@ -202,18 +202,3 @@ def test_the_grep_finds_a_planted_tagged_dict(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text('def f(conn):\n    conn.send({"t": "commit", "step": 1, "gen": 0})\n')
     assert _tagged_dicts(bad) == [2]
-
-
-def test_a_batch_of_node_segments_is_bounded_and_sized_per_name() -> None:
-    from leto.backends.gloo.wire import MAX_FDS
-
-    ok = M.NodeSegments(names=["a"] * MAX_FDS, sizes=[1] * MAX_FDS)
-    assert M.decode(ok.to_wire()) == ok
-    with pytest.raises(ValueError, match=f"1 to {MAX_FDS} names"):
-        M.NodeSegments(names=["a"] * (MAX_FDS + 1), sizes=[1] * (MAX_FDS + 1))
-    with pytest.raises(ValueError, match="names"):
-        M.NodeSegments(names=[], sizes=[])
-    with pytest.raises(ValueError, match="one byte count >= 0 per name"):
-        M.NodeSegments(names=["a", "b"], sizes=[1])
-    with pytest.raises(ValueError, match="one byte count >= 0 per name"):
-        M.NodeSegments(names=["a"], sizes=[-1])

@@ -1,10 +1,13 @@
-"""A warm shadow maps its node's tier-1 blocks before any promotion
-(``RankMemory.premap_node``); a promoted rank then asks its agent only for the blocks it
-did not map early (``RankMemory._blocks``), and the blocks are the agent's segments."""
+"""A node's tier-1 blocks live in one segment of its agent (``parity_block.TIER1``),
+mapped once by each rank (``RankMemory.node_memory``); a warm shadow maps it before any
+promotion (``RankMemory.premap_node``), so a promoted rank asks its agent for nothing.
+Each block is locked by its own byte range of the segment."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,7 +16,7 @@ import torch
 
 from leto.backends.gloo import messages as M
 from leto.backends.gloo.host_memory import HostMemory
-from leto.backends.gloo.parity_block import block_bytes
+from leto.backends.gloo.parity_block import TIER1, tier1_bytes
 from leto.backends.gloo.rank_memory import RankMemory
 from leto.retained.recovery import IntegrityError
 
@@ -25,14 +28,14 @@ class _Channel:
 
     def __init__(self, mem: HostMemory) -> None:
         self.mem = mem
-        self.asked: list[list[str]] = []  # the names of each NodeSegments request
+        self.asked: list[tuple[str, int]] = []  # each NodeSegment request: name, bytes
 
     def request(self, msg: M.Message) -> tuple[dict[str, Any], list[int]]:
         if isinstance(msg, M.NodeListing):
             return self.mem.node_listing(), []
-        assert isinstance(msg, M.NodeSegments)
-        self.asked.append(list(msg.names))
-        reply, fds = self.mem.node_segments_of(msg.names, msg.sizes)
+        assert isinstance(msg, M.NodeSegment)
+        self.asked.append((msg.name, msg.nbytes))
+        reply, fds = self.mem.node_segment(msg.name, msg.nbytes)
         return reply, [os.dup(fd) for fd in fds]  # as SCM_RIGHTS would: the rank's own
 
 
@@ -42,55 +45,106 @@ def _node() -> tuple[HostMemory, _Channel]:
     return mem, _Channel(mem)
 
 
-def _rank(ch: _Channel) -> RankMemory:
-    s = SimpleNamespace(ch=ch, members=MEMBERS, cfg=SimpleNamespace(tier1=True))
+def _rank(ch: _Channel, chunks: int = 3, *, tier1: bool = True) -> RankMemory:
+    lay = SimpleNamespace(
+        states=["exp_avg"], chunk_numel=8, dtype=torch.float32, n_chunks=chunks, numel=8 * chunks
+    )
+    s = SimpleNamespace(
+        ch=ch,
+        members=MEMBERS,
+        cfg=SimpleNamespace(tier1=tier1),
+        layout=lay,
+        replica=False,
+        parity=[],
+        gparity=None,
+    )
     return RankMemory(s)  # type: ignore[arg-type]
 
 
-def test_a_promoted_rank_asks_only_for_the_blocks_it_did_not_map_early() -> None:
+def test_a_promoted_rank_maps_the_segment_its_shadow_mapped_early() -> None:
     mem, ch = _node()
-    want = [(f"parity.{c}", 64) for c in range(3)] + [("gparity", 128)]
     first = _rank(ch)
-    made = first._blocks(want)  # the node's first rank makes them
-    made[1].parity().fill_(7)  # bytes written through one mapping...
-    mem.node_segment("other", 10)  # a segment that is no block
+    first.node_memory()  # the node's first rank makes it: one request for every block
+    size = tier1_bytes(MEMBERS, 2 * 8 * 4, 3, 8 * 3 * 4)
+    assert ch.asked == [(TIER1, size)]
+    blocks = first.s.parity
+    assert [b.nbytes for b in blocks] == [64, 64, 64] and first.s.gparity.nbytes == 96
+    blocks[1].parity().fill_(7)  # bytes written through one rank's mapping...
+    mem.node_segment("other", 10)  # a segment that is no tier 1
     shadow = _rank(ch)
-    assert shadow.premap_node() == 4
-    ch.asked.clear()
-    assert shadow.premap_node() == 4 and ch.asked == []  # nothing new: nothing asked
-    first._blocks([("parity.3", 64)])  # made after the shadow's last look
-    ch.asked.clear()
-    more = want + [("parity.3", 64), ("parity.4", 64)]  # and one made by the promotion
-    blocks = shadow._blocks(more)
-    assert ch.asked == [["parity.3", "parity.4"]]  # one request, for those not mapped early
-    assert [b.nbytes for b in blocks] == [64, 64, 64, 128, 64, 64]
-    assert torch.equal(blocks[1].parity(), torch.full((64,), 7, dtype=torch.uint8))  # ...seen
-    assert shadow.premapped == {}  # taken: a later layout maps afresh
+    assert shadow.premap_node() == 1
+    assert shadow.premap_node() == 1 and ch.asked == [(TIER1, size)] * 2  # mapped once
+    shadow.node_memory()
+    assert ch.asked == [(TIER1, size)] * 2  # the promotion asks for nothing
+    seen = shadow.s.parity[1].parity()
+    assert torch.equal(seen, torch.full((64,), 7, dtype=torch.uint8))  # ...seen by another
+    assert shadow.premapped is None  # taken: a later layout maps afresh
     mem.close()
 
 
-def test_early_blocks_of_another_geometry_are_not_used() -> None:
+def test_a_shadow_maps_nothing_before_a_rank_made_the_segment() -> None:
     mem, ch = _node()
-    _rank(ch)._blocks([("parity.0", 64)])
     shadow = _rank(ch)
+    assert shadow.premap_node() == 0 and ch.asked == []  # nothing made: nothing made here
+    _rank(ch).node_memory()
     assert shadow.premap_node() == 1
-    (early,) = shadow.premapped.values()
-    ch.asked.clear()
-    # the promoted rank's layout wants another size: asked for, and refused by the agent
-    # as before (the segment has the other size); the early mapping's descriptor closed
-    reply, fds = mem.node_segment("parity.0", block_bytes(MEMBERS, 32))
-    assert not reply["ok"] and fds == []
-    with pytest.raises(IntegrityError, match="sent 0 segments for 1"):
-        shadow._blocks([("parity.0", 32)])
-    assert ch.asked == [["parity.0"]]
+    mem.close()
+
+
+def test_an_early_segment_of_another_geometry_is_not_used() -> None:
+    mem, ch = _node()
+    _rank(ch, chunks=3).node_memory()
+    shadow = _rank(ch, chunks=4)  # its layout has another size
+    assert shadow.premap_node() == 1
+    assert shadow.premapped is not None
+    early_fd = shadow.premapped[0]
+    with pytest.raises(IntegrityError, match=r"no segment tier1 of \d+ bytes \(tier1 has \d+"):
+        shadow.node_memory()  # asked for at its size, refused by the agent
     with pytest.raises(OSError):
-        os.fstat(early.fd)  # closed
+        os.fstat(early_fd)  # the early mapping's descriptor closed
     mem.close()
 
 
 def test_without_tier_1_nothing_is_mapped() -> None:
     mem, ch = _node()
-    _rank(ch)._blocks([("parity.0", 64)])
-    s = SimpleNamespace(ch=ch, members=MEMBERS, cfg=SimpleNamespace(tier1=False))
-    assert RankMemory(s).premap_node() == 0  # type: ignore[arg-type]
+    _rank(ch).node_memory()
+    shadow = _rank(ch, tier1=False)
+    assert shadow.premap_node() == 0
+    shadow.node_memory()
+    assert shadow.s.parity == [] and len(ch.asked) == 1
+    mem.close()
+
+
+def test_the_blocks_are_disjoint_and_each_locks_its_own_range() -> None:
+    mem, ch = _node()
+    r = _rank(ch)
+    r.node_memory()
+    blocks = [*r.s.parity, r.s.gparity]
+    for b in blocks:  # every byte of each block, header included
+        b.t.fill_(0)
+    blocks[1].t.fill_(255)
+    assert [int(b.t.sum()) for b in blocks] == [0, 255 * blocks[1].t.numel(), 0, 0]
+    probe = (
+        "import fcntl, sys\n"
+        "fd, n, at = map(int, sys.argv[1:])\n"
+        "try:\n"
+        "    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, n, at)\n"
+        "except OSError:\n"
+        "    sys.exit(3)\n"
+    )
+
+    def other_process_locks(b: Any) -> bool:
+        n, at = b._range
+        rc = subprocess.run(
+            [sys.executable, "-c", probe, str(b.fd), str(n), str(at)], pass_fds=[b.fd]
+        ).returncode
+        assert rc in (0, 3)
+        return rc == 0
+
+    with blocks[1].lock():
+        assert not other_process_locks(blocks[1])  # held here: another process waits
+        assert other_process_locks(blocks[0]) and other_process_locks(blocks[2])
+        assert other_process_locks(blocks[3])
+    assert other_process_locks(blocks[1])  # released
+    os.fstat(blocks[0].fd)  # the descriptor stays open for the blocks' locks
     mem.close()

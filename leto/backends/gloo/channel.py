@@ -60,9 +60,7 @@ COMMANDS = (
 )
 _GONE = None  # queued when the agent goes away
 
-Request = (
-    M.GetState | M.NodeSegment | M.NodeSegments | M.NodeListing | M.SnapshotSlot | M.ClaimFault
-)
+Request = M.GetState | M.NodeSegment | M.NodeListing | M.SnapshotSlot | M.ClaimFault
 """The messages the agent replies to (:meth:`AgentChannel.request`)."""
 
 

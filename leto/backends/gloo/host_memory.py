@@ -57,19 +57,6 @@ class HostMemory:
             return {"ok": False, "why": f"{name} has {have[1]} bytes"}, []
         return {"ok": True, "created": False}, [have[0]]
 
-    def node_segments_of(
-        self, names: list[str], sizes: list[int]
-    ) -> tuple[dict[str, Any], list[int]]:
-        """:meth:`node_segment` for each name, in one reply (refused as a whole, naming
-        the first segment refused, if any is)."""
-        fds = []
-        for name, nbytes in zip(names, sizes, strict=True):
-            reply, got = self.node_segment(name, nbytes)
-            if not reply["ok"]:
-                return reply, []
-            fds += got
-        return {"ok": True}, fds
-
     def node_listing(self) -> dict[str, Any]:
         """The node's segments made so far: names and sizes, in name order."""
         names = sorted(self.node_segments)

@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from .wire import MAX_FDS, MAX_FRAME, WireError
+from .wire import MAX_FRAME, WireError
 
 __all__ = ["TAGS", "End", "Message", "decode"]
 
@@ -119,21 +119,6 @@ def _of(*kinds: type) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
 def _ints(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
     if not isinstance(v, list) or any(type(x) is not int for x in v):
         raise TypeError(f"{a.name}: a list of ints")
-
-
-def _names(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
-    """1 to MAX_FDS segment names (one descriptor each comes back in one reply)."""
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise TypeError(f"{a.name}: a list of strings")
-    if not 1 <= len(v) <= MAX_FDS or any(len(x) > MAX_NAME for x in v):
-        raise ValueError(f"{a.name}: 1 to {MAX_FDS} names of at most {MAX_NAME} characters")
-
-
-def _sizes(inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
-    """One byte count (>= 0) per name."""
-    _ints(inst, a, v)
-    if any(x < 0 for x in v) or len(v) != len(inst.names):
-        raise ValueError(f"{a.name}: one byte count >= 0 per name ({len(inst.names)})")
 
 
 def _opt(check: Callable[[Any, attrs.Attribute[Any], Any], None]) -> Any:
@@ -268,22 +253,9 @@ class NodeSegment(Message):
 
 
 @attrs.frozen
-class NodeSegments(Message):
-    """Request: the node's segments ``names`` of ``sizes`` bytes (a tier-1 block per
-    chunk: one round trip for up to MAX_FDS of them; their descriptors in the reply,
-    in order)."""
-
-    TAG = "node_segments"
-    ROUTE = (T, A)
-    names: list[str] = _f(_names)
-    sizes: list[int] = _f(_sizes)
-    id: int = _f(_nat, 0)  # filled in by the channel
-
-
-@attrs.frozen
 class NodeListing(Message):
     """Request: the node's segments made so far, each name with its size (no
-    descriptors): a warm shadow maps its node's tier-1 blocks before any promotion."""
+    descriptors): a warm shadow maps its node's tier-1 segment before any promotion."""
 
     TAG = "node_listing"
     ROUTE = (T, A)
@@ -758,7 +730,6 @@ KINDS: tuple[type[Message], ...] = (
     Pending,
     GetState,
     NodeSegment,
-    NodeSegments,
     NodeListing,
     SnapshotSlot,
     ClaimFault,

@@ -1,7 +1,10 @@
 """Tier-1 parity in a node's host memory, shared by the node's trainers.
 
-One block per chunk (and one for the gradients): a memfd segment held by the node
-agent and mapped by every trainer of the node. Layout (int64 header, then bytes)::
+One block per chunk (and one for the gradients), all in one memfd segment of the node
+(:data:`TIER1`, :func:`node_blocks`) that the node agent holds and every trainer of the
+node maps once: a node's descriptors, mappings and requests for its tier 1 do not grow
+with its chunks. A block's layout (int64 header, then bytes), at a 64-byte aligned
+offset of the segment::
 
     valid   (MAGIC once encoded; 0: never encoded = the protocol's LOST)
     active  (0 or 1: which buffer is current)
@@ -10,7 +13,8 @@ agent and mapped by every trainer of the node. Layout (int64 header, then bytes)
     buffer 0 | buffer 1
 
 A member's update (``parity += new - old``) runs under a POSIX record lock on the
-segment (released by the kernel if the holder dies) and is **double-buffered**:
+block's byte range of the segment (released by the kernel if the holder dies; the
+blocks' locks are independent) and is **double-buffered**:
 it writes ``inactive = active + delta`` and the inactive buffer's versions, then
 flips ``active`` with one aligned 8-byte store. A trainer killed at any point of
 an update leaves the previous parity and its versions intact; the protocol's
@@ -32,10 +36,12 @@ from leto.retained.parity import as_bytes
 
 from . import segments
 
-__all__ = ["MAGIC", "ParityBlock", "block_bytes"]
+__all__ = ["MAGIC", "TIER1", "ParityBlock", "block_bytes", "node_blocks", "tier1_bytes"]
 
 MAGIC = 0x4C45544F50415259  # "LETOPARY"
+TIER1 = "tier1"  # the node's segment of every tier-1 block
 _FIXED = 4
+_ALIGN = 64  # each block's offset in the node's segment
 
 
 def _header_words(members: int) -> int:
@@ -47,12 +53,57 @@ def block_bytes(members: int, nbytes: int) -> int:
     return 8 * _header_words(members) + 2 * nbytes
 
 
+def _stride(members: int, nbytes: int) -> int:
+    return -(-block_bytes(members, nbytes) // _ALIGN) * _ALIGN
+
+
+def tier1_bytes(members: int, chunk_bytes: int, n_chunks: int, grad_bytes: int) -> int:
+    """The size of a node's :data:`TIER1` segment: ``n_chunks`` blocks of ``chunk_bytes``
+    payload each, then the gradients' block of ``grad_bytes``."""
+    return n_chunks * _stride(members, chunk_bytes) + _stride(members, grad_bytes)
+
+
+def node_blocks(
+    fd: int, base: torch.Tensor, members: int, chunk_bytes: int, n_chunks: int, grad_bytes: int
+) -> list[ParityBlock]:
+    """The blocks of a node's :data:`TIER1` segment (``fd``, mapped as ``base``): one per
+    chunk, then the gradients' (:func:`tier1_bytes` is its size)."""
+    size = tier1_bytes(members, chunk_bytes, n_chunks, grad_bytes)
+    if base.numel() != size:
+        raise ValueError(f"a tier-1 segment of {base.numel()} bytes, {size} expected")
+    step = _stride(members, chunk_bytes)
+    out = [
+        ParityBlock(fd, members, chunk_bytes, base=base, offset=c * step) for c in range(n_chunks)
+    ]
+    out.append(ParityBlock(fd, members, grad_bytes, base=base, offset=n_chunks * step))
+    return out
+
+
 class ParityBlock:
-    def __init__(self, fd: int, members: int, nbytes: int) -> None:
+    """One block: a segment of its own (``fd``), or the bytes at ``offset`` of a node's
+    segment ``fd`` mapped as ``base`` (locked by byte range)."""
+
+    def __init__(
+        self,
+        fd: int,
+        members: int,
+        nbytes: int,
+        *,
+        base: torch.Tensor | None = None,
+        offset: int = 0,
+    ) -> None:
         self.fd = fd  # kept open: the lock is taken on it
         self.members = members
         self.nbytes = nbytes
-        self.t = segments.as_tensor(fd, block_bytes(members, nbytes))
+        size = block_bytes(members, nbytes)
+        if base is None:
+            self.t = segments.as_tensor(fd, size)
+            self._range = (0, 0)  # the whole file
+        else:
+            if offset % _ALIGN or offset + size > base.numel():
+                raise ValueError(f"a block of {size} bytes at {offset} of {base.numel()}")
+            self.t = base[offset : offset + size]
+            self._range = (size, offset)
         hw = _header_words(members)
         self.h = self.t[: 8 * hw].view(torch.int64)
         self.hn = self.h.numpy()
@@ -64,11 +115,11 @@ class ParityBlock:
 
     @contextmanager
     def lock(self) -> Iterator[None]:
-        fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        fcntl.lockf(self.fd, fcntl.LOCK_EX, *self._range)
         try:
             yield
         finally:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, *self._range)
 
     @property
     def valid(self) -> bool:

@@ -23,9 +23,9 @@ from leto.retained.recovery import IntegrityError
 from leto.retained.shard import FullParams, ShardPlan, retain_shard
 
 from . import messages as M
+from . import segments
 from .collective import ALL_GATHER, coll
-from .parity_block import ParityBlock, block_bytes
-from .wire import MAX_FDS
+from .parity_block import TIER1, node_blocks, tier1_bytes
 
 if TYPE_CHECKING:
     from .runtime import GlooSession
@@ -81,9 +81,9 @@ class RankMemory:
         #: sharded state: the names of each of the user's optimizer's groups' parameters
         #: (its groups hold this rank's pieces once bound), for the checkpoint
         self.shard_groups: list[list[str]] = []
-        # a warm shadow's mappings of its node's tier-1 blocks, made before any
-        # promotion (:meth:`premap_node`), by name
-        self.premapped: dict[str, ParityBlock] = {}
+        # a warm shadow's mapping of its node's tier-1 segment (its descriptor, its
+        # bytes), made before any promotion (:meth:`premap_node`)
+        self.premapped: tuple[int, torch.Tensor] | None = None
 
     def _status_seg(self) -> torch.Tensor:
         if self.status is None:
@@ -169,75 +169,59 @@ class RankMemory:
         return True
 
     def node_memory(self) -> None:
-        """Map this node's parity blocks (tier 1); created empty by the agent."""
+        """Map this node's tier-1 blocks (one segment, :data:`TIER1`; created empty by
+        the agent): the one a warm shadow mapped before its promotion
+        (:meth:`premap_node`), or asked for now."""
         s = self.s
         lay = s.layout
         if not s.cfg.tier1:
             return
         item = 0 if s.replica else lay.dtype.itemsize  # replicas: the records only
         cbytes = (1 + len(lay.states)) * lay.chunk_numel * item
-        want = [(f"parity.{c}", cbytes) for c in range(lay.n_chunks)]
-        *s.parity, s.gparity = self._blocks([*want, ("gparity", lay.numel * item)])
+        gbytes = lay.numel * item
+        size = tier1_bytes(s.members, cbytes, lay.n_chunks, gbytes)
+        early, self.premapped = self.premapped, None
+        if early is not None and early[1].numel() != size:
+            os.close(early[0])  # a segment of another geometry: not this layout's
+            early = None
+        fd, base = early if early is not None else self._map(size)
+        *s.parity, s.gparity = node_blocks(fd, base, s.members, cbytes, lay.n_chunks, gbytes)
 
-    def _blocks(self, want: list[tuple[str, int]]) -> list[ParityBlock]:
-        """The node's blocks ``(name, payload bytes)``: those a warm shadow mapped before
-        its promotion (:meth:`premap_node`), the rest MAX_FDS to a request. A promoted
-        rank maps one per chunk while the recovery waits for its report, and a round
-        trip to the agent each would grow that wait with the state."""
-        wanted = set(want)
-        have = {n: blk for n, blk in self.premapped.items() if (n, blk.nbytes) in wanted}
-        for n, blk in self.premapped.items():
-            if n not in have:
-                os.close(blk.fd)  # a block of another geometry: not this layout's
-        self.premapped = {}
-        have.update(self._request_blocks([(n, b) for n, b in want if n not in have]))
-        return [have[n] for n, _ in want]
-
-    def _request_blocks(self, want: list[tuple[str, int]]) -> dict[str, ParityBlock]:
-        """The agent's blocks ``(name, payload bytes)``, MAX_FDS to a request."""
-        m = self.s.members
-        out: dict[str, ParityBlock] = {}
-        for i in range(0, len(want), MAX_FDS):
-            part = want[i : i + MAX_FDS]
-            _, fds = self.s.ch.request(
-                M.NodeSegments(
-                    names=[n for n, _ in part], sizes=[block_bytes(m, b) for _, b in part]
-                )
-            )
-            if len(fds) != len(part):
-                raise IntegrityError(f"the agent sent {len(fds)} segments for {len(part)}")
-            for fd, (n, b) in zip(fds, part, strict=True):
-                out[n] = ParityBlock(fd, m, b)
-        return out
+    def _map(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """The node's :data:`TIER1` segment of ``nbytes`` (made by the agent on first
+        ask): its descriptor, kept open for the blocks' locks, and its mapping."""
+        fd = self.segment(TIER1, nbytes)
+        try:
+            return fd, segments.as_tensor(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def premap_node(self) -> int:
-        """A warm shadow maps its node's tier-1 blocks (every segment the node's ranks
-        made so far that is a block, and not mapped by an earlier call) before any
-        promotion, so a promoted rank does not map them while the recovery waits for
-        its report (:meth:`node_memory` takes those it wants). A block's segment lives
-        as long as the node's agent, and its bytes and records are read through the
-        mapping when used, so a mapping made early is the one a promotion would make.
-        Returns the number mapped so far."""
+        """A warm shadow maps its node's tier-1 segment, once a rank of the node has made
+        it, before any promotion, so a promoted rank does not map it while the recovery
+        waits for its report (:meth:`node_memory` takes it). The segment lives as long as
+        the node's agent, and its bytes and records are read through the mapping when
+        used, so a mapping made early is the one a promotion would make. Returns the
+        number of segments mapped so far (0 or 1)."""
         s = self.s
         if not s.cfg.tier1:
             return 0
-        reply, _ = s.ch.request(M.NodeListing())
-        m = s.members
-        hdr = block_bytes(m, 0)
-        want = [
-            (n, (size - hdr) // 2)
-            for n, size in zip(reply.get("names", []), reply.get("sizes", []), strict=True)
-            if (n.startswith("parity.") or n == "gparity")
-            and size >= hdr
-            and (size - hdr) % 2 == 0
-            and n not in self.premapped
-        ]
-        self.premapped.update(self._request_blocks(want))
-        return len(self.premapped)
+        if self.premapped is None:
+            reply, _ = s.ch.request(M.NodeListing())
+            sizes = dict(zip(reply.get("names", []), reply.get("sizes", []), strict=True))
+            if TIER1 in sizes:
+                self.premapped = self._map(int(sizes[TIER1]))
+        return int(self.premapped is not None)
 
     def segment(self, name: str, nbytes: int) -> int:
         """A descriptor of the node agent's segment ``name`` (created on first ask)."""
-        _, fds = self.s.ch.request(M.NodeSegment(name=name, nbytes=nbytes))
+        reply, fds = self.s.ch.request(M.NodeSegment(name=name, nbytes=nbytes))
         if len(fds) != 1:
-            raise IntegrityError(f"the agent sent no segment for {name}")
+            for fd in fds:
+                os.close(fd)
+            raise IntegrityError(
+                f"the agent sent no segment {name} of {nbytes} bytes "
+                f"({reply.get('why', 'no reason given')})"
+            )
         return fds[0]

@@ -219,8 +219,6 @@ class Routing:
                 self.reply(p, msg.id, mem.state_of(msg.rank))
             case M.NodeSegment():
                 self.reply(p, msg.id, *mem.node_segment(msg.name, msg.nbytes))
-            case M.NodeSegments():
-                self.reply(p, msg.id, *mem.node_segments_of(msg.names, msg.sizes))
             case M.NodeListing():
                 self.reply(p, msg.id, mem.node_listing())
             case M.SnapshotSlot():
