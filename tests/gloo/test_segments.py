@@ -118,6 +118,49 @@ def test_keeper_process_retains_state_across_trainers(tag: str) -> None:
         h.stop()
 
 
+def test_an_attachment_maps_every_segment_after_one_round_trip(tag: str) -> None:
+    h = spawn_keeper(0, "job1o", tag=tag)
+    try:
+        h.admit(0, os.getpid())
+        c = KeeperClient(h.socket_name, generation=0)
+        lay = RetainedLayout.create(torch.nn.Linear(4, 3), chunk_numel=8, alloc=c.alloc)
+        want = lay.param_buffer.clone()
+        c.close()
+        c2 = KeeperClient(h.socket_name, generation=0)
+        calls: list[object] = []
+        real = c2._call
+
+        def counted(msg: dict[str, object]) -> tuple[dict[str, object], list[int]]:
+            calls.append(msg["op"])
+            return real(msg)
+
+        c2._call = counted  # type: ignore[method-assign]
+        have = c2.open()
+        assert have == h.listing() and calls == ["open"]
+        with torch.device("meta"):
+            skel = torch.nn.Linear(4, 3)
+        lay2 = RetainedLayout.attach(skel, alloc=c2.alloc)
+        assert torch.equal(lay2.param_buffer, want) and calls == ["open"]  # no more asked
+        # a size the keeper does not have is asked for, and refused as before
+        c2.open()
+        with pytest.raises(KeeperError, match="has .* bytes"):
+            c2.alloc("leto.param", have["leto.param"] + 8)
+        assert calls[-1] == "alloc"
+        left = [fd for fd, _ in c2._opened.values()]
+        assert left
+        c2.close_opened()  # the descriptors no alloc took
+        for fd in left:
+            with pytest.raises(OSError):
+                os.fstat(fd)
+        c2.close()
+        shadow = KeeperClient(h.socket_name, generation=0, role="shadow")
+        with pytest.raises(FencedError, match="shadow may not map"):
+            shadow.open()
+        shadow.close()
+    finally:
+        h.stop()
+
+
 def test_fencing_refuses_old_generation_and_other_pids(tag: str) -> None:
     h = spawn_keeper(1, "job2", tag=tag)
     try:

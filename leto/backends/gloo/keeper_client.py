@@ -51,6 +51,7 @@ class KeeperClient:
         except OSError as e:
             raise KeeperError(f"cannot reach the keeper: {e}") from None
         self._fence: mmap.mmap | None = None
+        self._opened: dict[str, tuple[int, int]] = {}  # name -> (descriptor, bytes): open()
         self._hello(patience)
 
     def _call(self, msg: dict[str, object]) -> tuple[dict[str, object], list[int]]:
@@ -113,6 +114,14 @@ class KeeperClient:
             )
 
     def alloc(self, name: str, nbytes: int) -> torch.Tensor:
+        have = self._opened.pop(name, None)
+        if have is not None:
+            fd, size = have
+            try:
+                if size == nbytes:  # else asked for as below: the keeper says what is wrong
+                    return segments.as_tensor(fd, nbytes)
+            finally:
+                os.close(fd)
         reply, fds = self._call({"op": "alloc", "name": name, "nbytes": nbytes})
         if len(fds) != 1:
             raise KeeperError(f"keeper sent {len(fds)} descriptors for {name!r}")
@@ -120,6 +129,31 @@ class KeeperClient:
             return segments.as_tensor(fds[0], nbytes)
         finally:
             os.close(fds[0])
+
+    def open(self) -> dict[str, int]:
+        """Every retained segment's size by name (:meth:`listing`), and their descriptors
+        in the same round trip, kept for the :meth:`alloc` calls of an attachment that
+        follows (each then maps without asking again); :meth:`close_opened` closes those
+        it did not take."""
+        self.close_opened()
+        reply, fds = self._call({"op": "open"})
+        sent = reply.get("sent", [])
+        assert isinstance(sent, list)
+        out = reply.get("segments", {})
+        assert isinstance(out, dict)
+        have = {str(k): int(v) for k, v in out.items()}
+        if len(fds) != len(sent) or any(n not in have for n in sent):
+            for fd in fds:
+                os.close(fd)
+            raise KeeperError(f"keeper sent {len(fds)} descriptors for {len(sent)} segments")
+        self._opened = {str(n): (fd, have[str(n)]) for n, fd in zip(sent, fds, strict=True)}
+        return have
+
+    def close_opened(self) -> None:
+        """Close the descriptors :meth:`open` kept that no :meth:`alloc` took."""
+        opened, self._opened = self._opened, {}
+        for fd, _ in opened.values():
+            os.close(fd)
 
     __call__ = alloc
 
@@ -130,6 +164,7 @@ class KeeperClient:
         return {str(k): int(v) for k, v in out.items()}
 
     def close(self) -> None:
+        self.close_opened()
         self.conn.close()
         if self._fence is not None:
             self._fence.close()

@@ -154,16 +154,19 @@ class RankMemory:
         assert s.keeper is not None
         if s.ropt is not None:
             return bool(self._status_seg()[0])
-        have = s.keeper.listing()
-        if "leto.super" in have:
-            try:
-                self.bind(attach=True)
-            except ShapeMismatchError as e:
-                s._fatal(
-                    f"the script's model does not match the retained state: {e}. "
-                    "Every process of a rank must build the same model (shapes, names, dtype)."
-                )
-            return bool(self._status_seg()[0])
+        have = s.keeper.open()  # the listing, and every segment's descriptor with it
+        try:
+            if "leto.super" in have:
+                try:
+                    self.bind(attach=True)
+                except ShapeMismatchError as e:
+                    s._fatal(
+                        f"the script's model does not match the retained state: {e}. "
+                        "Every process of a rank must build the same model (shapes, names, dtype)."
+                    )
+                return bool(self._status_seg()[0])
+        finally:
+            s.keeper.close_opened()
         self.status_lost(True)  # until the rebuild completes, a restart sees LOST
         self.bind(attach=False)
         return True
