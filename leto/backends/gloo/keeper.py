@@ -237,28 +237,22 @@ def _request(keeper: Keeper, c: _Client, msg: dict[str, Any]) -> None:
         if c.generation is None:
             _reply(c.conn, {"ok": False, "op": op, "error": "protocol", "why": "hello first"})
             return
-        if op == "alloc":
+        if op in ("alloc", "open"):
             why = None if c.writer else "a shadow may not map retained memory before promotion"
             why = why or keeper.may_write(c.generation, c.pid)
             if why is not None:
                 keeper.refused += 1
                 _reply(c.conn, {"ok": False, "op": op, "error": "fenced", "why": why})
-                return
-            fd, created = keeper.alloc(msg["name"], msg["nbytes"])
-            _reply(c.conn, {"ok": True, "op": op, "created": created}, [fd])
-        elif op == "open":
-            # every segment with its descriptor (up to MAX_FDS, in name order): a trainer
-            # attaching to the retained state maps them all after one round trip
-            why = None if c.writer else "a shadow may not map retained memory before promotion"
-            why = why or keeper.may_write(c.generation, c.pid)
-            if why is not None:
-                keeper.refused += 1
-                _reply(c.conn, {"ok": False, "op": op, "error": "fenced", "why": why})
-                return
-            have = keeper.listing()
-            sent = sorted(have)[:MAX_FDS]
-            fds = [keeper.segments[n][0] for n in sent]
-            _reply(c.conn, {"ok": True, "op": op, "segments": have, "sent": sent}, fds)
+            elif op == "alloc":
+                fd, created = keeper.alloc(msg["name"], msg["nbytes"])
+                _reply(c.conn, {"ok": True, "op": op, "created": created}, [fd])
+            else:
+                # every segment with its descriptor (up to MAX_FDS, in name order): a
+                # trainer attaching to the retained state maps them after one round trip
+                have = keeper.listing()
+                sent = sorted(have)[:MAX_FDS]
+                fds = [keeper.segments[n][0] for n in sent]
+                _reply(c.conn, {"ok": True, "op": op, "segments": have, "sent": sent}, fds)
         elif op == "list":
             _reply(c.conn, {"ok": True, "op": op, "segments": keeper.listing()})
         elif op == "digest":
