@@ -40,12 +40,15 @@ def test_lowered_to_the_lowest_then_given_back() -> None:
 
     def work(tid: int) -> None:
         before = _nice(tid)
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
         assert seat.lower(tid) and _nice(tid) == Backseat.LOWEST
+        lowered = os.SCHED_IDLE if seat.idle else os.SCHED_OTHER
+        assert os.sched_getscheduler(tid) == lowered
         assert seat.lower(tid)  # twice: still the one value to give back
         seat.restore(tid)
-        assert _nice(tid) == before
+        assert _nice(tid) == before and os.sched_getscheduler(tid) == os.SCHED_OTHER
         seat.restore(tid)  # nothing held: nothing changes
-        assert _nice(tid) == before
+        assert _nice(tid) == before and os.sched_getscheduler(tid) == os.SCHED_OTHER
 
     _on_a_thread(work)
 
@@ -83,5 +86,28 @@ def test_never_lowered_where_it_could_not_be_given_back(monkeypatch: pytest.Monk
         before = _nice(tid)
         assert not seat.lower(tid)
         assert _nice(tid) == before  # nothing lowered, nothing left lowered
+
+    _on_a_thread(work)
+
+
+def test_idle_only_where_the_thread_can_leave_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a kernel (or a limit) that lets a thread become SCHED_IDLE but not leave it: the
+    # seat still lowers the nice value, and never makes a thread idle
+    def sched_setscheduler(pid: int, policy: int, param: os.sched_param) -> None:
+        if policy == os.SCHED_OTHER and os.sched_getscheduler(pid) == os.SCHED_IDLE:
+            raise PermissionError(1, "Operation not permitted")
+        real(pid, policy, param)
+
+    real = os.sched_setscheduler
+    monkeypatch.setattr(procs.os, "sched_setscheduler", sched_setscheduler)
+    seat = Backseat()
+    assert not seat.idle
+    if not seat.able:
+        pytest.skip("this process may not lower a nice value back (no CAP_SYS_NICE/RLIMIT_NICE)")
+
+    def work(tid: int) -> None:
+        assert seat.lower(tid) and _nice(tid) == Backseat.LOWEST
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        seat.restore(tid)
 
     _on_a_thread(work)

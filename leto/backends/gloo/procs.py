@@ -92,18 +92,22 @@ PARENT_ENV = "LETO_PARENT_PID"
 
 class Backseat:
     """One thread's CPU priority (its Linux nice value) lowered to the lowest while other
-    threads of the process come first, then given back.
+    threads of the process come first, then given back; and, where the kernel lets it
+    come back, its policy ``SCHED_IDLE`` meanwhile: it then runs only on a CPU no other
+    thread wants, and any other thread that wakes takes its CPU at once (at nice 19 a
+    thread still holds a CPU for a slice of its own against one that wakes).
 
     Giving it back lowers the nice value again, which needs ``CAP_SYS_NICE`` or an
     ``RLIMIT_NICE`` that allows it: where the process may not, :attr:`able` is False
     and nothing is ever lowered (a thread left at the lowest priority for good would
-    be worse than none of this). Found out once, on a thread of its own that ends.
+    be worse than none of this). Likewise :attr:`idle`: ``SCHED_IDLE`` is used only if
+    the thread can leave it. Found out once, on a thread of its own that ends.
     """
 
     LOWEST = 19
 
     def __init__(self) -> None:
-        self.able = _can_renice()
+        self.able, self.idle = _can_renice()
         self._lock = threading.Lock()
         self._held: dict[int, int] = {}  # native thread id -> its nice value before
 
@@ -120,6 +124,11 @@ class Backseat:
             except OSError:
                 return False
             self._held[tid] = before
+            if self.idle:
+                try:
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                except OSError:  # the thread has ended: nothing to keep idle
+                    pass
             return True
 
     def restore(self, tid: int) -> None:
@@ -129,32 +138,39 @@ class Backseat:
             if before is None:
                 return
             try:
+                if self.idle:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
                 os.setpriority(os.PRIO_PROCESS, tid, before)
             except OSError:  # the thread has ended (or the limit changed): nothing to undo
                 pass
 
 
-def _can_renice() -> bool:
-    """Can a thread of this process lower its nice value back after raising it?"""
+def _can_renice() -> tuple[bool, bool]:
+    """Can a thread of this process lower its nice value back after raising it; and
+    can it leave ``SCHED_IDLE`` for ``SCHED_OTHER`` again?"""
     result: list[bool] = []
 
     def probe() -> None:
         tid = threading.get_native_id()
         try:
             now = os.getpriority(os.PRIO_PROCESS, tid)
-            if now >= Backseat.LOWEST:
+            if now >= Backseat.LOWEST or os.sched_getscheduler(tid) != os.SCHED_OTHER:
                 result.append(False)
                 return
             os.setpriority(os.PRIO_PROCESS, tid, now + 1)
             os.setpriority(os.PRIO_PROCESS, tid, now)
             result.append(True)
-        except OSError:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            result.append(True)
+        except (OSError, AttributeError):  # AttributeError: no SCHED_IDLE in this os
             result.append(False)
 
     t = threading.Thread(target=probe, name="leto-renice-probe")
     t.start()
     t.join()
-    return bool(result and result[0])
+    able = bool(result and result[0])
+    return able, able and result[1:] == [True]
 
 
 def tie_to_parent(env: dict[str, str]) -> dict[str, str]:
