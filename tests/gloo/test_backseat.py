@@ -111,3 +111,18 @@ def test_idle_only_where_the_thread_can_leave_it(monkeypatch: pytest.MonkeyPatch
         seat.restore(tid)
 
     _on_a_thread(work)
+
+
+def test_a_thread_under_another_policy_is_only_reniced() -> None:
+    # started under SCHED_BATCH (a thread inherits its creator's policy): never made idle,
+    # nor forced to SCHED_OTHER; its nice value is still lowered where it can come back
+    def work(tid: int) -> None:
+        os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        seat = Backseat()  # probed on a thread this one starts: SCHED_BATCH too
+        assert not seat.idle
+        if seat.able:
+            assert seat.lower(tid) and os.sched_getscheduler(tid) == os.SCHED_BATCH
+            seat.restore(tid)
+            assert os.sched_getscheduler(tid) == os.SCHED_BATCH
+
+    _on_a_thread(work)

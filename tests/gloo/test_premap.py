@@ -16,7 +16,7 @@ import torch
 
 from leto.backends.gloo import messages as M
 from leto.backends.gloo.host_memory import HostMemory
-from leto.backends.gloo.parity_block import TIER1, tier1_bytes
+from leto.backends.gloo.parity_block import tier1_bytes, tier1_name
 from leto.backends.gloo.rank_memory import RankMemory
 from leto.retained.recovery import IntegrityError
 
@@ -66,16 +66,17 @@ def test_a_promoted_rank_maps_the_segment_its_shadow_mapped_early() -> None:
     first = _rank(ch)
     first.node_memory()  # the node's first rank makes it: one request for every block
     size = tier1_bytes(MEMBERS, 2 * 8 * 4, 3, 8 * 3 * 4)
-    assert ch.asked == [(TIER1, size)]
+    name = tier1_name(2 * 8 * 4, 3, 8 * 3 * 4)
+    assert ch.asked == [(name, size)] and name == "tier1.3x64.96"
     blocks = first.s.parity
     assert [b.nbytes for b in blocks] == [64, 64, 64] and first.s.gparity.nbytes == 96
     blocks[1].parity().fill_(7)  # bytes written through one rank's mapping...
     mem.node_segment("other", 10)  # a segment that is no tier 1
     shadow = _rank(ch)
     assert shadow.premap_node() == 1
-    assert shadow.premap_node() == 1 and ch.asked == [(TIER1, size)] * 2  # mapped once
+    assert shadow.premap_node() == 1 and ch.asked == [(name, size)] * 2  # mapped once
     shadow.node_memory()
-    assert ch.asked == [(TIER1, size)] * 2  # the promotion asks for nothing
+    assert ch.asked == [(name, size)] * 2  # the promotion asks for nothing
     seen = shadow.s.parity[1].parity()
     assert torch.equal(seen, torch.full((64,), 7, dtype=torch.uint8))  # ...seen by another
     assert shadow.premapped is None  # taken: a later layout maps afresh
@@ -97,11 +98,38 @@ def test_an_early_segment_of_another_geometry_is_not_used() -> None:
     shadow = _rank(ch, chunks=4)  # its layout has another size
     assert shadow.premap_node() == 1
     assert shadow.premapped is not None
-    early_fd = shadow.premapped[0]
-    with pytest.raises(IntegrityError, match=r"no segment tier1 of \d+ bytes \(tier1 has \d+"):
-        shadow.node_memory()  # asked for at its size, refused by the agent
-    with pytest.raises(OSError):
-        os.fstat(early_fd)  # the early mapping's descriptor closed
+    early_ino = os.fstat(shadow.premapped[1]).st_ino
+    before = _held(early_ino)  # the agent's, the first rank's and the shadow's
+    shadow.node_memory()  # its own geometry's segment: never the other's blocks
+    assert ch.asked[-1] == (tier1_name(64, 4, 128), tier1_bytes(MEMBERS, 64, 4, 128))
+    assert len(shadow.s.parity) == 4
+    assert shadow.s.gparity is not None
+    assert os.fstat(shadow.s.gparity.fd).st_ino != early_ino
+    assert _held(early_ino) < before  # the early mapping closed, with its descriptor
+    mem.close()
+
+
+def _held(ino: int) -> int:
+    """How many of this process's descriptors are of the file ``ino``."""
+    return sum(
+        _alive(fd) and os.fstat(fd).st_ino == ino for fd in map(int, os.listdir("/proc/self/fd"))
+    )
+
+
+def _alive(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def test_a_segment_the_agent_refuses_is_a_clear_error() -> None:
+    mem, ch = _node()
+    name = tier1_name(64, 3, 96)
+    mem.node_segment(name, 8)  # made at a size no layout of this geometry has
+    with pytest.raises(IntegrityError, match=rf"no segment {name} of \d+ bytes \({name} has 8"):
+        _rank(ch).node_memory()
     mem.close()
 
 

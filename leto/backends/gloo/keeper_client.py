@@ -137,15 +137,17 @@ class KeeperClient:
         it did not take."""
         self.close_opened()
         reply, fds = self._call({"op": "open"})
-        sent = reply.get("sent", [])
-        assert isinstance(sent, list)
-        out = reply.get("segments", {})
-        assert isinstance(out, dict)
-        have = {str(k): int(v) for k, v in out.items()}
-        if len(fds) != len(sent) or any(n not in have for n in sent):
+        sent, out = reply.get("sent"), reply.get("segments")
+        try:
+            if not isinstance(sent, list) or not isinstance(out, dict):
+                raise KeeperError("keeper's open reply lacks its segments")
+            have = {str(k): int(v) for k, v in out.items()}
+            if len(fds) != len(sent) or any(n not in have for n in sent):
+                raise KeeperError(f"keeper sent {len(fds)} descriptors for {len(sent)} segments")
+        except BaseException:
             for fd in fds:
                 os.close(fd)
-            raise KeeperError(f"keeper sent {len(fds)} descriptors for {len(sent)} segments")
+            raise
         self._opened = {str(n): (fd, have[str(n)]) for n, fd in zip(sent, fds, strict=True)}
         return have
 

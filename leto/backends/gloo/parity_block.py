@@ -36,10 +36,18 @@ from leto.retained.parity import as_bytes
 
 from . import segments
 
-__all__ = ["MAGIC", "TIER1", "ParityBlock", "block_bytes", "node_blocks", "tier1_bytes"]
+__all__ = [
+    "MAGIC",
+    "TIER1",
+    "ParityBlock",
+    "block_bytes",
+    "node_blocks",
+    "tier1_bytes",
+    "tier1_name",
+]
 
 MAGIC = 0x4C45544F50415259  # "LETOPARY"
-TIER1 = "tier1"  # the node's segment of every tier-1 block
+TIER1 = "tier1"  # the node's segment of every tier-1 block: its name's prefix
 _FIXED = 4
 _ALIGN = 64  # each block's offset in the node's segment
 
@@ -61,6 +69,13 @@ def tier1_bytes(members: int, chunk_bytes: int, n_chunks: int, grad_bytes: int) 
     """The size of a node's :data:`TIER1` segment: ``n_chunks`` blocks of ``chunk_bytes``
     payload each, then the gradients' block of ``grad_bytes``."""
     return n_chunks * _stride(members, chunk_bytes) + _stride(members, grad_bytes)
+
+
+def tier1_name(chunk_bytes: int, n_chunks: int, grad_bytes: int) -> str:
+    """The name of a node's :data:`TIER1` segment: its geometry, so ranks whose layouts
+    differ (a configuration the coordinator refuses) never share blocks at different
+    offsets, even where the totals agree."""
+    return f"{TIER1}.{n_chunks}x{chunk_bytes}.{grad_bytes}"
 
 
 def node_blocks(

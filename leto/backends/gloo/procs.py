@@ -137,9 +137,13 @@ class Backseat:
             before = self._held.pop(tid, None)
             if before is None:
                 return
-            try:
-                if self.idle:
+            # each given back on its own: a failure of one leaves the other restored
+            if self.idle:
+                try:
                     os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                except OSError:  # the thread has ended (or the limit changed)
+                    pass
+            try:
                 os.setpriority(os.PRIO_PROCESS, tid, before)
             except OSError:  # the thread has ended (or the limit changed): nothing to undo
                 pass
@@ -154,12 +158,15 @@ def _can_renice() -> tuple[bool, bool]:
         tid = threading.get_native_id()
         try:
             now = os.getpriority(os.PRIO_PROCESS, tid)
-            if now >= Backseat.LOWEST or os.sched_getscheduler(tid) != os.SCHED_OTHER:
+            if now >= Backseat.LOWEST:
                 result.append(False)
                 return
             os.setpriority(os.PRIO_PROCESS, tid, now + 1)
             os.setpriority(os.PRIO_PROCESS, tid, now)
             result.append(True)
+            if os.sched_getscheduler(tid) != os.SCHED_OTHER:  # e.g. SCHED_BATCH: left as is
+                result.append(False)
+                return
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
             result.append(True)

@@ -25,7 +25,7 @@ from leto.retained.shard import FullParams, ShardPlan, retain_shard
 from . import messages as M
 from . import segments
 from .collective import ALL_GATHER, coll
-from .parity_block import TIER1, node_blocks, tier1_bytes
+from .parity_block import TIER1, node_blocks, tier1_bytes, tier1_name
 
 if TYPE_CHECKING:
     from .runtime import GlooSession
@@ -81,9 +81,9 @@ class RankMemory:
         #: sharded state: the names of each of the user's optimizer's groups' parameters
         #: (its groups hold this rank's pieces once bound), for the checkpoint
         self.shard_groups: list[list[str]] = []
-        # a warm shadow's mapping of its node's tier-1 segment (its descriptor, its
+        # a warm shadow's mapping of its node's tier-1 segment (its name, descriptor and
         # bytes), made before any promotion (:meth:`premap_node`)
-        self.premapped: tuple[int, torch.Tensor] | None = None
+        self.premapped: tuple[str, int, torch.Tensor] | None = None
 
     def _status_seg(self) -> torch.Tensor:
         if self.status is None:
@@ -172,8 +172,8 @@ class RankMemory:
         return True
 
     def node_memory(self) -> None:
-        """Map this node's tier-1 blocks (one segment, :data:`TIER1`; created empty by
-        the agent): the one a warm shadow mapped before its promotion
+        """Map this node's tier-1 blocks (one segment, :func:`tier1_name`; created empty
+        by the agent): the one a warm shadow mapped before its promotion
         (:meth:`premap_node`), or asked for now."""
         s = self.s
         lay = s.layout
@@ -182,20 +182,26 @@ class RankMemory:
         item = 0 if s.replica else lay.dtype.itemsize  # replicas: the records only
         cbytes = (1 + len(lay.states)) * lay.chunk_numel * item
         gbytes = lay.numel * item
+        name = tier1_name(cbytes, lay.n_chunks, gbytes)
         size = tier1_bytes(s.members, cbytes, lay.n_chunks, gbytes)
         early, self.premapped = self.premapped, None
-        if early is not None and early[1].numel() != size:
-            os.close(early[0])  # a segment of another geometry: not this layout's
+        if early is not None and (early[0] != name or early[2].numel() != size):
+            os.close(early[1])  # a segment of another geometry: not this layout's
             early = None
-        fd, base = early if early is not None else self._map(size)
-        *s.parity, s.gparity = node_blocks(fd, base, s.members, cbytes, lay.n_chunks, gbytes)
-
-    def _map(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """The node's :data:`TIER1` segment of ``nbytes`` (made by the agent on first
-        ask): its descriptor, kept open for the blocks' locks, and its mapping."""
-        fd = self.segment(TIER1, nbytes)
+        _, fd, base = early if early is not None else self._map(name, size)
         try:
-            return fd, segments.as_tensor(fd, nbytes)
+            blocks = node_blocks(fd, base, s.members, cbytes, lay.n_chunks, gbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        *s.parity, s.gparity = blocks
+
+    def _map(self, name: str, nbytes: int) -> tuple[str, int, torch.Tensor]:
+        """The node's tier-1 segment ``name`` of ``nbytes`` (made by the agent on first
+        ask): its name, its descriptor (kept open for the blocks' locks), its mapping."""
+        fd = self.segment(name, nbytes)
+        try:
+            return name, fd, segments.as_tensor(fd, nbytes)
         except BaseException:
             os.close(fd)
             raise
@@ -213,8 +219,9 @@ class RankMemory:
         if self.premapped is None:
             reply, _ = s.ch.request(M.NodeListing())
             sizes = dict(zip(reply.get("names", []), reply.get("sizes", []), strict=True))
-            if TIER1 in sizes:
-                self.premapped = self._map(int(sizes[TIER1]))
+            names = sorted(n for n in sizes if n.startswith(TIER1 + "."))
+            if names:
+                self.premapped = self._map(names[0], int(sizes[names[0]]))
         return int(self.premapped is not None)
 
     def segment(self, name: str, nbytes: int) -> int:

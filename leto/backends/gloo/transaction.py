@@ -184,6 +184,9 @@ class StepTransaction:
         at its next stop point first."""
         if self._keeps():
             return
+        # the recovery now waits for the compute to reach its stop point: its thread
+        # gets its priority back first (at SCHED_IDLE it would run only on a spare CPU)
+        self._backseat.restore(self._compute_tid)
         rec.park.set()
         rec.parked.wait()
 
