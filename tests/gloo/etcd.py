@@ -1,5 +1,6 @@
 """A 3-member etcd cluster on 127.0.0.1 for one test (or one module): free ports, a
-directory of its own, every member stopped and waited for at the end.
+directory of its own, every member stopped and waited for at the end, and SIGKILLed
+by the kernel if the test process dies first (``PR_SET_PDEATHSIG``).
 
 A test that needs etcd fails (never skips) when ``etcd`` is not on PATH: ``.ci/run``
 installs it (``apt-get install etcd-server``)."""
@@ -7,6 +8,7 @@ installs it (``apt-get install etcd-server``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from leto.backends.gloo.etcdstore import MAX_RESPONSE
-from leto.backends.gloo.procs import free_port
+from leto.backends.gloo.procs import die_with_parent, free_port
 
 MEMBERS = 3
 
@@ -48,6 +50,7 @@ class EtcdCluster:
         )
         self.procs: list[subprocess.Popen[bytes] | None] = []
         token = f"leto-test-{os.getpid()}-{self.client_ports[0]}"
+        starter = os.getpid()
         root.mkdir(parents=True, exist_ok=True)
         for i, name in enumerate(names):
             c, p = self.client_ports[i], self.peer_ports[i]
@@ -64,7 +67,14 @@ class EtcdCluster:
                 "--logger", "zap", "--log-outputs", "stderr",
             ]  # fmt: skip
             self.procs.append(
-                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    # SIGKILLed with the test process, even one that is killed itself
+                    preexec_fn=functools.partial(die_with_parent, starter),
+                )
             )
             log.close()
         try:

@@ -5,6 +5,10 @@ that answer what etcd never sends (each costs that one connection, never the sto
 from __future__ import annotations
 
 import base64
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,3 +192,31 @@ def test_node_0_claims_the_id_others_read_it_and_a_second_node_0_is_refused(
     second.control.claim(info)  # the id is free: a new job takes it
     for ag in (second, node1):
         ag.control.close()
+
+
+def test_a_killed_test_process_takes_its_etcd_members_with_it(tmp_path: Path) -> None:
+    """A test process SIGKILLed with its cluster up (a CI timeout, a ^C'd run that was
+    then killed) leaves no etcd member running: the kernel kills each with it."""
+    here = Path(__file__).parent
+    code = (
+        "import sys, time; from pathlib import Path; from etcd import EtcdCluster; "
+        f"c = EtcdCluster(Path({str(tmp_path / 'etcd')!r}), members=1); "
+        "print(c.procs[0].pid, flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=here, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        member = int(proc.stdout.readline())
+        assert Path(f"/proc/{member}").exists()  # the member runs
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{member}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outlived = Path(f"/proc/{member}").exists()
+    if outlived:  # not left running by this test either
+        os.kill(member, signal.SIGKILL)
+    assert not outlived, f"etcd member {member} outlived its test process"
