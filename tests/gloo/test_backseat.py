@@ -4,6 +4,8 @@ compute, and given back after; never lowered where it could not be given back.""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -126,3 +128,83 @@ def test_a_thread_under_another_policy_is_only_reniced() -> None:
             assert os.sched_getscheduler(tid) == os.SCHED_BATCH
 
     _on_a_thread(work)
+
+
+def _able() -> Backseat:
+    seat = Backseat()
+    if not seat.able:
+        pytest.skip("this process may not lower a nice value back (no CAP_SYS_NICE/RLIMIT_NICE)")
+    return seat
+
+
+def test_a_thread_switched_to_another_policy_after_the_probe_is_only_reniced() -> None:
+    # the seat was probed under SCHED_OTHER (it may use SCHED_IDLE); the thread it lowers
+    # runs under SCHED_BATCH now: kept so, reniced only, and given back as it was
+    seat = _able()
+
+    def work(tid: int) -> None:
+        os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        before = _nice(tid)
+        assert seat.lower(tid) and _nice(tid) == Backseat.LOWEST
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH
+        seat.restore(tid)
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH and _nice(tid) == before
+
+    _on_a_thread(work)
+
+
+def test_threads_and_processes_started_while_lowered_are_given_back() -> None:
+    # Linux copies a thread's policy and nice value into what it starts: a thread (an
+    # intra-op pool) and a process (a data loader's worker) started by the lowered
+    # thread are back at its priority after restore; a thread lowered on purpose before
+    # is left alone
+    seat = _able()
+    stop = threading.Event()
+    low = threading.Event()
+    seen: dict[str, int] = {}
+
+    def lowered_on_purpose() -> None:
+        seen["own"] = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, seen["own"], Backseat.LOWEST)
+        low.set()
+        stop.wait(30)
+
+    other = threading.Thread(target=lowered_on_purpose)
+    other.start()
+    low.wait(10)
+
+    def work(tid: int) -> None:
+        before = _nice(tid)
+        assert seat.lower(tid)
+        ready = threading.Event()
+
+        def born() -> None:
+            seen["thread"] = threading.get_native_id()
+            ready.set()
+            stop.wait(30)
+
+        t = threading.Thread(target=born)
+        t.start()
+        ready.wait(10)
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            for who in (seen["thread"], proc.pid):  # born at the lowered priority
+                assert _nice(who) == Backseat.LOWEST
+                if seat.idle:
+                    assert os.sched_getscheduler(who) == os.SCHED_IDLE
+            seat.restore(tid)
+            for who in (tid, seen["thread"], proc.pid):
+                assert _nice(who) == before, who
+                assert os.sched_getscheduler(who) == os.SCHED_OTHER, who
+            assert _nice(seen["own"]) == Backseat.LOWEST  # not born of the lowered one
+        finally:
+            proc.kill()
+            proc.wait()
+            stop.set()
+            t.join()
+
+    try:
+        _on_a_thread(work)
+    finally:
+        stop.set()
+        other.join()

@@ -29,6 +29,7 @@ import signal
 import socket
 import sys
 import threading
+from typing import NamedTuple
 
 __all__ = [
     "Backseat",
@@ -101,7 +102,15 @@ class Backseat:
     ``RLIMIT_NICE`` that allows it: where the process may not, :attr:`able` is False
     and nothing is ever lowered (a thread left at the lowest priority for good would
     be worse than none of this). Likewise :attr:`idle`: ``SCHED_IDLE`` is used only if
-    the thread can leave it. Found out once, on a thread of its own that ends.
+    the thread can leave it, and only for a thread under ``SCHED_OTHER`` (another
+    policy, ``SCHED_BATCH`` say, is kept and the thread only reniced). Found out once,
+    on a thread of its own that ends; the thread's own policy when it is lowered.
+
+    A thread or process the lowered thread starts meanwhile is born at its priority
+    (Linux copies a thread's policy and nice value into the threads and processes it
+    starts: an intra-op pool or a data loader's workers created by the first step of a
+    promoted rank, say). :meth:`restore` gives those back too: every thread of this
+    process and of the processes started since that is still at the lowered priority.
     """
 
     LOWEST = 19
@@ -109,7 +118,7 @@ class Backseat:
     def __init__(self) -> None:
         self.able, self.idle = _can_renice()
         self._lock = threading.Lock()
-        self._held: dict[int, int] = {}  # native thread id -> its nice value before
+        self._held: dict[int, _Lowered] = {}  # native thread id -> how it was before
 
     def lower(self, tid: int) -> bool:
         """Thread ``tid`` to the lowest priority (until :meth:`restore`); True if it is."""
@@ -119,34 +128,88 @@ class Backseat:
             if tid in self._held:
                 return True
             try:
-                before = os.getpriority(os.PRIO_PROCESS, tid)
+                nice = os.getpriority(os.PRIO_PROCESS, tid)
+                policy = os.sched_getscheduler(tid)
+                known = _tasks(os.getpid())  # these were not born lowered
                 os.setpriority(os.PRIO_PROCESS, tid, self.LOWEST)
             except OSError:
                 return False
-            self._held[tid] = before
-            if self.idle:
+            idle = self.idle and policy == os.SCHED_OTHER
+            if idle:
                 try:
                     os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 except OSError:  # the thread has ended: nothing to keep idle
-                    pass
+                    idle = False
+            self._held[tid] = _Lowered(nice, policy, idle, known)
             return True
 
     def restore(self, tid: int) -> None:
-        """Thread ``tid``'s priority as it was before :meth:`lower` (if it was lowered)."""
+        """Thread ``tid``'s priority as it was before :meth:`lower` (if it was lowered),
+        and that of every thread born at the lowered priority since."""
         with self._lock:
-            before = self._held.pop(tid, None)
-            if before is None:
+            was = self._held.pop(tid, None)
+            if was is None:
                 return
-            # each given back on its own: a failure of one leaves the other restored
-            if self.idle:
+            for t in [tid, *_born(tid, was.known)]:
+                if t != tid and not _looks_lowered(t, was.idle, self.LOWEST):
+                    continue  # born to another thread, or changed since: not ours
+                # each given back on its own: a failure of one leaves the other restored
+                if was.idle:
+                    try:
+                        os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
+                    except OSError:  # the thread has ended (or the limit changed)
+                        pass
                 try:
-                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                    os.setpriority(os.PRIO_PROCESS, t, was.nice)
                 except OSError:  # the thread has ended (or the limit changed)
                     pass
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, before)
-            except OSError:  # the thread has ended (or the limit changed): nothing to undo
-                pass
+
+
+class _Lowered(NamedTuple):
+    nice: int  # the thread's nice value before
+    policy: int  # its policy before (left as it was unless ``idle``)
+    idle: bool  # made SCHED_IDLE (from SCHED_OTHER)
+    known: frozenset[int]  # the threads of this process then
+
+
+def _looks_lowered(tid: int, idle: bool, lowest: int) -> bool:
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) != lowest:
+            return False
+        return not idle or os.sched_getscheduler(tid) == os.SCHED_IDLE
+    except OSError:  # it has ended
+        return False
+
+
+def _tasks(pid: int) -> frozenset[int]:
+    """The thread ids of process ``pid`` (none if it has ended)."""
+    try:
+        return frozenset(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except (OSError, ValueError):
+        return frozenset()
+
+
+def _born(tid: int, known: frozenset[int]) -> list[int]:
+    """The threads and processes that thread ``tid`` of this process may have started
+    since ``known`` were its process's threads: the threads not in ``known``, the
+    processes any of those or ``tid`` started (``/proc/PID/task/TID/children``), every
+    thread of those, and so on. Not ``tid``."""
+    me = os.getpid()
+    new = sorted(_tasks(me) - known - {tid})
+    out = list(new)
+    todo = [(me, t) for t in [tid, *new]]
+    while todo:
+        pid, t = todo.pop()
+        try:
+            with open(f"/proc/{pid}/task/{t}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+        for c in children:
+            threads = sorted(_tasks(c))
+            out += threads
+            todo += [(c, x) for x in threads]
+    return out
 
 
 def _can_renice() -> tuple[bool, bool]:
