@@ -92,3 +92,28 @@ def test_another_error_in_the_compute_stays_itself() -> None:
         s.follower.release.set()
         raise ZeroDivisionError
     assert s.follower.calls == ["beside"]
+
+
+def test_a_recovery_thread_that_cannot_start_leaves_it_to_a_safe_point(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # no thread to be had ("can't start new thread"): nothing is left beside the compute
+    # to wait for, the compute's priority is given back, and its safe point follows the
+    # recovery (its plan kept the compute)
+    txn, s = _txn()
+    lowered: list[int] = []
+    restored: list[int] = []
+    monkeypatch.setattr(txn._backseat, "lower", lowered.append)
+    monkeypatch.setattr(txn._backseat, "restore", restored.append)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with txn._compute():
+        txn._abort_seen()
+        assert not txn.beside() and lowered == restored == [txn._compute_tid]
+        monkeypatch.undo()
+        s.follower.release.set()
+        txn.paused()  # the safe point: followed here, on the compute's thread
+    assert s.follower.calls == ["here"] and s.stats["computes_kept"] == 1

@@ -161,9 +161,14 @@ class StepTransaction:
         # the recovery first: every rank waits for it (the next collective needs the
         # replaced rank, which computes only after it), not for this rank's compute
         self._backseat.lower(self._compute_tid)
-        threading.Thread(
-            target=self._recover_beside, args=(rec,), name="leto-recovery", daemon=True
-        ).start()
+        try:
+            threading.Thread(
+                target=self._recover_beside, args=(rec,), name="leto-recovery", daemon=True
+            ).start()
+        except RuntimeError:  # no thread to be had: the compute's next safe point takes it
+            self._backseat.restore(self._compute_tid)
+            with self._lock:
+                self._rec = None
 
     def _recover_beside(self, rec: _Beside) -> None:
         try:
