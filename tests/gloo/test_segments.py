@@ -386,3 +386,15 @@ def test_other_users_are_refused_on_both_sides(tag: str) -> None:
         assert h.alive()
     finally:
         h.stop()
+
+
+def test_an_alloc_reply_with_other_than_one_descriptor_closes_them_all() -> None:
+    c = object.__new__(KeeperClient)  # no keeper: the reply is given
+    c._opened = {}
+    r1, w1 = os.pipe()
+    c._call = lambda msg: ({"ok": True}, [r1, w1])  # type: ignore[method-assign]
+    with pytest.raises(KeeperError, match="sent 2 descriptors for 'x'"):
+        c.alloc("x", 64)
+    for fd in (r1, w1):
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed: none leaks

@@ -124,6 +124,8 @@ class KeeperClient:
                 os.close(fd)
         reply, fds = self._call({"op": "alloc", "name": name, "nbytes": nbytes})
         if len(fds) != 1:
+            for fd in fds:  # none is kept: a reply to another request, say
+                os.close(fd)
             raise KeeperError(f"keeper sent {len(fds)} descriptors for {name!r}")
         try:
             return segments.as_tensor(fds[0], nbytes)
