@@ -79,11 +79,16 @@ def test_sigkill_at_every_phase_recovers_bitwise(
     # sealed its gradients: they are dropped) before the peer's death broke it; or, if
     # the peer was still applying the step before (its last chunk) when rank 0 reached
     # the all-reduce and died, that step is rolled forward on the peer (timing: seen
-    # once, on a machine with both cores busy)
-    assert kinds[:2] == ["inplace", "inplace"], kinds
-    assert kinds[2] in ("inplace", "back", "forward"), kinds
-    if kinds[2] == "forward":
-        assert {(x["what"], x["rank"]) for x in recs[2]["repairs"]} == {("forward", 1)}, recs[2]
+    # once, on a machine with both cores busy). The same holds for a death in the
+    # forward or backward of the tiny model: the peer may still be applying the step
+    # before (CI, once: the backward's death, rank 0 rolled step 2 forward)
+    for i, allowed in enumerate([("inplace",), ("inplace",), ("inplace", "back")]):
+        assert kinds[i] in (*allowed, "forward"), kinds
+        if kinds[i] == "forward":  # only the survivor's step before, rolled forward
+            survivor = 1 - i % 2
+            assert {(x["what"], x["rank"]) for x in recs[i]["repairs"]} == {
+                ("forward", survivor)
+            }, recs[i]
     assert kinds[3] == "back", kinds
     # COMMIT recorded, chunks not (all) applied: roll forward (a torn chunk from its undo copy)
     assert kinds[5:8] == ["forward"] * 3 and kinds[9] == "forward", kinds
