@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -180,3 +181,27 @@ def test_a_board_never_held_is_not_watched_forever(watch: DeathWatch) -> None:
     assert watch.pids() == []
     names = [t.name for t in threading.enumerate()]
     assert "leto-deathwatch-12345" not in names
+
+
+def test_a_thread_that_goes_while_its_stat_is_read_is_gone_not_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading an exiting thread's stat may fail with ESRCH (the thread was released after
+    its file was opened): that thread is gone, not the process, whose own stat is then
+    read (CI once called a clean exit's process "gone from /proc" this way). Here every
+    thread's read fails so: the process's stat shows no exit status, as at a clean exit."""
+    real_open = open
+
+    def exiting(path: Any, *a: Any, **k: Any) -> Any:
+        if "/task/" in str(path) and str(path).endswith("/stat"):
+            raise ProcessLookupError(3, "No such process")
+        return real_open(path, *a, **k)
+
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        monkeypatch.setattr("builtins.open", exiting)
+        with pytest.raises(Undecided, match="no exit status"):
+            quiesced(os.getpid(), pidfd)
+    finally:
+        monkeypatch.undo()
+        os.close(pidfd)

@@ -170,8 +170,8 @@ def quiesced(pid: int, pidfd: int) -> int | None:
                 with open(f"{task}/{tid}/stat", "rb") as f:
                     if _field(f.read(), _VSIZE) != 0:
                         return None
-            except FileNotFoundError:
-                continue  # that thread is gone
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # that thread is gone (ESRCH: it went while its stat was read)
         # the same threads after the scan: none cloned one the scan did not see (only
         # possible while the process is not exiting as a whole; then it has one still)
         if set(os.listdir(task)) - tids:
