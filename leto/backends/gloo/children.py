@@ -234,7 +234,9 @@ class Children:
             a.trainer[lr] = None
             if p.expected_exit or a.stop:
                 return
-            if a.complete and code == 0:
+            # the job is complete and this trainer said it was done: its end, also when
+            # the zygote's status came too late (:meth:`Supervisor.tick`, a busy machine)
+            if a.complete and (code == 0 or (code is None and p.phase == "done")):
                 p.done = True
                 a.supervisor.check_node_finished()
                 return
