@@ -140,7 +140,7 @@ class Backseat:
                     os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 except OSError:  # the thread has ended: nothing to keep idle
                     idle = False
-            self._held[tid] = _Lowered(nice, policy, idle, known)
+            self._held[tid] = _Lowered(nice, idle, known)
             return True
 
     def restore(self, tid: int) -> None:
@@ -167,8 +167,7 @@ class Backseat:
 
 class _Lowered(NamedTuple):
     nice: int  # the thread's nice value before
-    policy: int  # its policy before (left as it was unless ``idle``)
-    idle: bool  # made SCHED_IDLE (from SCHED_OTHER)
+    idle: bool  # made SCHED_IDLE (from SCHED_OTHER; any other policy is left as it was)
     known: frozenset[int]  # the threads of this process then
 
 
