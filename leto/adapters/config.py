@@ -41,6 +41,12 @@ resume               none      start from this torch.distributed.checkpoint dire
                                (leto's checkpoint_dir or one step of it, or any DCP
                                checkpoint of the same model); ``leto launch --resume DIR``
 verify_chunks        true      check each chunk's checksum before its step overwrites it
+replica_check        1         steps between checks that the data-parallel replicas agree
+                               (gloo, unsharded: every rank's digest of its retained
+                               chunks' checksums, optimizer scalars and scheduler, compared
+                               at the step's commit and at the end; a disagreement ends the
+                               job in one line naming the ranks and the step, or restarts
+                               it from its checkpoint with ``--max-restarts``); 0: off
 master_weights       false     float32 master weights, gradients and optimizer state in
                                retained memory for bf16/fp16 parameters (and models that
                                mix dtypes); the model's parameters are cast from them after
@@ -113,6 +119,7 @@ BOUNDS: dict[str, Bound] = {
     "tier2_interval": Bound(lo=1, hi=1_000_000, integer=True, unit="steps"),
     "tier2_parity": Bound(lo=1, hi=255, integer=True, unit="nodes"),
     "checkpoint_interval": Bound(lo=0, hi=1_000_000, integer=True, unit="steps"),
+    "replica_check": Bound(lo=0, hi=1_000_000, integer=True, unit="steps"),
     "checkpoint_mtbf": Bound(lo=0, hi=10 * 365 * 86_400, integer=True, unit="seconds"),
 }
 
@@ -219,6 +226,7 @@ class Config:
     checkpoint_mtbf: int = attrs.field(default=0, validator=_v_count)
     resume: str | None = attrs.field(default=None, validator=_v_resume)
     verify_chunks: bool = attrs.field(default=True, validator=_v_bool)
+    replica_check: int = attrs.field(default=1, validator=_v_count)
     master_weights: bool = attrs.field(default=False, validator=_v_bool)
     shard: bool = attrs.field(default=False, validator=_v_bool)
 

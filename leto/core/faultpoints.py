@@ -29,6 +29,7 @@ PHASES = (
     "apply",  # chunk ``chunk``: where = "undo_saved" | "mid_write" | "written"
     "parity",  # chunk ``chunk``: tier-1 parity updated, undo copy not yet released
     "finish",  # every chunk applied, the step not yet finished on this rank
+    "tail",  # the user's loop after optimizer.step(): the step not yet closed at the next batch
     "recovery",  # during a recovery, before the rank carries out the step named by ``where``
 )
 APPLY_WHERE = ("undo_saved", "mid_write", "written")

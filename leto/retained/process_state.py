@@ -376,6 +376,12 @@ class BatchCursor:
     first rank computes it); ``state_after(step)`` is the sampler position once it
     was drawn (JSON, part of each rank's process state); ``restore(state)`` puts
     the sampler back there (on resume).
+
+    Epochs: the sampler is iterated again when it runs out, and every sampler under
+    it with ``set_epoch`` (a ``DistributedSampler``, the loader's or its batch
+    sampler's) is told the epoch first, 0, 1, 2, ..., as a torchrun loop calls
+    ``sampler.set_epoch(epoch)``: each epoch is shuffled anew, and a resumed run
+    shuffles as the run that never failed.
     """
 
     def __init__(self, sampler: Any) -> None:
@@ -386,6 +392,7 @@ class BatchCursor:
             and hasattr(sampler, "load_state_dict")
         )
         self.consumed = 0  # steps drawn
+        self.epoch = 0  # passes over the sampler begun before the current one
         self._it: Iterator[Any] | None = None
         self._cache: dict[int, Any] = {}
         self._after: dict[int, Any] = {}
@@ -399,7 +406,7 @@ class BatchCursor:
             inner = to_json(
                 self.sampler.state_dict(), f"the state of {type(self.sampler).__name__}"
             )
-        return {"consumed": self.consumed, "sampler": inner}
+        return {"consumed": self.consumed, "sampler": inner, "epoch": self.epoch}
 
     @property
     def initial(self) -> dict[str, Any]:
@@ -413,12 +420,33 @@ class BatchCursor:
             return None
         with torch.random.fork_rng(devices=[]):
             if self._it is None:
+                self._set_epoch()
                 self._it = iter(self.sampler)
             try:
                 return next(self._it)
             except StopIteration:
-                self._it = iter(self.sampler)  # a new epoch
+                self.epoch += 1  # a new epoch
+                self._set_epoch()
+                self._it = iter(self.sampler)
                 return next(self._it)
+
+    def _set_epoch(self) -> None:
+        """Every sampler under the loader that shuffles by epoch is told this one."""
+        seen: list[Any] = []
+        bs = getattr(self.sampler, "batch_sampler", None)
+        for s in (
+            self.sampler,
+            getattr(self.sampler, "sampler", None),
+            bs,
+            getattr(bs, "sampler", None),
+        ):
+            if (
+                s is not None
+                and callable(getattr(s, "set_epoch", None))
+                and all(s is not x for x in seen)
+            ):
+                seen.append(s)
+                s.set_epoch(self.epoch)
 
     def batch(self, step: int) -> Any:
         if step in self._cache:
@@ -450,10 +478,12 @@ class BatchCursor:
             self.sampler.load_state_dict(from_json(state["sampler"]))
             self._it = None
             self.consumed = target
+            self.epoch = int(state.get("epoch", 0))  # absent in an older leto's state
             return
         # a plain iterable: start over and skip ahead (deterministic iterables only)
         self._it = None
         self.consumed = 0
+        self.epoch = 0
         for _ in range(target):
             self._next()
         self.consumed = target

@@ -25,6 +25,7 @@ LOOP_POINTS: list[dict[str, Any]] = [
     {"phase": "apply", "chunk": 1, "where": "mid_write"},
     {"phase": "parity", "chunk": 0},
     {"phase": "finish"},
+    {"phase": "tail"},  # after optimizer.step() and the user's code after it, before the next batch
 ]
 STEPS_2x2 = 10  # the steps of the 2 x 2 jobs compared with conftest's ref_2x2
 

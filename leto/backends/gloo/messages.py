@@ -334,7 +334,9 @@ class Vote(Message):
 
 @attrs.frozen
 class Finished(Message):
-    """The rank applied step ``step``; ``ps`` (its process state) stays with the agent."""
+    """The rank applied step ``step``; ``ps`` (its process state) stays with the agent;
+    ``replica``: the digest of its retained state, which every data-parallel replica
+    must share (:mod:`leto.core.agreement`), when a check is due."""
 
     TAG = "finished"
     ROUTE = (T, A, C)
@@ -343,6 +345,7 @@ class Finished(Message):
     gen: int = _f(_nat)
     loss: float | None = _f(_opt(_number), None)
     ps: str | None = _f(_opt(_of(str)), None)
+    replica: str | None = _f(_opt(_of(str)), None)
 
 
 @attrs.frozen

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+import xxhash
+
 from leto.retained.process_state import (
     capture_buffers,
     restore_buffers,
@@ -48,6 +50,22 @@ class RankState:
                 "extra": s.loop.state() if s.loop is not None else None,
             }
         )
+
+    def replica_digest(self, step: int) -> str | None:
+        """What every data-parallel replica holds alike after ``step`` (its chunks'
+        checksums, the optimizer's scalars and hyper-parameters, the scheduler), as one
+        digest, when ``replica_check`` makes a check due; None where the ranks are no
+        replicas (sharded: each holds its own shard) or no check is due."""
+        s = self.s
+        every = int(getattr(s.cfg, "replica_check", 0) or 0)
+        if not every or step % every or s.W < 2 or s.full is not None:
+            return None
+        assert s.ropt is not None
+        h = xxhash.xxh3_128()
+        h.update(b",".join(str(x).encode() for x in s.layout.stored_checksum_list()))
+        h.update(json.dumps(s.ropt.process_state(), sort_keys=True).encode())
+        h.update(json.dumps(scheduler_state(s.scheduler), sort_keys=True).encode())
+        return h.hexdigest()
 
     def replay_scheduler(self, pending: dict[str, Any] | None) -> None:
         """A roll-forward's stand-in for what followed step ``V``'s apply on a rank that

@@ -432,6 +432,15 @@ class GlooSession:
         """Gradient accumulation: backwards inside reduce nothing (DDP's ``no_sync``)."""
         return self.loop.no_sync()
 
+    @property
+    def committed(self) -> bool:
+        """The user's loop: this iteration's ``optimizer.step()`` committed its step (the
+        model holds the weights of ``session.step``). False before it, and for the rest
+        of an iteration a recovery made void: what the loop computes then is discarded,
+        so code that saves or reports state after ``optimizer.step()`` (a checkpoint of
+        its own, a metric) runs only ``if session.committed`` (docs/loop.md)."""
+        return self.loop is not None and bool(self.loop.committed)
+
     def train(self, step_fn: StepFn, steps: int) -> dict[str, int]:
         """Run steps until every rank has completed ``steps``; the counters."""
         self.step_fn = step_fn

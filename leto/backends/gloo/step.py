@@ -32,7 +32,10 @@ sampler) and is the batch after it. A promoted shadow starts the script anew: it
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,6 +96,7 @@ class UserLoop:
         opt.step = step  # type: ignore[method-assign,assignment]
         opt.zero_grad = self.zero_grad  # type: ignore[method-assign]
         s.loop = self  # before the session starts: a promoted shadow's recovery loads its state
+        _guard_user_collectives(self)
         self.resumed: str | None = None
         # the step this process just committed, whose periodic checkpoint is written at
         # the step boundary (never after a recovery: every rank or none writes it)
@@ -104,6 +108,11 @@ class UserLoop:
         if s.stats["recoveries"] == 0 and s.role == "trainer":
             s.ps.send(s.step)  # the state the loop starts from, with the stateful objects
         self.resumed = s.ps.to_json(s.step)  # restored at the first batch
+
+    @property
+    def committed(self) -> bool:
+        """This iteration's ``optimizer.step()`` committed, and no recovery voided it."""
+        return self.open and self.stepped and not self.void and self.broken is None
 
     # ------------------------------------------------------------ process state
 
@@ -139,6 +148,27 @@ class UserLoop:
         except CollectiveFailed as e:
             self._recover(f"collective failed: {e}")
         return False
+
+    def user_collective(self, fn: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
+        """The script's own collective (``dist.all_reduce`` of a metric, ...) during a
+        step: a peer's death there is this recovery's, followed here, and the iteration
+        becomes void; in a void iteration nothing is sent (its values are discarded, and
+        the peers, recovered or promoted, are not in this iteration). What it returns
+        then: None (``async_op``: a finished work)."""
+        if not self.void:
+            out: list[Any] = []
+
+            def run() -> None:
+                s = self.s
+                if s.ch.aborted_since(s.gen) and s.txn.claims_recovery():
+                    raise Interrupted
+                out.append(_coll(fn, *args, **kwargs))
+                if kwargs.get("async_op") and out[0] is not None:
+                    _coll(out[0].wait)  # its failure surfaces here, not in the script
+
+            if self._guard(run):
+                return out[0]
+        return _Finished() if kwargs.get("async_op") else None
 
     def _recover(self, reason: str) -> None:
         self.s.txn.stopped(reason)
@@ -186,7 +216,8 @@ class UserLoop:
             self._guard(self._post if self.stepped else self._empty_step)
         if self.broken is not None:  # the step committed; its recovery starts here
             reason, self.broken = self.broken, None
-            self._recover(reason)
+            if not self.void:  # unless the boundary's safe point already followed it
+                self._recover(reason)
         if self.resumed is not None:
             text, self.resumed = self.resumed, None
             s.ps.load(text)
@@ -221,8 +252,10 @@ class UserLoop:
             self.s.checkpoints.maybe_write(V)
 
     def _post(self) -> None:
-        """The process state after the user's code that followed ``optimizer.step()``."""
+        """The process state after the user's code that followed ``optimizer.step()``:
+        the step is closed (the agent keeps its final process state)."""
         s = self.s
+        s.fault_points.point("tail")
         s.rng = capture_rng()
         s.sampler_state = s.cursor.state_after(s.step)
         s.ps.send(s.step)
@@ -464,6 +497,7 @@ class UserLoop:
             gather=False,
             checkpoint=False,
             skipped=skipped,
+            tail=not skipped,  # an empty step is committed at the boundary, after the tail
         )
         self.ckpt_due = V
 
@@ -494,6 +528,72 @@ class _MasterGrad(_RefusedGrad):
         "reduce (its float32 gradients are in retained memory): clip with "
         "session.clip_grad_norm_(max_norm), not torch.nn.utils.clip_grad_norm_"
     )
+
+
+class _Finished:
+    """What a void iteration's ``async_op`` collective returns: a work already done."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+# torch.distributed's collectives a script calls; leto's own calls (and torch's calls
+# inside torch.distributed, such as all_gather_object's all_gather) pass straight on
+USER_COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+)
+_OWN_CALLERS = ("leto.", "torch.distributed")
+_active: list[UserLoop] = []  # the process's loop (one per trainer)
+_originals: dict[str, Any] = {}
+
+
+def _guard_user_collectives(loop: UserLoop) -> None:
+    """``dist.<collective>`` called by the script's main thread during a step goes
+    through :meth:`UserLoop.user_collective` (a script that imported the function
+    itself before ``leto.wrap`` keeps the bare one: call them as ``dist.all_reduce``)."""
+    _active[:] = [loop]
+    for name in USER_COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None or name in _originals:
+            continue
+        _originals[name] = fn
+        setattr(dist, name, _guarded(fn))
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        loop = _active[0] if _active else None
+        caller = str(sys._getframe(1).f_globals.get("__name__", ""))
+        if (
+            loop is None
+            or not loop.open
+            or caller.startswith(_OWN_CALLERS)
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            return fn(*args, **kwargs)
+        return loop.user_collective(fn, args, kwargs)
+
+    return call
 
 
 def scaler_update(st: dict[str, Any], skipped: bool) -> dict[str, Any]:

@@ -421,6 +421,7 @@ class StepTransaction:
         gather: bool = True,
         checkpoint: bool = True,
         skipped: bool = False,
+        tail: bool = False,
     ) -> float:
         """Steps 3-6 of step ``V``, its gradients in retained memory: prepare (seal, the
         gradient parity's ``gdelta``, the vote), decide, apply chunk by chunk, finish
@@ -430,7 +431,9 @@ class StepTransaction:
         does; ``checkpoint``: the periodic checkpoint here, else the caller writes it at
         the step boundary, after its own scheduler's step; ``skipped``: the user's loop
         skipped ``optimizer.step()``, as a ``GradScaler`` does on an inf/NaN: recorded
-        for a roll-forward's replay of its ``update()``)."""
+        for a roll-forward's replay of its ``update()``; ``tail``: the user's loop runs
+        its own code after the step, so the process state is not closed here: the
+        agent keeps it only at the step boundary, :meth:`.step.UserLoop.next_batch`)."""
         s = self.s
         assert s.ropt is not None and s.keeper is not None
         ropt, lay, r = s.ropt, s.layout, s.rank
@@ -505,8 +508,12 @@ class StepTransaction:
         if lval is not None:
             s.losses[V] = lval
         s.stats["steps_run"] += 1
-        # with the process state after the step, which the agent keeps
-        s.ch.send(M.Finished(rank=r, step=V, gen=s.gen, loss=lval, ps=s.ps.to_json(V)))
+        # with the process state after the step, which the agent keeps; in the user's
+        # loop that state is not final until the loop's tail (its scheduler's step) ran:
+        # a rank lost there rolls step V forward from the state of V - 1 (PROTOCOL.md)
+        ps = None if tail else s.ps.to_json(V)
+        replica = s.ps.replica_digest(V)
+        s.ch.send(M.Finished(rank=r, step=V, gen=s.gen, loss=lval, ps=ps, replica=replica))
         if gather:
             s.memory.gather_params()  # sharded: every rank's new shard into the model
         s.ch.mark("idle", V)

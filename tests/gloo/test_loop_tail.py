@@ -1,0 +1,80 @@
+"""Issue 39: a trainer killed in its loop's tail (after ``optimizer.step()``, before its
+next batch) was replaced with its scheduler one step behind: the job exited 0 with the
+replicas holding different weights. Each run here ends bitwise equal to the
+failure-free run, every rank's parameters alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from jobs import HERE, explain, job
+
+TAIL = str(HERE / "scripts" / "tail.py")
+
+
+def _params(res) -> set[str]:  # type: ignore[no-untyped-def]
+    assert res.digests is not None, explain(res)
+    return {d["param"] for d in res.digests.values()}
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    res = job(tmp_path_factory.mktemp("tail") / "ref", steps=8, script=TAIL)
+    assert res.ok, explain(res)
+    assert len(_params(res)) == 1, "the failure-free run's replicas differ"
+    return res
+
+
+@pytest.mark.parametrize("at", ["step", "sched"])
+def test_a_death_in_the_loop_tail_is_bitwise(ref, tmp_path: Path, at: str) -> None:  # type: ignore[no-untyped-def]
+    res = job(tmp_path / at, steps=8, script=TAIL, env={"KILL_AT": at})
+    assert res.ok, explain(res)
+    assert len(res.recoveries) == 1, res.recoveries
+    assert len(_params(res)) == 1, f"the replicas differ: {res.digests}"
+    assert res.digests == ref.digests, "not bitwise equal to the failure-free run"
+
+
+def test_the_named_tail_point_is_bitwise(ref, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    faults = [
+        {"kind": "crash", "rank": 0, "step": 2, "phase": "tail"},
+        {"kind": "crash", "rank": 1, "step": 5, "phase": "tail"},
+    ]
+    res = job(tmp_path / "named", steps=8, script=TAIL, faults=faults)
+    assert res.ok, explain(res)
+    assert len(res.recoveries) == 2, res.recoveries
+    assert res.digests == ref.digests, "not bitwise equal to the failure-free run"
+
+
+def test_a_planted_divergence_of_the_replicas_ends_the_job_in_one_line(tmp_path: Path) -> None:
+    res = job(tmp_path / "plant", steps=8, script=TAIL, env={"PLANT_STEP": "4"})
+    assert not res.ok, "a job whose replicas disagree ended as a success"
+    failed = [e for e in res.events if e["event"] == "job_failed"]
+    assert failed, explain(res)
+    line = failed[0]["error"]
+    assert "\n" not in line, line
+    assert "replicas disagree after step 5" in line, line
+    assert "ranks 0 / ranks 1" in line or "ranks 1 / ranks 0" in line, line
+    split = [e for e in res.events if e["event"] == "replicas_disagree"]
+    assert [(e["step"], e["groups"]) for e in split] == [(5, [[0], [1]])], split
+
+
+def test_without_the_check_the_same_divergence_ends_with_split_replicas(tmp_path: Path) -> None:
+    """The check is what catches it: off, the job exits 0 with two different models."""
+    env = {"PLANT_STEP": "4", "LETO_REPLICA_CHECK": "0"}
+    res = job(tmp_path / "unchecked", steps=8, script=TAIL, env=env)
+    assert res.ok, explain(res)
+    assert len(_params(res)) == 2, res.digests
+
+
+def test_a_peer_death_inside_the_scripts_own_collective_is_one_recovery(
+    ref, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 dies after optimizer.step(), before the script's own all_reduce, which rank
+    0 is inside: that is the recovery's, not a second failure (rank 0 is not replaced)."""
+    res = job(tmp_path / "coll", steps=8, script=TAIL, env={"KILL_AT": "step", "USER_COLL": "1"})
+    assert res.ok, explain(res)
+    failures = [(f["rank"], f["kind"]) for f in res.of("failure")]
+    assert failures == [(1, "crash")], failures
+    assert len(res.recoveries) == 1, res.recoveries
+    assert res.digests == ref.digests, "not bitwise equal to the failure-free run"
