@@ -48,8 +48,9 @@ class BadInput(ValueError):
 def show(value: Any, width: int = 60) -> str:
     """``value`` for a message: a number as written, anything else as its repr, cut
     to ``width`` characters (a refusal stays one short line)."""
-    if isinstance(value, float):
-        return f"{value:g}"
+    if isinstance(value, float):  # 4096.0 stays a float: "must be an integer, got 4096.0"
+        text = f"{value:g}"
+        return text if any(c in text for c in ".enia") else text + ".0"
     if isinstance(value, int) and not isinstance(value, bool):
         if value.bit_length() > 128:
             return f"an integer of {value.bit_length()} bits"

@@ -153,6 +153,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tier2-interval", type=int, default=10, help="K: steps between tier-2 snapshots"
     )
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="comma-separated configurations, plain first (default "
+        "plain,leto,leto-no-tier2,leto-parity; also leto-no-replica-check: leto with "
+        "replica_check = 0)",
+    )
     p = sub.add_parser(
         "goodput", help="productive training time in a wall-clock budget with failures"
     )
@@ -324,6 +331,16 @@ def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
         raise BenchError("--sizes must name at least two different model sizes to show growth")
     if getattr(args, "batches", None) is not None:
         wls = [dataclasses.replace(wls[0], batch=b) for b in _batches(args.batches)]
+    if getattr(args, "configs", None) is not None:
+        from .overhead import CONFIGS
+
+        names = args.configs.split(",")
+        bad = [n for n in names if n not in CONFIGS]
+        if bad or names[0] != "plain" or len(set(names)) != len(names):
+            raise BenchError(
+                f"--configs {show(args.configs)}: plain first, then distinct ones of "
+                f"{', '.join(CONFIGS[1:])}"
+            )
     mem_systems = systems if args.bench != "overhead" else ["plain", "leto"]
     tier2 = not getattr(args, "no_tier2", False)
     for wl in wls:
@@ -459,6 +476,7 @@ def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], prog
             periods=args.periods,
             tier2_interval=args.tier2_interval,
             progress=progress,
+            **({"configs": args.configs.split(",")} if args.configs else {}),
         )
         return res, report.overhead_table, plots.plot_overhead
     if args.bench == "goodput":

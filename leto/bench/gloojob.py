@@ -67,6 +67,7 @@ class GlooJob:
         tier2: bool = True,
         tier2_interval: int = 10,
         cpu_probe: tuple[int, int] | None = None,
+        replica_check: int = 1,
     ) -> None:
         if wl.world % nodes:
             nodes = 1
@@ -83,6 +84,7 @@ class GlooJob:
             "tier1_code": tier1_code,
             "tier2": tier2,
             "tier2_interval": tier2_interval,
+            "replica_check": replica_check,
             "cpu_probe": list(cpu_probe) if cpu_probe else None,
         }
         # failures after the vote: crashes of leto's own plan, the COMMIT received

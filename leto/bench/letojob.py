@@ -145,6 +145,7 @@ def main() -> None:
         tier1_code=spec.get("tier1_code", "auto"),
         tier2=spec.get("tier2", True),
         tier2_interval=spec.get("tier2_interval", 10),
+        replica_check=spec.get("replica_check", 1),
     )
     worker_torch()
     model = wl.build_model()

@@ -59,7 +59,8 @@ __all__ = [
     "steal_pct",
 ]
 
-CONFIGS = ("plain", "leto", "leto-no-tier2", "leto-parity")
+CONFIGS = ("plain", "leto", "leto-no-tier2", "leto-parity", "leto-no-replica-check")
+DEFAULT_CONFIGS = CONFIGS[:4]
 _TIMEOUT_S = 300.0
 
 
@@ -82,7 +83,14 @@ def _plain(wl: Workload, warmup: int, steps: int) -> tuple[float, dict[str, Any]
 
 
 def _leto(
-    wl: Workload, warmup: int, steps: int, *, tier2: bool, tier2_interval: int, tier1_code: str
+    wl: Workload,
+    warmup: int,
+    steps: int,
+    *,
+    tier2: bool,
+    tier2_interval: int,
+    tier1_code: str,
+    replica_check: int = 1,
 ) -> tuple[float, dict[str, Any]]:
     """leto's step time over steps ``warmup..warmup+steps``, and its CPU per step."""
     from .gloojob import GlooJob, step_time
@@ -97,6 +105,7 @@ def _leto(
         tier2=tier2,
         tier2_interval=tier2_interval,
         cpu_probe=probe,
+        replica_check=replica_check,
     ) as job:
         job.start()
         job.wait(lambda: bool(job.seen("job_end")), _TIMEOUT_S, "the leto job's end")
@@ -132,7 +141,7 @@ def run_overhead(
     periods: int = 2,
     tier2_interval: int = 10,
     warmup: int = 5,
-    configs: Sequence[str] = CONFIGS,
+    configs: Sequence[str] = DEFAULT_CONFIGS,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Interleaved short jobs of each configuration (see the module docstring);
@@ -165,6 +174,7 @@ def run_overhead(
                     tier2=c != "leto-no-tier2",
                     tier2_interval=tier2_interval,
                     tier1_code="parity" if c == "leto-parity" else "auto",
+                    replica_check=0 if c == "leto-no-replica-check" else 1,
                 )
             times[c].append(t)
             cpus[c].append(cpu)
@@ -193,6 +203,7 @@ def run_overhead(
                 ("overhead_pct", "leto"),
                 ("overhead_pct_tier2_off", "leto-no-tier2"),
                 ("overhead_pct_parity", "leto-parity"),
+                ("overhead_pct_replica_check_off", "leto-no-replica-check"),
             )
             if c in mean
         },

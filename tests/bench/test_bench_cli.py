@@ -22,6 +22,8 @@ from leto.cli import main
         (["goodput", "--budget", "-1"], "--budget must be positive"),
         (["recovery", "--params", "3G"], "choose a smaller model size"),
         (["overhead", "--params", "3G"], "choose a smaller model size"),
+        (["overhead", "--configs", "leto,plain"], "--configs 'leto,plain': plain first"),
+        (["overhead", "--configs", "plain,leto-fast"], "then distinct ones of leto, "),
         (["scaling", "--sizes", "1M,2G"], "choose a smaller model size"),
         (["recovery", "--params", "lots"], "not a parameter count"),
         (["recovery", "--repeats", "0"], "--repeats must be at least 1"),

@@ -118,7 +118,8 @@ def test_tiny_leto_goodput_run() -> None:
 
 @pytest.mark.slow
 def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
-    from leto.bench.overhead import CONFIGS, run_overhead
+    from leto.bench.overhead import DEFAULT_CONFIGS as CONFIGS
+    from leto.bench.overhead import run_overhead
 
     res = run_overhead(TINY, rounds=1, periods=2, tier2_interval=5, warmup=2, progress=False)
     assert set(res["step_s"]) == set(CONFIGS) and all(t > 0 for t in res["step_s"].values())

@@ -6,7 +6,10 @@ at four places and runs the same transaction as the step-function form there:
 
 * **the batch** (:meth:`UserLoop.next_batch`, what ``session.batches()`` yields) is
   the step boundary: the iteration before is closed (its process state after the
-  user's ``scheduler.step()`` and ``scaler.update()`` sent to the node agent; an
+  user's ``scheduler.step()`` and ``scaler.update()`` sent to the node agent, which
+  keeps none of the step before: a rank lost in the loop's *tail*, after
+  ``optimizer.step()`` and before this, rolls the step forward from the step before's
+  and replays the tail's scheduler step and scaler update; an
   iteration whose ``optimizer.step()`` was skipped, as ``GradScaler`` does on an
   inf/NaN, commits an empty step, every gradient absent), and the batch of the next
   step is drawn;
