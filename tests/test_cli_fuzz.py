@@ -526,7 +526,11 @@ _count_bad = {
 }
 
 
-_zero_ok = {"checkpoint_interval": 1_000_000, "checkpoint_mtbf": 10 * 365 * 86_400}
+_zero_ok = {
+    "checkpoint_interval": 1_000_000,
+    "checkpoint_mtbf": 10 * 365 * 86_400,
+    "replica_check": 1_000_000,
+}
 
 
 def bad_setting(key: str) -> st.SearchStrategy[Any]:

@@ -46,6 +46,7 @@ GOOD: dict[str, Any] = {
     "pending": "{}",
     "loss": 0.5,
     "ps": "{}",
+    "replica": "0123abcd",
     "meta": {"k": 1},
     "reason": "why",
     "data": [1, 1],
