@@ -91,6 +91,7 @@ class Agent:
         self.W = opts.nnodes * opts.nproc_per_node
         self.local_ranks = range(self.nproc)
         self.run_dir = Path(opts.run_dir).resolve()
+        self.logs = self.run_dir / "logs"  # the job's own folder of it, once the job is known
         self.sel = selectors.DefaultSelector()
         # deaths seen before the kernel's teardown of the dead process's memory
         self.deathwatch = DeathWatch()

@@ -57,7 +57,7 @@ class Children:
         inc = a.incarnation
         o = a.o
         again = f"-restart{o.restarts}" if o.restarts else ""  # a restart's logs beside
-        log_path = str(a.run_dir / "logs" / f"node{a.node}-{role}{rank}-{inc}{again}.log")
+        log_path = str(a.logs / f"node{a.node}-{role}{rank}-{inc}{again}.log")
         rfd, wfd = os.pipe()
         env = {
             "RANK": rank,
