@@ -1,14 +1,22 @@
-"""Which job: a run directory used by two jobs keeps each job's records and logs apart
-(``leto report`` shows the latest)."""
+"""Which job, which process: a run directory used by two jobs keeps each job's records
+and logs apart (``leto report`` shows the latest); every process of a job names itself
+in ``ps``."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from jobs import explain, job
+from jobs import TRAIN, explain, job
 
+from leto.backends.gloo.procs import processes_with
 from leto.cli import main
 
 
@@ -39,3 +47,86 @@ def test_two_jobs_in_one_run_directory(tag: str, capsys: pytest.CaptureFixture[s
     assert "DONE     step 3" in "\n".join(out)
     assert main(["report", str(run), "--no-plot", "--job", ids[0][:8], "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["final_step"] == 2
+
+
+def _title(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().rstrip(b"\0").replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _titles(tag: str) -> dict[str, int]:
+    """The job's processes by title, without the command in parentheses."""
+    return {
+        _title(p).split(" (")[0]: p for p in processes_with(tag) if _title(p).startswith("leto ")
+    }
+
+
+def _events(run: Path) -> list[dict[str, Any]]:
+    try:
+        text = (run / "events.jsonl").read_text()
+    except OSError:
+        return []
+    return [json.loads(x) for x in text.splitlines() if x.endswith("}")]
+
+
+def _wait(what: str, until: Any, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = until()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_every_process_says_what_it_is(tag: str) -> None:
+    """A 1x2 job: in ps, the agent, the zygote, the keepers, the trainers and the shadows
+    each name themselves; rank 1's trainer, found by its title and SIGKILLed, is replaced
+    by its shadow, which is then titled trainer."""
+    run = Path(tag) / "run"
+    env = {**os.environ, "TOPO": "1x2", "STEPS": "100000", "STEP_SLEEP": "0.05"}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "leto.cli", "launch", "--nproc-per-node", "2", "--quiet",
+         "--no-echo", "--run-dir", str(run), TRAIN],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait("a step", lambda: any(e["event"] == "step" for e in _events(run)))
+        job_id = _events(run)[0]["job"]
+        j = f"job {job_id[:8]}"
+        want = {
+            f"leto agent node 0 {j}",
+            f"leto zygote node 0 {j}",
+            *(
+                f"leto {role} rank {r} {j}"
+                for role in ("keeper", "trainer", "shadow")
+                for r in (0, 1)
+            ),
+        }
+        titles = _wait("every title", lambda: (t := _titles(tag)).keys() >= want and t)
+        assert set(titles) == want, sorted(titles)
+        assert titles[f"leto agent node 0 {j}"] == p.pid
+        whole = _title(titles[f"leto trainer rank 1 {j}"])
+        # the command is still there (pgrep -f finds it), cut at most at its end
+        assert whole.startswith(f"leto trainer rank 1 {j} (leto launch --nproc-per-node 2 ")
+        assert f"--run-dir {run} {TRAIN}" in whole
+        with open(f"/proc/{titles[f'leto trainer rank 1 {j}']}/comm") as f:
+            assert f.read().strip() == "leto trainer 1"
+
+        old, shadow = titles[f"leto trainer rank 1 {j}"], titles[f"leto shadow rank 1 {j}"]
+        os.kill(old, signal.SIGKILL)
+        now = _wait(
+            "the promoted shadow's title",
+            lambda: (t := _titles(tag)).get(f"leto trainer rank 1 {j}") == shadow and t,
+        )
+        assert now[f"leto trainer rank 0 {j}"] == titles[f"leto trainer rank 0 {j}"]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

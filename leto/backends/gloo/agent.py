@@ -75,6 +75,7 @@ from .records import AgentOptions, LaunchError, Link, Proc, ProcConn
 from .routing import Routing
 from .shadows import Shadows
 from .supervisor import Supervisor
+from .title import set_title
 from .watch import Watchers
 from .wire import Conn
 
@@ -178,6 +179,10 @@ class Agent:
         if self.pooled:
             return "spare" if self.spare_id is None else f"spare {self.spare_id}"
         return f"node {self.node}"
+
+    def name_self(self) -> None:
+        """What this agent is called in ``ps`` (:mod:`.title`): ``leto agent node 0 job ...``."""
+        set_title(f"agent {self.who}", self.job)
 
     def say(self, text: str) -> None:
         if not self.o.quiet:

@@ -22,6 +22,7 @@ from typing import Any
 from . import messages as M
 from .channel import AgentChannel, AgentGone
 from .procs import steady_heap
+from .title import set_title
 
 __all__ = ["CHANNEL", "SPEC", "child_main"]
 
@@ -35,6 +36,7 @@ AT_EXIT: list[Callable[[AgentChannel], None]] = []
 def child_main(spec: dict[str, Any]) -> int:
     global CHANNEL, SPEC
     SPEC = spec
+    set_title(f"{spec['role']} rank {spec['rank']}", str(spec.get("job", "")))
     if "umask" in spec:
         os.umask(int(spec["umask"]))  # the user's: the agent's own files are private
     os.environ.update({k: str(v) for k, v in spec["env"].items()})

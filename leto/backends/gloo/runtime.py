@@ -75,6 +75,7 @@ from .rank_state import RankState
 from .snapshots import Tier2Snapshots
 from .step import UserLoop
 from .stops import StopPoints
+from .title import set_title
 from .transaction import StepTransaction
 
 PREMAP_EVERY_S = 2.0  # a warm shadow looks for node blocks made since, this often
@@ -396,6 +397,7 @@ class GlooSession:
         self.gen = msg.gen
         self.keeper_pid = msg.keeper_pid
         self.role = "trainer"
+        set_title(f"trainer rank {self.rank}", str(self.spec.get("job", "")))
         # the keeper may have been replaced (its memory lost) since this shadow connected
         self.keeper.close()
         self.keeper = KeeperClient(msg.keeper_socket, generation=self.gen)

@@ -51,6 +51,7 @@ class Supervisor:
     def run(self) -> int:
         """Start, run the loop, clean up; the process exit code."""
         a = self.a
+        a.name_self()
         try:
             self.private()
         except (InsecurePathError, auth.SecretError, OSError, LaunchError) as e:
@@ -66,11 +67,12 @@ class Supervisor:
 
         from .zygote import start_zygote
 
-        a.zygote = start_zygote()  # before any thread exists in this process
+        a.zygote = start_zygote(a.who)  # before any thread exists in this process
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)
         try:
             self.rendezvous()
+            a.name_self()  # the job is known now
             self.watch_zygote()
             if not a.pooled:
                 self.start_node()
@@ -435,6 +437,7 @@ class Supervisor:
         a.say(f"is node {node}" if start else f"takes the place of node {node}, which was lost")
         a.pooled = False
         a.node = node
+        a.name_self()
         a.spare = not start
         a.generation = gen
         a.control.present()
