@@ -177,6 +177,8 @@ def _label(value: Any) -> str:
 def _failure_text(e: dict[str, Any]) -> str:
     kind = e.get("kind")
     who = f"node {e.get('node')}" if kind == "node_lost" else f"rank {e.get('rank')}"
+    if e.get("pid") is not None:
+        who += f" (pid {e['pid']})"
     words = {
         "crash": "died",
         "exception": "raised an exception",
@@ -203,7 +205,7 @@ def _recovery_text(e: dict[str, Any]) -> str:
     phases = e.get("phases_ms", {})
     ph = ", ".join(f"{k} {phases[k]:.1f} ms" for k in PHASES if k in phases)
     prom = ", ".join(
-        f"rank {p['rank']} {'warm' if p.get('warm') else 'cold'} {p.get('ms', 0):.0f} ms"
+        f"rank {p['rank']} {'warm' if p.get('warm') else 'cold'} {p.get('ms', 0):.0f} ms" + _pids(p)
         for p in e.get("promoted", [])
     )
     kind = str(e.get("kind"))
@@ -228,6 +230,13 @@ def _recovery_text(e: dict[str, Any]) -> str:
         f"gen {e.get('generation')}: {kind} ({what}), resumed at step {e.get('resumed_at')} "
         f"in {float(e.get('seconds', 0)):.3f} s; promoted: {prom or 'none'}; {ph}{tail}"
     )
+
+
+def _pids(p: dict[str, Any]) -> str:
+    """`` (pid 120 -> 131)``: the failed trainer's process, and the promoted shadow's."""
+    if p.get("pid") is None:
+        return ""
+    return f" (pid {p.get('old_pid', '?')} -> {p['pid']})"
 
 
 def timeline_lines(events: list[dict[str, Any]]) -> list[str]:

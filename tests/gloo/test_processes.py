@@ -1,6 +1,6 @@
 """Which job, which process: a run directory used by two jobs keeps each job's records
 and logs apart (``leto report`` shows the latest); every process of a job names itself
-in ``ps``."""
+in ``ps`` and the event log records its pid, a promotion's too."""
 
 from __future__ import annotations
 
@@ -82,10 +82,11 @@ def _wait(what: str, until: Any, timeout: float = 60.0) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_every_process_says_what_it_is(tag: str) -> None:
+def test_every_process_says_what_it_is(tag: str, capsys: pytest.CaptureFixture[str]) -> None:
     """A 1x2 job: in ps, the agent, the zygote, the keepers, the trainers and the shadows
     each name themselves; rank 1's trainer, found by its title and SIGKILLed, is replaced
-    by its shadow, which is then titled trainer."""
+    by its shadow, which is then titled trainer; the event log names every pid, and the
+    promotion's old and new one."""
     run = Path(tag) / "run"
     env = {**os.environ, "TOPO": "1x2", "STEPS": "100000", "STEP_SLEEP": "0.05"}
     p = subprocess.Popen(
@@ -116,13 +117,34 @@ def test_every_process_says_what_it_is(tag: str) -> None:
         with open(f"/proc/{titles[f'leto trainer rank 1 {j}']}/comm") as f:
             assert f.read().strip() == "leto trainer 1"
 
+        def started() -> dict[tuple[str, int | None], int]:
+            recs = [e for e in _events(run) if e["event"] == "process_started"]
+            return {(e["role"], e.get("rank")): e["pid"] for e in recs}
+
+        for (role, rank), pid in _wait(
+            "8 process records", lambda: len(started()) == 8 and started()
+        ).items():
+            what = f"leto {role} node 0 {j}" if rank is None else f"leto {role} rank {rank} {j}"
+            assert titles[what] == pid, (role, rank)
+
         old, shadow = titles[f"leto trainer rank 1 {j}"], titles[f"leto shadow rank 1 {j}"]
         os.kill(old, signal.SIGKILL)
+        promoted = _wait(
+            "the promotion",
+            lambda: [e for e in _events(run) if e["event"] == "promoted"],
+        )
+        assert promoted[0]["rank"] == 1
+        assert (promoted[0]["old_pid"], promoted[0]["pid"]) == (old, shadow), promoted
         now = _wait(
             "the promoted shadow's title",
             lambda: (t := _titles(tag)).get(f"leto trainer rank 1 {j}") == shadow and t,
         )
         assert now[f"leto trainer rank 0 {j}"] == titles[f"leto trainer rank 0 {j}"]
+        # and leto report names both processes
+        _wait("the recovery's end", lambda: any(e["event"] == "recovery_end" for e in _events(run)))
+        assert main(["report", str(run), "--no-plot"]) == 0
+        out = capsys.readouterr().out
+        assert f"rank 1 (pid {old}) died" in out and f"(pid {old} -> {shadow})" in out, out
     finally:
         p.send_signal(signal.SIGTERM)
         try:

@@ -40,6 +40,7 @@ class Children:
     def start_keeper(self, lr: int) -> None:
         a = self.a
         h = spawn_keeper(a.rank(lr), a.job, tag=str(a.run_dir))
+        a.routing.to_coord(M.Started(role="keeper", pid=h.pid, rank=a.rank(lr)))
         if a.generation:
             h.fence(a.generation)
         a.keepers[lr] = h
@@ -161,6 +162,9 @@ class Children:
                     self.keeper(p.local_rank, "admit", a.generation, p.pid)
                 else:
                     a.shadow[p.local_rank] = p
+                a.routing.to_coord(
+                    M.Started(role=p.role, pid=p.pid, rank=p.rank, incarnation=p.incarnation)
+                )
                 a.routing.claim(p)
             elif op == "exited":
                 p2 = a.by_pid.get(int(msg["pid"]))

@@ -455,7 +455,7 @@ class Fatal(Message):
 @attrs.frozen
 class Promoted(Message):
     """A shadow runs as its rank's trainer: the trainer tells its agent, the agent the
-    coordinator (with how: ``warm``, and how long it took)."""
+    coordinator (with how: ``warm``, how long it took, and the process's ``pid``)."""
 
     TAG = "promoted"
     ROUTE = (T, A, C)
@@ -463,6 +463,7 @@ class Promoted(Message):
     gen: int = _f(_nat)
     warm: bool | None = _f(_opt(_bool), None)
     ms: float | None = _f(_opt(_number), None)
+    pid: int | None = _f(_opt(_nat), None)
 
 
 # agent -> coordinator
@@ -517,6 +518,19 @@ class NodeFinished(Message):
 
 
 # the handshake of a node's TCP link (see .auth)
+
+
+@attrs.frozen
+class Started(Message):
+    """The agent started a process of its node (``role``: agent, zygote, keeper, trainer
+    or shadow; ``rank`` for the last three): its pid goes to the event log."""
+
+    TAG = "started"
+    ROUTE = (A, C)
+    role: str = _f(NAME)
+    pid: int = _f(_nat)
+    rank: int | None = _f(_opt(_nat), None)
+    incarnation: int | None = _f(_opt(_nat), None)
 
 
 @attrs.frozen
@@ -753,6 +767,7 @@ KINDS: tuple[type[Message], ...] = (
     Failure,
     Shadow,
     Fenced,
+    Started,
     NodeFinished,
     Challenge,
     NodeHello,

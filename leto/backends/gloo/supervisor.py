@@ -491,6 +491,8 @@ class Supervisor:
             a.logs = private_dir(a.run_dir / "logs" / a.job, "log directory")
         except InsecurePathError as e:
             raise LaunchError(str(e)) from None
+        for role, pid in (("agent", os.getpid()), ("zygote", a.zygote.pid)):
+            a.routing.to_coord(M.Started(role=role, pid=pid))
         a.agent_socket = abstract_name(f"{a.job}-agent{a.node}")
         a.agent_listener = listen_unix(a.agent_socket)
         a.sel.register(a.agent_listener, selectors.EVENT_READ, ("listener", None))
