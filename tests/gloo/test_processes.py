@@ -1,11 +1,13 @@
 """Which job, which process: a run directory used by two jobs keeps each job's records
 and logs apart (``leto report`` shows the latest); every process of a job names itself
-in ``ps`` and the event log records its pid, a promotion's too."""
+in ``ps`` and the event log records its pid, a promotion's too; a script that never
+calls ``leto.wrap`` is told so while it runs, in one line."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,10 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import TRAIN, explain, job
+from jobs import HERE, TRAIN, explain, job
 
 from leto.backends.gloo.procs import processes_with
 from leto.cli import main
+
+PLAIN = str(HERE / "scripts" / "plain.py")
+PLAIN_DDP = str(HERE / "scripts" / "plain_ddp.py")
+WARNING = "script runs without leto.wrap"
 
 
 def test_two_jobs_in_one_run_directory(tag: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,6 +53,9 @@ def test_two_jobs_in_one_run_directory(tag: str, capsys: pytest.CaptureFixture[s
     assert "DONE     step 3" in "\n".join(out)
     assert main(["report", str(run), "--no-plot", "--job", ids[0][:8], "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["final_step"] == 2
+    # a script that calls leto.wrap is not told it does not
+    assert not any(e["event"] == "unprotected" for e in events)
+    assert WARNING not in second.text(0)
 
 
 def _title(pid: int) -> str:
@@ -152,3 +161,33 @@ def test_every_process_says_what_it_is(tag: str, capsys: pytest.CaptureFixture[s
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def test_a_ddp_script_without_leto_wrap_is_told_at_its_process_group(tag: str) -> None:
+    # (no shadows: each would run the plain script too, beside its trainer)
+    res = job(Path(tag) / "run", steps=3, script=PLAIN_DDP, extra=["--no-shadows"])
+    out = res.text(0)
+    lines = [line for line in out.splitlines() if WARNING in line]
+    assert len(lines) == 1, out  # the first rank's, on the node's console
+    assert re.fullmatch(
+        r"leto\[node 0\]: warning: rank [01]'s script runs without leto\.wrap \(it formed its "
+        r"own process group\): nothing is protected, a failure ends the job; give your model, "
+        r"optimizer and data to leto\.wrap and train through the session it returns "
+        r"\(docs/loop\.md\)",
+        lines[0],
+    ), lines[0]
+    told = res.of("unprotected")
+    assert sorted(e["rank"] for e in told) == [0, 1], told
+    assert all(e["detail"] == "it formed its own process group" for e in told)
+    # it ran to its end all the same (and is then stopped, as before)
+    assert out.index(WARNING) < out.index("without calling leto.wrap with backend='gloo'")
+
+
+def test_a_script_without_collectives_is_told_within_seconds(tag: str) -> None:
+    res = job(Path(tag) / "run", steps=1, script=PLAIN, env={"SLEEP": "6"}, extra=["--no-shadows"])
+    told = res.of("unprotected")
+    assert [e["detail"] for e in told] == ["it has run 3 s and refers to leto nowhere"] * 2, told
+    first = min(e["t_rel"] for e in told)
+    end = next(e["t_rel"] for e in res.events if e["event"] == "job_failed")
+    assert end - first > 2.0  # told while it ran, not at its end
+    assert res.text(0).count(WARNING) == 1, res.text(0)

@@ -104,6 +104,7 @@ class Agent:
         self.shadow_failures: dict[int, int] = dict.fromkeys(self.local_ranks, 0)
         # ranks whose shadow could not be built (the reason): replaced by cold starts only
         self.degraded: dict[int, str] = {}
+        self.told_unprotected = False  # a script without leto.wrap was reported (unwrapped)
         self.asked: set[int] = set()  # ranks the coordinator needs a shadow of (need_shadow)
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[int, dict[str, Any]] = {}

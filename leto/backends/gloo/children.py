@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import selectors
 import signal
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -177,6 +178,22 @@ class Children:
                     os.close(fd)
         if not alive and not a.stop:
             raise LaunchError("the zygote (fork server) died")
+
+    def unprotected(self, msg: M.Unprotected) -> None:
+        """A trainer's script runs without ``leto.wrap`` (:mod:`.unwrapped`): one line on
+        this node's console, also with ``--quiet`` (the first rank's), and the event log."""
+        a = self.a
+        if not a.told_unprotected:
+            a.told_unprotected = True
+            print(
+                f"leto[{a.who}]: warning: rank {msg.rank}'s script runs without leto.wrap "
+                f"({msg.detail}): nothing is protected, a failure ends the job; give your "
+                "model, optimizer and data to leto.wrap and train through the session it "
+                "returns (docs/loop.md)",
+                file=sys.stderr,
+                flush=True,
+            )
+        a.routing.to_coord(msg)
 
     def on_owner_died(self) -> None:
         """Processes whose main thread died (:mod:`.deathwatch`): each whose threads have

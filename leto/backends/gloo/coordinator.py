@@ -272,6 +272,8 @@ class Coordinator:
                     self.finished_nodes.add(node)
                 case M.Started():
                     self._on_started(node, msg)
+                case M.Unprotected():
+                    self.log.write("unprotected", rank=msg.rank, node=node, detail=msg.detail)
                 case M.Shadow():
                     self._on_shadow(msg)
                 case M.Failure():

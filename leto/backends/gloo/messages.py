@@ -466,6 +466,17 @@ class Promoted(Message):
     pid: int | None = _f(_opt(_nat), None)
 
 
+@attrs.frozen
+class Unprotected(Message):
+    """The script runs without ``leto.wrap`` (``detail``: how it was seen): the
+    trainer tells its agent, which says so on its console, and the coordinator."""
+
+    TAG = "unprotected"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    detail: str = _f(NAME)
+
+
 # agent -> coordinator
 
 
@@ -511,16 +522,6 @@ class Fenced(Message):
 
 
 @attrs.frozen
-class NodeFinished(Message):
-    TAG = "node_finished"
-    ROUTE = (A, C)
-    node: int = _f(_nat)
-
-
-# the handshake of a node's TCP link (see .auth)
-
-
-@attrs.frozen
 class Started(Message):
     """The agent started a process of its node (``role``: agent, zygote, keeper, trainer
     or shadow; ``rank`` for the last three): its pid goes to the event log."""
@@ -531,6 +532,16 @@ class Started(Message):
     pid: int = _f(_nat)
     rank: int | None = _f(_opt(_nat), None)
     incarnation: int | None = _f(_opt(_nat), None)
+
+
+@attrs.frozen
+class NodeFinished(Message):
+    TAG = "node_finished"
+    ROUTE = (A, C)
+    node: int = _f(_nat)
+
+
+# the handshake of a node's TCP link (see .auth)
 
 
 @attrs.frozen
@@ -764,6 +775,7 @@ KINDS: tuple[type[Message], ...] = (
     Done,
     Fatal,
     Promoted,
+    Unprotected,
     Failure,
     Shadow,
     Fenced,

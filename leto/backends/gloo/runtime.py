@@ -113,6 +113,8 @@ def wrap_gloo(
             "'gloo' runs one process per rank: start this script with `leto launch "
             "--nproc-per-node N [--nnodes M ...] script.py` (or use backend='fake')",
         )
+    if bootstrap.WATCH is not None:  # the script calls leto.wrap: torch as it was
+        bootstrap.WATCH.wrapped()
     if backend is not None:
         raise ConfigError("backend", "the gloo backend takes no backend object")
     if checkpointer is not None:
