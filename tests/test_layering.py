@@ -25,6 +25,7 @@ LAYER = {
     "errors": 0,
     "argcheck": 0,
     "private": 0,
+    "jobs": 0,  # which records of a run directory's event log are one job's
     "retained": 1,
     "backends": 2,
     "adapters": 3,

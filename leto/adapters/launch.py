@@ -622,11 +622,13 @@ def restart_launch(agent: Any, argv: list[str]) -> None:
     """The coordinator decided a restart (:mod:`leto.core.restart`), and this agent has
     ended its processes: this ``leto launch`` execs itself with the same arguments, as
     that restart (same pid: whoever started it still holds it), keeping the job's
-    secret (in the environment, which the next start takes out of it)."""
+    secret and id (in the environment, which the next start takes out of it)."""
     from leto.backends.gloo import auth
+    from leto.backends.gloo.records import JOB_ENV
 
     if agent.secret is not None:
         os.environ[auth.ENV] = agent.secret.decode()
+    os.environ[JOB_ENV] = agent.job  # the same job: its records and logs go on
     os.umask(agent.umask)  # the user's (the agent keeps its own files private)
     os.environ[RESTART_ENV] = str(agent.restart)
     os.environ[FIRED_ENV] = ",".join(map(str, agent.fired))

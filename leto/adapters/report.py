@@ -8,6 +8,10 @@ restarts), and a summary. It saves a PNG of the timeline (training progress
 over time, failures, recoveries by kind, the phase breakdown of each recovery)
 to ``RUN_DIR/timeline.png`` unless ``--no-plot`` or ``--out`` says otherwise.
 ``--json`` prints the summary as one JSON object instead of the text.
+
+A run directory used for several jobs holds each one's records (every record names its
+job, :mod:`leto.jobs`): the report is the latest job's, or ``--job ID``'s, and says so in
+one line.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from leto.argcheck import BadInput, Bound, file_to_write, refuse, show
+from leto.jobs import Choice, NoSuchJob, choose
 
-__all__ = ["configure", "load", "plot", "run", "summarize", "timeline_lines"]
+__all__ = ["configure", "load", "of_job", "plot", "run", "summarize", "timeline_lines"]
 
 PHASES = ("fence", "promote", "rejoin", "reconcile", "rebuild", "resume")
 KIND_WORDS = {
@@ -102,6 +107,18 @@ def load(run_dir: str | Path) -> list[dict[str, Any]]:
     return events
 
 
+def of_job(
+    events: list[dict[str, Any]], job: str | None, where: object
+) -> tuple[list[dict[str, Any]], Choice]:
+    """The records of job ``job`` (an id or a prefix of one; None: the latest job), and
+    which job of the log's that is."""
+    try:
+        choice = choose(events, job)
+    except NoSuchJob as e:
+        raise ReportError(f"{where}: {e}") from None
+    return [e for e in events if choice.holds(e)], choice
+
+
 def _check_record(f: Path, n: int, rec: Any) -> None:
     where = f"{f}: line {n}"
     if not isinstance(rec, dict):
@@ -113,6 +130,8 @@ def _check_record(f: Path, n: int, rec: Any) -> None:
     what = f"{where}: {show(event)} record:"
     if "t_rel" not in rec:
         raise ReportError(f'{what} no "t_rel" (seconds since the job started)')
+    if "job" in rec and not isinstance(rec["job"], str):
+        raise ReportError(f"{what} job must be a string (the job's id), got {show(rec['job'])}")
     for key, bound in FIELDS.items():
         if key in rec and not (key == "steps_lost" and rec[key] is None):
             problem = bound.problem(rec[key])
@@ -158,6 +177,8 @@ def _label(value: Any) -> str:
 def _failure_text(e: dict[str, Any]) -> str:
     kind = e.get("kind")
     who = f"node {e.get('node')}" if kind == "node_lost" else f"rank {e.get('rank')}"
+    if e.get("pid") is not None:
+        who += f" (pid {e['pid']})"
     words = {
         "crash": "died",
         "exception": "raised an exception",
@@ -184,7 +205,7 @@ def _recovery_text(e: dict[str, Any]) -> str:
     phases = e.get("phases_ms", {})
     ph = ", ".join(f"{k} {phases[k]:.1f} ms" for k in PHASES if k in phases)
     prom = ", ".join(
-        f"rank {p['rank']} {'warm' if p.get('warm') else 'cold'} {p.get('ms', 0):.0f} ms"
+        f"rank {p['rank']} {'warm' if p.get('warm') else 'cold'} {p.get('ms', 0):.0f} ms" + _pids(p)
         for p in e.get("promoted", [])
     )
     kind = str(e.get("kind"))
@@ -209,6 +230,13 @@ def _recovery_text(e: dict[str, Any]) -> str:
         f"gen {e.get('generation')}: {kind} ({what}), resumed at step {e.get('resumed_at')} "
         f"in {float(e.get('seconds', 0)):.3f} s; promoted: {prom or 'none'}; {ph}{tail}"
     )
+
+
+def _pids(p: dict[str, Any]) -> str:
+    """`` (pid 120 -> 131)``: the failed trainer's process, and the promoted shadow's."""
+    if p.get("pid") is None:
+        return ""
+    return f" (pid {p.get('old_pid', '?')} -> {p['pid']})"
 
 
 def timeline_lines(events: list[dict[str, Any]]) -> list[str]:
@@ -396,6 +424,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/timeline.png)")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--job",
+        default=None,
+        metavar="ID",
+        help="the job to report, by its id or a prefix of it, where RUN_DIR holds several "
+        "(default: the latest)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -413,16 +448,21 @@ def run(args: argparse.Namespace) -> int:
                 raise ReportError(
                     "the plot needs matplotlib (pip install matplotlib); or --no-plot"
                 )
-        events = load(args.run_dir)
+        events, choice = of_job(load(args.run_dir), args.job, args.run_dir)
     except (ReportError, BadInput) as e:
         return refuse("report", e)
     summary = summarize(events)
+    summary["job"] = choice.job or None
+    summary["jobs"] = len(choice.jobs)
     if png is not None:
         plot(events, png)
         summary["plot"] = str(png)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
+    note = choice.note(args.run_dir)
+    if note is not None:
+        print(note)
     for line in timeline_lines(events):
         print(line)
     print()

@@ -68,6 +68,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     t.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or its events.jsonl")
     t.add_argument("--json", action="store_true", help="print one JSON object")
     t.add_argument(
+        "--job",
+        default=None,
+        metavar="ID",
+        help="the job to replay, by its id or a prefix of it, where RUN_DIR holds several "
+        "(default: the latest)",
+    )
+    t.add_argument(
         "--tlc",
         action="store_true",
         help="also check the trace with TLC against Leto.tla (spec/TraceLeto.tla)",
@@ -255,7 +262,7 @@ def run_trace(args: argparse.Namespace) -> int:
     from leto.spec.trace import InputError, check
 
     try:
-        report = check(args.run_dir)
+        report = check(args.run_dir, args.job)
     except InputError as exc:
         return refuse("spec trace", exc)
     if not args.tlc:
@@ -265,7 +272,7 @@ def run_trace(args: argparse.Namespace) -> int:
     from leto.spec.tlc import TLCNotAvailable
 
     try:
-        tla = check_tlc(args.run_dir)
+        tla = check_tlc(args.run_dir, job=args.job)
     except (InputError, TLCNotAvailable) as exc:
         return refuse("spec trace", exc)
     if args.json:

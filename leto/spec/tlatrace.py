@@ -185,9 +185,10 @@ def to_tla(records: list[tuple[int, dict[str, Any]]]) -> tuple[str, str, int]:
     return module, cfg, len(steps)
 
 
-def check_tlc(path: str | Path, *, timeout: float = 600.0) -> TLATrace:
-    """``leto spec trace RUN_DIR --tlc``; :class:`InputError` for bad input."""
-    _, records = read(path)
+def check_tlc(path: str | Path, *, timeout: float = 600.0, job: str | None = None) -> TLATrace:
+    """``leto spec trace RUN_DIR --tlc`` (job ``job``'s records, or the latest job's);
+    :class:`InputError` for bad input."""
+    _, records = read(path, job)
     try:
         module, cfg, n = to_tla(records)
     except TraceError as e:

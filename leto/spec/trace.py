@@ -9,7 +9,9 @@ holds checks that the replayed state agrees with what the log says happened. The
 coordinator and the replay share this module's vocabulary, so what is replayed is
 exactly what was fed.
 
-Records (one JSON object per line of ``RUN_DIR/events.jsonl``; other records pass by):
+Records (one JSON object per line of ``RUN_DIR/events.jsonl``; other records pass by,
+and so do other jobs' records: a run directory used again holds several jobs, and one
+job is replayed, the latest or ``--job ID``'s, :mod:`leto.jobs`):
 
 * ``core_init``: the model's constants and initial state (:class:`CoreSetup`).
 * ``core`` with ``feed``: events fed, in order, as one batch. An item is an event of
@@ -56,6 +58,7 @@ from leto.core.erasure import Topology
 from leto.core.errors import ProtocolError
 from leto.core.recovery import Phase
 from leto.core.shadow import ShadowState
+from leto.jobs import Choice, NoSuchJob, choose
 
 from .state_record import StateRecordError, state_from_record
 
@@ -315,6 +318,8 @@ class TraceReport:
     events: int  # events replayed (abbreviations expanded)
     checked: int  # records checked against the replayed state
     divergence: Divergence | None
+    job: str = ""  # the job replayed, where the log holds several (leto.jobs)
+    jobs: int = 1
 
     @property
     def ok(self) -> bool:
@@ -322,12 +327,15 @@ class TraceReport:
 
     def line(self) -> str:
         d = self.divergence
+        where = self.path
+        if self.jobs > 1:
+            where += f" (job {self.job}, of the {self.jobs} jobs it holds)"
         if d is None:
             return (
-                f"trace OK: {self.path}: {self.events} events replayed from "
+                f"trace OK: {where}: {self.events} events replayed from "
                 f"{self.core_records} core records, {self.checked} records checked"
             )
-        return f"trace DIVERGES at {self.path}:{d.line} ({d.event}): {d.why} [model: {d.state}]"
+        return f"trace DIVERGES at {where}:{d.line} ({d.event}): {d.why} [model: {d.state}]"
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self) | {"ok": self.ok}
@@ -643,11 +651,20 @@ def rebuild(records: Iterable[dict[str, Any]]) -> tuple[ClusterModel, ClusterSta
         raise TraceError("no core_init record: nothing to rebuild") from None
 
 
-def read(path: str | Path) -> tuple[Path, list[tuple[int, dict[str, Any]]]]:
-    """The numbered records of a run directory's ``events.jsonl`` (or of the file).
+def read(path: str | Path, job: str | None = None) -> tuple[Path, list[tuple[int, dict[str, Any]]]]:
+    """The numbered records of a run directory's ``events.jsonl`` (or of the file): of
+    job ``job`` (an id or a prefix of one), or of the latest job the log holds
+    (:mod:`leto.jobs`).
 
     A line that is not a JSON object naming its ``event`` is bad input, except a last
     line with no newline (a writer killed half way through it), which is skipped."""
+    f, out, _ = _read(path, job)
+    return f, out
+
+
+def _read(
+    path: str | Path, job: str | None
+) -> tuple[Path, list[tuple[int, dict[str, Any]]], Choice]:
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file or directory")
@@ -673,15 +690,23 @@ def read(path: str | Path) -> tuple[Path, list[tuple[int, dict[str, Any]]]]:
         if not isinstance(rec, dict) or not isinstance(rec.get("event"), str):
             raise InputError(f'{f}:{n}: not a JSON object naming its "event"')
         out.append((n, rec))
+    try:
+        choice = choose((rec for _, rec in out), job)
+    except NoSuchJob as e:
+        raise InputError(f"{f}: {e}") from None
+    out = [(n, rec) for n, rec in out if choice.holds(rec)]
     if not any(rec["event"] in ("core_init", "core") for _, rec in out):
+        which = f" of job {choice.job}" if len(choice.jobs) > 1 else ""
         raise InputError(
-            f"{f} has no core records: nothing to replay (a job that stopped before "
+            f"{f} has no core records{which}: nothing to replay (a job that stopped before "
             "training started, or a log written without trace records)"
         )
-    return f, out
+    return f, out, choice
 
 
-def check(path: str | Path) -> TraceReport:
-    """``leto spec trace``: replay a run's log; :class:`InputError` for bad input."""
-    f, records = read(path)
-    return replay(records, str(f))
+def check(path: str | Path, job: str | None = None) -> TraceReport:
+    """``leto spec trace``: replay a run's log (job ``job``'s records, or the latest
+    job's); :class:`InputError` for bad input."""
+    f, records, choice = _read(path, job)
+    report = replay(records, str(f))
+    return attrs.evolve(report, job=choice.job, jobs=len(choice.jobs))

@@ -145,6 +145,10 @@ def test_node0_agent_killed_mid_run_fails_over_bitwise(
     assert digests_equal(res, ref_2x2), "not bitwise equal to the failure-free run"
     (took,) = res.of("coordinator_took_over")
     assert took["committed"] == 4, took
+    # the successor goes on with the same job's log: its id, and its clock
+    assert len({e.get("job") for e in res.events}) == 1
+    t_rel = [e["t_rel"] for e in res.events]
+    assert t_rel == sorted(t_rel) and t_rel[-1] > 1.0, t_rel
     # a whole node's ranks are beyond tier 1 (its parity): the tier-2 snapshot of step 4,
     # or of step 2 when node 0 died before etcd held step 4's (its agent was writing it)
     assert [r["kind"] for r in res.recoveries] == ["tier2"], res.recoveries

@@ -98,6 +98,9 @@ def test_a_lost_node_with_no_spare_restarts_the_job_from_its_checkpoint_bitwise(
     assert "no replacement joined within 0.2 s" in restart["cause"], restart
     starts = res.of("job_start")
     assert [s.get("restart", 0) for s in starts] == [0, 1], starts
+    # a restart is the same job: one id in every record, its logs in the job's folder
+    (job_id,) = {e.get("job") for e in res.events}
+    assert job_id and (res.run_dir / "logs" / job_id / "node0-trainer0-1-restart1.log").exists()
     assert [e["status"] for e in res.of("job_end")] == ["restarting", "ok"]
     assert [e["start"] for e in res.of("core_init")] == [0, 6]  # from the checkpoint of 6
     assert len(res.of("failure")) == 1  # the fault plan's loss did not fire again

@@ -75,6 +75,7 @@ from .records import AgentOptions, LaunchError, Link, Proc, ProcConn
 from .routing import Routing
 from .shadows import Shadows
 from .supervisor import Supervisor
+from .title import set_title
 from .watch import Watchers
 from .wire import Conn
 
@@ -91,6 +92,7 @@ class Agent:
         self.W = opts.nnodes * opts.nproc_per_node
         self.local_ranks = range(self.nproc)
         self.run_dir = Path(opts.run_dir).resolve()
+        self.logs = self.run_dir / "logs"  # the job's own folder of it, once the job is known
         self.sel = selectors.DefaultSelector()
         # deaths seen before the kernel's teardown of the dead process's memory
         self.deathwatch = DeathWatch()
@@ -102,6 +104,7 @@ class Agent:
         self.shadow_failures: dict[int, int] = dict.fromkeys(self.local_ranks, 0)
         # ranks whose shadow could not be built (the reason): replaced by cold starts only
         self.degraded: dict[int, str] = {}
+        self.told_unprotected = False  # a script without leto.wrap was reported (unwrapped)
         self.asked: set[int] = set()  # ranks the coordinator needs a shadow of (need_shadow)
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[int, dict[str, Any]] = {}
@@ -177,6 +180,10 @@ class Agent:
         if self.pooled:
             return "spare" if self.spare_id is None else f"spare {self.spare_id}"
         return f"node {self.node}"
+
+    def name_self(self) -> None:
+        """What this agent is called in ``ps`` (:mod:`.title`): ``leto agent node 0 job ...``."""
+        set_title(f"agent {self.who}", self.job)
 
     def say(self, text: str) -> None:
         if not self.o.quiet:

@@ -22,19 +22,23 @@ from typing import Any
 from . import messages as M
 from .channel import AgentChannel, AgentGone
 from .procs import steady_heap
+from .title import set_title
+from .unwrapped import Watch
 
-__all__ = ["CHANNEL", "SPEC", "child_main"]
+__all__ = ["CHANNEL", "SPEC", "WATCH", "child_main"]
 
 CHANNEL: AgentChannel | None = None
 SPEC: dict[str, Any] = {}
+WATCH: Watch | None = None  # a trainer's, until leto.wrap: a script that never calls it
 # run after the script ended without an error (the session registers its completion
 # barrier here: this module imports nothing of the runtime)
 AT_EXIT: list[Callable[[AgentChannel], None]] = []
 
 
 def child_main(spec: dict[str, Any]) -> int:
-    global CHANNEL, SPEC
+    global CHANNEL, SPEC, WATCH
     SPEC = spec
+    set_title(f"{spec['role']} rank {spec['rank']}", str(spec.get("job", "")))
     if "umask" in spec:
         os.umask(int(spec["umask"]))  # the user's: the agent's own files are private
     os.environ.update({k: str(v) for k, v in spec["env"].items()})
@@ -63,6 +67,9 @@ def child_main(spec: dict[str, Any]) -> int:
     sys.path.insert(
         0, os.getcwd() if spec.get("module") else os.path.dirname(os.path.abspath(script))
     )
+    if spec["role"] == "trainer":
+        WATCH = Watch(_teller(CHANNEL, int(spec["rank"])))
+        WATCH.start()
     code = 0
     try:
         if spec.get("module"):
@@ -105,3 +112,15 @@ def child_main(spec: dict[str, Any]) -> int:
     except AgentGone:
         pass
     return code
+
+
+def _teller(ch: AgentChannel, rank: int) -> Callable[[str], None]:
+    """How a trainer's :class:`.unwrapped.Watch` tells its agent."""
+
+    def tell(how: str) -> None:
+        try:
+            ch.send(M.Unprotected(rank=rank, detail=how))
+        except AgentGone:
+            pass
+
+    return tell

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import selectors
 import signal
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,7 @@ class Children:
     def start_keeper(self, lr: int) -> None:
         a = self.a
         h = spawn_keeper(a.rank(lr), a.job, tag=str(a.run_dir))
+        a.routing.to_coord(M.Started(role="keeper", pid=h.pid, rank=a.rank(lr)))
         if a.generation:
             h.fence(a.generation)
         a.keepers[lr] = h
@@ -57,7 +59,7 @@ class Children:
         inc = a.incarnation
         o = a.o
         again = f"-restart{o.restarts}" if o.restarts else ""  # a restart's logs beside
-        log_path = str(a.run_dir / "logs" / f"node{a.node}-{role}{rank}-{inc}{again}.log")
+        log_path = str(a.logs / f"node{a.node}-{role}{rank}-{inc}{again}.log")
         rfd, wfd = os.pipe()
         env = {
             "RANK": rank,
@@ -161,6 +163,9 @@ class Children:
                     self.keeper(p.local_rank, "admit", a.generation, p.pid)
                 else:
                     a.shadow[p.local_rank] = p
+                a.routing.to_coord(
+                    M.Started(role=p.role, pid=p.pid, rank=p.rank, incarnation=p.incarnation)
+                )
                 a.routing.claim(p)
             elif op == "exited":
                 p2 = a.by_pid.get(int(msg["pid"]))
@@ -173,6 +178,22 @@ class Children:
                     os.close(fd)
         if not alive and not a.stop:
             raise LaunchError("the zygote (fork server) died")
+
+    def unprotected(self, msg: M.Unprotected) -> None:
+        """A trainer's script runs without ``leto.wrap`` (:mod:`.unwrapped`): one line on
+        this node's console, also with ``--quiet`` (the first rank's), and the event log."""
+        a = self.a
+        if not a.told_unprotected:
+            a.told_unprotected = True
+            print(
+                f"leto[{a.who}]: warning: rank {msg.rank}'s script runs without leto.wrap "
+                f"({msg.detail}): nothing is protected, a failure ends the job; give your "
+                "model, optimizer and data to leto.wrap and train through the session it "
+                "returns (docs/loop.md)",
+                file=sys.stderr,
+                flush=True,
+            )
+        a.routing.to_coord(msg)
 
     def on_owner_died(self) -> None:
         """Processes whose main thread died (:mod:`.deathwatch`): each whose threads have

@@ -223,7 +223,7 @@ class ControlPlane:
             raise LaunchError(str(e)) from None
         info = a.election.leader() if a.election is not None else None
         a.leader_info = info
-        a.supervisor.start_coordinator()
+        a.supervisor.start_coordinator(continued=True)
         assert a.coord is not None
         if not any(r.get("event") == "core_init" for r in taken.records):
             raise LaunchError(

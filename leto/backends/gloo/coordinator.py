@@ -115,6 +115,7 @@ class Coordinator:
         self.pool: list[int] = []  # the pooled spare agents' ids, lowest first
         self.spares_joined = 0  # ids are given in the order the spares joined
         self.degraded: dict[int, str] = {}  # ranks whose shadow could not be built: why
+        self.pids: dict[int, int] = {}  # rank -> its trainer's pid (a promotion's old pid)
         self.shadow_pending: list[tuple[int, str]] = []
         self.asked_shadow: set[tuple[int, int]] = set()  # shadow reports before the model exists
         self.rec: Recovery | None = None
@@ -269,6 +270,10 @@ class Coordinator:
                     self._on_done(msg)
                 case M.NodeFinished():
                     self.finished_nodes.add(node)
+                case M.Started():
+                    self._on_started(node, msg)
+                case M.Unprotected():
+                    self.log.write("unprotected", rank=msg.rank, node=node, detail=msg.detail)
                 case M.Shadow():
                     self._on_shadow(msg)
                 case M.Failure():
@@ -624,6 +629,20 @@ class Coordinator:
         self._send(None, M.Complete())
 
     # --- shadows -----------------------------------------------------------------
+
+    def _on_started(self, node: int, msg: M.Started) -> None:
+        """A process of ``node`` started: its pid in the log (which process is rank 3's
+        trainer), and a trainer's kept for the promotion that replaces it."""
+        if msg.role == "trainer" and msg.rank is not None:
+            self.pids[msg.rank] = msg.pid
+        fields = {"rank": msg.rank, "incarnation": msg.incarnation}
+        self.log.write(
+            "process_started",
+            role=msg.role,
+            pid=msg.pid,
+            node=node,
+            **{k: v for k, v in fields.items() if v is not None},
+        )
 
     def _on_shadow(self, msg: M.Shadow) -> None:
         r, st = msg.rank, msg.state

@@ -46,6 +46,7 @@ from typing import Any
 
 from . import segments
 from .procs import die_with_parent
+from .title import set_title
 from .wire import MAX_FDS, Conn, WireError, abstract_name, check_peer, listen_unix
 
 __all__ = ["Keeper", "KeeperHandle", "main", "spawn_keeper"]
@@ -368,8 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--job", required=True)
     p.add_argument("--parent", type=int, required=True)
-    p.add_argument("--tag", default="")  # lets tests find the job's processes
+    # the job's run directory: in the keeper's title, where the tests find a job's processes
+    p.add_argument("--tag", default="")
     a = p.parse_args(argv)
+    # its own arguments are the agent's business: the job's run directory instead
+    set_title(f"keeper rank {a.rank}", a.job, f"run dir {a.tag}" if a.tag else "")
     die_with_parent(a.parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     control = Conn(socket.socket(fileno=a.control_fd), send_timeout=10.0)

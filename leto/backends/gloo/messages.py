@@ -455,7 +455,7 @@ class Fatal(Message):
 @attrs.frozen
 class Promoted(Message):
     """A shadow runs as its rank's trainer: the trainer tells its agent, the agent the
-    coordinator (with how: ``warm``, and how long it took)."""
+    coordinator (with how: ``warm``, how long it took, and the process's ``pid``)."""
 
     TAG = "promoted"
     ROUTE = (T, A, C)
@@ -463,6 +463,18 @@ class Promoted(Message):
     gen: int = _f(_nat)
     warm: bool | None = _f(_opt(_bool), None)
     ms: float | None = _f(_opt(_number), None)
+    pid: int | None = _f(_opt(_nat), None)
+
+
+@attrs.frozen
+class Unprotected(Message):
+    """The script runs without ``leto.wrap`` (``detail``: how it was seen): the
+    trainer tells its agent, which says so on its console, and the coordinator."""
+
+    TAG = "unprotected"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    detail: str = _f(NAME)
 
 
 # agent -> coordinator
@@ -507,6 +519,19 @@ class Fenced(Message):
     node: int = _f(_nat)
     gen: int = _f(_nat)
     killed: list[dict[str, int]] = _f(_of(list), attrs.Factory(list))
+
+
+@attrs.frozen
+class Started(Message):
+    """The agent started a process of its node (``role``: agent, zygote, keeper, trainer
+    or shadow; ``rank`` for the last three): its pid goes to the event log."""
+
+    TAG = "started"
+    ROUTE = (A, C)
+    role: str = _f(NAME)
+    pid: int = _f(_nat)
+    rank: int | None = _f(_opt(_nat), None)
+    incarnation: int | None = _f(_opt(_nat), None)
 
 
 @attrs.frozen
@@ -750,9 +775,11 @@ KINDS: tuple[type[Message], ...] = (
     Done,
     Fatal,
     Promoted,
+    Unprotected,
     Failure,
     Shadow,
     Fenced,
+    Started,
     NodeFinished,
     Challenge,
     NodeHello,

@@ -15,7 +15,11 @@ from .board import StatusBoard
 from .messages import Message
 from .wire import Conn
 
-__all__ = ["AgentOptions", "LaunchError", "Link", "Proc", "ProcConn", "look", "note"]
+__all__ = ["JOB_ENV", "AgentOptions", "LaunchError", "Link", "Proc", "ProcConn", "look", "note"]
+
+# a restart (--max-restarts) is the same job: the agent that execs itself for it passes
+# the job's id on here (node 0 keeps it; the others take node 0's at rendezvous)
+JOB_ENV = "LETO_RESTART_JOB"
 
 
 class LaunchError(RuntimeError):

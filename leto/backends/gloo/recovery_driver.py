@@ -154,14 +154,23 @@ class RecoveryDriver:
         return True
 
     def on_promoted(self, msg: M.Promoted) -> None:
+        """A shadow is its rank's trainer now: the new process replaces the old one (their
+        pids in the log: the old one is the trainer that failed)."""
         if self.ack("promote", msg.rank, msg.gen) and self.c.rec is not None:
-            self.c.rec.promoted.append({"rank": msg.rank, "warm": bool(msg.warm), "ms": msg.ms})
+            pids = {"pid": msg.pid, "old_pid": self.c.pids.get(msg.rank)}
+            pids = {k: v for k, v in pids.items() if v is not None}
+            if msg.pid is not None:
+                self.c.pids[msg.rank] = msg.pid
+            self.c.rec.promoted.append(
+                {"rank": msg.rank, "warm": bool(msg.warm), "ms": msg.ms, **pids}
+            )
             self.c.log.write(
                 "promoted",
                 rank=msg.rank,
                 warm=bool(msg.warm),
                 ms=msg.ms,
                 generation=self.c.generation,
+                **pids,
             )
 
     def on_reconciled(self, msg: M.Reconciled) -> None:

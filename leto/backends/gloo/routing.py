@@ -236,6 +236,8 @@ class Routing:
             case M.Ready():
                 p.status = "running"
                 self.to_coord(msg)
+            case M.Unprotected():
+                a.children.unprotected(msg)
             case (
                 M.Vote()
                 | M.Finished()

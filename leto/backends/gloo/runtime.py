@@ -75,6 +75,7 @@ from .rank_state import RankState
 from .snapshots import Tier2Snapshots
 from .step import UserLoop
 from .stops import StopPoints
+from .title import set_title
 from .transaction import StepTransaction
 
 PREMAP_EVERY_S = 2.0  # a warm shadow looks for node blocks made since, this often
@@ -112,6 +113,8 @@ def wrap_gloo(
             "'gloo' runs one process per rank: start this script with `leto launch "
             "--nproc-per-node N [--nnodes M ...] script.py` (or use backend='fake')",
         )
+    if bootstrap.WATCH is not None:  # the script calls leto.wrap: torch as it was
+        bootstrap.WATCH.wrapped()
     if backend is not None:
         raise ConfigError("backend", "the gloo backend takes no backend object")
     if checkpointer is not None:
@@ -396,6 +399,7 @@ class GlooSession:
         self.gen = msg.gen
         self.keeper_pid = msg.keeper_pid
         self.role = "trainer"
+        set_title(f"trainer rank {self.rank}", str(self.spec.get("job", "")))
         # the keeper may have been replaced (its memory lost) since this shadow connected
         self.keeper.close()
         self.keeper = KeeperClient(msg.keeper_socket, generation=self.gen)

@@ -157,7 +157,9 @@ class Shadows:
         a.say(
             f"rank {p.rank}: {'warm' if p.promote_warm else 'cold'} shadow promoted in {ms:.0f} ms"
         )
-        a.routing.to_coord(M.Promoted(rank=p.rank, gen=p.promote_gen, warm=p.promote_warm, ms=ms))
+        a.routing.to_coord(
+            M.Promoted(rank=p.rank, gen=p.promote_gen, warm=p.promote_warm, ms=ms, pid=p.pid)
+        )
 
     def budget(self, budget: int) -> None:
         """Shadows go cold while the trainers' memory is over ``budget`` bytes, and warm

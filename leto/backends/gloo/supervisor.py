@@ -29,8 +29,8 @@ from . import messages as M
 from . import procs as P
 from .control_plane import restart_of
 from .coordinator import Coordinator, CoordinatorOptions
-from .eventlog import EventLog
-from .records import LaunchError, look
+from .eventlog import EventLog, job_started
+from .records import JOB_ENV, LaunchError, look
 from .watch import Watchers
 from .wire import Conn, WireError, abstract_name, listen_unix
 
@@ -42,17 +42,6 @@ __all__ = ["Supervisor"]
 COMPUTE_PHASES = {"forward", "backward", "step"}
 
 
-def _log_started(path: Any) -> float | None:
-    """When the job's event log was started (its first record's ``t``): a coordinator
-    that takes over continues it, on the same clock. None: no log yet."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            t = json.loads(f.readline()).get("t")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return float(t) if isinstance(t, (int, float)) else None
-
-
 class Supervisor:
     """The agent's life: start, rendezvous, loop, timers, cleanup."""
 
@@ -62,6 +51,7 @@ class Supervisor:
     def run(self) -> int:
         """Start, run the loop, clean up; the process exit code."""
         a = self.a
+        a.name_self()
         try:
             self.private()
         except (InsecurePathError, auth.SecretError, OSError, LaunchError) as e:
@@ -77,11 +67,12 @@ class Supervisor:
 
         from .zygote import start_zygote
 
-        a.zygote = start_zygote()  # before any thread exists in this process
+        a.zygote = start_zygote(a.who)  # before any thread exists in this process
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)
         try:
             self.rendezvous()
+            a.name_self()  # the job is known now
             self.watch_zygote()
             if not a.pooled:
                 self.start_node()
@@ -123,6 +114,9 @@ class Supervisor:
         a.run_dir = private_dir(a.run_dir, "run directory")
         private_dir(a.run_dir / "logs", "log directory")
         a.secret = auth.from_environment()
+        job = os.environ.pop(JOB_ENV, "")
+        if a.o.restarts:  # the job's id: this start is one of its restarts
+            a.job = job
         if a.node == 0 and a.o.etcd:  # before torch's import: the others read the secret
             a.control.leads = a.control.first_of_job()
         elif a.node == 0 and a.secret is None:
@@ -227,11 +221,15 @@ class Supervisor:
             a.listener = None
         a.store = None
 
-    def start_coordinator(self) -> None:
-        """The coordinator, its event log and its watchers, in this agent."""
+    def start_coordinator(self, *, continued: bool = False) -> None:
+        """The coordinator, its event log and its watchers, in this agent. Every record
+        names the job (the run directory may hold others' records, :mod:`leto.jobs`); a
+        job ``continued`` (taken over) or restarted keeps the clock of its first record."""
         a = self.a
         o = a.o
-        a.log = EventLog(a.run_dir / "events.jsonl", t0=_log_started(a.run_dir / "events.jsonl"))
+        path = a.run_dir / "events.jsonl"
+        t0 = job_started(path, a.job) if continued or o.restarts else None
+        a.log = EventLog(path, t0=t0, job=a.job)
         a.coord = Coordinator(
             o.nnodes,
             o.nproc_per_node,
@@ -263,7 +261,6 @@ class Supervisor:
         assert a.log is not None
         a.log.write(
             "job_start",
-            job=a.job,
             nodes=o.nnodes,
             nproc_per_node=o.nproc_per_node,
             world_size=a.W,
@@ -440,6 +437,7 @@ class Supervisor:
         a.say(f"is node {node}" if start else f"takes the place of node {node}, which was lost")
         a.pooled = False
         a.node = node
+        a.name_self()
         a.spare = not start
         a.generation = gen
         a.control.present()
@@ -488,6 +486,13 @@ class Supervisor:
 
     def start_node(self) -> None:
         a = self.a
+        # each job's process logs apart (a run directory used again holds several jobs)
+        try:
+            a.logs = private_dir(a.run_dir / "logs" / a.job, "log directory")
+        except InsecurePathError as e:
+            raise LaunchError(str(e)) from None
+        for role, pid in (("agent", os.getpid()), ("zygote", a.zygote.pid)):
+            a.routing.to_coord(M.Started(role=role, pid=pid))
         a.agent_socket = abstract_name(f"{a.job}-agent{a.node}")
         a.agent_listener = listen_unix(a.agent_socket)
         a.sel.register(a.agent_listener, selectors.EVENT_READ, ("listener", None))

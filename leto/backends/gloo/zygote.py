@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from .procs import die_with_parent
+from .title import set_title
 from .wire import Conn, WireError
 
 __all__ = ["ZygoteHandle", "start_zygote"]
@@ -51,8 +52,9 @@ class ZygoteHandle:
             pass
 
 
-def start_zygote() -> ZygoteHandle:
-    """Fork the zygote (call before any thread exists in this process)."""
+def start_zygote(who: str) -> ZygoteHandle:
+    """Fork the zygote of the agent that is ``who`` ("node 0"; call before any thread
+    exists in this process)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     parent = os.getpid()
     sys.stdout.flush()
@@ -62,6 +64,7 @@ def start_zygote() -> ZygoteHandle:
         ours.close()
         code = 0
         try:
+            set_title(f"zygote {who}")
             _serve(theirs, parent)
         except BaseException:  # noqa: BLE001 - the zygote must never return into the agent
             code = 1
@@ -80,6 +83,7 @@ def _serve(sock: socket.socket, parent: int) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     me = os.getpid()
+    named = ("", "")  # what this zygote last called itself, and its job
     while True:
         try:
             watch: list[Any] = [conn.sock, wake_r]
@@ -100,6 +104,12 @@ def _serve(sock: socket.socket, parent: int) -> None:
                     for fd in fds:
                         os.close(fd)
                     continue
+                spec = msg["spec"]
+                # a spare's zygote is its node's once it has one, and the job is known
+                now = (f"zygote node {spec.get('node')}", str(spec.get("job", "")))
+                if now != named:
+                    named = now
+                    set_title(*now)
                 child = os.fork()
                 if child == 0:
                     _child(msg["spec"], fds[0], conn, (wake_r, wake_w), me)
