@@ -150,7 +150,10 @@ def test_a_config_without_topology_takes_the_launched_one(here: Path) -> None:
             ["--nnodes", "2:4", "--node-rank", "1"],
             "--node-rank 1 with --nnodes 2:4: node 0 gives --node-rank 0, every other node none",
         ),
-        (["--nnodes", "2:4"], "--rdzv-endpoint HOST:PORT is required with --nnodes > 1"),
+        (
+            ["--nnodes", "2:4"],
+            "--rdzv-endpoint HOST:PORT (or --master-addr and --master-port) is required",
+        ),
     ],
 )
 def test_launch_flags(
@@ -191,6 +194,18 @@ def test_launch_names_the_real_problem(here: Path, capsys: pytest.CaptureFixture
     assert "script 'adir' is a directory, not a script" in line
     _, line = refusal(["launch", "nothere.py"], capsys)
     assert "script 'nothere.py' not found" in line
+    _, line = refusal(["launch", "--rdzv-endpoint", "[::1]:29400", "train.py"], capsys)
+    assert "::1 has no IPv4 address" in line and "IPv4 only" in line and "in use" not in line
+    _, line = refusal(["launch", "--tensorboard", "/proc/x", "train.py"], capsys)
+    assert line == (
+        "leto launch: error: --tensorboard '/proc/x' cannot be created in '/proc' "
+        "(No such file or directory)"
+    )
+    _, line = refusal(["launch", "--tee-x", "3", "train.py"], capsys)
+    assert line == (
+        "leto launch: error: unrecognized arguments: --tee-x (did you mean --tee?) "
+        "(see `leto launch --help`)"
+    )
     with socket.socket() as s:  # a port in use is still named so
         s.bind(("127.0.0.1", 0))
         s.listen()
