@@ -30,6 +30,18 @@ import os
 import random
 from importlib import resources
 
+# the arguments first: `--help` answers before torch and transformers are imported
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("--config", default=os.environ.get("LETO_CONFIG"))
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--accum", type=int, default=2, help="micro-batches per step")
+p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+p.add_argument("--block", type=int, default=32, help="characters per sequence")
+p.add_argument("--layers", type=int, default=2)
+p.add_argument("--width", type=int, default=64)
+p.add_argument("--bf16", action="store_true", help="bfloat16 parameters (with master_weights)")
+args = p.parse_args()
+
 import numpy
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
@@ -48,17 +60,6 @@ try:  # resumable: leto retains its position (a plain DataLoader is re-read and 
     from torchdata.stateful_dataloader import StatefulDataLoader as DataLoader
 except ImportError:
     from torch.utils.data import DataLoader
-
-p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-p.add_argument("--config", default=os.environ.get("LETO_CONFIG"))
-p.add_argument("--steps", type=int, default=20)
-p.add_argument("--accum", type=int, default=2, help="micro-batches per step")
-p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-p.add_argument("--block", type=int, default=32, help="characters per sequence")
-p.add_argument("--layers", type=int, default=2)
-p.add_argument("--width", type=int, default=64)
-p.add_argument("--bf16", action="store_true", help="bfloat16 parameters (with master_weights)")
-args = p.parse_args()
 
 hf_logging.set_verbosity_error()
 torch.manual_seed(0)  # every RNG seeded: a resumed run is bitwise the one that never failed

@@ -20,6 +20,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "file_to_read",
     "file_to_write",
     "one_line",
+    "parse_endpoint",
     "refuse",
     "show",
 ]
@@ -57,6 +59,28 @@ def show(value: Any, width: int = 60) -> str:
         return str(value)
     text = " ".join(repr(value).split())
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def parse_endpoint(
+    text: str, flag: str = "--rdzv-endpoint", *, free_port: bool = False
+) -> tuple[str, int]:
+    """HOST:PORT (``[v6]:PORT`` too); port 0 (any free one) only with ``free_port``."""
+    lowest = 0 if free_port else 1
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):  # [::1]:29400
+        host = host[1:-1]
+    if (
+        not sep
+        or not host
+        or not (port.isascii() and port.isdecimal())
+        or len(port) > 5
+        or not lowest <= int(port) < 65536
+    ):
+        raise ValueError(
+            f"{flag} {show(text)} is not HOST:PORT with a port in {lowest}..65535 "
+            "(e.g. 127.0.0.1:29400)"
+        )
+    return host, int(port)
 
 
 def _limit(value: float) -> str:
@@ -177,9 +201,11 @@ def file_to_read(name: str, path: str | os.PathLike[str], what: str = "file") ->
     return p
 
 
-def dir_to_create(name: str, path: str | os.PathLike[str]) -> Path:
+def dir_to_create(name: str, path: str | os.PathLike[str], *, probe: bool = False) -> Path:
     """A directory that is there (writable) or can be created (its nearest existing
-    ancestor is a writable directory). Nothing is created here."""
+    ancestor is a writable directory). Nothing is created here, but with ``probe``
+    (for a directory the command is about to create) an empty directory is made in
+    that ancestor and removed: ``os.access`` says yes to root in ``/proc``."""
     p, shown = _path(name, path)
     try:
         if p.exists() and not p.is_dir():
@@ -194,6 +220,15 @@ def dir_to_create(name: str, path: str | os.PathLike[str]) -> Path:
             raise BadInput(f"{name} {shown}: a name in it is longer than 255 bytes")
     except OSError as e:
         raise _os_error(name, shown, e) from None
+    if probe:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".leto-probe-", dir=base))
+        except OSError as e:
+            why = e.strerror or str(e)
+            if base == p.absolute():
+                raise BadInput(f"{name} {shown} is not writable ({why})") from None
+            where = show(str(base), 200)
+            raise BadInput(f"{name} {shown} cannot be created in {where} ({why})") from None
     return p
 
 

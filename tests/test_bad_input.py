@@ -83,6 +83,47 @@ def test_wrap_from_the_environment_under_leto_launch(monkeypatch: pytest.MonkeyP
     assert session.config.backend == "fake"
 
 
+def test_a_key_typo_names_the_key_it_meant(here: Path) -> None:
+    (here / "typo.toml").write_text('[leto]\nbackend = "gloo"\nchekpoint_dir = "ck"\n')
+    with pytest.raises(ConfigError) as e:
+        Config.load("typo.toml")
+    assert str(e.value) == (
+        "leto config (typo.toml): chekpoint_dir: unknown setting (did you mean checkpoint_dir?)"
+    )
+    with pytest.raises(ConfigError, match=r"\(did you mean topology\?\)"):
+        Config.from_dict({"topolgy": "1x2"})
+    with pytest.raises(ConfigError, match=r"variable LETO_CHUNKSIZE; did you mean LETO_CHUNK_SIZE"):
+        Config.from_env({"LETO_CHUNKSIZE": "64"})
+    with pytest.raises(ConfigError, match=r"\(known: topology, backend, ") as e:
+        Config.from_dict({"zzz": 1})  # nothing close: every key
+    # a restart of the job (--max-restarts) sets LETO_RESTART: not a setting
+    env = {"LETO_ROLE": "trainer", "LETO_RESTART": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert Config.from_env(env).ranks == 2
+
+
+def test_a_config_without_topology_takes_the_launched_one(here: Path) -> None:
+    """Under `leto launch` a file given to leto.wrap is read as LETO_CONFIG is: over
+    the job's backend and topology, under the LETO_* variables; a dict over the job's."""
+    (here / "c.toml").write_text('[leto]\nchunk_size = 64\ntier1_code = "replica"\n')
+    env = {"LETO_ROLE": "trainer", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    for cfg in (
+        Config.load("c.toml", env),
+        Config.from_env({**env, "LETO_CONFIG": "c.toml"}),
+        Config.load({"chunk_size": 64, "tier1_code": "replica"}, env),
+    ):
+        assert (cfg.backend, cfg.nodes, cfg.ranks_per_node, cfg.chunk_size) == ("gloo", 2, 2, 64)
+        assert cfg.tier1_kind == "replica"
+    assert Config.load("c.toml", {**env, "LETO_CHUNK_SIZE": "128"}).chunk_size == 128
+    # a topology the file names is its own (and the gloo runtime refuses a mismatch)
+    (here / "t.toml").write_text('[leto]\nbackend = "gloo"\ntopology = "1x4"\n')
+    assert Config.load("t.toml", env).ranks_per_node == 4
+    # outside leto launch: the file alone
+    cfg = Config.load("t.toml", {})
+    assert (cfg.nodes, cfg.ranks_per_node) == (1, 4)
+    with pytest.raises(ConfigError, match="'replica' is built for the gloo backend only"):
+        Config.load("c.toml", {})
+
+
 # ------------------------------------------------------------------------ launch
 
 
@@ -109,7 +150,10 @@ def test_wrap_from_the_environment_under_leto_launch(monkeypatch: pytest.MonkeyP
             ["--nnodes", "2:4", "--node-rank", "1"],
             "--node-rank 1 with --nnodes 2:4: node 0 gives --node-rank 0, every other node none",
         ),
-        (["--nnodes", "2:4"], "--rdzv-endpoint HOST:PORT is required with --nnodes > 1"),
+        (
+            ["--nnodes", "2:4"],
+            "--rdzv-endpoint HOST:PORT (or --master-addr and --master-port) is required",
+        ),
     ],
 )
 def test_launch_flags(
@@ -150,6 +194,18 @@ def test_launch_names_the_real_problem(here: Path, capsys: pytest.CaptureFixture
     assert "script 'adir' is a directory, not a script" in line
     _, line = refusal(["launch", "nothere.py"], capsys)
     assert "script 'nothere.py' not found" in line
+    _, line = refusal(["launch", "--rdzv-endpoint", "[::1]:29400", "train.py"], capsys)
+    assert "::1 has no IPv4 address" in line and "IPv4 only" in line and "in use" not in line
+    _, line = refusal(["launch", "--tensorboard", "/proc/x", "train.py"], capsys)
+    assert line == (
+        "leto launch: error: --tensorboard '/proc/x' cannot be created in '/proc' "
+        "(No such file or directory)"
+    )
+    _, line = refusal(["launch", "--tee-x", "3", "train.py"], capsys)
+    assert line == (
+        "leto launch: error: unrecognized arguments: --tee-x (did you mean --tee?) "
+        "(see `leto launch --help`)"
+    )
     with socket.socket() as s:  # a port in use is still named so
         s.bind(("127.0.0.1", 0))
         s.listen()

@@ -408,8 +408,18 @@ WORDY: list[tuple[list[str], tuple[str, ...]]] = [
         )  # fmt: skip
         for h in ("", "nosuchhost.invalid", "192.0.2.1", "h" * 300)
     ],
-    (LAUNCH.argv("--rdzv-id=j"), ("--rdzv-id", "etcd")),
+    *[(LAUNCH.argv(f"--rdzv-id={i}"), ("--rdzv-id",)) for i in ("", "a/b", "x" * 65)],
     (LAUNCH.argv("--local-addr=127.0.0.1"), ("--local-addr", "etcd")),
+    # IPv6 is refused as such (not as a port in use), a directory /proc will not take
+    # as such (not as a server that cannot start)
+    *[(LAUNCH.argv(f"--rdzv-endpoint={e}"), ("--rdzv-endpoint",)) for e in ("[::1]:29400",)],
+    (LAUNCH.argv("--master-addr=::1"), ("--master-addr",)),
+    *[(LAUNCH.argv(f"{f}=/proc/x"), (f, "/proc")) for f in ("--tensorboard", "--run-dir")],
+    # torchrun's flags: refused ones, and values leto cannot take
+    (LAUNCH.argv("--monitor-interval=1"), ("--monitor-interval",)),
+    (LAUNCH.argv("--nproc-per-node=gpu"), ("--nproc-per-node",)),
+    *[(LAUNCH.argv(f"--redirects={r}"), ("--redirects",)) for r in ("1", "4", "0:3,", "x")],
+    (LAUNCH.argv("--rdzv-conf=timeout=3"), ("--rdzv-conf",)),
     # the spare pool: a spare has no node rank, starts no spares, needs a job of nodes to
     # replace and node 0's endpoint; only node 0 starts spares
     (LAUNCH.argv("--spare", "--node-rank=1", "--nnodes=2"), ("--spare",)),

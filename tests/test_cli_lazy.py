@@ -52,6 +52,8 @@ def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     for name, _, help_ in SUBCOMMANDS:
         assert name in out and help_ in out
+    assert "in-place failure recovery" in out and "CPU" in out  # what leto is, not a cut
+    assert "Each subcommand lives" not in out  # internal docstring
 
 
 def test_a_subcommand_gets_its_options_and_an_unknown_one_is_refused(

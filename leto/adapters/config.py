@@ -65,11 +65,13 @@ shard                false     ZeRO-style sharded state: each rank retains only 
 
 ``LETO_CONFIG=path.toml`` makes :meth:`Config.from_env` read that file first; the
 other variables override it. The variables ``leto launch`` sets for its trainers
-(``LETO_ROLE``, ``LETO_INCARNATION``, ``LETO_RUN_DIR``, ``LETO_JOB``) and the few
+(``LETO_ROLE``, ``LETO_INCARNATION``, ``LETO_RUN_DIR``, ``LETO_JOB``, and
+``LETO_RESTART`` in a restart of the job) and the few
 other ``LETO_*`` variables leto reads elsewhere are not settings and are left
-alone; any other ``LETO_*`` variable is refused (a typo is not ignored). Under
-``leto launch`` the environment's defaults are the job's: ``backend = "gloo"`` and
-the topology the launcher started.
+alone; any other ``LETO_*`` variable is refused (a typo is not ignored, and the
+closest setting is named). Under ``leto launch`` the defaults are the job's:
+``backend = "gloo"`` and the topology the launcher started, for a file or a dict
+given to ``leto.wrap(config=...)`` as for ``LETO_CONFIG``.
 
 A TOML file with no settings is refused: it would run the defaults (the fake
 backend, one rank) without a word, which is never what a file was written for.
@@ -77,6 +79,7 @@ backend, one rank) without a word, which is never what a file was written for.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from collections.abc import Mapping
@@ -102,6 +105,7 @@ NOT_SETTINGS = frozenset(
         "LETO_INCARNATION",
         "LETO_RUN_DIR",
         "LETO_JOB",
+        "LETO_RESTART",
         "LETO_CHECK_KEPT_PARITY",
         "LETO_DUMP_FINAL",
         "LETO_TLA2TOOLS",
@@ -332,11 +336,7 @@ class Config:
                     )
                 continue
             if key not in fields:
-                raise ConfigError(
-                    key,
-                    f"unknown setting (known: topology, {', '.join(sorted(fields))})",
-                    source,
-                )
+                raise ConfigError(key, _unknown(key, ["topology", *sorted(fields)]), source)
             if key in ("nodes", "ranks_per_node") and key in kwargs and kwargs[key] != value:
                 raise ConfigError("topology", f"{key}={show(value)} contradicts topology", source)
             kwargs[key] = value
@@ -362,13 +362,11 @@ class Config:
         base: dict[str, Any] = _launch_defaults(env)
         if env.get("LETO_CONFIG"):
             path = env["LETO_CONFIG"]
-            data = _read_toml(path)
-            cfg = cls.from_dict(data, source=path)  # its errors name the file
-            for key in data:
-                if key == "topology":
-                    base["nodes"], base["ranks_per_node"] = cfg.nodes, cfg.ranks_per_node
-                else:
-                    base[key] = getattr(cfg, key)
+            merged = _over(base, _read_toml(path))
+            cfg = cls.from_dict(merged, source=path)  # its errors name the file
+            base = {k: getattr(cfg, k) for k in merged if k != "topology"}
+            if "topology" in merged:
+                base["nodes"], base["ranks_per_node"] = cfg.nodes, cfg.ranks_per_node
         types = {a.name: a for a in attrs.fields(cls)}
         for name, raw in sorted(env.items()):
             if not name.startswith(_ENV_PREFIX) or name == "LETO_CONFIG" or name in NOT_SETTINGS:
@@ -379,13 +377,7 @@ class Config:
                 base["nodes"], base["ranks_per_node"] = _parse_topology(raw, src)
                 continue
             if key not in types:
-                raise ConfigError(
-                    key,
-                    f"unknown setting (variable {name}; known: LETO_TOPOLOGY, "
-                    + ", ".join("LETO_" + k.upper() for k in sorted(types))
-                    + ")",
-                    src,
-                )
+                raise ConfigError(key, _unknown(key, ["topology", *sorted(types)], name), src)
             base[key] = _parse_env(key, raw, src)
         if base.get("world_size") is None and env.get("WORLD_SIZE"):
             base["world_size"] = _parse_env("world_size", env["WORLD_SIZE"], "from WORLD_SIZE")
@@ -393,16 +385,27 @@ class Config:
 
     @classmethod
     def load(
-        cls, source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None
+        cls,
+        source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> Config:
-        """A Config from a Config, a dict, a TOML path, or (None) the environment."""
+        """A Config from a Config, a dict, a TOML path, or (None) the environment.
+
+        Under ``leto launch`` a file is read as ``LETO_CONFIG`` is (over the job's
+        defaults, the gloo backend and the launched topology, and under the ``LETO_*``
+        variables), and a dict over the job's defaults: a file or a dict that names no
+        topology takes the launched one."""
+        env = os.environ if environ is None else environ
         if isinstance(source, Config):
             return source
         if source is None:
-            return cls.from_env()
+            return cls.from_env(env)
+        launched = _launch_defaults(env)
         if isinstance(source, Mapping):
-            return cls.from_dict(source)
+            return cls.from_dict(_over(launched, source))
         if isinstance(source, (str, os.PathLike)):
+            if launched:
+                return cls.from_env({**env, "LETO_CONFIG": os.fspath(source)})
             return cls.from_toml(source)
         raise ConfigError("config", f"cannot load settings from {type(source).__name__}")
 
@@ -447,6 +450,28 @@ def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
             str(p),
         )
     return data
+
+
+def _unknown(key: str, known: list[str], variable: str = "") -> str:
+    """The message for an unknown setting (``variable``: the ``LETO_*`` variable that
+    named it): the closest known one, or all of them."""
+
+    def spell(k: str) -> str:
+        return "LETO_" + k.upper() if variable else k
+
+    where = f"variable {variable}; " if variable else ""
+    close = difflib.get_close_matches(str(key), known, n=1)
+    if close:
+        return f"unknown setting ({where}did you mean {spell(close[0])}?)"
+    return f"unknown setting ({where}known: {', '.join(map(spell, known))})"
+
+
+def _over(base: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` over ``base``: a topology in ``data`` replaces the base's nodes and
+    ranks_per_node (from_dict refuses a topology that contradicts them)."""
+    if "topology" in data:
+        base = {k: v for k, v in base.items() if k not in ("nodes", "ranks_per_node")}
+    return {**base, **data}
 
 
 def _launch_defaults(env: Mapping[str, str]) -> dict[str, Any]:

@@ -13,8 +13,10 @@ starts one keeper, one trainer and one warm shadow per local rank, and on node 0
 the TCPStore of the rendezvous and the recovery coordinator (with ``--rdzv-backend
 etcd`` another node's agent takes them over when node 0's is lost). The script sees the
 usual variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``) and calls ``leto.wrap(..., config)`` with
-``backend = "gloo"``. Every failure and recovery goes to ``RUN_DIR/events.jsonl``;
+``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ...) and calls
+``leto.wrap(..., config)`` with ``backend = "gloo"``. torchrun's other flags are
+accepted, translated to leto's own, or refused in one line giving the reason
+(:mod:`leto.adapters.torchrun_flags`, docs/launch.md). Every failure and recovery goes to ``RUN_DIR/events.jsonl``;
 ``leto report RUN_DIR`` prints the timeline and plots it. Starting the same
 command again for a node that was lost brings a replacement (spare) node into the
 running job; so does a *spare agent* waiting in the job's pool, without anyone
@@ -50,14 +52,25 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO, cast
 
+from leto.adapters.console import ShownRanks
+from leto.adapters.torchrun_flags import (
+    BY_NAME,
+    MASTER_ADDR,
+    MASTER_PORT,
+    RDZV_TIMEOUT,
+    add_refused,
+    torchrun_environment,
+    translate,
+)
 from leto.argcheck import (
     BadInput,
     Bound,
     check_args,
     dir_to_create,
     file_to_read,
+    parse_endpoint,
     positive_int,
     refuse,
     seconds,
@@ -76,7 +89,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "leto.backends.gloo.faults) for tests and demos."
     )
     g = parser.add_argument_group("topology (as torchrun)")
-    g.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N")
+    g.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        default="1",
+        metavar="N|auto|cpu",
+        help="ranks on this node (default 1); auto, cpu: one per CPU this process may run on",
+    )
     g.add_argument(
         "--nnodes",
         default="1",
@@ -109,7 +128,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--rdzv_id",
         default=None,
         metavar="ID",
-        help="with etcd: the job's id, the same on every node (its keys: /leto/ID/)",
+        help="the job's id, the same on every node: the trainers' TORCHELASTIC_RUN_ID; with "
+        "etcd also its keys there (/leto/ID/)",
     )
     g.add_argument(
         "--local-addr",
@@ -125,18 +145,53 @@ def configure(parser: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--run-dir", default=None, help="event log and process logs (default: leto-runs/<time>)"
     )
-    r.add_argument("--heartbeat", type=float, default=0.5, metavar="S")
-    r.add_argument("--hang-timeout", type=float, default=10.0, metavar="S")
-    r.add_argument("--collective-timeout", type=float, default=30.0, metavar="S")
-    r.add_argument("--rdzv-timeout", type=float, default=60.0, metavar="S")
+    r.add_argument(
+        "--heartbeat",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="every trainer tells its agent it is alive every S seconds (default %(default)g)",
+    )
+    r.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a trainer silent this long (no heartbeat, no step) is hung: it is killed and its "
+        "rank recovered in place (default %(default)g)",
+    )
+    r.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="the trainers' process-group timeout: a collective that waits longer fails and "
+        "its rank is recovered (default %(default)g)",
+    )
+    r.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="how long node 0 waits for the other nodes to join, and they for node 0's "
+        f"rendezvous (default {RDZV_TIMEOUT:g}; torchrun's --rdzv-conf join_timeout=S)",
+    )
     r.add_argument(
         "--spare-timeout",
         type=float,
         default=60.0,
         metavar="S",
-        help="how long a lost node waits for a replacement when the spare pool is empty",
+        help="how long a lost node waits for a replacement when the spare pool is empty "
+        "(default %(default)g)",
     )
-    r.add_argument("--recovery-timeout", type=float, default=180.0, metavar="S")
+    r.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=180.0,
+        metavar="S",
+        help="a recovery that has not ended after S seconds gives up: the job stops, or "
+        "restarts with --max-restarts (default %(default)g)",
+    )
     r.add_argument(
         "--spare",
         action="store_true",
@@ -211,14 +266,61 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the script is a module's name, run as `python -m module` (as torchrun's -m)",
     )
-    parser.add_argument(
-        "--no-python",
-        "--no_python",
-        action="store_true",
-        help="refused: leto runs the script in Python processes forked from a warm one",
-    )
+    _torchrun_group(parser)
     parser.add_argument("script", help="the training script (with -m: a module's name)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+# torchrun's flags that leto translates, beyond the ones it shares (flag, metavar or
+# None for a switch, help)
+TRANSLATED_FLAGS: tuple[tuple[str, str | None, str], ...] = (
+    (
+        "--master-addr",
+        "HOST",
+        f"the rendezvous host (--rdzv-endpoint HOST:PORT; default {MASTER_ADDR})",
+    ),
+    (
+        "--master-port",
+        "PORT",
+        f"the rendezvous port (--rdzv-endpoint HOST:PORT; default {MASTER_PORT})",
+    ),
+    ("--rdzv-conf", "KEY=VALUE,...", "join_timeout=S (--rdzv-timeout S); no other key"),
+    ("--log-dir", "DIR", "the same as --run-dir"),
+    (
+        "--redirects",
+        "0|3|LR:V,...",
+        "3: the trainers' output (of the local ranks named) only in their logs, not here; "
+        "1 and 2 (one stream) are refused: stdout and stderr share one pipe",
+    ),
+    (
+        "--tee",
+        "0|3|LR:V,...",
+        "3: shown here whatever --redirects says (every process's output is always in its "
+        "log in RUN_DIR/logs)",
+    ),
+    ("--local-ranks-filter", "LR,...", "show only these local ranks' output here"),
+    ("--role", "NAME", "the trainers' ROLE_NAME (default 'default')"),
+    (
+        "--run-path",
+        None,
+        "accepted: leto always runs the script with runpy in the trainer's Python",
+    ),
+    ("--start-method", "fork", "fork, what leto does (spawn and forkserver are refused)"),
+    ("--event-log-handler", "null", "null only: leto's events are in RUN_DIR/events.jsonl"),
+)
+
+
+def _torchrun_group(parser: argparse.ArgumentParser) -> None:
+    """torchrun's other flags: the ones leto translates to its own, then the refused
+    ones (:mod:`leto.adapters.torchrun_flags` holds the table)."""
+    t = parser.add_argument_group("torchrun's flags, translated (docs/launch.md)")
+    for flag, metavar, help_ in TRANSLATED_FLAGS:
+        names = BY_NAME[flag].names  # every spelling torchrun takes
+        if metavar is None:
+            t.add_argument(*names, action="store_true", help=help_)
+        else:
+            t.add_argument(*names, default=None, metavar=metavar, help=help_)
+    add_refused(parser)
 
 
 # Bounds of the numeric flags (leto.argcheck): every count has a ceiling, every
@@ -245,28 +347,6 @@ BOUNDS: dict[str, Bound] = {
 }
 
 
-def parse_endpoint(
-    text: str, flag: str = "--rdzv-endpoint", *, free_port: bool = False
-) -> tuple[str, int]:
-    """HOST:PORT (``[v6]:PORT`` too); port 0 (any free one) only with ``free_port``."""
-    lowest = 0 if free_port else 1
-    host, sep, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):  # [::1]:29400
-        host = host[1:-1]
-    if (
-        not sep
-        or not host
-        or not (port.isascii() and port.isdecimal())
-        or len(port) > 5
-        or not lowest <= int(port) < 65536
-    ):
-        raise ValueError(
-            f"{flag} {show(text)} is not HOST:PORT with a port in {lowest}..65535 "
-            "(e.g. 127.0.0.1:29400)"
-        )
-    return host, int(port)
-
-
 def _addresses(host: str, port: int, flag: str = "--rdzv-endpoint") -> list[tuple[Any, Any]]:
     """(family, socket address) for each address ``host`` resolves to; BadInput if none."""
     try:
@@ -275,6 +355,17 @@ def _addresses(host: str, port: int, flag: str = "--rdzv-endpoint") -> list[tupl
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise BadInput(f"{flag}: cannot resolve host {show(host)} ({why})") from None
     return [(family, addr) for family, _, _, _, addr in infos]
+
+
+def _ipv4(host: str, flag: str) -> None:
+    """BadInput unless ``host`` has an IPv4 address: the agents' coordinator listens and
+    connects over IPv4 only (an IPv6 rendezvous is not supported today)."""
+    if not any(family == socket.AF_INET for family, _ in _addresses(host, 0, flag)):
+        raise BadInput(
+            f"{flag}: {host} has no IPv4 address, and leto launch's rendezvous is IPv4 only "
+            "today (the agents' coordinator listens on IPv4); give an IPv4 address or a "
+            "host name that has one"
+        )
 
 
 def _can_listen(host: str, port: int, flag: str) -> None:
@@ -323,12 +414,7 @@ def _check(
 ) -> tuple[str, int, Any, tuple[str, int] | None, EtcdArgs | None] | int:
     """Every flag, before anything is imported or started: the rendezvous address and
     the fault plan; or an exit status when a refusal has been printed."""
-    if args.no_python:
-        raise BadInput(
-            "--no-python: leto forks every trainer and warm shadow from a Python process "
-            "that has imported torch, and the script must call leto.wrap; give a Python "
-            "script (or -m module)"
-        )
+    translate(args, BOUNDS)
     if args.module:
         module_to_run(args.script)
     else:
@@ -374,31 +460,37 @@ def _check(
             f"{args.hang_timeout:g} s, or every trainer looks hung between heartbeats"
         )
     if args.run_dir is not None:
-        dir_to_create("--run-dir", args.run_dir)
+        dir_to_create("--run-dir", args.run_dir, probe=True)
     else:
-        dir_to_create("--run-dir (default: leto-runs/ here)", "leto-runs")
+        dir_to_create("--run-dir (default: leto-runs/ here)", "leto-runs", probe=True)
     if args.rdzv_backend not in ("c10d", "etcd"):
         raise BadInput(f"--rdzv-backend {show(args.rdzv_backend)} is not one of: c10d, etcd")
     if args.rdzv_backend == "etcd":
         etcd = _check_etcd(args)
     else:
         etcd = None
-        for flag, value in (("--rdzv-id", args.rdzv_id), ("--local-addr", args.local_addr)):
-            if value is not None:
-                raise BadInput(f"{flag} is for --rdzv-backend etcd (this launch uses c10d)")
+        if args.local_addr is not None:
+            raise BadInput(
+                "--local-addr is for --rdzv-backend etcd (this launch uses c10d: node 0 serves "
+                "at --rdzv-endpoint)"
+            )
     if etcd is not None:
         host, port = etcd.local, 0
     elif args.rdzv_endpoint is None:
         if args.nnodes > 1 and not args.standalone:
-            raise BadInput("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
+            raise BadInput(
+                "--rdzv-endpoint HOST:PORT (or --master-addr and --master-port) is required "
+                "with --nnodes > 1"
+            )
         from leto.backends.gloo.procs import free_port
 
         host, port = "127.0.0.1", free_port()
     else:
         try:
-            host, port = parse_endpoint(args.rdzv_endpoint)
+            host, port = parse_endpoint(args.rdzv_endpoint, args.endpoint_flag)
         except ValueError as e:
             raise BadInput(str(e)) from None
+        _ipv4(host, args.endpoint_flag)
     metrics = None
     if args.metrics is not None:
         try:
@@ -408,7 +500,7 @@ def _check(
         if args.node_rank == 0:  # node 0 serves them
             _can_listen(*metrics, flag="--metrics")
     if args.tensorboard is not None:
-        dir_to_create("--tensorboard", args.tensorboard)
+        dir_to_create("--tensorboard", args.tensorboard, probe=True)
         if importlib.util.find_spec("tensorboard") is None:
             raise BadInput("--tensorboard needs the tensorboard package (pip install tensorboard)")
     if args.faults is not None and not args.faults.strip():
@@ -472,8 +564,6 @@ MAX_ETCD_MEMBERS = 16
 
 def _check_etcd(args: argparse.Namespace) -> EtcdArgs:
     """--rdzv-backend etcd: its endpoints, the job's id and this node's address."""
-    from leto.backends.gloo.etcdstore import valid_job_id
-
     if args.rdzv_endpoint is None:
         raise BadInput(
             "--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]: the etcd members"
@@ -495,20 +585,14 @@ def _check_etcd(args: argparse.Namespace) -> EtcdArgs:
         raise BadInput(
             "--rdzv-backend etcd needs --rdzv-id ID, the job's id (the same on every node)"
         )
-    if not valid_job_id(args.rdzv_id):
-        raise BadInput(
-            f"--rdzv-id {show(args.rdzv_id)} is not 1-64 letters, digits, '_', '.', '-' "
-            "(starting with a letter or a digit)"
-        )
     if importlib.util.find_spec("etcd3gw") is None:
         raise BadInput("--rdzv-backend etcd needs the etcd3gw package (pip install leto[etcd])")
     local = args.local_addr
     if local is None:
         local = _address_towards(*endpoints[0])
-    else:
-        if not local or len(local) > 253:
-            raise BadInput(f"--local-addr {show(local)} is not a host name or an address")
-        _addresses(local, 0, "--local-addr")
+    elif not local or len(local) > 253:
+        raise BadInput(f"--local-addr {show(local)} is not a host name or an address")
+    _ipv4(local, "--local-addr" if args.local_addr else "--rdzv-endpoint (this node's address)")
     return EtcdArgs(tuple(endpoints), args.rdzv_id, local)
 
 
@@ -567,9 +651,14 @@ def spare_command(args: argparse.Namespace, host: str, port: int, run_dir: str) 
     """The command line of a spare agent of this job (``--spares``): this launch's
     options, as ``--spare`` instead of a node rank."""
     rdzv = ["--rdzv-endpoint", f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    if args.rdzv_backend == "etcd":  # the etcd members, and the job's id there
+    if args.rdzv_backend == "etcd":  # the etcd members
         rdzv = ["--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-backend", "etcd"]
+    if args.rdzv_id is not None:  # the job's id (with etcd, its keys there)
         rdzv += ["--rdzv-id", args.rdzv_id]
+    if args.role is not None:
+        rdzv += ["--role", args.role]
+    if args.shown_ranks and not args.no_echo:
+        rdzv += ["--local-ranks-filter", ",".join(map(str, sorted(args.shown_ranks)))]
     cmd = [
         sys.executable, "-m", "leto.cli", "launch", "--spare",
         "--nnodes", args.nnodes_text, "--nproc-per-node", str(args.nproc_per_node),
@@ -681,6 +770,8 @@ def run(args: argparse.Namespace) -> int:
     # torch's C++ warnings (store socket timeouts while a peer is gone) are noise here:
     # leto reports failures itself
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # the trainers inherit them (forked from this process): torchrun's job variables
+    os.environ.update(torchrun_environment(args, restarts, os.environ))
     from leto.backends.gloo.agent import Agent, AgentOptions
 
     opts = AgentOptions(
@@ -723,7 +814,13 @@ def run(args: argparse.Namespace) -> int:
         fired_faults=fired,
     )
     agent = Agent(opts)
-    code = agent.run()
+    stdout = sys.stdout
+    if args.shown_ranks and not args.no_echo:  # --redirects, --tee, --local-ranks-filter
+        sys.stdout = cast(TextIO, ShownRanks(stdout, args.shown_ranks, args.nproc_per_node))
+    try:
+        code = agent.run()
+    finally:
+        sys.stdout = stdout
     if agent.restart:
         restart_launch(agent, getattr(args, "_argv", sys.argv[1:]))  # does not return
     events = os.path.join(run_dir, "events.jsonl")

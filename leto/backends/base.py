@@ -24,9 +24,11 @@ a backend supplies the machine underneath:
 The recovery coordinator's record (the core's state, with COMMIT records) lives
 in the backend too (:class:`ProtocolRecord`), outside every trainer.
 
-``leto.backends.fake`` implements it for N simulated ranks in one process;
-gloo (processes, POSIX shared memory) and NCCL (CUDA IPC) backends implement the
-same interface later.
+``leto.backends.fake`` implements it for N simulated ranks in one process. The gloo
+backend (:mod:`leto.backends.gloo`: a process per rank, retained memory in memfd
+segments its keepers own) does not go through this interface: each rank's process
+carries out the core's effects itself, with its keeper, its node's agent and the
+coordinator in the roles above (docs/gloo.md). No NCCL (CUDA) backend is built.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ together, SIGKILLed at every phase of a step: bitwise its failure-free run."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +43,14 @@ def test_hf_gpt2_bf16_masters_sharded_killed_at_every_phase_is_bitwise(
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
     steps = res.of("step")
     assert steps and all(r["loss"] is None for r in steps)  # the user's loop gives no loss
+
+
+def test_help_answers_before_the_heavy_imports() -> None:
+    """`--help` is parsed before torch and transformers are imported (12 s before)."""
+    t = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, EXAMPLE, "--help"], capture_output=True, text=True, timeout=60
+    )
+    took = time.monotonic() - t
+    assert out.returncode == 0 and "--bf16" in out.stdout, out.stderr
+    assert took < 3.0, f"--help took {took:.1f} s"

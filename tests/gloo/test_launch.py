@@ -10,7 +10,10 @@ from types import SimpleNamespace
 import pytest
 from jobs import HERE, TRAIN, explain, job
 
+from leto.backends.gloo.harness import run_local
 from leto.cli import main
+
+ENV_SCRIPT = str(HERE / "scripts" / "torchrun_env.py")
 
 
 def launch(args: list[str], capsys: pytest.CaptureFixture[str]) -> SimpleNamespace:
@@ -105,6 +108,37 @@ def test_script_without_leto_wrap(tag: str) -> None:
     res = job(Path(tag) / "run", steps=1, script=str(HERE / "scripts" / "plain.py"))
     assert res.codes[0] == [1], explain(res)
     assert res.error is not None and "without calling leto.wrap" in res.error
+
+
+def test_torchruns_flags_on_real_processes(tag: str) -> None:
+    """--local-ranks-filter shows rank 1's output only (rank 0's is in its log), the
+    trainers see --rdzv-id and --role as torchrun's variables, and a config dict that
+    names no topology takes the launched one."""
+    flags = ["--quiet", "--local-ranks-filter", "1", "--rdzv-id", "job-7", "--role", "trn"]
+    res = run_local(ENV_SCRIPT, run_dir=Path(tag) / "run", extra=flags, timeout=120)
+    assert res.ok and not res.leftovers, explain(res)
+    out = res.output[0][-1]
+    assert "[rank 1] torchrun 1 job-7 trn 0" in out and "[rank 1] wrapped gloo 1 2" in out
+    assert "[rank 0]" not in out, out
+    (log,) = [p for p in res.run_dir.rglob("*trainer0-*.log")]
+    assert "torchrun 0 job-7 trn 0" in log.read_text()
+
+
+def test_config_file_without_topology_and_with_a_typo(tag: str) -> None:
+    """A file given to leto.wrap(config=...) that names no topology takes the launched
+    one; a key's typo is one line naming the key it meant, and the job ends promptly."""
+    good, typo = Path(tag) / "good.toml", Path(tag) / "typo.toml"
+    good.write_text("[leto]\nchunk_size = 64\n")
+    typo.write_text('[leto]\nbackend = "gloo"\nchekpoint_dir = "ck"\n')
+    res = run_local(ENV_SCRIPT, run_dir=Path(tag) / "good", script_args=[str(good)])
+    assert res.ok and not res.leftovers, explain(res)
+    assert "[rank 0] wrapped gloo 1 2" in res.output[0][-1]
+    res = run_local(ENV_SCRIPT, run_dir=Path(tag) / "typo", script_args=[str(typo)])
+    assert res.codes[0] == [1] and not res.leftovers, explain(res)
+    out = res.output[0][-1]
+    line = f"leto config ({typo}): chekpoint_dir: unknown setting (did you mean checkpoint_dir?)"
+    assert f"] {line}\n" in out and "Traceback" not in out, out
+    assert res.seconds < 30
 
 
 def test_sigkill_of_the_launcher_leaves_nothing_behind(tag: str) -> None:

@@ -7,7 +7,8 @@ environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 :func:`~.runtime.wrap_gloo`) then finds the connection here (:data:`CHANNEL`) and
 returns a :class:`~.runtime.GlooSession`;
 in a shadow it returns only once the shadow is promoted. An exception anywhere is
-reported to the agent with its traceback before the process exits.
+reported to the agent with its traceback before the process exits (a
+:class:`~leto.errors.ConfigError` is printed as its one line, not as a traceback).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from leto.errors import ConfigError
 
 from . import messages as M
 from .channel import AgentChannel, AgentGone
@@ -81,9 +84,11 @@ def child_main(spec: dict[str, Any]) -> int:
     except AgentGone as e:
         sys.stderr.write(f"leto: {e}\n")
         code = 1
-    except BaseException:  # noqa: BLE001 - every failure is reported, then the process ends
+    except BaseException as e:  # noqa: BLE001 - every failure is reported, then the process ends
         tb = traceback.format_exc()
-        sys.stderr.write(tb)
+        # a bad setting (leto.wrap's config): its one line, which names the setting and the
+        # file; the agent still gets the traceback, for the event log
+        sys.stderr.write(f"{e}\n" if isinstance(e, ConfigError) else tb)
         code = 1
         try:
             CHANNEL.send(

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import select
 import signal
@@ -319,11 +320,17 @@ def parent_of(pid: int) -> int | None:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """Whether ``host:port`` cannot be bound for another reason than the host (IPv4 or
+    IPv6, its first address; a host that does not resolve is not a port in use)."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError):
+        return False
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
-            s.bind((host, port))
-        except OSError:
-            return True
+            s.bind(addr)
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
     return False
 
 
