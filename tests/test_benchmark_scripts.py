@@ -34,7 +34,9 @@ def run(script: str, *args: str, timeout: float = 300.0) -> str:
 
 def test_every_script_here_is_run_by_this_file() -> None:
     scripts = sorted(p.stem for p in BENCH.glob("*.py"))
-    assert scripts == sorted([*WRAPPERS, "retained_step", "shard_bytes", "simulate_speed"])
+    assert scripts == sorted(
+        [*WRAPPERS, "replica_check", "retained_step", "shard_bytes", "simulate_speed"]
+    )
 
 
 @pytest.mark.parametrize("name", WRAPPERS)
@@ -54,6 +56,15 @@ def test_retained_step_prints_every_configuration_and_its_extra() -> None:
     for name, extra in extras.items():  # each extra is its total less plain's
         assert float(extra) == pytest.approx(float(totals[name]) - float(totals["plain"]), abs=0.02)
     assert len(extras) == 4, text
+
+
+def test_replica_check_prints_the_digest_beside_the_step() -> None:
+    got = json.loads(run("replica_check.py", "--steps", "3", "--params", "200K", "--json"))
+    assert got["params"] >= 150_000 and got["steps"] == 3
+    assert got["step_ms_median"] > 0 and got["digest_ms_median"] > 0
+    ratio = 100.0 * got["digest_ms_median"] / got["step_ms_median"]
+    assert abs(got["digest_over_step_pct"] - ratio) < 1e-9
+    assert got["distinct_digests"] == 3  # each step's state has a digest of its own
 
 
 def test_shard_bytes_per_rank_fall_with_the_world() -> None:

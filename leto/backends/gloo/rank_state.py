@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
+from leto.retained.agreement import replica_digest
 from leto.retained.process_state import (
     capture_buffers,
     restore_buffers,
@@ -61,11 +60,7 @@ class RankState:
         if not every or step % every or s.W < 2 or s.full is not None:
             return None
         assert s.ropt is not None
-        h = xxhash.xxh3_128()
-        h.update(b",".join(str(x).encode() for x in s.layout.stored_checksum_list()))
-        h.update(json.dumps(s.ropt.process_state(), sort_keys=True).encode())
-        h.update(json.dumps(scheduler_state(s.scheduler), sort_keys=True).encode())
-        return h.hexdigest()
+        return replica_digest(s.layout, s.ropt.process_state(), scheduler_state(s.scheduler))
 
     def replay_scheduler(self, pending: dict[str, Any] | None) -> None:
         """A roll-forward's stand-in for what followed step ``V``'s apply on a rank that
