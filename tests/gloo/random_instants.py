@@ -9,13 +9,15 @@ First the failure-free reference: its digests, its user checkpoints and its trai
 window (from the instant both ranks' trainers are up, ``RUN_DIR/pids/rank<R>.<pid>``, to
 ``training_done`` in the event log, on this harness's clock). Then each run ``i`` (seed
 ``S + i``: its instants, signals and rank choices) starts the same job and, at ``K``
-instants drawn uniformly in a window as long, from the instant its own trainers are up
-(a job's start-up, ~2 s here, varies by a few tenths of a second), picks a rank at random among those whose live
-trainer (the newest pid file of the rank whose process exists, is this run's, and is
-neither a zombie nor stopped) is running, and sends it SIGKILL or SIGSTOP (2:1). A
-stopped trainer is left to leto (a hang, found after ``--hang-timeout``, then fenced);
-an instant with no rank to signal waits for one (a rank is being replaced); once the
-job has logged ``training_done`` no signal is sent. A run passes when:
+instants drawn uniformly in a window as long, counted from the instant its own trainers
+are up (a job's start-up, ~2 s here, varies by tenths of a second), picks a rank at
+random among those whose live trainer (the newest pid file of the rank whose process
+exists, is this run's, and is neither a zombie nor stopped) runs and was not signalled
+before (a SIGKILLed process looks alive while it exits), and sends it SIGKILL or
+SIGSTOP (2:1). A stopped trainer is left to leto (a hang, found after
+``--hang-timeout``, then fenced); an instant with no rank to signal waits for one (a
+rank is being replaced); once the job has logged ``training_done`` no signal is sent.
+A run passes when:
 
 * the job exits 0 and leaves no process behind; its event log replays through the
   core's model (``leto spec trace``);
@@ -127,12 +129,13 @@ def live_trainer(run_dir: Path, rank: int) -> tuple[int, str] | None:
     return None
 
 
-def ready(run_dir: Path) -> list[tuple[int, int]]:
-    """(rank, pid) of each rank whose live trainer runs: one stopped is left to leto."""
+def ready(run_dir: Path, signalled: set[int] | None = None) -> list[tuple[int, int]]:
+    """(rank, pid) of each rank whose live trainer runs and was not ``signalled``: one
+    stopped is left to leto, and one SIGKILLed may still look alive while it exits."""
     out = []
     for r in range(RANKS):
         live = live_trainer(run_dir, r)
-        if live is not None and live[1] not in "tT":
+        if live is not None and live[1] not in "tT" and live[0] not in (signalled or set()):
             out.append((r, live[0]))
     return out
 
@@ -250,7 +253,7 @@ def random_run(run_dir: Path, ref: Reference, kills: int, seed: int) -> Run:
         while t.is_alive() and time.monotonic() - t0 < at:
             time.sleep(POLL)
         while t.is_alive() and not _done(run_dir):
-            can = ready(run_dir)
+            can = ready(run_dir, {s.pid for s in sent})
             if can:
                 rank, pid = can[int(pick * len(can))]
                 try:

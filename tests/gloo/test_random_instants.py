@@ -142,7 +142,8 @@ def test_the_check_catches_a_real_job_whose_replicas_split(tmp_path: Path) -> No
 
 def test_the_signalled_process_is_the_ranks_live_running_trainer(tmp_path: Path) -> None:
     """The newest pid file of a rank whose process is alive and this run's (its command
-    line names the run directory, as a trainer's does); a stopped one is not signalled."""
+    line names the run directory, as a trainer's does); one stopped, or signalled before
+    (a SIGKILLed process looks alive while it exits), is not signalled."""
     run_dir = tmp_path / "r"
     pids = run_dir / "pids"
     pids.mkdir(parents=True)
@@ -155,6 +156,7 @@ def test_the_signalled_process_is_the_ranks_live_running_trainer(tmp_path: Path)
         live = ri.live_trainer(run_dir, 0)
         assert live is not None and live[0] == p.pid, live
         assert ri.ready(run_dir) == [(0, p.pid)]
+        assert ri.ready(run_dir, {p.pid}) == [], "a trainer signalled before (exiting)"
         p.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 5
         while ri.ready(run_dir) and time.monotonic() < deadline:
