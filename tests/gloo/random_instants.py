@@ -5,19 +5,22 @@ instants, and check that every run ends bitwise equal to its failure-free run.
 
     python tests/gloo/random_instants.py --runs 30 --kills 2 --seed 1
 
-First the failure-free reference: its digests, its user checkpoints and its training
-window (from the instant both ranks' trainers are up, ``RUN_DIR/pids/rank<R>.<pid>``, to
-``training_done`` in the event log, on this harness's clock). Then each run ``i`` (seed
-``S + i``: its instants, signals and rank choices) starts the same job and, at ``K``
-instants drawn uniformly in a window as long, counted from the instant its own trainers
-are up (a job's start-up, ~2 s here, varies by tenths of a second), picks a rank at
-random among those whose live trainer (the newest pid file of the rank whose process
-exists, is this run's, and is neither a zombie nor stopped) runs and was not signalled
-before (a SIGKILLed process looks alive while it exits), and sends it SIGKILL or
-SIGSTOP (2:1). A stopped trainer is left to leto (a hang, found after
-``--hang-timeout``, then fenced); an instant with no rank to signal waits for one (a
-rank is being replaced); once the job has logged ``training_done`` no signal is sent.
-A run passes when:
+First the failure-free reference (its digests, its user checkpoints, its step time).
+Then each run ``i`` (seed ``S + i``: its instants, signals and rank choices) starts the
+same job and sends ``K`` signals, each at an instant drawn uniformly over the training:
+a point ``u * STEPS`` of its progress, ``u`` uniform in [0, 1), reached once the job has
+committed step ``floor(u * STEPS)`` (its event log) and a further fraction ``frac(u *
+STEPS)`` of its current step time has passed (the median of its last 10 steps). The
+instants follow the job's own progress, not the reference's clock: on these shared
+CPUs a job's start-up and pace vary by tens of percent, and offsets taken from the
+reference's wall time fell past the end of training (a run's 2 signals, twice in
+31 runs). At that instant it picks a rank at random among those whose live trainer
+(the newest pid file ``RUN_DIR/pids/rank<R>.<pid>`` of the rank whose process exists,
+is this run's, and is neither a zombie nor stopped) runs and was not signalled before
+(a SIGKILLed process looks alive while it exits), and sends it SIGKILL or SIGSTOP
+(2:1). A stopped trainer is left to leto (a hang, found after ``--hang-timeout``, then
+fenced); an instant with no rank to signal waits for one (a rank is being replaced);
+once the job has logged ``training_done`` no signal is sent. A run passes when:
 
 * the job exits 0 and leaves no process behind; its event log replays through the
   core's model (``leto spec trace``);
@@ -35,10 +38,13 @@ directory (``--out``), with the failures and recoveries in order and the signals
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
 import random
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -68,8 +74,8 @@ POLL = 0.01
 
 @dataclass
 class Signal:
-    planned: float  # seconds after the job's start
-    sent: float
+    planned: float  # the point of the training's progress, in steps
+    sent: float  # seconds after the job's start
     rank: int
     pid: int
     sig: str  # "SIGKILL" or "SIGSTOP"
@@ -81,7 +87,7 @@ class Signal:
 @dataclass
 class Reference:
     res: JobResult
-    window: tuple[float, float]  # the training window, seconds after the job's start
+    step_time: float  # seconds, the median of its steps
     ckpts: dict[str, Any]  # the script's checkpoints by file name
 
 
@@ -91,8 +97,45 @@ class Run:
     res: JobResult
     signals: list[Signal]
     undelivered: int = 0  # instants past training_done
-    trace_error: str | None = None
     problems: list[str] = field(default_factory=list)
+
+
+class Progress:
+    """A job's progress, from its event log as it is written: the highest committed step
+    (and when this harness saw it), its step time, whether training is done."""
+
+    def __init__(self, run_dir: Path, step_time: float) -> None:
+        self.path = run_dir / "events.jsonl"
+        self.pos = 0
+        self.rest = b""
+        self.step = 0
+        self.seen = time.monotonic()
+        self.times: list[float] = []  # t_rel of each new highest step
+        self.default = step_time
+        self.done = False
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except OSError:
+            return
+        self.pos += len(data)
+        *lines, self.rest = (self.rest + data).split(b"\n")
+        for raw in lines:
+            if b'"event":"training_done"' in raw:
+                self.done = True
+            elif b'"event":"step"' in raw:
+                e = json.loads(raw)
+                if e["step"] > self.step:
+                    self.step, self.seen = e["step"], time.monotonic()
+                    self.times = [*self.times[-10:], e["t_rel"]]
+
+    def step_time(self) -> float:
+        if len(self.times) < 2:
+            return self.default
+        return statistics.median(b - a for a, b in itertools.pairwise(self.times))
 
 
 def _state(pid: int) -> str | None:
@@ -138,17 +181,6 @@ def ready(run_dir: Path, signalled: set[int] | None = None) -> list[tuple[int, i
         if live is not None and live[1] not in "tT" and live[0] not in (signalled or set()):
             out.append((r, live[0]))
     return out
-
-
-def _done(run_dir: Path) -> bool:
-    try:
-        return '"event":"training_done"' in (run_dir / "events.jsonl").read_text()
-    except OSError:
-        return False
-
-
-def _all_live(run_dir: Path) -> bool:
-    return all(live_trainer(run_dir, r) is not None for r in range(RANKS))
 
 
 def _in_thread(fn: Callable[[], JobResult]) -> tuple[threading.Thread, list[Any]]:
@@ -209,32 +241,23 @@ def same(a: Any, b: Any) -> bool:
 
 
 def reference(run_dir: Path, timeout: float = 120.0) -> Reference:
-    """The failure-free run, its training window timed on this harness's clock."""
-    t0 = time.monotonic()
-    t, box = _in_thread(_job(run_dir, timeout))
-    start = end = None
-    while t.is_alive():
-        now = time.monotonic() - t0
-        if start is None and _all_live(run_dir):
-            start = now
-        if start is not None and end is None and _done(run_dir):
-            end = now
-        time.sleep(POLL)
-    res = _result(t, box)
+    """The failure-free run."""
+    res = _job(run_dir, timeout)()
     problems = verdict(res, [], None, None)
-    if problems or start is None or end is None:
+    steps = [e["t_rel"] for e in res.of("step")]
+    if problems or len(steps) != STEPS:
         raise RuntimeError(f"the failure-free run failed ({run_dir}): {problems}")
-    return Reference(res, (start, end), load_ckpts(run_dir))
+    step_time = statistics.median(b - a for a, b in itertools.pairwise(steps))
+    return Reference(res, step_time, load_ckpts(run_dir))
 
 
 def random_run(run_dir: Path, ref: Reference, kills: int, seed: int) -> Run:
-    """One job with ``kills`` signals at uniformly random instants of ``ref``'s training
-    window (the draws from ``seed``); checked against ``ref``."""
+    """One job with ``kills`` signals at uniformly random instants of its training (the
+    draws from ``seed``); checked against ``ref``."""
     rng = random.Random(seed)
-    lo, hi = ref.window
     plan = sorted(
         (
-            rng.uniform(0, hi - lo),
+            rng.random() * STEPS,
             "SIGKILL" if rng.random() < KILL_SHARE else "SIGSTOP",
             rng.random(),
         )
@@ -243,16 +266,24 @@ def random_run(run_dir: Path, ref: Reference, kills: int, seed: int) -> Run:
     timeout = ref.res.seconds + 60.0 + kills * (HANG_TIMEOUT + 15.0)
     t0 = time.monotonic()
     t, box = _in_thread(_job(run_dir, timeout))
-    while t.is_alive() and not _all_live(run_dir):
+    prog = Progress(run_dir, ref.step_time)
+    while t.is_alive() and len(ready(run_dir)) < RANKS:
         time.sleep(POLL)
-    up = time.monotonic() - t0  # this run's start of training: its instants count from it
+    prog.seen = time.monotonic()  # step 0 begins when the trainers are up
+    prog.poll()
     sent: list[Signal] = []
     undelivered = 0
-    for offset, sig, pick in plan:
-        at = up + offset
-        while t.is_alive() and time.monotonic() - t0 < at:
+    for point, sig, pick in plan:
+        while t.is_alive() and not prog.done and prog.step < int(point):
             time.sleep(POLL)
-        while t.is_alive() and not _done(run_dir):
+            prog.poll()
+        # into step int(point) + 1 by the fraction; from now if the job is past it already
+        base = prog.seen if prog.step == int(point) else time.monotonic()
+        at = base + (point - int(point)) * prog.step_time()
+        while t.is_alive() and not prog.done and time.monotonic() < at:
+            time.sleep(min(POLL, max(0.0, at - time.monotonic())))
+            prog.poll()
+        while t.is_alive() and not prog.done:
             can = ready(run_dir, {s.pid for s in sent})
             if can:
                 rank, pid = can[int(pick * len(can))]
@@ -260,9 +291,10 @@ def random_run(run_dir: Path, ref: Reference, kills: int, seed: int) -> Run:
                     os.kill(pid, getattr(signal, sig))
                 except ProcessLookupError:
                     continue  # it died in between: look again
-                sent.append(Signal(at, time.monotonic() - t0, rank, pid, sig))
+                sent.append(Signal(point, time.monotonic() - t0, rank, pid, sig))
                 break
             time.sleep(POLL)
+            prog.poll()
         else:
             undelivered += 1
     res = _result(t, box)
@@ -352,7 +384,7 @@ def line(i: int, run: Run) -> str:
 
 def report(run: Run) -> str:
     """What a failing run prints: its seed, run directory, signals and story."""
-    sig = "\n".join(f"  planned {s.planned:.3f} s: {s.line()}" for s in run.signals)
+    sig = "\n".join(f"  at progress {s.planned:.3f} steps: {s.line()}" for s in run.signals)
     probs = "\n".join(f"  {p}" for p in run.problems)
     return (
         f"seed {run.seed}, run directory {run.res.run_dir} (kept)\n{probs}\n"
@@ -372,10 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     ref = reference(out / "ref")
-    lo, hi = ref.window
     print(
-        f"reference: {ref.res.seconds:.1f} s, training from {lo:.2f} to {hi:.2f} s "
-        f"({STEPS} steps), {len(ref.ckpts)} user checkpoints",
+        f"reference: {ref.res.seconds:.1f} s, {STEPS} steps of {ref.step_time * 1e3:.1f} ms, "
+        f"{len(ref.ckpts)} user checkpoints",
         flush=True,
     )
     runs = []
