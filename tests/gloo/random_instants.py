@@ -311,7 +311,10 @@ def verdict(
 ) -> list[str]:
     """What is wrong with this run (nothing: an empty list)."""
     out = []
-    if not res.ok:
+    if not res.ok and res.codes.get(0, [None])[-1] == -signal.SIGKILL:
+        # (only run_local's deadline SIGKILLs the launcher here)
+        out.append(f"the job did not end: its launcher was killed after {res.seconds:.0f} s")
+    elif not res.ok:
         out.append(f"the job failed: codes {res.codes}, error {res.error}")
     if res.leftovers:
         out.append(f"processes left running after the job: {res.leftovers}")

@@ -97,7 +97,7 @@ def test_the_check_catches_a_result_not_bitwise(runs: list[ri.Run], ref: ri.Refe
     assert probs == ["not bitwise the failure-free run (ranks ['0', '1'] differ)"], probs
 
 
-def test_the_check_catches_a_failed_job_and_leftovers(
+def test_the_check_catches_a_failed_or_stalled_job_and_leftovers(
     runs: list[ri.Run], ref: ri.Reference
 ) -> None:
     run = _with_signals(runs)
@@ -105,6 +105,9 @@ def test_the_check_catches_a_failed_job_and_leftovers(
     probs = _check(run, ref, res=res)
     assert any("the job failed" in p for p in probs), probs
     assert any("left running" in p for p in probs), probs
+    res = dataclasses.replace(run.res, codes={0: [-signal.SIGKILL]})  # run_local's deadline
+    probs = _check(run, ref, res=res)
+    assert any("the job did not end" in p for p in probs), probs
 
 
 def test_the_check_catches_a_signal_with_no_failure(runs: list[ri.Run], ref: ri.Reference) -> None:
