@@ -14,7 +14,10 @@
 (*   Compute -> Reduce (collective) -> Prepare (gradients protected by     *)
 (*   tier-1 parity, vote) -> Decide (COMMIT recorded in the agents' store) *)
 (*   -> per chunk: BeginChunk (keep undo copy, chunk TORN) -> EndChunk     *)
-(*   (new bytes) -> ParityChunk (parity updated, undo dropped) -> Finish.  *)
+(*   (new bytes) -> ParityChunk (parity updated, undo dropped) -> Finish   *)
+(*   -> the loop tail (the user's code after optimizer.step(): scheduler,  *)
+(*   scaler, logging) -> Close, at the next batch (the process state after *)
+(*   the tail is kept by the node agent: the step's closed state).         *)
 (* So at every instant each chunk can be produced, locally or from its    *)
 (* node's parity, at the committed version V or at V-1 together with the   *)
 (* gradients of V: recovery rolls forward to V (or drops an uncommitted   *)
@@ -56,7 +59,7 @@ CONSTANTS
     NONE, TORN, LOST, GARBAGE   \* model values
 
 Mutants == {"none", "no_undo", "early_commit", "no_fencing", "parity_first",
-            "stale_shadow", "no_timeout", "early_durable"}
+            "stale_shadow", "no_timeout", "early_durable", "stale_tail"}
 
 ASSUME /\ Ranks # {} /\ Nodes # {}
        /\ NodeOf \in [Ranks -> Nodes]
@@ -68,8 +71,9 @@ ASSUME /\ Ranks # {} /\ Nodes # {}
 VARIABLES
     trainer,      \* rank -> ALIVE | DEAD | HUNG
     tgen,         \* rank -> generation its trainer was admitted in
-    pc,           \* rank -> IDLE | COMPUTED | REDUCED | PREPARED | APPLYING
+    pc,           \* rank -> IDLE | COMPUTED | REDUCED | PREPARED | APPLYING | TAIL
     step,         \* rank -> step of the process state
+    tail,         \* rank -> the step whose loop tail its process state includes
     data,         \* rank -> chunk -> step | TORN | LOST | GARBAGE
     undo,         \* rank -> chunk -> NONE | step
     grad,         \* rank -> NONE | LOST | step whose gradients it holds
@@ -96,7 +100,7 @@ VARIABLES
     ckdone,       \* writers that finished their shard of cpend
     ckmiss        \* writers whose shard the durable checkpoint lacks
 
-vars == <<trainer, tgen, pc, step, data, undo, grad, shadow, stale, par, gpar,
+vars == <<trainer, tgen, pc, step, tail, data, undo, grad, shadow, stale, par, gpar,
           gen, phase, committed, prepared, faults, t2, t2lost, target, kind,
           loss, mlost, nlost, promoted, stale_writes, ckpt, cpend, ckdone,
           ckmiss>>
@@ -129,6 +133,7 @@ Init ==
     /\ tgen = [r \in Ranks |-> 0]
     /\ pc = [r \in Ranks |-> "IDLE"]
     /\ step = [r \in Ranks |-> 0]
+    /\ tail = [r \in Ranks |-> 0]
     /\ data = [r \in Ranks |-> [c \in Chunks |-> 0]]
     /\ undo = [r \in Ranks |-> [c \in Chunks |-> NONE]]
     /\ grad = [r \in Ranks |-> NONE]
@@ -156,15 +161,17 @@ Init ==
     /\ ckmiss = {}
 
 -----------------------------------------------------------------------------
-(* Trainer: one step = compute, reduce, prepare, decide, apply, finish.    *)
+(* Trainer: one step = compute, reduce, prepare, decide, apply, finish,    *)
+(* then the loop tail until the step is closed.                            *)
 
+\* IDLE: the step before is closed (its loop tail over, its process state kept).
 Compute(r) ==
     /\ Active(r)
     /\ pc[r] = "IDLE"
     /\ step[r] < MaxStep
     /\ step[r] - t2 < K
     /\ pc' = [pc EXCEPT ![r] = "COMPUTED"]
-    /\ UNCHANGED <<trainer, tgen, step, data, undo, grad, shadow, stale, par,
+    /\ UNCHANGED <<trainer, tgen, step, tail, data, undo, grad, shadow, stale, par,
                    gpar, gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -178,7 +185,7 @@ Reduce(r) ==
                         /\ pc[q] \in {"COMPUTED", "REDUCED", "PREPARED"}
     /\ grad' = [grad EXCEPT ![r] = step[r] + 1]
     /\ pc' = [pc EXCEPT ![r] = "REDUCED"]
-    /\ UNCHANGED <<trainer, tgen, step, data, undo, shadow, stale, par, gpar,
+    /\ UNCHANGED <<trainer, tgen, step, tail, data, undo, shadow, stale, par, gpar,
                    gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -191,7 +198,7 @@ Prepare(r) ==
                ELSE [gpar EXCEPT ![NodeOf[r]][r] = grad[r]]
     /\ pc' = [pc EXCEPT ![r] = "PREPARED"]
     /\ prepared' = prepared \cup {r}
-    /\ UNCHANGED <<trainer, tgen, step, data, undo, grad, shadow, stale, par,
+    /\ UNCHANGED <<trainer, tgen, step, tail, data, undo, grad, shadow, stale, par,
                    gen, phase, committed, faults, t2, t2lost, target, kind,
                    loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -203,7 +210,7 @@ Decide ==
     /\ \A q \in prepared : grad[q] = committed + 1   \* every vote is for V+1
     /\ committed' = committed + 1
     /\ prepared' = {}
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, undo, grad, shadow, stale,
                    par, gpar, gen, phase, faults, t2, t2lost, target, kind,
                    loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -218,7 +225,7 @@ BeginChunk(r, c) ==
     /\ undo' = [undo EXCEPT ![r][c] = data[r][c]]
     /\ data' = [data EXCEPT ![r][c] = TORN]
     /\ pc' = [pc EXCEPT ![r] = "APPLYING"]
-    /\ UNCHANGED <<trainer, tgen, step, grad, shadow, stale, par, gpar, gen,
+    /\ UNCHANGED <<trainer, tgen, step, tail, grad, shadow, stale, par, gpar, gen,
                    phase, committed, prepared, faults, t2, t2lost, target,
                    kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -228,7 +235,7 @@ EndChunk(r, c) ==
     /\ pc[r] = "APPLYING"
     /\ data[r][c] = TORN /\ undo[r][c] # NONE
     /\ data' = [data EXCEPT ![r][c] = step[r] + 1]
-    /\ UNCHANGED <<trainer, tgen, pc, step, undo, grad, shadow, stale, par,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, undo, grad, shadow, stale, par,
                    gpar, gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -247,23 +254,38 @@ ParityChunk(r, c) ==
               ELSE [par EXCEPT ![NodeOf[r]][c][r] = step[r] + 1]
     /\ undo' = IF data[r][c] = TORN THEN undo
                ELSE [undo EXCEPT ![r][c] = NONE]
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, grad, shadow, stale, gpar,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, grad, shadow, stale, gpar,
                    gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
 
+\* The optimizer step is done on this rank; the user's loop tail follows.
 Finish(r) ==
     /\ Active(r)
     /\ pc[r] = "APPLYING"
     /\ \A c \in Chunks : data[r][c] = step[r] + 1 /\ undo[r][c] = NONE
     /\ step' = [step EXCEPT ![r] = step[r] + 1]
-    /\ pc' = [pc EXCEPT ![r] = "IDLE"]
-    /\ UNCHANGED <<trainer, tgen, data, undo, grad, shadow, stale, par, gpar,
+    /\ pc' = [pc EXCEPT ![r] = "TAIL"]
+    /\ UNCHANGED <<trainer, tgen, tail, data, undo, grad, shadow, stale, par, gpar,
                    gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
 
-\* Tier 2: a complete cross-node snapshot, taken when every rank is idle.
+\* The loop tail (scheduler.step(), scaler.update(), ...) ran: at the next batch
+\* the rank's process state of step[r], after the tail, goes to its node agent,
+\* which keeps it (the step's closed state).  The next step's Compute needs it.
+Close(r) ==
+    /\ Active(r)
+    /\ pc[r] = "TAIL"
+    /\ pc' = [pc EXCEPT ![r] = "IDLE"]
+    /\ tail' = [tail EXCEPT ![r] = step[r]]
+    /\ UNCHANGED <<trainer, tgen, step, data, undo, grad, shadow, stale, par,
+                   gpar, gen, phase, committed, prepared, faults, t2, t2lost,
+                   target, kind, loss, mlost, nlost, promoted, stale_writes>>
+    /\ UNCHANGED ckvars
+
+\* Tier 2: a complete cross-node snapshot, taken when every rank is idle
+\* (closed: the snapshot holds each rank's closed process state).
 Tier2Snapshot ==
     /\ phase = "RUNNING"
     /\ \E s \in Steps :
@@ -272,7 +294,7 @@ Tier2Snapshot ==
                               /\ \A c \in Chunks : data[r][c] = s
           /\ t2' = s
     /\ t2lost' = {}
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, undo, grad, shadow, stale,
                    par, gpar, gen, phase, committed, prepared, faults, target,
                    kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -290,7 +312,7 @@ BeginCheckpoint ==
                               /\ \A c \in Chunks : data[r][c] = s
           /\ cpend' = s
     /\ ckdone' = {}
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, undo, grad, shadow, stale,
                    par, gpar, gen, phase, committed, prepared, faults, t2,
                    t2lost, target, kind, loss, mlost, nlost, promoted,
                    stale_writes, ckpt, ckmiss>>
@@ -301,7 +323,7 @@ WriteShard(r) ==
     /\ cpend # NONE
     /\ r \notin ckdone
     /\ ckdone' = ckdone \cup {r}
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, undo, grad, shadow, stale,
                    par, gpar, gen, phase, committed, prepared, faults, t2,
                    t2lost, target, kind, loss, mlost, nlost, promoted,
                    stale_writes, ckpt, cpend, ckmiss>>
@@ -316,7 +338,7 @@ CheckpointDurable ==
     /\ ckmiss' = Ranks \ ckdone
     /\ cpend' = NONE
     /\ ckdone' = {}
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, undo, grad, shadow, stale,
                    par, gpar, gen, phase, committed, prepared, faults, t2,
                    t2lost, target, kind, loss, mlost, nlost, promoted,
                    stale_writes>>
@@ -327,7 +349,7 @@ CheckpointDurable ==
 ShadowWarm(r) ==
     /\ shadow[r] \in {NONE, "COLD"}
     /\ shadow' = [shadow EXCEPT ![r] = "WARM"]
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, stale, par, gpar,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, undo, grad, stale, par, gpar,
                    gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -335,7 +357,7 @@ ShadowWarm(r) ==
 ShadowReclaim(r) ==
     /\ shadow[r] = "WARM"
     /\ shadow' = [shadow EXCEPT ![r] = "COLD"]
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, stale, par, gpar,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, undo, grad, stale, par, gpar,
                    gen, phase, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -350,7 +372,7 @@ Crash(r) ==
     /\ trainer[r] = "ALIVE"
     /\ trainer' = [trainer EXCEPT ![r] = "DEAD"]
     /\ faults' = faults + 1
-    /\ UNCHANGED <<tgen, pc, step, data, undo, grad, shadow, stale, par, gpar,
+    /\ UNCHANGED <<tgen, pc, step, tail, data, undo, grad, shadow, stale, par, gpar,
                    gen, phase, committed, prepared, t2, t2lost, target, kind,
                    loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -360,7 +382,7 @@ Hang(r) ==
     /\ trainer[r] = "ALIVE"
     /\ trainer' = [trainer EXCEPT ![r] = "HUNG"]
     /\ faults' = faults + 1
-    /\ UNCHANGED <<tgen, pc, step, data, undo, grad, shadow, stale, par, gpar,
+    /\ UNCHANGED <<tgen, pc, step, tail, data, undo, grad, shadow, stale, par, gpar,
                    gen, phase, committed, prepared, t2, t2lost, target, kind,
                    loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -376,7 +398,7 @@ LoseMemory(r) ==
     /\ trainer' = [trainer EXCEPT ![r] = "DEAD"]
     /\ mlost' = mlost \cup {r}
     /\ faults' = faults + 1
-    /\ UNCHANGED <<tgen, pc, step, shadow, stale, par, gpar, gen, phase,
+    /\ UNCHANGED <<tgen, pc, step, tail, shadow, stale, par, gpar, gen, phase,
                    committed, prepared, t2, t2lost, target, kind, loss, nlost,
                    promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -400,7 +422,7 @@ LoseNode(n) ==
     /\ t2lost' = t2lost \cup {n}
     /\ nlost' = nlost \cup {n}
     /\ faults' = faults + 1
-    /\ UNCHANGED <<tgen, pc, step, gen, phase, committed, prepared, t2,
+    /\ UNCHANGED <<tgen, pc, step, tail, gen, phase, committed, prepared, t2,
                    target, kind, loss, promoted, stale_writes>>
     /\ UNCHANGED ckvars
 
@@ -417,7 +439,7 @@ StaleWrite(r, c) ==
                /\ undo' = [undo EXCEPT ![r][c] = NONE]
                /\ stale_writes' = stale_writes + 1
           ELSE UNCHANGED <<data, undo, stale_writes>>
-    /\ UNCHANGED <<trainer, tgen, pc, step, grad, shadow, par, gpar, gen,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, grad, shadow, par, gpar, gen,
                    phase, committed, prepared, faults, t2, t2lost, target,
                    kind, loss, mlost, nlost, promoted>>
     /\ UNCHANGED ckvars
@@ -434,7 +456,7 @@ Detect ==
     \/ /\ phase = "PROMOTING"
        /\ \E r \in Ranks : trainer[r] = "HUNG"
     /\ phase' = "FENCING"
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, undo, grad, shadow, stale,
                    par, gpar, gen, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -450,7 +472,7 @@ Fence ==
     \* a checkpoint in progress is aborted: its writers are fenced
     /\ cpend' = NONE
     /\ ckdone' = {}
-    /\ UNCHANGED <<tgen, pc, step, data, undo, grad, shadow, par, gpar,
+    /\ UNCHANGED <<tgen, pc, step, tail, data, undo, grad, shadow, par, gpar,
                    committed, faults, t2, t2lost, target, kind, loss, mlost,
                    nlost, promoted, stale_writes, ckpt, ckmiss>>
 
@@ -463,7 +485,7 @@ Promote(r) ==
     /\ pc' = [pc EXCEPT ![r] = "IDLE"]
     /\ shadow' = [shadow EXCEPT ![r] = NONE]
     /\ promoted' = promoted \cup {r}
-    /\ UNCHANGED <<step, data, undo, grad, stale, par, gpar, gen, phase,
+    /\ UNCHANGED <<step, tail, data, undo, grad, stale, par, gpar, gen, phase,
                    committed, prepared, faults, t2, t2lost, target, kind,
                    loss, mlost, nlost, stale_writes>>
     /\ UNCHANGED ckvars
@@ -472,7 +494,7 @@ EndPromote ==
     /\ phase = "PROMOTING"
     /\ \A r \in Ranks : trainer[r] = "ALIVE"
     /\ phase' = "RECONCILING"
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, undo, grad, shadow, stale,
                    par, gpar, gen, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -562,7 +584,7 @@ Reconcile ==
     /\ prepared' = {}
     /\ kind' = PlanKind
     /\ phase' = "REBUILDING"
-    /\ UNCHANGED <<trainer, tgen, pc, step, shadow, stale, gen, faults, mlost,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, shadow, stale, gen, faults, mlost,
                    nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
 
@@ -570,7 +592,7 @@ GoFallback ==
     /\ phase = "RECONCILING"
     /\ PlanKind = "FALLBACK"
     /\ phase' = "FALLBACK"
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, undo, grad, shadow, stale,
                    par, gpar, gen, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -593,7 +615,7 @@ RestoreCheckpoint ==
     /\ kind' = "CKPT"
     /\ loss' = committed - ckpt
     /\ phase' = "REBUILDING"
-    /\ UNCHANGED <<trainer, tgen, pc, step, shadow, stale, gen, faults, mlost,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, shadow, stale, gen, faults, mlost,
                    nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
 
@@ -603,11 +625,15 @@ Rebuild ==
     /\ \A r \in Ranks : trainer[r] = "ALIVE"
     /\ tgen' = [r \in Ranks |-> gen]
     /\ phase' = "RESUMING"
-    /\ UNCHANGED <<trainer, pc, step, data, undo, grad, shadow, stale, par,
+    /\ UNCHANGED <<trainer, pc, step, tail, data, undo, grad, shadow, stale, par,
                    gpar, gen, committed, prepared, faults, t2, t2lost, target,
                    kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
 
+\* Every rank restores the process state of target after its loop tail: the
+\* closed state of target if its agent kept one (tail[r] >= target; a tier-2
+\* or checkpoint restore brings its own), else the closed state of target - 1
+\* with the tail replayed (the scheduler stepped, the scaler's update redone).
 Resume ==
     /\ phase = "RESUMING"
     /\ \A r \in Ranks : trainer[r] = "ALIVE"
@@ -615,6 +641,14 @@ Resume ==
     \* warmed at (0).
     /\ step' = [r \in Ranks |-> IF Mutant = "stale_shadow" /\ r \in promoted
                                 THEN 0 ELSE target]
+    \* Mutant stale_tail: a rank that finished target but did not close it
+    \* restores the open state it sent at Finish (before its tail), the tail
+    \* not replayed.
+    /\ tail' = [r \in Ranks |-> IF Mutant = "stale_shadow" /\ r \in promoted
+                                THEN 0
+                                ELSE IF /\ Mutant = "stale_tail"
+                                        /\ tail[r] < target /\ target <= step[r]
+                                THEN target - 1 ELSE target]
     /\ pc' = [r \in Ranks |-> "IDLE"]
     /\ target' = NONE
     /\ promoted' = {}
@@ -628,7 +662,7 @@ Resume ==
 
 -----------------------------------------------------------------------------
 Next ==
-    \/ \E r \in Ranks : Compute(r) \/ Reduce(r) \/ Prepare(r) \/ Finish(r)
+    \/ \E r \in Ranks : Compute(r) \/ Reduce(r) \/ Prepare(r) \/ Finish(r) \/ Close(r)
     \/ Decide
     \/ \E r \in Ranks, c \in Chunks :
           BeginChunk(r, c) \/ EndChunk(r, c) \/ ParityChunk(r, c)
@@ -652,6 +686,7 @@ Next ==
 Fairness ==
     /\ \A r \in Ranks : /\ WF_vars(Compute(r)) /\ WF_vars(Reduce(r))
                         /\ WF_vars(Prepare(r)) /\ WF_vars(Finish(r))
+                        /\ WF_vars(Close(r))
                         /\ WF_vars(ShadowWarm(r)) /\ WF_vars(ShadowReclaim(r))
                         /\ WF_vars(Promote(r)) /\ WF_vars(WriteShard(r))
     /\ \A r \in Ranks, c \in Chunks : /\ WF_vars(BeginChunk(r, c))
@@ -697,7 +732,7 @@ GiveUp ==
     /\ phase \notin {"RUNNING", "FAILED"}
     /\ ~(Mutant = "no_timeout" /\ phase = "PROMOTING")
     /\ phase' = "FAILED"
-    /\ UNCHANGED <<trainer, tgen, pc, step, data, undo, grad, shadow, stale,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, data, undo, grad, shadow, stale,
                    par, gpar, gen, committed, prepared, faults, t2, t2lost,
                    target, kind, loss, mlost, nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -722,8 +757,10 @@ StepVals == Steps
 TypeOK ==
     /\ trainer \in [Ranks -> {"ALIVE", "DEAD", "HUNG"}]
     /\ tgen \in [Ranks -> Nat]
-    /\ pc \in [Ranks -> {"IDLE", "COMPUTED", "REDUCED", "PREPARED", "APPLYING"}]
+    /\ pc \in [Ranks -> {"IDLE", "COMPUTED", "REDUCED", "PREPARED", "APPLYING",
+                         "TAIL"}]
     /\ step \in [Ranks -> Steps]
+    /\ tail \in [Ranks -> Steps]
     /\ data \in [Ranks -> [Chunks -> Steps \cup {TORN, LOST, GARBAGE}]]
     /\ undo \in [Ranks -> [Chunks -> Steps \cup {NONE}]]
     /\ grad \in [Ranks -> (1..MaxStep) \cup {NONE, LOST}]
@@ -818,6 +855,14 @@ Integrity ==
         \A r \in Ranks, c \in Chunks :
             /\ data[r][c] \notin {TORN, GARBAGE}
             /\ data[r][c] = LOST => trainer[r] = "DEAD"
+
+\* Every running rank's process state includes the loop tail of every step it
+\* finished, but the one whose tail it is in: replicas never resume with a
+\* scheduler (scaler, ...) a step behind their peers'.
+TailOK ==
+    phase = "RUNNING" =>
+        \A r \in Ranks : trainer[r] = "ALIVE" /\ tgen[r] = gen =>
+            tail[r] = IF pc[r] = "TAIL" THEN step[r] - 1 ELSE step[r]
 
 Progress == (phase # "RUNNING") ~> (phase = "RUNNING")
 

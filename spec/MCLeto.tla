@@ -12,14 +12,17 @@ MCRanks == {"r1", "r2", "r3"}
 MCNodes == {"n1", "n2"}
 MCNodeOf == [r \in MCRanks |-> IF r = "r3" THEN "n2" ELSE "n1"]
 
-\* How far rank r is in the training loop (used to break the r1/r2 symmetry).
+\* How far rank r is in the training loop (used to break the r1/r2 symmetry):
+\* a rank in the loop tail of step s is past every point of step s's
+\* transaction and before the close of s.
 Pos(r) ==
     LET sub(c) == IF data[r][c] = step[r] + 1
                   THEN IF undo[r][c] = NONE THEN 3 ELSE 2
                   ELSE IF data[r][c] = TORN THEN 1 ELSE 0
         pcv == CASE pc[r] = "IDLE" -> 0 [] pc[r] = "COMPUTED" -> 1
                  [] pc[r] = "REDUCED" -> 2 [] OTHER -> 3
-    IN  step[r] * 10 + pcv + sub(1) + sub(2)
+    IN  IF pc[r] = "TAIL" THEN step[r] * 20 - 1
+        ELSE step[r] * 20 + pcv + sub(1) + sub(2)
 
 \* Only r1's shadow is ever reclaimed (COLD), and only in behaviours with at
 \* most one fault; a promoted rank's new shadow is warmed after Resume.

@@ -28,7 +28,7 @@ Adopt(e) ==
     /\ phase = "RECONCILING"
     /\ data' = e.data /\ undo' = e.undo /\ grad' = e.grad
     /\ par' = e.par /\ gpar' = e.gpar /\ t2' = e.t2 /\ t2lost' = e.t2lost
-    /\ UNCHANGED <<trainer, tgen, pc, step, shadow, stale, gen, phase,
+    /\ UNCHANGED <<trainer, tgen, pc, step, tail, shadow, stale, gen, phase,
                    committed, prepared, faults, target, kind, loss, mlost,
                    nlost, promoted, stale_writes>>
     /\ UNCHANGED ckvars
@@ -42,6 +42,7 @@ Do(e) ==
       [] e.a = "EndChunk" -> EndChunk(e.r, e.c)
       [] e.a = "ParityChunk" -> ParityChunk(e.r, e.c)
       [] e.a = "Finish" -> Finish(e.r)
+      [] e.a = "Close" -> Close(e.r)
       [] e.a = "Tier2Snapshot" -> Tier2Snapshot
       [] e.a = "BeginCheckpoint" -> BeginCheckpoint
       [] e.a = "WriteShard" -> WriteShard(e.r)
