@@ -27,6 +27,7 @@ EXPECTED_CATCH = {
     Mutant.STALE_SHADOW: "Consistency",
     Mutant.EARLY_DURABLE: "Equivalence",
     Mutant.NO_TIMEOUT: "Bounded",
+    Mutant.STALE_TAIL: "TailOK",
 }
 
 
@@ -216,6 +217,7 @@ def test_a_resumed_job_starts_in_a_reachable_state() -> None:
             for r in (0, 1)
             for x in (ev.BeginChunk(r, 0), ev.EndChunk(r, 0), ev.ParityChunk(r, 0), ev.Finish(r))
         ),
+        *(ev.Close(r) for r in (0, 1)),
         ev.Tier2Snapshot(),
         ev.BeginCheckpoint(),
         ev.WriteShard(1),
@@ -269,3 +271,38 @@ def test_the_deadline_configuration_reaches_gave_up_and_keeps_progress() -> None
     res = check(ClusterModel(CHECK_CONFIGS["deadline"]))
     assert res.complete and not res.violations
     assert "GaveUp" in res.reached
+
+
+def test_the_loop_tail_lies_between_finish_and_the_next_compute() -> None:
+    """Finish leaves the rank in its loop tail: the next step's Compute, a tier-2
+    snapshot and a checkpoint wait for its Close, whose effect keeps the closed process
+    state; a rank killed in its tail resumes with the process state of the target after
+    the tail (the replay), and the mutant ``stale_tail`` resumes it a tail behind."""
+    from leto.core import effects as fx
+    from leto.core.schedule import in_recovery, next_event
+    from leto.core.txn import TxnState
+
+    def killed_in_the_tail(model: ClusterModel) -> ClusterState:
+        s = model.initial()
+        for e in (ev.CommitStep(1), ev.ApplyStep(1, (0, 1))):
+            s, _ = model.step(s, e)
+        assert s.pc == (TxnState.TAIL,) * 2 and s.step == (1, 1) and s.tail == (0, 0)
+        for refused in (ev.Compute(0), ev.Tier2Snapshot(), ev.BeginCheckpoint()):
+            with pytest.raises(ProtocolError):
+                model.step(s, refused)
+        s, effects = model.step(s, ev.Close(0))
+        assert effects == (fx.KeepProcessState(0, 1),) and s.tail == (1, 0)
+        assert model.why_not(s, ev.Compute(0)) is None
+        s, _ = model.step(s, ev.Crash(1))  # rank 1 dies in its tail
+        while in_recovery(s):
+            s, _ = model.step(s, next_event(model, s))
+        return s
+
+    cfg = ClusterConfig(topology=Topology((1, 1)), chunks=1, max_step=2, max_faults=1, k=2)
+    s = killed_in_the_tail(ClusterModel(cfg))
+    assert (s.step, s.tail, s.pc) == ((1, 1), (1, 1), (TxnState.IDLE,) * 2)
+    assert not [inv.name for inv in INVARIANTS if not inv.holds(ClusterModel(cfg), s)]
+    broken = ClusterModel(attrs.evolve(cfg, mutant=Mutant.STALE_TAIL))
+    s = killed_in_the_tail(broken)
+    assert (s.step, s.tail) == ((1, 1), (1, 0))
+    assert [inv.name for inv in INVARIANTS if not inv.holds(broken, s)] == ["TailOK"]

@@ -44,6 +44,7 @@ MUTANTS = {
     "parity_first": "ParityOK",
     "stale_shadow": "Consistency",
     "early_durable": "Equivalence",
+    "stale_tail": "TailOK",
 }
 INVARIANTS = [
     "TypeOK",
@@ -53,6 +54,7 @@ INVARIANTS = [
     "ParityOK",
     "SingleWriter",
     "Integrity",
+    "TailOK",
 ]
 
 

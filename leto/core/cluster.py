@@ -57,6 +57,9 @@ class Mutant(enum.Enum):
     STALE_SHADOW = "stale_shadow"  # a promoted shadow resumes at its own stale step
     EARLY_DURABLE = "early_durable"  # a checkpoint durable before every writer finished
     NO_TIMEOUT = "no_timeout"  # the recovery deadline does not cover PROMOTING
+    # a rank that finished the target but did not close it resumes with the open state
+    # it sent at its finish (before its loop tail), the tail not replayed
+    STALE_TAIL = "stale_tail"
 
 
 class Aggregation(enum.Enum):
@@ -156,6 +159,9 @@ class ClusterState:
     tgen: tuple[int, ...]
     pc: tuple[TxnState, ...]
     step: tuple[int, ...]
+    # the step whose loop tail the rank's process state includes: its latest closed
+    # state, which its node agent keeps (step - 1 in the tail, step once closed)
+    tail: tuple[int, ...]
     data: tuple[tuple[int, ...], ...]
     undo: tuple[tuple[int, ...], ...]
     grad: tuple[int, ...]
@@ -235,6 +241,7 @@ class ClusterModel:
                 tgen=(0,) * R,
                 pc=(TxnState.IDLE,) * R,
                 step=(step,) * R,
+                tail=(step,) * R,
                 data=(uniform_row(step, C),) * R,
                 undo=(uniform_row(NONE, C),) * R,
                 grad=(NONE,) * R,
@@ -278,6 +285,8 @@ class ClusterModel:
                         yield ev.EndChunk(r, c)
                         yield ev.ParityChunk(r, c)
                     yield ev.Finish(r)
+                elif pc is TxnState.TAIL:
+                    yield ev.Close(r)
             yield ev.Decide()
             yield ev.Tier2Snapshot()
             yield ev.BeginCheckpoint()
@@ -776,11 +785,11 @@ def _u_apply_step(
     if len(ranks) == cfg.ranks:
         data = (row,) * cfg.ranks
         step = uniform_row(new, cfg.ranks)
-        pc = (TxnState.IDLE,) * cfg.ranks
+        pc = (TxnState.TAIL,) * cfg.ranks
     else:
         data = tuple(row if r in ranks else d for r, d in enumerate(s.data))
         step = tuple(new if r in ranks else x for r, x in enumerate(s.step))
-        pc = tuple(TxnState.IDLE if r in ranks else p for r, p in enumerate(s.pc))
+        pc = tuple(TxnState.TAIL if r in ranks else p for r, p in enumerate(s.pc))
     par = s.par
     if m.aggregation is not Aggregation.NO_PARITY_FOLD:
         touched: dict[int, list[int]] = {}
@@ -792,6 +801,19 @@ def _u_apply_step(
         )
     # no effect: the ranks did the work before the coordinator heard of it
     return attrs.evolve(s, data=data, step=step, pc=pc, par=par), ()
+
+
+# Close -----------------------------------------------------------------------------
+
+
+@_handler(ev.Close)(_trainer_guard)
+def _u_close(
+    m: ClusterModel, s: ClusterState, e: ev.Close
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    r = e.rank
+    return attrs.evolve(
+        s, pc=_set(s.pc, r, TXN.next(s.pc[r], e)), tail=_set(s.tail, r, s.step[r])
+    ), (fx.KeepProcessState(r, s.step[r]),)
 
 
 # Tier2Snapshot ---------------------------------------------------------------------
@@ -1241,11 +1263,24 @@ def _u_rebuild(
 def _u_resume(
     m: ClusterModel, s: ClusterState, e: ev.Resume
 ) -> tuple[ClusterState, tuple[Effect, ...]]:
+    R, target = m.config.ranks, s.target
     stale_shadow = m.config.mutant is Mutant.STALE_SHADOW
-    step = tuple(0 if stale_shadow and r in s.promoted else s.target for r in range(m.config.ranks))
+    step = tuple(0 if stale_shadow and r in s.promoted else target for r in range(R))
+    # every rank resumes with the process state of the target after its loop tail: the
+    # closed state its agent kept (or the snapshot's, the checkpoint's), else the closed
+    # state of target - 1 with the tail replayed; the mutant restores the open state a
+    # rank that finished the target sent (before its tail), not replayed
+    stale_tail = m.config.mutant is Mutant.STALE_TAIL
+    tail = tuple(
+        step[r] if stale_shadow and r in s.promoted  # the shadow's own state, all of it
+        else target - 1 if stale_tail and s.tail[r] < target <= s.step[r]
+        else target
+        for r in range(R)
+    )  # fmt: skip
     return attrs.evolve(
         s,
         step=step,
+        tail=tail,
         pc=tuple(TXN.next(p, e) for p in s.pc),
         target=NONE,
         promoted=frozenset(),

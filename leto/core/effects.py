@@ -28,6 +28,7 @@ __all__ = [
     "ForwardBackward",
     "Hang",
     "JobFailed",
+    "KeepProcessState",
     "KillStale",
     "LoadCheckpoint",
     "LoseMemory",
@@ -150,7 +151,18 @@ class ReleaseUndo(Effect):
 
 @attrs.frozen
 class StepDone(Effect):
-    """FINISH: the optimizer and scheduler move on; the process state of ``step`` is kept."""
+    """FINISH: the optimizer moves on to ``step``; the rank's loop tail follows."""
+
+    rank: int = attrs.field(validator=_int)
+    step: int = attrs.field(validator=_int)
+
+
+@attrs.frozen
+class KeepProcessState(Effect):
+    """CLOSE: the loop tail of ``step`` ran (the scheduler's step, the scaler's update);
+    the rank's process state after it, the closed state of ``step``, is kept by its node
+    agent. A recovery to ``step`` restores it, or, where it was not kept, the closed state
+    of ``step - 1`` with the tail replayed."""
 
     rank: int = attrs.field(validator=_int)
     step: int = attrs.field(validator=_int)

@@ -96,6 +96,15 @@ class Finish(Event):
 
 
 @attrs.frozen
+class Close(Event):
+    """``rank``'s loop tail after its step is over (the scheduler stepped, the scaler
+    updated): at the next batch its process state of the step, after the tail, is kept by
+    its node agent (the step's closed state)."""
+
+    rank: int = _index
+
+
+@attrs.frozen
 class Tier2Snapshot(Event):
     """Every rank is idle at the same step: the cross-node snapshot catches up."""
 
@@ -287,7 +296,7 @@ FAULTS: tuple[type[Fault], ...] = (Crash, Hang, LoseMemory, LoseNode)
 AGGREGATED: tuple[type[Aggregated], ...] = (CommitStep, ApplyStep)
 
 ALL: tuple[type[Event], ...] = (
-    Compute, Reduce, Prepare, Decide, BeginChunk, EndChunk, ParityChunk, Finish,
+    Compute, Reduce, Prepare, Decide, BeginChunk, EndChunk, ParityChunk, Finish, Close,
     Tier2Snapshot, BeginCheckpoint, WriteShard, CheckpointDurable, ShadowWarm,
     ShadowReclaim, Crash, Hang, LoseMemory, LoseNode,
     StaleWrite, Detect, Fence, Promote, EndPromote, Reconcile, GoFallback,

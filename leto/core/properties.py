@@ -43,7 +43,9 @@ class Sometimes:
 def _type_ok(m: ClusterModel, s: ClusterState) -> bool:
     cfg = m.config
     R, C = cfg.ranks, cfg.chunks
-    if not (len(s.data) == len(s.undo) == len(s.step) == len(s.pc) == R):
+    if not (len(s.data) == len(s.undo) == len(s.step) == len(s.tail) == len(s.pc) == R):
+        return False
+    if any(not 0 <= x <= cfg.max_step for x in s.tail):
         return False
     if any(len(row) != C for row in s.data) or any(len(row) != C for row in s.undo):
         return False
@@ -157,6 +159,18 @@ def _single_writer(m: ClusterModel, s: ClusterState) -> bool:
     return s.stale_writes == 0 and all(g <= s.gen for g in s.tgen)
 
 
+def _tail_ok(m: ClusterModel, s: ClusterState) -> bool:
+    if s.phase is not Phase.RUNNING:
+        return True
+    for r in range(m.config.ranks):
+        if s.trainer[r] is not TrainerState.ALIVE or s.tgen[r] != s.gen:
+            continue  # a failed rank's process state is restored by its recovery
+        closed = s.step[r] - 1 if s.pc[r] is TxnState.TAIL else s.step[r]
+        if s.tail[r] != closed:
+            return False
+    return True
+
+
 def _integrity(m: ClusterModel, s: ClusterState) -> bool:
     if s.phase not in (Phase.REBUILDING, Phase.RESUMING):
         return True
@@ -192,6 +206,12 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("ParityOK", _parity_ok, "parity encodes a version each member can produce"),
     Invariant("SingleWriter", _single_writer, "no write of an old generation is accepted"),
     Invariant("Integrity", _integrity, "recovery never hands on a torn, corrupt or lost chunk"),
+    Invariant(
+        "TailOK",
+        _tail_ok,
+        "a running rank's process state includes the loop tail of every step it finished "
+        "but the one it is in the tail of: no replica resumes a scheduler step behind",
+    ),
 )
 
 
@@ -200,6 +220,17 @@ def _mid_chunk_death(m: ClusterModel, s: ClusterState) -> bool:
         s.trainer[r] is not TrainerState.ALIVE and any(d == TORN for d in s.data[r])
         for r in range(m.config.ranks)
     )
+
+
+def _tail_death(m: ClusterModel, s: ClusterState) -> bool:
+    return any(
+        s.trainer[r] is not TrainerState.ALIVE and s.pc[r] is TxnState.TAIL
+        for r in range(m.config.ranks)
+    )
+
+
+def _tail_replayed(m: ClusterModel, pre: ClusterState, e: ev.Event, post: ClusterState) -> bool:
+    return isinstance(e, ev.Resume) and any(x < pre.target for x in pre.tail)
 
 
 def _fault_in_recovery(m: ClusterModel, pre: ClusterState, e: ev.Event, post: ClusterState) -> bool:
@@ -216,6 +247,14 @@ def _kind(kind: Kind) -> StatePredicate:
 
 SOMETIMES: tuple[Sometimes, ...] = (
     Sometimes("MidChunkDeath", state=_mid_chunk_death, doc="a trainer died with a torn chunk"),
+    Sometimes(
+        "TailDeath", state=_tail_death, doc="a trainer died in its loop tail (step not closed)"
+    ),
+    Sometimes(
+        "TailReplayed",
+        edge=_tail_replayed,
+        doc="a rank resumed whose closed state of the target was not kept: its tail replayed",
+    ),
     Sometimes("RollForward", state=_kind(Kind.FORWARD), doc="a committed step rolled forward"),
     Sometimes("RollBack", state=_kind(Kind.BACK), doc="an uncommitted step was dropped"),
     Sometimes("Tier1Repair", state=_kind(Kind.TIER1), doc="lost chunks rebuilt from tier 1"),

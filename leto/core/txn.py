@@ -7,6 +7,11 @@ every rank has voted, the coordinator DECIDEs: COMMIT(v+1) is recorded in the ag
 replicated store, where no single death can erase it. Only then may any chunk move
 v -> v+1 (APPLY). So at any instant either nothing of v+1 was applied anywhere (no
 commit: roll back) or the commit exists and every rank can be rolled forward.
+
+After FINISH the rank is in its *loop tail* (the user's code after
+``optimizer.step()``: the scheduler's step, the scaler's update) until the next batch
+CLOSEs the step: the process state after the tail is what its agent keeps for the
+step, and the next step's compute starts from there.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class TxnState(enum.Enum):
     REDUCED = "reduced"
     PREPARED = "prepared"
     APPLYING = "applying"
+    TAIL = "tail"  # the step finished; the user's loop tail runs until the step is closed
 
 
 class CommitState(enum.Enum):
@@ -40,7 +46,9 @@ TXN: Table[TxnState] = Table.build(
         (TxnState.REDUCED, ev.Prepare, TxnState.PREPARED),
         (TxnState.PREPARED, ev.BeginChunk, TxnState.APPLYING),
         (TxnState.APPLYING, (ev.BeginChunk, ev.EndChunk, ev.ParityChunk), None),
-        (TxnState.APPLYING, ev.Finish, TxnState.IDLE),
+        (TxnState.APPLYING, ev.Finish, TxnState.TAIL),
+        # the loop tail is over: the process state after it is kept (the step closed)
+        (TxnState.TAIL, ev.Close, TxnState.IDLE),
         # A promoted trainer or a resumed rank starts its next step from scratch.
         (_ALL_TXN, (ev.Promote, ev.Resume), TxnState.IDLE),
     ],

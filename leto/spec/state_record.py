@@ -56,6 +56,7 @@ DECODE: dict[str, Callable[[Any], Any]] = {
     "tgen": _ints,
     "pc": _of(TxnState),
     "step": _ints,
+    "tail": _ints,
     "data": _rows,
     "undo": _rows,
     "grad": _ints,

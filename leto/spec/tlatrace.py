@@ -181,6 +181,7 @@ def to_tla(records: list[tuple[int, dict[str, Any]]]) -> tuple[str, str, int]:
         "    InitShadow <- TraceInitShadow\n"
         "INIT TraceInit\nNEXT TraceNext\n"
         "INVARIANTS\n    TraceUnfinished\n    TypeOK\n    SingleWriter\n    ParityOK\n"
+        "    TailOK\n"
     )
     return module, cfg, len(steps)
 
