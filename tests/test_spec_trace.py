@@ -148,9 +148,68 @@ def test_an_abbreviation_is_refused_at_a_step_the_model_is_not_at() -> None:
     # all or nothing: the refused batch names its inner event, the caller's state stands
     with pytest.raises(ProtocolError, match=r"ApplyStep\(step=2, ranks=\(1,\)\)") as exc:
         run(model, s, [Apply(0, 1), Apply(1, 1), Apply(1, 2)])
-    assert "illegal in state IDLE" in str(exc.value)
+    assert "illegal in state TAIL" in str(exc.value)  # rank 1 finished step 1: in its tail
     s, _ = run(model, s, [Apply(0, 1), Apply(1, 1)])
     assert (s.committed, s.step) == (1, (1, 1))
+
+
+def a_closed_run() -> list[dict[str, Any]]:
+    """Two steps without a failure, as the gloo coordinator logs them: the votes of step
+    2 show both ranks past their loop tail of step 1, so their closes come first."""
+    return [
+        {"event": "core_init", **SETUP.to_record()},
+        {"event": "core", "feed": [["CommitStep", 1]]},
+        {"event": "core", "feed": [["ApplyStep", 1, [0, 1]]]},
+        {"event": "step", "step": 1},
+        {"event": "core", "feed": [["Close", 0], ["Close", 1]]},
+        {"event": "core", "feed": [["CommitStep", 2]]},
+        {"event": "core", "feed": [["ApplyStep", 2, [0, 1]]]},
+        {"event": "step", "step": 2},
+        {"event": "training_done", "step": 2},
+    ]
+
+
+def test_a_step_begins_only_after_every_rank_closed_the_one_before() -> None:
+    """The loop tail: the log of a run replays with each rank's Close between its finish
+    and the next step's votes; the same log with a Close removed (a rank that never
+    closed its step computed the next), or with a Close of a rank not in its tail, is
+    refused at that line."""
+    report = replay(numbered(a_closed_run()))
+    assert report.ok, report.line()
+    assert report.events == 2 + 2 + 2  # CommitStep, ApplyStep per step, and two closes
+    recs = a_closed_run()
+    recs[4]["feed"] = [["Close", 0]]  # rank 1's close removed
+    d = replay(numbered(recs)).divergence
+    assert d is not None and (d.line, d.event) == (6, "core"), d
+    assert "CommitStep(step=2)" in d.why and "rank 1 is not idle" in d.why
+    assert "txn ['idle', 'tail']" in d.state
+    recs = a_closed_run()
+    recs[4]["feed"] = [["Close", 0], ["Close", 1], ["Close", 1]]  # closed twice
+    d = replay(numbered(recs)).divergence
+    assert d is not None and (d.line, d.event) == (5, "core"), d
+    assert "Close(rank=1)" in d.why and "illegal in state IDLE" in d.why
+
+
+def test_the_gloo_feed_infers_the_closes_a_message_shows() -> None:
+    """``model_feed.closes``: a rank acting in step s + 1 (the votes for it, its finish
+    of it, a snapshot or checkpoint of the step boundary) has closed s; a message of
+    another step shows nothing, and a rank not in its tail needs no close."""
+    from leto.backends.gloo.model_feed import closes
+
+    model = SETUP.model()
+    s, _ = run(model, SETUP.initial(model), [ev.CommitStep(1), ev.ApplyStep(1, (0, 1))])
+    assert closes(model, s, [ev.CommitStep(2)]) == [ev.Close(0), ev.Close(1)]
+    assert closes(model, s, [Commit(2)]) == [ev.Close(0), ev.Close(1)]
+    assert closes(model, s, [ev.ApplyStep(2, (1,))]) == [ev.Close(1)]
+    assert closes(model, s, [Apply(0, 2)]) == [ev.Close(0)]
+    assert closes(model, s, [Snapshot(1)]) == closes(model, s, [ev.BeginCheckpoint()])
+    assert closes(model, s, [Snapshot(1)]) == [ev.Close(0), ev.Close(1)]
+    for other in ([ev.CommitStep(3)], [ev.ApplyStep(1, (0,))], [Snapshot(0)], [ev.Crash(0)]):
+        assert closes(model, s, other) == [], other
+    s, _ = run(model, s, [ev.Close(0)])
+    assert closes(model, s, [ev.CommitStep(2)]) == [ev.Close(1)]
+    dead, _ = run(model, s, [ev.Crash(1)])  # a dead trainer closes nothing
+    assert closes(model, dead, [ev.CommitStep(2)]) == []
 
 
 def _recovering() -> tuple[Any, Any]:

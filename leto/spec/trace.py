@@ -23,6 +23,11 @@ job is replayed, the latest or ``--job ID``'s, :mod:`leto.jobs`):
   ``["Apply", r, s]`` (the aggregated events of logs written before them),
   ``["Snapshot", s]`` (every rank took the tier-2 snapshot of step ``s``). An
   abbreviation is refused unless its step is the one the model expects.
+  A rank's ``["Close", r]`` (its loop tail over, the step closed) is no message of
+  the run: the coordinator infers it when a message shows the rank acting in its next
+  step (:func:`leto.backends.gloo.model_feed.closes`) and logs it, in a record of its
+  own, before that message's events; a step whose votes come before every rank's close
+  is refused.
 * ``core`` with ``adopt``: the retained state the trainers reported during a recovery
   replaces the model's (:func:`adopt`, which refuses what the model cannot have come to).
 * ``job_failed`` with ``feed`` or ``adopt``: what the coordinator refused, stopping the

@@ -7,6 +7,16 @@ fence), and votes wait while a recovery runs. What the coordinator feeds the
 model and the retained state it adopts are written to the event log as ``core``
 records (:mod:`leto.spec.trace`, O(ranks) per step), so that ``leto spec trace
 RUN_DIR`` replays the run through the model and checks it against the log.
+
+A rank's ``Close`` (its loop tail over, the process state after it kept by its agent)
+is not a message the coordinator hears: the agent keeps it. It is inferred, a rank
+that acts in step ``s + 1`` has closed ``s`` (:func:`closes`): before the votes of a
+step, a finish of the step after a rank's tail, or a tier-2 snapshot or checkpoint
+(taken at the step boundary, after the close), every rank they show past its tail
+closes, fed as a record of its own. So a rank that dies in its tail is one the model
+has in its tail (the step-function form, whose scheduler steps inside the
+transaction, has a tail with nothing in it; the model is not told so, and needs not
+be: what a recovery restores is the agent's, the closed state where it kept one).
 """
 
 from __future__ import annotations
@@ -16,14 +26,36 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from leto.core import events as ev
-from leto.core.cluster import Effect
+from leto.core.cluster import ClusterModel, ClusterState, Effect
 from leto.core.errors import ProtocolError
-from leto.spec.trace import Item, describe, encode, run
+from leto.core.txn import TxnState
+from leto.spec.trace import Apply, Commit, Item, Snapshot, describe, encode, run
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
 
-__all__ = ["ModelFeeder", "ModelRefused"]
+__all__ = ["ModelFeeder", "ModelRefused", "closes"]
+
+
+def closes(model: ClusterModel, s: ClusterState, items: list[Item]) -> list[ev.Close]:
+    """The ``Close`` of every rank in its loop tail in ``s`` that ``items`` show in its
+    next step: a vote set for it (``CommitStep``), its finish of it (``ApplyStep``), a
+    snapshot or checkpoint of the step boundary (taken after the close)."""
+    past: set[int] = set()
+    every = range(model.config.ranks)
+    for i in items:
+        if isinstance(i, (ev.CommitStep, Commit)):
+            past |= {r for r in every if s.step[r] + 1 == i.step}
+        elif isinstance(i, ev.ApplyStep):
+            past |= {r for r in i.ranks if r in every and s.step[r] + 1 == i.step}
+        elif isinstance(i, Apply):
+            past |= {i.rank} if i.rank in every and s.step[i.rank] + 1 == i.step else set()
+        elif isinstance(i, Snapshot):
+            past |= {r for r in every if s.step[r] == i.step}
+        elif isinstance(i, (ev.Tier2Snapshot, ev.BeginCheckpoint)):
+            past |= set(every)
+    due = [ev.Close(r) for r in sorted(past) if s.pc[r] is TxnState.TAIL]
+    return [c for c in due if model.why_not(s, c) is None]
 
 
 class ModelRefused(Exception):
@@ -46,9 +78,18 @@ class ModelFeeder:
 
     def run(self, items: list[Item], source: str) -> tuple[Effect, ...]:
         """Feed ``items`` to the model, all or nothing, and log them as one ``core`` record;
-        a refusal raises :class:`ModelRefused` and leaves the state as it was."""
+        a refusal raises :class:`ModelRefused` and leaves the state as it was. The ranks
+        they show past their loop tail close first, in a record of their own."""
         assert self.c.model is not None and self.c.state is not None
         self.flush_applied()
+        due = closes(self.c.model, self.c.state, items)
+        if due:
+            ranks = [c.rank for c in due]
+            self._feed([*due], f"rank(s) {ranks} acted past their loop tail")
+        return self._feed(items, source)
+
+    def _feed(self, items: list[Item], source: str) -> tuple[Effect, ...]:
+        assert self.c.model is not None and self.c.state is not None
         feed = [encode(i) for i in items]
         try:
             self.c.state, effects = run(self.c.model, self.c.state, items)
