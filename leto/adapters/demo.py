@@ -215,6 +215,7 @@ def fault_plan(
         [("fail_at", {"phase": "parity", "chunk": 0})],
         [("fail_at", {"phase": "parity", "chunk": n_chunks - 1})],
         [("fail_at", {"phase": "finish"})],
+        [("fail_at", {"phase": "tail"})],
         [("fail_at", {"phase": "forward", "kind": "hang"})],
         [("lose_memory", {"phase": "apply", "chunk": min(1, n_chunks - 1), "where": "mid_write"})],
         [("lose_memory", {"phase": "decide", "where": "after"})],

@@ -90,7 +90,7 @@ def _key(e: ev.Event) -> str:
 
 _TRAINING_EVENTS = (
     ev.Compute, ev.Reduce, ev.Prepare, ev.Decide, ev.BeginChunk, ev.EndChunk,
-    ev.ParityChunk, ev.Finish, ev.Tier2Snapshot,
+    ev.ParityChunk, ev.Finish, ev.Close, ev.Tier2Snapshot,
 )  # fmt: skip
 
 # Points of a step at which fault_at_phase strikes a rank, named in leto's one
@@ -109,6 +109,7 @@ _POINTS: dict[str, Callable[[ClusterState, int], bool]] = {
         s.pc[r] is TxnState.APPLYING and TORN not in s.data[r] and all(u == NONE for u in s.undo[r])
     ),
     "forward": lambda s, r: s.pc[r] is TxnState.IDLE and s.step[r] > 0,
+    "tail": lambda s, r: s.pc[r] is TxnState.TAIL,
 }
 assert all(p.split("/")[0] in PHASES for p in _POINTS)
 

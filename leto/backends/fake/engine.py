@@ -310,6 +310,8 @@ class Engine:
             for r in R:
                 self.points.between(r, V, "finish")
                 self.feed(ev.Finish(r))
+                self.points.between(r, V, "tail")
+                self.feed(ev.Close(r))
         except _Interrupted:
             self.recover()
             return None

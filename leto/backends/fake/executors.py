@@ -219,13 +219,23 @@ def step_done(eng: Engine, a: fx.StepDone, before: ClusterState, after: ClusterS
     p = eng.procs[r]
     assert p.ropt is not None
     p.ropt.end()
-    step_scheduler(p.replica.scheduler)
     store = eng._store(r)
     pend = json.loads(store.pending[r])  # kept: a tier-1 gradient rebuild may read it
     if pend["step"] != step:
         raise IntegrityError(f"rank {r}: the prepare record is of step {pend['step']}, not {step}")
     p.sampler_state = pend["sampler"]
-    hist = store.process_states.setdefault(r, {})
+
+
+def keep_process_state(
+    eng: Engine, a: fx.KeepProcessState, before: ClusterState, after: ClusterState
+) -> None:
+    """The step's loop tail (here the scheduler's step, which the engine takes for the
+    user), then its closed process state kept by the rank's node: what a recovery to
+    ``step`` restores (a rank that died before it replays the tail from ``step - 1``)."""
+    r, step = a.rank, a.step
+    p = eng.procs[r]
+    step_scheduler(p.replica.scheduler)
+    hist = eng._store(r).process_states.setdefault(r, {})
     hist[step] = p.ps_json(step)
     for old in [s for s in hist if s < step - 2]:
         del hist[old]
@@ -438,6 +448,7 @@ EXECUTORS: dict[type[fx.Effect], Executor] = {
     fx.UpdateParity: update_parity,
     fx.ReleaseUndo: release_undo,
     fx.StepDone: step_done,
+    fx.KeepProcessState: keep_process_state,
     fx.TakeSnapshot: tier2_snapshot,
     fx.WarmShadow: warm_shadow,
     fx.ReclaimShadow: reclaim_shadow,
