@@ -31,7 +31,7 @@ CHUNK = 16  # 26 parameters -> 2 chunks, as the model's config says
 
 _TRAINING = (
     ev.Compute, ev.Reduce, ev.Prepare, ev.Decide, ev.BeginChunk, ev.EndChunk,
-    ev.ParityChunk, ev.Finish, ev.Tier2Snapshot,
+    ev.ParityChunk, ev.Finish, ev.Close, ev.Tier2Snapshot,
 )  # fmt: skip
 
 _reference: dict[ClusterConfig, Any] = {}

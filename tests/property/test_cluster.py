@@ -36,7 +36,7 @@ def test_hypothesis_catches_mutant(mutant: Mutant) -> None:
             broken,
             settings=settings(
                 SETTINGS,
-                max_examples=200,
+                max_examples=400,
                 derandomize=True,
                 database=None,
                 print_blob=False,

@@ -31,7 +31,8 @@ EXPECTED: dict[str, dict[tuple[Any, type], Any]] = {
         (T.APPLYING, ev.BeginChunk): T.APPLYING,
         (T.APPLYING, ev.EndChunk): T.APPLYING,
         (T.APPLYING, ev.ParityChunk): T.APPLYING,
-        (T.APPLYING, ev.Finish): T.IDLE,
+        (T.APPLYING, ev.Finish): T.TAIL,  # the user's loop tail, until the next batch
+        (T.TAIL, ev.Close): T.IDLE,
         **{(x, e): T.IDLE for x in T for e in (ev.Promote, ev.Resume)},
     },
     "commit": {
