@@ -230,7 +230,11 @@ def _tail_death(m: ClusterModel, s: ClusterState) -> bool:
 
 
 def _tail_replayed(m: ClusterModel, pre: ClusterState, e: ev.Event, post: ClusterState) -> bool:
-    return isinstance(e, ev.Resume) and any(x < pre.target for x in pre.tail)
+    """A rank resumed that had finished the target but not closed it (the state where
+    the mutant ``stale_tail`` restores the open process state)."""
+    return isinstance(e, ev.Resume) and any(
+        x < pre.target <= st for x, st in zip(pre.tail, pre.step, strict=True)
+    )
 
 
 def _fault_in_recovery(m: ClusterModel, pre: ClusterState, e: ev.Event, post: ClusterState) -> bool:
@@ -253,7 +257,7 @@ SOMETIMES: tuple[Sometimes, ...] = (
     Sometimes(
         "TailReplayed",
         edge=_tail_replayed,
-        doc="a rank resumed whose closed state of the target was not kept: its tail replayed",
+        doc="a rank that finished the target but had not closed it resumed: its tail replayed",
     ),
     Sometimes("RollForward", state=_kind(Kind.FORWARD), doc="a committed step rolled forward"),
     Sometimes("RollBack", state=_kind(Kind.BACK), doc="an uncommitted step was dropped"),
