@@ -4,7 +4,8 @@ In process, no training: a :class:`~leto.core.cluster.ClusterModel` as the gloo
 coordinator builds it (:class:`~leto.spec.trace.CoreSetup`), fed one step at a time
 the way the coordinator feeds it, and timed in CPU seconds (``time.process_time``):
 
-* aggregated (today): ``CommitStep(V)`` once every rank voted; each rank's
+* aggregated (today): every rank's ``Close`` of its loop tail, then ``CommitStep(V)``
+  once every rank voted; each rank's
   ``finished(V)`` judged on arrival by the guard of ``ApplyStep(V, [rank])``; one
   ``ApplyStep(V, ranks)``. Then the reconcile plan after a loss
   (``ClusterModel.plan``: a rank's memory lost -> tier 1; a node lost -> tier 2; a
@@ -38,6 +39,7 @@ from leto.core.adopt import Retained, adopt
 from leto.core.aggregate import expand
 from leto.core.cluster import ClusterModel, ClusterState
 from leto.core.reconcile import Plan, expand_repairs, plan
+from leto.core.txn import TxnState
 from leto.spec.trace import CoreSetup
 
 __all__ = ["control_table", "parse_sizes", "run_control"]
@@ -70,8 +72,17 @@ def _setup(ranks: int, chunks: int, per_node: int) -> tuple[ClusterModel, Cluste
     return model, setup.initial(model)
 
 
+def _closed(m: ClusterModel, s: ClusterState) -> ClusterState:
+    """Every rank's loop tail of the step before closed, as the coordinator feeds it
+    before the next step's votes (``leto.backends.gloo.model_feed.closes``)."""
+    for r in range(m.config.ranks):
+        if s.pc[r] is TxnState.TAIL:
+            s, _ = m.step(s, ev.Close(r))
+    return s
+
+
 def _aggregated_step(m: ClusterModel, s: ClusterState, v: int) -> ClusterState:
-    s, _ = m.step(s, ev.CommitStep(v))
+    s, _ = m.step(_closed(m, s), ev.CommitStep(v))
     for r in range(m.config.ranks):  # each finished(V), judged on arrival
         if m.why_not(s, ev.ApplyStep(v, (r,))) is not None:
             raise AssertionError(f"rank {r} refused")
@@ -80,6 +91,7 @@ def _aggregated_step(m: ClusterModel, s: ClusterState, v: int) -> ClusterState:
 
 
 def _chunk_level_step(m: ClusterModel, s: ClusterState, v: int) -> ClusterState:
+    s = _closed(m, s)
     events = [*expand(m, ev.CommitStep(v)), *expand(m, ev.ApplyStep(v, range(m.config.ranks)))]
     for e in events:
         s, _ = m.step(s, e)
@@ -90,6 +102,7 @@ def _roll_forward(m: ClusterModel, s: ClusterState, v: int, aggregated: bool) ->
     """COMMIT(v) recorded, then rank 0 crashes before any rank applied it: the recovery
     up to its plan (every rank rolls forward)."""
     commit = [ev.CommitStep(v)] if aggregated else list(expand(m, ev.CommitStep(v)))
+    s = _closed(m, s)
     for e in (*commit, ev.Crash(0), ev.Detect(), ev.Fence(), ev.Promote(0), ev.EndPromote()):
         s, _ = m.step(s, e)
     return s
