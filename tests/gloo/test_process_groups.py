@@ -72,3 +72,25 @@ def test_a_process_that_exits_during_the_teardown_exits_cleanly() -> None:
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0 and "terminate called" not in err, (p.returncode, err[-2000:])
+
+
+def test_a_formed_groups_collective_timeout_is_set_through_torchs_private_api(
+    tmp_path: Path,
+) -> None:
+    """ProcessGroups forms a generation with a short timeout and then gives its groups
+    the collective timeout through torch's ``_set_pg_timeout``: fails when torch changes
+    it (``set_timeout`` is the one place that calls it)."""
+    from datetime import timedelta
+
+    from leto.backends.gloo.process_groups import FORM_TIMEOUT_S, set_timeout
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    form = timedelta(seconds=FORM_TIMEOUT_S)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=form)
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        assert backend.options._timeout == form
+        set_timeout(timedelta(seconds=42), dist.group.WORLD)
+        assert backend.options._timeout == timedelta(seconds=42)
+    finally:
+        dist.destroy_process_group()

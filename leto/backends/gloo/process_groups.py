@@ -23,7 +23,18 @@ from .collective import CollectiveFailed
 if TYPE_CHECKING:
     from .runtime import GlooSession
 
-__all__ = ["ProcessGroups"]
+__all__ = ["FORM_TIMEOUT_S", "ProcessGroups", "set_timeout"]
+
+FORM_TIMEOUT_S = 5.0  # the most a generation's communicator may take to form
+
+
+def set_timeout(timeout: timedelta, group: Any) -> None:
+    """The collective timeout of a formed ``group`` (torch has no public API for it:
+    ``_set_pg_timeout``, kept here alone; tests/gloo/test_process_groups.py fails
+    when torch changes it)."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(timeout, group)
 
 
 class ProcessGroups:
@@ -58,25 +69,33 @@ class ProcessGroups:
             time.sleep(0.005)
         t_barrier = time.perf_counter()
         prefix = dist.PrefixStore(base, s.store)  # type: ignore[attr-defined]
-        dist.init_process_group(
-            "gloo",
-            store=prefix,
-            rank=s.rank,
-            world_size=s.W,
-            timeout=timedelta(seconds=float(s.spec["collective_timeout"])),
-        )
+        # Formed with a short timeout: gloo's connection of the ranks cannot be
+        # interrupted, and a peer that died after it passed the barrier above (its key
+        # set) would hold this rank there for the whole collective timeout while the
+        # next generation's barrier waited for it. Every rank is at this point when
+        # the barrier passes, so forming takes milliseconds; the collectives then get
+        # the collective timeout.
+        collective = timedelta(seconds=float(s.spec["collective_timeout"]))
+        form = min(collective, timedelta(seconds=FORM_TIMEOUT_S))
+        dist.init_process_group("gloo", store=prefix, rank=s.rank, world_size=s.W, timeout=form)
+        groups = [dist.group.WORLD]
         # every rank creates every group, in the same order (gloo: tier-1 groups of each
         # node, then tier-2 groups of each local rank across nodes)
         for n in range(s.nnodes):
-            g = dist.new_group(list(range(n * s.nproc, (n + 1) * s.nproc)))
+            g = dist.new_group(list(range(n * s.nproc, (n + 1) * s.nproc)), timeout=form)
+            groups.append(g)
             if n == s.node:
                 self.node_group = g
         self.cross_group = None
         if s.nnodes >= 2:
             for lr in range(s.nproc):
-                g = dist.new_group([n * s.nproc + lr for n in range(s.nnodes)])
+                g = dist.new_group([n * s.nproc + lr for n in range(s.nnodes)], timeout=form)
+                groups.append(g)
                 if lr == s.lr:
                     self.cross_group = g
+        for g in groups:
+            if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
+                set_timeout(collective, g)
         self.pg_gen = gen
         s._log(
             "process_group",
