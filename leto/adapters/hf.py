@@ -140,11 +140,15 @@ class Trainer(transformers.Trainer):
     has wrapped the model (``session.stats``, ``session.step``).
     """
 
-    def __init__(self, *args: Any, leto_config: Any = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.leto_config = leto_config
-        self.session: GlooSession | None = None
-        a = self.args
+    def __init__(
+        self,
+        model: Any = None,
+        args: Any = None,
+        *rest: Any,
+        leto_config: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        a = TrainingArguments() if args is None else args  # not transformers' default
         state = a.distributed_state
         if state is not None and state.num_processes != 1:
             raise ValueError(
@@ -164,6 +168,9 @@ class Trainer(transformers.Trainer):
         bad = [k for k, v in refused.items() if v]
         if bad:
             raise ValueError(f"leto.hf.Trainer does not support {', '.join(bad)}")
+        super().__init__(model, a, *rest, **kwargs)
+        self.leto_config = leto_config
+        self.session: GlooSession | None = None
 
     def is_world_process_zero(self) -> bool:
         return _rank() == 0
