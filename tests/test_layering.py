@@ -37,6 +37,7 @@ LAYER = {
     "bench": 4,
     "sim": 4,
     "testing": 4,
+    "hf": 4,  # `from leto.hf import Trainer`: the adapter's names, imported on demand
     "cli": 5,
     "__init__": 5,
     "__main__": 5,
