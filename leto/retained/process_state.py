@@ -403,9 +403,11 @@ class BatchCursor:
     def state(self) -> dict[str, Any]:
         inner = None
         if self.stateful:
-            inner = to_json(
-                self.sampler.state_dict(), f"the state of {type(self.sampler).__name__}"
-            )
+            # torch's global RNG as it was: a StatefulDataLoader's state_dict() before its
+            # first pass makes an iterator, which draws its base seed from it
+            with torch.random.fork_rng(devices=[]):
+                sd = self.sampler.state_dict()
+            inner = to_json(sd, f"the state of {type(self.sampler).__name__}")
         return {"consumed": self.consumed, "sampler": inner, "epoch": self.epoch}
 
     @property
@@ -475,7 +477,8 @@ class BatchCursor:
             self.consumed = target
             return
         if self.stateful:
-            self.sampler.load_state_dict(from_json(state["sampler"]))
+            with torch.random.fork_rng(devices=[]):
+                self.sampler.load_state_dict(from_json(state["sampler"]))
             self._it = None
             self.consumed = target
             self.epoch = int(state.get("epoch", 0))  # absent in an older leto's state

@@ -78,3 +78,16 @@ def test_a_peer_death_inside_the_scripts_own_collective_is_one_recovery(
     assert failures == [(1, "crash")], failures
     assert len(res.recoveries) == 1, res.recoveries
     assert res.digests == ref.digests, "not bitwise equal to the failure-free run"
+
+
+def test_a_step_slower_than_the_hang_timeout_three_times_ends_the_job(tmp_path: Path) -> None:
+    """A healthy rank whose forward outlasts --hang-timeout (3 s here) in every
+    incarnation was replaced again and again (36 recoveries in 2 minutes, a new user's
+    trial); the third time at the same step and phase the job ends in one line."""
+    env = {"SLOW_STEP": "3", "SLOW_S": "4.5"}
+    res = job(tmp_path / "slow", steps=5, script=TAIL, env=env, timeout=90)
+    assert not res.ok
+    assert [(f["kind"], f["rank"]) for f in res.of("failure")] == [("hang", 1)] * 3
+    (failed,) = res.of("job_failed")
+    assert failed["error"].startswith("rank 1 made no progress in forward of step 3"), failed
+    assert "raise --hang-timeout" in failed["error"] and "\n" not in failed["error"]

@@ -26,13 +26,13 @@ from . import messages as M
 from .channel import AgentChannel, AgentGone
 from .procs import steady_heap
 from .title import set_title
-from .unwrapped import Watch
+from .unwrapped import ShadowGroups, Watch
 
 __all__ = ["CHANNEL", "SPEC", "WATCH", "child_main"]
 
 CHANNEL: AgentChannel | None = None
 SPEC: dict[str, Any] = {}
-WATCH: Watch | None = None  # a trainer's, until leto.wrap: a script that never calls it
+WATCH: Watch | ShadowGroups | None = None  # until leto.wrap: see .unwrapped
 # run after the script ended without an error (the session registers its completion
 # barrier here: this module imports nothing of the runtime)
 AT_EXIT: list[Callable[[AgentChannel], None]] = []
@@ -72,6 +72,9 @@ def child_main(spec: dict[str, Any]) -> int:
     )
     if spec["role"] == "trainer":
         WATCH = Watch(_teller(CHANNEL, int(spec["rank"])))
+        WATCH.start()
+    else:  # a shadow: a process group the script forms is a fake one of its own
+        WATCH = ShadowGroups(int(spec["rank"]), int(spec["world"]))
         WATCH.start()
     code = 0
     try:

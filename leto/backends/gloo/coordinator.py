@@ -405,13 +405,18 @@ class Coordinator:
                 continue
             if now - since > self.opt.stopped_grace:
                 del self.stopped_at[rank]
-                if s.phase is Phase.RUNNING and s.trainer[rank] is TrainerState.ALIVE:
+                running = s.phase is Phase.RUNNING
+                if s.trainer[rank] is TrainerState.ALIVE and (
+                    running or self.driver.waits_on(rank, s.gen)
+                ):
                     with self.feeder.judging():
                         self.driver.failure(
                             {
                                 "kind": "collective_error",
                                 "rank": rank,
-                                "detected_by": "collective error with no failure reported",
+                                "detected_by": "collective error with no failure reported"
+                                if running
+                                else "its recovery step failed with no failure reported",
                             },
                             now,
                         )

@@ -23,9 +23,21 @@ from .collective import CollectiveFailed
 if TYPE_CHECKING:
     from .runtime import GlooSession
 
-__all__ = ["FORM_TIMEOUT_S", "ProcessGroups", "set_timeout"]
+__all__ = ["FORM_TIMEOUT_S", "ProcessGroups", "reset_group_count", "set_timeout"]
 
 FORM_TIMEOUT_S = 5.0  # the most a generation's communicator may take to form
+
+
+def reset_group_count() -> None:
+    """torch names each group by a per-process count of the groups made (the default
+    group too), which ``destroy_process_group`` resets but a failed
+    ``init_process_group`` leaves one higher: a rank whose formation of a generation
+    failed would name the next generation's groups differently from a fresh process
+    (a promoted shadow) and never meet it in the store. Torch's private counter, kept
+    here alone (tests/gloo/test_process_groups.py fails when torch changes it)."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._world.group_count = 0
 
 
 def set_timeout(timeout: timedelta, group: Any) -> None:
@@ -75,6 +87,7 @@ class ProcessGroups:
         # next generation's barrier waited for it. Every rank is at this point when
         # the barrier passes, so forming takes milliseconds; the collectives then get
         # the collective timeout.
+        reset_group_count()  # every rank names this generation's groups alike
         collective = timedelta(seconds=float(s.spec["collective_timeout"]))
         form = min(collective, timedelta(seconds=FORM_TIMEOUT_S))
         dist.init_process_group("gloo", store=prefix, rank=s.rank, world_size=s.W, timeout=form)

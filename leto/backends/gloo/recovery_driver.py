@@ -131,6 +131,9 @@ class RecoveryDriver:
             self.c.fail(
                 f"rank {msg.rank} failed before training started ({what})"
                 + (f": {last}" if last else ""),
+                # a process lost (killed, crashed) may succeed when the job starts again
+                # (--max-restarts); the script's own exception would only repeat
+                ending=restart.Ending.GAVE_UP if msg.kind == "crash" else restart.Ending.FATAL,
                 rank=msg.rank,
                 traceback=tb or None,
             )
@@ -143,8 +146,24 @@ class RecoveryDriver:
         s = self.c.state
         if s is None:
             return
-        if s.phase is Phase.RUNNING and msg.reason and self.c._current(msg.gen):
+        if (
+            msg.reason
+            and self.c._current(msg.gen)
+            and (s.phase is Phase.RUNNING or self.waits_on(msg.rank, msg.gen))
+        ):
             self.c.stopped_at.setdefault(msg.rank, now)
+
+    def waits_on(self, rank: int, gen: int) -> bool:
+        """The recovery waits for ``rank``'s report, reconcile or rebuild in ``gen``: a
+        step of it that failed there with no failure to explain it (a communicator that
+        could not form) leaves the recovery waiting for nothing, unless it restarts."""
+        w = self.c.wait
+        return (
+            w is not None
+            and w.generation == gen
+            and w.what in ("report", "reconcile", "rebuild")
+            and rank in w.pending
+        )
 
     def ack(self, what: str, key: int, gen: int) -> bool:
         w = self.c.wait
@@ -300,6 +319,15 @@ class RecoveryDriver:
             return (
                 f"{who} raised the same exception at step {step + 1} {REPEATS} times in "
                 f"a row ({line}): an error of the script, not of the hardware; giving up",
+                restart.Ending.SCRIPT_ERROR,
+            )
+        hangs = [_hang_of(fs) for fs in last[:REPEATS]]
+        if len(hangs) == REPEATS and hangs[0] is not None and all(h == hangs[0] for h in hangs):
+            rank, step, phase = hangs[0]
+            return (
+                f"rank {rank} made no progress in {phase} of step {step + 1} for "
+                f"--hang-timeout {REPEATS} times in a row: a step slower than the hang "
+                "timeout rather than a hang of the hardware (raise --hang-timeout); giving up",
                 restart.Ending.SCRIPT_ERROR,
             )
         return None
@@ -595,6 +623,15 @@ class RecoveryDriver:
 # a script's exception repeated in this many incarnations in a row at the same step ends
 # the job (RecoveryDriver._hopeless)
 REPEATS = 3
+
+
+def _hang_of(failures: list[dict[str, Any]]) -> tuple[int, int, str] | None:
+    """(rank, committed step, phase) of a recovery whose one failure was a rank found
+    hung (no progress for --hang-timeout), else None."""
+    if len(failures) != 1 or failures[0].get("kind") != "hang":
+        return None
+    f = failures[0]
+    return int(f.get("rank", -1)), int(f.get("step", -1)), str(f.get("in_phase", "?"))
 
 
 def _exception_of(failures: list[dict[str, Any]]) -> tuple[int, str] | None:

@@ -29,7 +29,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["WAIT_S", "Watch"]
+__all__ = ["WAIT_S", "ShadowGroups", "Watch"]
 
 WAIT_S = 3.0
 _FORMS = ("init_process_group",)  # the functions that form the default process group
@@ -112,3 +112,52 @@ class Watch:
             self.tell(how)
         except Exception:  # noqa: BLE001 - a notice never stops the script
             pass
+
+
+class ShadowGroups:
+    """A shadow runs its rank's script up to ``leto.wrap``, beside the rank's trainer. A
+    script that forms its own process group before it (a torchrun script keeps its
+    ``init_process_group``) must not join the job's rendezvous as a second process of
+    the rank (it held the trainers' rendezvous: a job that hung at its start): in a
+    shadow the call forms a group of the shadow's own on torch's fake backend, of the
+    rank and world size it will have, so ``dist.get_rank()`` and a
+    ``DistributedSampler`` work as in the trainer. ``leto.wrap`` puts torch's function
+    back (:meth:`wrapped`); a promoted shadow's communicators replace the fake group."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self._originals: list[tuple[types.ModuleType, str, Any]] = []
+
+    def start(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        for module in (dist, distributed_c10d):
+            for name in _FORMS:
+                fn = getattr(module, name, None)
+                if fn is not None:
+                    self._originals.append((module, name, fn))
+                    setattr(module, name, self._alone(fn))
+
+    def wrapped(self) -> None:
+        for module, name, fn in self._originals:
+            setattr(module, name, fn)
+        self._originals.clear()
+
+    def _alone(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            caller = str(sys._getframe(1).f_globals.get("__name__", ""))
+            if caller.startswith("leto."):
+                return fn(*args, **kwargs)
+            return fn("fake", store=fake_store(), rank=self.rank, world_size=self.world)
+
+        return call
+
+
+def fake_store() -> Any:
+    """torch's fake backend and its store (``torch.testing._internal``: a private module,
+    kept here alone; tests/gloo/test_processes.py fails when torch changes it)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

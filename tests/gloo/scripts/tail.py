@@ -1,6 +1,7 @@
 """A torchrun-style loop whose trainer may SIGKILL itself in its loop's tail: after
 ``optimizer.step()`` (KILL_AT=step) or after ``scheduler.step()`` (KILL_AT=sched), in
 step KILL_STEP on rank KILL_RANK, once per job (a marker file in the run directory).
+SLOW_STEP: rank 1 sleeps SLOW_S seconds before that step's forward, in every process.
 USER_COLL=1: the script all-reduces its loss after optimizer.step() (its own collective).
 PLANT_STEP: after that step's scheduler step, rank 1 alone scales its learning rate
 (a planted divergence of the replicas that no checksum sees).
@@ -10,6 +11,7 @@ scheduler one step behind)."""
 import os
 import random
 import signal
+import time
 
 import numpy as np
 import torch
@@ -46,6 +48,8 @@ def maybe_die(where: str) -> None:
 for x, y in session.batches(int(os.environ.get("STEPS", "8"))):
     print(f"rank {rank} step {session.step + 1} lr {sched.get_last_lr()[0]:.4f}", flush=True)
     opt.zero_grad()
+    if rank == 1 and str(session.step + 1) == os.environ.get("SLOW_STEP"):
+        time.sleep(float(os.environ.get("SLOW_S", "4")))
     loss = F.mse_loss(model(x), y)
     loss.backward()
     opt.step()
