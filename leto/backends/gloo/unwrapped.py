@@ -50,15 +50,7 @@ class Watch:
         self._timer.name = "leto-unwrapped"
 
     def start(self) -> None:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d
-
-        for module in (dist, distributed_c10d):
-            for name in _FORMS:
-                fn = getattr(module, name, None)
-                if fn is not None:
-                    self._originals.append((module, name, fn))
-                    setattr(module, name, self._watched(fn))
+        self._originals = _replace_forms(self._watched)
         self._timer.start()
 
     def wrapped(self) -> None:
@@ -129,15 +121,7 @@ class ShadowGroups:
         self._originals: list[tuple[types.ModuleType, str, Any]] = []
 
     def start(self) -> None:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d
-
-        for module in (dist, distributed_c10d):
-            for name in _FORMS:
-                fn = getattr(module, name, None)
-                if fn is not None:
-                    self._originals.append((module, name, fn))
-                    setattr(module, name, self._alone(fn))
+        self._originals = _replace_forms(self._alone)
 
     def wrapped(self) -> None:
         for module, name, fn in self._originals:
@@ -161,3 +145,21 @@ def fake_store() -> Any:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def _replace_forms(
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> list[tuple[types.ModuleType, str, Any]]:
+    """torch's functions that form the default process group, each replaced by
+    ``wrap(it)``; what was replaced, to put back."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    out = []
+    for module in (dist, distributed_c10d):
+        for name in _FORMS:
+            fn = getattr(module, name, None)
+            if fn is not None:
+                out.append((module, name, fn))
+                setattr(module, name, wrap(fn))
+    return out
