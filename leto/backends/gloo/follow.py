@@ -71,6 +71,9 @@ class Follower:
         # no chunk ([chunk][member]), until its end uses them
         self._sums_at_start: list[list[int]] | None = None
         self._before_writes: Callable[[], None] | None = None
+        # the generation whose reconcile this rank carried out to its end: its Rebuild
+        # (every rank of the job has reported that end) renews the gradient parity
+        self._reconciled: int | None = None
         self._beside = False  # following on a thread beside the compute (_follow)
 
     def _follow(
@@ -111,11 +114,7 @@ class Follower:
                         finally:
                             self.s.ps.drop_prefetch()
                     case M.Rebuild():
-                        # The communicator of this generation was formed before Reconcile
-                        # and carried its collectives: the rank only says it is on it (no
-                        # barrier: the coordinator's wait for every Rebuilt is one)
-                        self.s.ch.mark("rebuild")
-                        self.s.ch.send(M.Rebuilt(rank=self.s.rank, gen=gen))
+                        self._rebuild(gen)
                     case M.Resume():
                         self._resume(msg)
                         return
@@ -214,6 +213,7 @@ class Follower:
         # parity is forgotten (that collective orders the release), not again at the end
         early = writes_no_chunk(self.plans[-1])
         self._sums_at_start = None
+        self._reconciled = None
         if self._before_writes is not None:
             self._before_writes()
         self.s.groups.init(gen)
@@ -326,7 +326,18 @@ class Follower:
         summary["parity_chunks_reencoded"] = self.s._reencoded
         summary["parity_checked"] = int(self.s._parity_checked)
         self.s.memory.status_lost(False)
+        self._reconciled = gen
         self.s.ch.send(M.Reconciled(rank=self.s.rank, gen=gen, summary=summary, snapshot=meta))
+
+    def _rebuild(self, gen: int) -> None:
+        """The communicator of this generation was formed before Reconcile and carried its
+        collectives: the rank only says it is on it (no barrier: the coordinator's wait for
+        every Rebuilt is one). Every rank has reported its reconcile done, so every
+        gradient is released: the node's gradient parity is written afresh now."""
+        self.s.ch.mark("rebuild")
+        if self._reconciled == gen:
+            self._renew_grad_parity()
+        self.s.ch.send(M.Rebuilt(rank=self.s.rank, gen=gen))
 
     def _runs(self, msg: M.Reconcile) -> list[Repair]:
         """The plan's repairs as the coordinator sent them: runs of chunks (``count``)."""
@@ -386,7 +397,7 @@ class Follower:
         )
 
     def _forget_grad_parity(self, *, gather: bool = False) -> None:
-        """The node's gradient parity is LOST from here until :meth:`_after_recovery_state`
+        """The node's gradient parity is LOST from here until :meth:`_renew_grad_parity`
         writes it again (PROTOCOL.md, "Gradient parity during a reconcile").
 
         The spec's Reconcile releases every gradient and resets the gradient parity in
@@ -407,6 +418,18 @@ class Follower:
             self._sums_at_start = self._node_checksums()
         else:
             dist.barrier(group=self.s.groups.node_group)
+
+    def _renew_grad_parity(self) -> None:
+        """The node's gradient parity written afresh (every member NONE) by its first rank,
+        once every member has released its gradients: at the coordinator's Rebuild, which
+        comes after every rank reported its reconcile done (or at the start, where no rank
+        holds any). At the end of this rank's own reconcile a member may still hold its
+        gradients (a plan that writes no chunk has no collective of the node after the
+        settles): killed there, its next report would hold gradients the record names
+        NONE for, which breaks ParityOK's gradient clause (the adoption is refused)."""
+        if self.s.cfg.tier1 and self.s.lr == 0:
+            assert self.s.gparity is not None
+            self.s.gparity.write_full(None, [NONE] * self.s.nproc, [0] * self.s.nproc)
 
     def _own_checksums(self) -> list[int]:
         return self.s.layout.stored_checksum_list()
@@ -676,12 +699,10 @@ class Follower:
                     if par is not None:  # the node's first rank writes the blocks
                         for c, p in zip(stale, par, strict=True):
                             self.s.parity[c].write_full(p, [target] * self.s.nproc, want[c])
-            if self.s.lr == 0:
-                assert self.s.gparity is not None
-                self.s.gparity.write_full(None, [NONE] * self.s.nproc, [0] * self.s.nproc)
         # No barrier after the writes: a rank reports its end (``reconciled``, or ``ready``
         # at the start) only after them, and nothing goes on until every rank has (the
-        # coordinator's rebuild and resume, or its start, wait for all of them).
+        # coordinator's rebuild and resume, or its start, wait for all of them). The
+        # gradient parity is not among them: :meth:`_renew_grad_parity` writes it later.
         if self.s.cfg.tier2 and snapshot:
             self._check_deferred(self.s.gen)  # every chunk is copied into the snapshot
         meta = self.s.snapshots.take(target) if self.s.cfg.tier2 and snapshot else None

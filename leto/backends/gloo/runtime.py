@@ -337,6 +337,7 @@ class GlooSession:
         self.memory.node_memory()
         self.ps.send(start)
         meta = self.follower._after_recovery_state(start)
+        self.follower._renew_grad_parity()  # no rank holds gradients yet
         self.snapshots.t2 = start  # its snapshot is the start's (a resumed job's too)
         self.checkpoints.write(start, first=True, resumed=resumed)
         self.checkpoints.first = start + 1
