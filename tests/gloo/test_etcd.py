@@ -147,8 +147,12 @@ def test_node0_agent_killed_mid_run_fails_over_bitwise(
     assert took["committed"] == 4, took
     # the successor goes on with the same job's log: its id, and its clock
     assert len({e.get("job") for e in res.events}) == 1
-    t_rel = [e["t_rel"] for e in res.events]
-    assert t_rel == sorted(t_rel) and t_rel[-1] > 1.0, t_rel
+    # (records of the two agents interleave in the file: the clock is the job's, not
+    # each writer's; a successor that started its own would begin again near 0)
+    i = next(k for k, e in enumerate(res.events) if e["event"] == "coordinator_took_over")
+    before = sorted(e["t_rel"] for e in res.events[:i])
+    after = [e["t_rel"] for e in res.events[i:]]
+    assert min(after) >= before[len(before) // 2], (before, after)
     # a whole node's ranks are beyond tier 1 (its parity): the tier-2 snapshot of step 4,
     # or of step 2 when node 0 died before etcd held step 4's (its agent was writing it)
     assert [r["kind"] for r in res.recoveries] == ["tier2"], res.recoveries
