@@ -646,8 +646,11 @@ class Follower:
         self.s._reencoded = 0
         self.s._parity_checked = False
         rx.check_resumable(lay, self.s.ropt, target, f"rank {self.s.rank}", intact or ())
-        self.s.ch.send(M.Pending(rank=self.s.rank, json=""))
+        # the target's process state kept before the prepare record it may have come
+        # from is dropped: a death between the two left neither (no state of the target,
+        # no record to roll it forward from), and the next recovery could not settle
         self.s.ps.send(target)
+        self.s.ch.send(M.Pending(rank=self.s.rank, json=""))
         if self.s.cfg.tier1:
             if not self.s.parity:
                 self.s.memory.node_memory()

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from .channel import Aborted
-from .collective import CollectiveFailed
 
 if TYPE_CHECKING:
     from .runtime import GlooSession
@@ -69,15 +68,15 @@ class ProcessGroups:
         base = f"leto/{s.spec['job']}/pg/{gen}"
         # An abortable barrier first: gloo's own rendezvous blocks (up to the collective
         # timeout) on a peer that never comes; here every rank polls, and a recovery that
-        # restarts meanwhile (a peer died or hangs) interrupts the wait at once.
+        # restarts meanwhile (a peer died or hangs) interrupts the wait at once. It has
+        # no deadline of its own: a peer still held in an earlier generation's formation
+        # comes when that fails, and a deadline here, as long as that one, made the two
+        # expire together and miss each other (the recovery's timeout bounds the wait).
         s.store.set(f"{base}/here/{s.rank}", "1")
         keys = [f"{base}/here/{q}" for q in range(s.W)]
-        deadline = time.monotonic() + float(s.spec["collective_timeout"])
         while not s.store.check(keys):
             if s.ch.aborted_since(gen):
                 raise Aborted(f"generation {gen} was aborted while its communicator formed")
-            if time.monotonic() > deadline:
-                raise CollectiveFailed(f"not every rank joined generation {gen} in time")
             time.sleep(0.005)
         t_barrier = time.perf_counter()
         prefix = dist.PrefixStore(base, s.store)  # type: ignore[attr-defined]
