@@ -285,6 +285,10 @@ def translate(args: argparse.Namespace, bounds: Mapping[str, Bound]) -> None:
         if f.verdict == REFUSED and getattr(args, f.dest, None) not in (None, False):
             raise BadInput(f.refusal())
     args.nproc_per_node = _nproc(args.nproc_per_node)
+    bound = bounds.get("nproc_per_node")
+    problem = None if bound is None else bound.problem(args.nproc_per_node)
+    if problem is not None:  # before anything is made per local rank
+        raise BadInput(f"--nproc-per-node {problem}")
     if args.rdzv_backend == "static":  # torchrun's default: node 0's store at the endpoint
         args.rdzv_backend = "c10d"
     elif args.rdzv_backend == "etcd-v2":
