@@ -825,5 +825,8 @@ def run(args: argparse.Namespace) -> int:
         restart_launch(agent, getattr(args, "_argv", sys.argv[1:]))  # does not return
     events = os.path.join(run_dir, "events.jsonl")
     if args.node_rank == 0 and not args.quiet and os.path.exists(events):
-        print(f"leto: events in {events} (leto report {run_dir})")
+        try:
+            print(f"leto: events in {events} (leto report {run_dir})", flush=True)
+        except OSError:  # the console's reader went away: the job's status stands
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return code

@@ -91,3 +91,25 @@ def test_a_step_slower_than_the_hang_timeout_three_times_ends_the_job(tmp_path: 
     (failed,) = res.of("job_failed")
     assert failed["error"].startswith("rank 1 made no progress in forward of step 3"), failed
     assert "raise --hang-timeout" in failed["error"] and "\n" not in failed["error"]
+
+
+def test_a_console_whose_reader_goes_away_does_not_end_the_job(tmp_path: Path) -> None:
+    """`leto launch ... | head -2`: the agent's echo of the trainers' output met a broken
+    pipe and the job ended as an internal error of the agent (a new user's trial); the
+    job now goes on, exit 0, its logs whole."""
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "leto.cli", "launch", "--nproc-per-node", "2",
+           "--run-dir", str(run), TAIL]  # fmt: skip
+    env = {**__import__("os").environ, "STEPS": "8"}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    assert p.stdout is not None
+    p.stdout.readline()  # the reader takes one line and goes away
+    p.stdout.close()
+    assert p.wait(timeout=120) == 0
+    ends = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["status"] for e in ends if e["event"] == "job_end"] == ["ok"]
+    assert sum(e["event"] == "step" for e in ends) == 8

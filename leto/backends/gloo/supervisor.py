@@ -671,8 +671,14 @@ class Supervisor:
             info["partial"] = lines.pop()
             prefix = f"[rank {p.rank}] "
             if lines:
-                sys.stdout.write("".join(prefix + line + "\n" for line in lines))
-                sys.stdout.flush()
+                try:
+                    sys.stdout.write("".join(prefix + line + "\n" for line in lines))
+                    sys.stdout.flush()
+                except (OSError, ValueError):
+                    # the console's reader went away (a pipe to `head`, a closed ssh
+                    # session): the job goes on, each rank's log in the run directory
+                    # has it all; nothing more is echoed
+                    sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
     def cleanup(self) -> None:
         a = self.a
