@@ -44,7 +44,9 @@ verify_chunks        true      check each chunk's checksum before its step overw
 replica_check        1         steps between checks that the data-parallel replicas agree
                                (gloo, unsharded: every rank's digest of its retained
                                chunks' checksums, optimizer scalars and scheduler, compared
-                               at the step's commit and at the end; a disagreement ends the
+                               at the step's commit and at the end; a minority that
+                               disagrees is repaired in place from the majority on its
+                               node (tier 1 as replicas), any other disagreement ends the
                                job in one line naming the ranks and the step, or restarts
                                it from its checkpoint with ``--max-restarts``); 0: off
 master_weights       false     float32 master weights, gradients and optimizer state in

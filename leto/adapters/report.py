@@ -184,6 +184,7 @@ def _failure_text(e: dict[str, Any]) -> str:
         "exception": "raised an exception",
         "hang": "hangs",
         "keeper_lost": "lost its retained memory (keeper died)",
+        "diverged": "differed from its replicas (its memory discarded)",
         "node_lost": "was lost",
         "collective_error": "broke a collective",
     }.get(str(kind), str(kind))

@@ -59,6 +59,60 @@ def test_a_planted_divergence_of_the_replicas_ends_the_job_in_one_line(tmp_path:
     assert [(e["step"], e["groups"]) for e in split] == [(5, [[0], [1]])], split
 
 
+@pytest.fixture(scope="module")
+def ref3(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    res = job(tmp_path_factory.mktemp("tail3") / "ref", steps=8, nproc=3, script=TAIL)
+    assert res.ok, explain(res)
+    assert len(_params(res)) == 1, "the failure-free run's replicas differ"
+    return res
+
+
+def test_one_diverged_replica_of_three_is_repaired_in_place_from_the_majority(
+    ref3, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Ranks 0 and 2 agree, rank 1 does not: its memory is discarded (the core's
+    LoseMemory), its chunks copied from rank 0 and its optimizer's and scheduler's state
+    taken from rank 0; the job goes on and ends bitwise the failure-free run."""
+    res = job(tmp_path / "plant3", steps=8, nproc=3, script=TAIL, env={"PLANT_STEP": "4"})
+    assert res.ok, explain(res)
+    split = [(e["step"], e["groups"], e.get("repair")) for e in res.of("replicas_disagree")]
+    assert split == [(5, [[0, 2], [1]], [[1, 0]])], split
+    failures = [(f["rank"], f["kind"]) for f in res.of("failure")]
+    assert failures == [(1, "diverged")], failures
+    assert len(res.recoveries) == 1, res.recoveries
+    assert res.recoveries[0].get("tier1_from_replicas", 0) > 0, res.recoveries[0]
+    (done,) = res.of("training_done")
+    assert done["replica_repairs"] == 1 and done["replica_checks"] == 7, done
+    assert len(_params(res)) == 1, f"the replicas differ: {res.digests}"
+    assert res.digests == ref3.digests, "not bitwise equal to the failure-free run"
+
+
+def test_a_divergence_that_returns_after_its_repair_stops_the_job(tmp_path: Path) -> None:
+    """Rank 1 scales its learning rate after every step from step 4: repaired once
+    (after step 5), it differs again (after step 7: the repair's recovery resumed it at
+    step 5, so its scaled rate first acts in step 7); the job stops in one line saying so."""
+    env = {"PLANT_STEP": "4", "PLANT_ALL": "1"}
+    res = job(tmp_path / "again", steps=8, nproc=3, script=TAIL, env=env)
+    assert not res.ok, "a job whose replicas keep disagreeing ended as a success"
+    split = [(e["step"], e.get("repair")) for e in res.of("replicas_disagree")]
+    assert split == [(5, [[1, 0]]), (7, None)], split
+    (failed,) = res.of("job_failed")
+    line = failed["error"]
+    assert "\n" not in line, line
+    assert f"replicas disagree after step {split[1][0]} (rank 1 differs" in line, line
+    assert "not repaired in place: rank 1 diverged again after its repair at step 5" in line, line
+
+
+def test_with_tier1_as_parity_a_divergence_is_not_repaired(tmp_path: Path) -> None:
+    """Parity encodes the diverged bytes: no copy of the majority's state lies beside
+    rank 1, and the job stops, saying why."""
+    env = {"PLANT_STEP": "4", "LETO_TIER1_CODE": "parity"}
+    res = job(tmp_path / "parity", steps=8, nproc=3, script=TAIL, env=env)
+    assert not res.ok, explain(res)
+    (failed,) = res.of("job_failed")
+    assert "not repaired in place: tier 1 keeps parity" in failed["error"], failed
+
+
 def test_without_the_check_the_same_divergence_ends_with_split_replicas(tmp_path: Path) -> None:
     """The check is what catches it: off, the job exits 0 with two different models."""
     env = {"PLANT_STEP": "4", "LETO_REPLICA_CHECK": "0"}

@@ -47,6 +47,8 @@ GOOD: dict[str, Any] = {
     "loss": 0.5,
     "ps": "{}",
     "replica": "0123abcd",
+    "source": 0,
+    "diverged": [1],
     "meta": {"k": 1},
     "reason": "why",
     "data": [1, 1],

@@ -375,6 +375,27 @@ class Children:
             )
         )
 
+    def discard(self, lr: int, source: int, step: int) -> None:
+        """The coordinator found rank ``lr``'s state differs from its replicas' after
+        ``step`` (:class:`~.messages.Discard`): its trainer and keeper are killed, so the
+        memory is gone as in a keeper's death (the coordinator has told the core:
+        ``LoseMemory``); the recovery copies its chunks and its optimizer's and
+        scheduler's state from ``source`` (:mod:`.follow`). No failure is reported: the
+        coordinator saw it first."""
+        a = self.a
+        rank = a.rank(lr)
+        a.say(
+            f"rank {rank}'s retained state differs from its replicas' after step {step}: "
+            f"discarded, to be copied from rank {source}"
+        )
+        t = a.trainer.get(lr)
+        if t is not None:
+            self.kill(t)
+        h = a.keepers[lr]
+        a.sel.unregister(h.pidfd)
+        h.stop()  # its memory is freed: nothing of the diverged state is left to map
+        self.start_keeper(lr)
+
     def fence(self, gen: int, kill: list[int]) -> None:
         a = self.a
         a.generation = gen

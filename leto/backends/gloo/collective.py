@@ -4,6 +4,8 @@ recovery, not a crash, and the retained buffers by name (the checkpoint's keys).
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -20,6 +22,7 @@ __all__ = [
     "REDUCE_SCATTER",
     "coll",
     "comm_error",
+    "wait_or_abort",
 ]
 
 # sharded state's collectives: torch 2.13 names them *_single (the *_tensor names warn)
@@ -49,6 +52,26 @@ def coll(fn: Any, *args: Any, **kw: Any) -> Any:
         raise CollectiveFailed(
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from e
+
+
+def wait_or_abort(work: Any, aborted: Callable[[], bool], what: str) -> None:
+    """Wait for the async collective ``work``; if the recovery aborts this generation
+    meanwhile (``aborted()``), leave it: :class:`~.channel.Aborted`.
+
+    A peer that took the abort before it joined the collective goes to the recovery
+    and never comes: gloo then waits for its buffer until the collective timeout (a
+    peer's closed connection does not end a wait already posted), and the recovery
+    waits for this rank as long. The abandoned collective still writes its buffers
+    until it fails: the caller drops them (the next step allocates its own). The
+    polls start at 20 us and grow to 1 ms: a reduce that completes at once costs one
+    look."""
+    pause = 2e-5
+    while not work.is_completed():
+        if aborted():
+            raise Aborted(f"the recovery's abort came while {what}")
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+    coll(work.wait)  # its error, if it failed
 
 
 def comm_error(e: BaseException) -> bool:

@@ -38,7 +38,6 @@ from typing import Any
 
 from leto.core import events as ev
 from leto.core import restart
-from leto.core.agreement import disagreement
 from leto.core.cluster import ClusterModel, ClusterState
 from leto.core.erasure import Topology
 from leto.core.recovery import Phase
@@ -52,6 +51,7 @@ from .commit_record import CommitRecord, Embedded, RecordError
 from .eventlog import EventLog
 from .model_feed import ModelFeeder
 from .recovery_driver import Recovery, RecoveryDriver, Wait, failed_what
+from .replica_checks import ReplicaChecks
 
 __all__ = ["Coordinator", "CoordinatorOptions"]
 
@@ -98,9 +98,6 @@ class Coordinator:
         self.ready: dict[int, dict[str, Any]] = {}  # the ranks' ready messages, as sent
         self.votes: dict[int, set[int]] = {}
         self.finished: dict[int, set[int]] = {}
-        # step -> rank -> the digest its replica check sent (leto.core.agreement)
-        self.replica_digests: dict[int, dict[int, str]] = {}
-        self.replica_checks = 0  # steps whose replicas were compared and agreed
         self.applied: tuple[int, list[int]] | None = None  # (step, ranks) not yet fed
         self.snaps: dict[int, dict[int, Any]] = {}
         self.ckpts: dict[int, set[int]] = {}  # step -> ranks that wrote their part
@@ -131,6 +128,13 @@ class Coordinator:
         self.losses: dict[int, float] = {}
         self.feeder = ModelFeeder(self)  # all the model is fed, judged
         self.driver = RecoveryDriver(self)  # a recovery, from its failure to Resume
+        self.replicas = ReplicaChecks(  # the data-parallel replicas agree, or are repaired
+            [self.topology.node_of(r) for r in range(self.W)],
+            log,
+            send=self._send,
+            lose=self.driver.failure,
+            fail=self.fail,
+        )
 
     # ------------------------------------------------------------------ plumbing
 
@@ -261,7 +265,7 @@ class Coordinator:
                 case M.Vote():
                     self._on_vote(msg)
                 case M.Finished():
-                    self._on_finished(msg)
+                    self._on_finished(msg, now)
                 case M.SnapshotDone():
                     self._on_snapshot_done(msg)
                 case M.CheckpointWritten():
@@ -509,7 +513,7 @@ class Coordinator:
             return
         self._send(None, M.Commit(step=step, gen=s.gen))
 
-    def _on_finished(self, msg: M.Finished) -> None:
+    def _on_finished(self, msg: M.Finished, now: float) -> None:
         if not self._current(msg.gen):
             return
         r, step = msg.rank, msg.step
@@ -529,33 +533,19 @@ class Coordinator:
         fin = self.finished.setdefault(step, set())
         fin.add(r)
         if msg.replica is not None:
-            self.replica_digests.setdefault(step, {})[r] = msg.replica
+            self.replicas.add(step, r, msg.replica)
         if msg.loss is not None:  # the user's own loop gives none
             self.losses[step] = self.losses.get(step, 0.0) + float(msg.loss) / self.W
         if len(fin) == self.W:
             del self.finished[step]
-            self._check_replicas(step)
+            self.replicas.check(
+                step, tier1_replicas=self.info.get("tier1_kind") == "replica", now=now
+            )
             # the model first: a partial gather flushed earlier (before another event)
             # leaves the last ranks pending, and the record says every rank finished
             self.feeder.flush_applied()
             loss = self.losses.get(step)
             self.log.write("step", step=step, loss=None if loss is None else round(loss, 6))
-
-    def _check_replicas(self, step: int) -> None:
-        """Every rank finished ``step``: the digests of its replicas must agree. A split
-        ends the job (or restarts it from its checkpoint: the core's GAVE_UP), never a
-        run that goes on, or ends, with replicas holding different weights."""
-        digests = self.replica_digests.pop(step, {})
-        for old in [s for s in self.replica_digests if s < step]:
-            del self.replica_digests[old]  # steps a recovery cut short: left unchecked
-        if len(digests) < self.W:
-            return
-        split = disagreement(step, digests)
-        if split is None:
-            self.replica_checks += 1
-            return
-        self.log.write("replicas_disagree", step=step, groups=[list(g) for g in split.groups])
-        self.fail(split.line(), ending=restart.Ending.GAVE_UP)
 
     def _on_snapshot_done(self, msg: M.SnapshotDone) -> None:
         if not self._current(msg.gen):
@@ -613,14 +603,8 @@ class Coordinator:
             for r, m in self.done.items()
             if isinstance(m.digest, dict)
         }
-        if self.replica_checks and len(kept) == self.W:
-            split = disagreement(next(iter(steps)), kept)
-            if split is not None:
-                self.log.write(
-                    "replicas_disagree", step=split.step, groups=[list(g) for g in split.groups]
-                )
-                self.fail(split.line())
-                return
+        if not self.replicas.check_end(next(iter(steps)), kept):
+            return
         self.complete = True
         self.log.write("commit_record", **self.record.stats())
         self.log.write(
@@ -629,7 +613,8 @@ class Coordinator:
             digests={str(r): m.digest for r, m in sorted(self.done.items())},
             recoveries=len(self.recoveries),
             degraded=sorted(self.degraded),
-            replica_checks=self.replica_checks,
+            replica_checks=self.replicas.agreed,
+            replica_repairs=self.replicas.repairs,
         )
         self._send(None, M.Complete())
 

@@ -276,9 +276,14 @@ class Follower:
                     self.s.layout,
                     chunks,
                     target=target,
+                    # a diverged rank's record is of the bytes discarded: no check
                     record=lambda c: (
-                        self.s.parity[c].versions()[self.s.lr],
-                        self.s.parity[c].checksums()[self.s.lr],
+                        (NONE, 0)
+                        if self.s.rank in msg.diverged
+                        else (
+                            self.s.parity[c].versions()[self.s.lr],
+                            self.s.parity[c].checksums()[self.s.lr],
+                        )
                     ),
                     who=self._who,
                 )
@@ -293,6 +298,8 @@ class Follower:
                 )
             if self.s.rank in lost:
                 fwd, back = self._settle(target)
+            if msg.diverged:
+                self._adopt_replicated(set(msg.diverged))
             summary["chunks_rolled_forward"] = fwd
             summary["chunks_rolled_back"] = back
         else:
@@ -511,6 +518,23 @@ class Follower:
     def _who(self, member: int) -> str:
         """How an error names local member ``member`` of this node."""
         return f"rank {self.s.node * self.s.nproc + member}"
+
+    def _adopt_replicated(self, diverged: set[int]) -> None:
+        """Ranks of this node discarded because they diverged (``diverged``; settled at
+        the target with their own process state) take what replicas hold alike besides
+        the chunks they were copied (:meth:`.RankState.replicated`: the optimizer's
+        scalars and hyper-parameters, the scheduler) from the node's lowest rank that was
+        not discarded, a member of the majority, settled at the target too. Every
+        member of the node calls it (one broadcast per such rank)."""
+        base = self.s.node * self.s.nproc
+        node = range(base, base + self.s.nproc)
+        if not diverged & set(node):
+            return
+        src = next(r for r in node if r not in diverged)
+        box = [self.s.ps.replicated() if self.s.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self.s.groups.node_group)
+        if self.s.rank in diverged:
+            self.s.ps.adopt(box[0])
 
     def _settle(self, target: int) -> tuple[int, int]:
         """Roll this rank to ``target`` (:func:`leto.retained.recovery.settle`);

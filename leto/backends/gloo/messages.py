@@ -482,7 +482,9 @@ class Unprotected(Message):
 
 @attrs.frozen
 class Failure(Message):
-    """A failure the agent saw (``kind``: crash, exception, hang, keeper_lost)."""
+    """A failure the agent saw (``kind``: crash, exception, hang, keeper_lost), or the
+    coordinator (``diverged``: a replica check found the rank's state differs from the
+    majority's; its memory is discarded, :class:`Discard`)."""
 
     TAG = "failure"
     ROUTE = (A, C)
@@ -679,6 +681,21 @@ class Fence(Message):
 
 
 @attrs.frozen
+class Discard(Message):
+    """``rank``'s retained state differs from its replicas' after ``step``: its agent kills
+    its trainer and its keeper (the memory is gone: the protocol's ``LoseMemory``); the
+    recovery copies the rank's chunks and its optimizer's and scheduler's state from
+    ``source``, a rank of the agreeing majority on the same node (the lowest such: every
+    rank of the node that was not discarded is one)."""
+
+    TAG = "discard"
+    ROUTE = (C, A)
+    rank: int = _f(_nat)
+    source: int = _f(_nat)
+    step: int = _f(_nat)
+
+
+@attrs.frozen
 class NeedShadow(Message):
     TAG = "need_shadow"
     ROUTE = (C, A)
@@ -730,6 +747,9 @@ class Reconcile(Message):
     repairs: list[dict[str, Any]] = _f(_of(list), attrs.Factory(list))
     retake_t2: bool = _f(_bool, True)
     snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
+    # ranks discarded because they diverged: their tier-1 records describe the diverged
+    # bytes, so a copy from the majority is checked against the source's checksums only
+    diverged: list[int] = _f(_ints, attrs.Factory(list))
 
 
 @attrs.frozen
@@ -795,6 +815,7 @@ KINDS: tuple[type[Message], ...] = (
     Complete,
     Abort,
     Fence,
+    Discard,
     NeedShadow,
     PromoteRank,
     Promote,

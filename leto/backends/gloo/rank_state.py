@@ -62,6 +62,23 @@ class RankState:
         assert s.ropt is not None
         return replica_digest(s.layout, s.ropt.process_state(), scheduler_state(s.scheduler))
 
+    def replicated(self) -> dict[str, Any]:
+        """The process state replicas hold alike (what :meth:`replica_digest` covers
+        besides the chunks): the optimizer's scalars and hyper-parameters, the
+        scheduler's state."""
+        s = self.s
+        assert s.ropt is not None
+        return {"optimizer": s.ropt.process_state(), "scheduler": scheduler_state(s.scheduler)}
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        """A majority member's :meth:`replicated` state, in place of this rank's own
+        (it diverged); its data position, RNG and the rest stay its own."""
+        s = self.s
+        assert s.ropt is not None
+        s.ropt.load_process_state(state["optimizer"])
+        if s.scheduler is not None:
+            s.scheduler.load_state_dict(state["scheduler"])
+
     def replay_scheduler(self, pending: dict[str, Any] | None) -> None:
         """A roll-forward's stand-in for what followed step ``V``'s apply on a rank that
         did not finish it: the scheduler's step (the user's loop: :mod:`.step`)."""

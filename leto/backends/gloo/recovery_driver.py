@@ -97,7 +97,7 @@ class RecoveryDriver:
         fault: ev.Event
         if kind == "node_lost":
             fault = ev.LoseNode(int(msg["node"]))
-        elif kind == "keeper_lost":
+        elif kind in ("keeper_lost", "diverged"):  # diverged: discarded by its agent
             fault = ev.LoseMemory(int(rank))  # type: ignore[arg-type]
         elif kind == "hang":
             fault = ev.Hang(int(rank))  # type: ignore[arg-type]
@@ -464,6 +464,11 @@ class RecoveryDriver:
             repairs=repairs,
             retake_t2=retake_t2,
             snapshot=snapshot,
+            diverged=sorted(
+                {int(f["rank"]) for f in self.c.rec.failures if f.get("kind") == "diverged"}
+                if self.c.rec is not None
+                else set()
+            ),
         )
 
     def _restore_checkpoint(self, now: float) -> None:

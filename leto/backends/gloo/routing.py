@@ -565,6 +565,9 @@ class Routing:
             case M.Fence():
                 a.children.fence(msg.gen, msg.kill)
                 return
+            case M.Discard():
+                a.children.discard(msg.rank - a.node * a.nproc, msg.source, msg.step)
+                return
             case M.PromoteRank():
                 a.shadows.promote(msg.rank - a.node * a.nproc, msg.gen)
                 return

@@ -57,7 +57,7 @@ from leto.retained.process_state import (
 )
 
 from .channel import Aborted
-from .collective import REDUCE_SCATTER, CollectiveFailed, Interrupted
+from .collective import REDUCE_SCATTER, CollectiveFailed, Interrupted, wait_or_abort
 from .collective import coll as _coll
 from .keeper_client import FencedError
 from .transaction import prepare_pass
@@ -349,7 +349,11 @@ class UserLoop:
             flat = buf[:n]
             work = _coll(REDUCE_SCATTER, buf, self.buf, op=dist.ReduceOp.SUM, async_op=True)
         s.fault_points.point("allreduce")
-        _coll(work.wait)
+        try:
+            wait_or_abort(work, lambda: s.ch.aborted_since(s.gen), "the gradients were reduced")
+        except Aborted:
+            self.buf = None  # the abandoned collective's: the next step takes fresh ones
+            raise
         s.keeper.check_writer()
         self.old = None
         if s.gparity is not None and not s.replica and s.gparity.versions()[s.lr] != NONE:

@@ -55,7 +55,7 @@ from leto.retained.recovery import IntegrityError
 
 from . import messages as M
 from .channel import Aborted
-from .collective import REDUCE_SCATTER, CollectiveFailed, Interrupted
+from .collective import REDUCE_SCATTER, CollectiveFailed, Interrupted, wait_or_abort
 from .collective import coll as _coll
 from .keeper_client import FencedError
 from .procs import Backseat
@@ -371,7 +371,11 @@ class StepTransaction:
         # flight: it reads only the chunks, which nothing writes before APPLY, and a
         # rank mostly waits for the slowest one here (its CPU counts as "allreduce")
         bad = prepare_pass(s)
-        _coll(work.wait)
+        try:
+            wait_or_abort(work, lambda: s.ch.aborted_since(s.gen), "the gradients were reduced")
+        except Aborted:
+            self._red = None  # the abandoned collective's: the next step takes fresh ones
+            raise
         present = buf[n:-1]
         mean_loss = (
             float(buf[-1]) / W

@@ -4,7 +4,8 @@ step KILL_STEP on rank KILL_RANK, once per job (a marker file in the run directo
 SLOW_STEP: rank 1 sleeps SLOW_S seconds before that step's forward, in every process.
 USER_COLL=1: the script all-reduces its loss after optimizer.step() (its own collective).
 PLANT_STEP: after that step's scheduler step, rank 1 alone scales its learning rate
-(a planted divergence of the replicas that no checksum sees).
+(a planted divergence of the replicas that no checksum sees); PLANT_ALL=1: after every
+step from there on (a divergence that is the program's: a repair cannot end it).
 Issue 39's reproduction: such a death split the replicas (the replaced rank's
 scheduler one step behind)."""
 
@@ -61,6 +62,8 @@ for x, y in session.batches(int(os.environ.get("STEPS", "8"))):
             print(f"rank {rank} step {session.step} mean loss {metric.item() / world:.5f}")
     sched.step()
     maybe_die("sched")
-    if rank == 1 and str(session.step) == os.environ.get("PLANT_STEP"):
+    plant = int(os.environ.get("PLANT_STEP", "-1"))
+    again = os.environ.get("PLANT_ALL") == "1"  # and at every step after it
+    if rank == 1 and plant >= 0 and (session.step == plant or (again and session.step > plant)):
         for g in opt.param_groups:
             g["lr"] *= 1.5
