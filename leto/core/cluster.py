@@ -9,15 +9,17 @@ rank prepared? does the writer hold the current generation?). ``step`` never mut
 it returns a new state and the effects a backend must carry out, or raises
 :class:`~leto.core.errors.ProtocolError` and the caller keeps the old state.
 
+The model's constants are :class:`~leto.core.config.ClusterConfig`, its states
+:class:`~leto.core.state.ClusterState`; both are importable from here too.
+
 The explicit-state checker (:mod:`leto.core.checker`), the Hypothesis machines
 (:mod:`leto.testing`) and, later, the backends' coordinators all drive this model.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -36,49 +38,25 @@ from leto.core.chunk import (
     repeated,
     uniform_row,
 )
-from leto.core.erasure import Topology
+from leto.core.config import FAULT_KINDS, Aggregation, ClusterConfig, Mutant
 from leto.core.errors import ProtocolError
 from leto.core.reconcile import Plan, Repair, Survivors, empty_grad_parity, plan, reencoded_parity
 from leto.core.recovery import RECOVERY, Kind, Phase
 from leto.core.shadow import SHADOW, ShadowState
+from leto.core.state import ClusterState
 from leto.core.table import Table
 from leto.core.trainer import TRAINER, TrainerState
 from leto.core.txn import COMMIT, TXN, CommitState, TxnState
 
-
-class Mutant(enum.Enum):
-    """Deliberately broken variants of the protocol; the checks must catch each."""
-
-    NONE = "none"
-    NO_UNDO = "no_undo"  # recovery does not undo a torn chunk
-    EARLY_COMMIT = "early_commit"  # COMMIT recorded before every rank prepared
-    NO_FENCING = "no_fencing"  # the keeper accepts writes of an old generation
-    PARITY_FIRST = "parity_first"  # parity updated before the data is complete
-    STALE_SHADOW = "stale_shadow"  # a promoted shadow resumes at its own stale step
-    EARLY_DURABLE = "early_durable"  # a checkpoint durable before every writer finished
-    NO_TIMEOUT = "no_timeout"  # the recovery deadline does not cover PROMOTING
-    # a rank that finished the target but did not close it resumes with the open state
-    # it sent at its finish (before its loop tail), the tail not replayed
-    STALE_TAIL = "stale_tail"
-
-
-class Aggregation(enum.Enum):
-    """Whether the checker tries the commit path's aggregated events
-    (:class:`~leto.core.events.CommitStep`, :class:`~leto.core.events.ApplyStep`), and
-    deliberately broken aggregations the refinement check must reject. ``step`` accepts
-    aggregated events in every mode: this only says which ones ``candidates`` offers,
-    how ``ApplyStep`` behaves and how the plan summarizes its repairs in runs."""
-
-    OFF = "off"  # candidates are the chunk-level events only
-    ON = "on"
-    NO_PARITY_FOLD = "no_parity_fold"  # broken: ApplyStep leaves tier-1 parity behind
-    UNCOMMITTED = "uncommitted"  # broken: ApplyStep does not wait for COMMIT
-    # broken: the plan reads each rank's roll forward from its first chunk, as if every
-    # rank's chunks were alike (one run of all of them, or none)
-    ROW_HEAD = "row_head"
-
-
-FAULT_KINDS = frozenset({"crash", "hang", "lose_memory", "lose_node"})
+__all__ = [
+    "FAULT_KINDS",
+    "Aggregation",
+    "ClusterConfig",
+    "ClusterModel",
+    "ClusterState",
+    "Effect",
+    "Mutant",
+]
 
 # The parity-first mutant's chunk table: parity may be written while the chunk is torn.
 _CHUNK_PARITY_FIRST: Table[ChunkState] = Table(
@@ -88,106 +66,6 @@ _CHUNK_PARITY_FIRST: Table[ChunkState] = Table(
         (ChunkState.WRITING, ev.ParityChunk): ChunkState.WRITING,
     },
 )
-
-
-def _check_fault_kinds(_inst: Any, _attr: Any, value: frozenset[str]) -> None:
-    unknown = set(value) - FAULT_KINDS
-    if unknown:
-        raise ValueError(
-            f"faults: unknown fault kind(s) {sorted(unknown)}; known: {sorted(FAULT_KINDS)}"
-        )
-
-
-def _fault_set(value: Iterable[str]) -> frozenset[str]:
-    return frozenset(value)
-
-
-def _positive(_inst: Any, attr: attrs.Attribute[int], value: int) -> None:
-    if value < 1:
-        raise ValueError(f"{attr.name} must be >= 1, got {value}")
-
-
-def _non_negative(_inst: Any, attr: attrs.Attribute[int], value: int) -> None:
-    if value < 0:
-        raise ValueError(f"{attr.name} must be >= 0, got {value}")
-
-
-@attrs.frozen
-class ClusterConfig:
-    """The constants of one model instance (``MC*.cfg`` in TLA+)."""
-
-    topology: Topology = attrs.field(factory=lambda: Topology((2, 1)))
-    chunks: int = attrs.field(default=2, validator=_positive)
-    max_step: int = attrs.field(default=2, validator=_positive)
-    max_faults: int = attrs.field(default=2, validator=_non_negative)
-    k: int = attrs.field(default=1, validator=_positive)
-    faults: frozenset[str] = attrs.field(
-        default=FAULT_KINDS, converter=_fault_set, validator=_check_fault_kinds
-    )
-    reclaim: bool = True  # shadows may go cold
-    # tier 1 off: no node keeps parity, so every par/gpar is LOST (None) in every state
-    # and a lost memory needs tier 2 (or the checkpoint)
-    tier1: bool = True
-    # tier 2's cross-node parities (``tier2_parity`` in a job's config): the snapshot
-    # survives that many lost nodes, where some other node holds each lost share
-    tier2_parity: int = attrs.field(default=1, validator=_positive)
-    # the recovery deadline (``BoundedNext`` in TLA+): the checker also tries GiveUp in
-    # every recovery phase (``step`` accepts it either way: a backend's deadline)
-    deadline: bool = False
-    mutant: Mutant = attrs.field(default=Mutant.NONE, converter=Mutant)
-
-    @property
-    def ranks(self) -> int:
-        return self.topology.world_size
-
-    @property
-    def tier2_survives(self) -> int:
-        """How many lost nodes the tier-2 snapshot survives: ``tier2_parity``, and
-        never all of them (a lost node's share lives on another node)."""
-        return min(self.tier2_parity, self.topology.nodes - 1)
-
-    @property
-    def groups(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(self.topology.ranks_of(n)) for n in range(self.topology.nodes))
-
-
-@attrs.frozen(cache_hash=True)
-class ClusterState:
-    """One global state. Chunk values are steps, or TORN / LOST / GARBAGE."""
-
-    trainer: tuple[TrainerState, ...]
-    tgen: tuple[int, ...]
-    pc: tuple[TxnState, ...]
-    step: tuple[int, ...]
-    # the step whose loop tail the rank's process state includes: its latest closed
-    # state, which its node agent keeps (step - 1 in the tail, step once closed)
-    tail: tuple[int, ...]
-    data: tuple[tuple[int, ...], ...]
-    undo: tuple[tuple[int, ...], ...]
-    grad: tuple[int, ...]
-    shadow: tuple[ShadowState, ...]
-    stale: tuple[bool, ...]
-    par: tuple[tuple[tuple[int, ...], ...] | None, ...]
-    gpar: tuple[tuple[int, ...] | None, ...]
-    gen: int = 0
-    phase: Phase = Phase.RUNNING
-    commit: CommitState = CommitState.OPEN
-    committed: int = 0
-    prepared: frozenset[int] = frozenset()
-    faults: int = 0
-    t2: int = 0
-    t2lost: frozenset[int] = frozenset()
-    target: int = NONE
-    kind: Kind = Kind.NONE
-    loss: int = 0
-    mlost: frozenset[int] = frozenset()
-    nlost: frozenset[int] = frozenset()
-    promoted: frozenset[int] = frozenset()
-    stale_writes: int = 0
-    ckpt: int = 0  # step of the latest durable disk checkpoint: the fallback
-    cpend: int = NONE  # step of the checkpoint being written, or NONE
-    ckdone: frozenset[int] = frozenset()  # writers that finished their shard of cpend
-    ckmiss: frozenset[int] = frozenset()  # writers whose shard the durable one lacks
 
 
 Effect = fx.Effect
