@@ -2,8 +2,8 @@
 
 Every machine of the core is one such table (h11's ``_state.py`` is the model). The
 table only says which events a state accepts and where they lead; the cross-machine
-guards (is every rank prepared? is the writer of the current generation?) live in
-:mod:`leto.core.cluster`, next to the effects they gate.
+guards (is every rank prepared? is the writer of the current generation?) live in the
+model's handlers (:mod:`leto.core.handlers`), next to the effects they gate.
 """
 
 from __future__ import annotations
