@@ -76,9 +76,8 @@ from .layout import (
     InMemorySegments,
     LayoutError,
     RetainedLayout,
-    _aliases,
-    _copy_in,
 )
+from .views import aliases, copy_in
 
 __all__ = [
     "RetainedOptimizer",
@@ -197,7 +196,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
         self._check_next(step, "prepare")
         if self._plan is not None:
             raise ChunkStateError(f"prepare({step}): step {self._plan.step} is being applied")
-        self.layout.seal_grads(step, self.layout.collect_grads())
+        self.layout.seal_grads(step, self.layout.grads.collect())
 
     def begin(self, step: int) -> None:
         """Start applying ``step``: fixes hyper-parameters and per-parameter scalars.
@@ -211,7 +210,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
                 f"begin({step}): gradients are prepared for step {self.layout.prepared_step}"
             )
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        self._plan = _Plan(step=step, present=self.layout.present_mask(), groups=groups)
+        self._plan = _Plan(step=step, present=self.layout.grads.present_mask(), groups=groups)
         self._make_plan(self._plan)
 
     def _require_plan(self, what: str) -> _Plan:
@@ -221,7 +220,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
 
     def save_undo(self, i: int, *, staged: bool = False) -> None:
         """Keep chunk i's old bytes (params + states) in an undo slot: CLEAN -> TORN
-        (``staged``: copied ahead by ``layout.stage_undo``)."""
+        (``staged``: copied ahead by ``layout.undo.stage``)."""
         plan = self._require_plan("save_undo")
         if self.layout.chunk_version(i) != plan.step - 1:
             raise ChunkStateError(
@@ -238,7 +237,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
         """
         plan = self._require_plan("apply_chunk")
         status = self.layout.chunk_status(i)
-        if status is not ChunkStatus.TORN or self.layout.undo_version(i) != plan.step - 1:
+        if status is not ChunkStatus.TORN or self.layout.undo.version(i) != plan.step - 1:
             raise ChunkStateError(
                 f"apply_chunk: chunk {i} is {status.value} at version {self.layout.chunk_version(i)}; "
                 f"it needs an undo copy of version {plan.step - 1} (call save_undo)"
@@ -250,11 +249,11 @@ class RetainedOptimizer(torch.optim.Optimizer):
 
     def restore_undo(self, i: int) -> None:
         """Put chunk i's old bytes back: TORN/APPLIED -> CLEAN at the old version."""
-        self.layout.restore_undo(i)
+        self.layout.undo.restore(i)
 
     def finish_chunk(self, i: int) -> None:
         """Release chunk i's undo copy once its parity is written: APPLIED -> CLEAN."""
-        self.layout.release_undo(i)
+        self.layout.undo.release(i)
 
     def end(self) -> None:
         """Every chunk is CLEAN at the new step: commit the process state."""
@@ -279,7 +278,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
         step and pass their checksums (else :class:`ChecksumError`).
         """
         step = self.version + 1
-        bad = self.layout.verify_grads(step)
+        bad = self.layout.grads.verify(step)
         if bad:
             raise ChecksumError(
                 f"roll_forward: the gradients of step {step} fail their checksum in chunks {bad} "
@@ -333,7 +332,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the retained gradients; ``.grad`` stays a view (see RetainedLayout.zero_grad).
+        """Zero the retained gradients; ``.grad`` stays a view (see GradBuffer.zero).
 
         Refused while the gradients of the next step are prepared and not yet
         applied: a roll-forward still needs them (``roll_back`` releases them).
@@ -342,7 +341,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
             raise ChunkStateError(
                 f"zero_grad: the gradients of step {self.layout.prepared_step} are prepared and not applied"
             )
-        self.layout.zero_grad(set_to_none)
+        self.layout.grads.zero(set_to_none)
 
     # ---------------------------------------------------------- process state
 
@@ -350,7 +349,7 @@ class RetainedOptimizer(torch.optim.Optimizer):
         if (
             isinstance(v, torch.Tensor)
             and key in self.layout.states
-            and _aliases(v, self.layout.state_view(key, idx))
+            and aliases(v, self.layout.state_view(key, idx))
         ):
             return {"retained": key}
         return _enc(v, f"state of {self.layout.slots[idx].name!r}[{key!r}]")
@@ -456,8 +455,8 @@ class RetainedOptimizer(torch.optim.Optimizer):
                     st[k] = v.clone()
                 if k in self.layout.states and isinstance(v, torch.Tensor):
                     view = self.layout.state_view(k, idx)
-                    if not _aliases(v, view):
-                        st[k] = _copy_in(v, view, f"state {k!r} of {self.layout.slots[idx].name!r}")
+                    if not aliases(v, view):
+                        st[k] = copy_in(v, view, f"state {k!r} of {self.layout.slots[idx].name!r}")
 
     def _require_idle(self, what: str) -> None:
         if self._plan is not None:
@@ -556,7 +555,7 @@ class ChunkedOptimizer(RetainedOptimizer):
         plan = self._require_plan("runs")
         out: list[tuple[int, Hashable, int, int]] = []
         open_run = False  # may the next piece extend the last run?
-        for pc in self.layout.chunk_pieces(i):
+        for pc in self.layout.geometry.chunk_pieces(i):
             key = plan.keys[pc.param]
             if key is None:  # skipped: a run must not reach over it
                 open_run = False
@@ -839,7 +838,7 @@ class _BeforeCopy:
         with torch.no_grad():
             for dst, src in zip(self.rows, layout.data_buffers(), strict=True):
                 dst.copy_(src)
-        self.header[2:] = layout.stored_checksums()
+        self.header[2:] = layout.records.stored_checksums()
         self.header[0] = _BEFORE_MAGIC
         self.header[1] = version
 
@@ -930,7 +929,7 @@ class WholeStepOptimizer(RetainedOptimizer):
         if plan.next is None:
             self._replay(plan)
         assert self._scratch is not None
-        a, b = self.layout.chunk_range(i)
+        a, b = self.layout.geometry.chunk_range(i)
         for dst, src in zip(self.layout.chunk_data(i), self._scratch, strict=True):
             dst.copy_(src[a:b])
 
@@ -961,20 +960,22 @@ class WholeStepOptimizer(RetainedOptimizer):
             idx = lay.index_of(p)
             for k, v in st.items():
                 if k in sstate and isinstance(v, torch.Tensor):
-                    st[k] = lay.view_in(sstate[k], idx)
+                    st[k] = lay.geometry.view_in(sstate[k], idx)
                 else:
                     st[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
         live = [(p.data, p.grad) for p in lay.params]
         try:
             for idx, p in enumerate(lay.params):
-                p.data = lay.view_in(sparam, idx)
-                p.grad = lay.view_in(self._scratch_grad, idx) if plan.present[idx] else None
+                p.data = lay.geometry.view_in(sparam, idx)
+                p.grad = (
+                    lay.geometry.view_in(self._scratch_grad, idx) if plan.present[idx] else None
+                )
             # the class's step: an instance may route its own ``step`` to leto's (the
             # user's loop calls ``optimizer.step()`` on the object it built)
             type(self.inner).step(self.inner)
             for idx, p in enumerate(lay.params):
-                view = lay.view_in(sparam, idx)
-                if not _aliases(p.data, view):  # the optimizer replaced .data
+                view = lay.geometry.view_in(sparam, idx)
+                if not aliases(p.data, view):  # the optimizer replaced .data
                     view.copy_(p.data)
             nxt: dict[torch.Tensor, dict[str, Any]] = {}
             for p, st in self.state.items():
@@ -982,9 +983,9 @@ class WholeStepOptimizer(RetainedOptimizer):
                 entry: dict[str, Any] = {}
                 for k, v in st.items():
                     if k in sstate and isinstance(v, torch.Tensor):
-                        view = lay.view_in(sstate[k], idx)
-                        if not _aliases(v, view):
-                            _copy_in(v, view, f"state {k!r} of {lay.slots[idx].name!r}")
+                        view = lay.geometry.view_in(sstate[k], idx)
+                        if not aliases(v, view):
+                            copy_in(v, view, f"state {k!r} of {lay.slots[idx].name!r}")
                         entry[k] = _RETAINED
                     else:
                         entry[k] = v
