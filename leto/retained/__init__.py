@@ -2,10 +2,16 @@
 
 * :mod:`leto.retained.layout`: :class:`RetainedLayout` packs a model's params,
   grads and optimizer state into chunked flat buffers from an injected allocator
-  and makes the parameters views into them; per-chunk version, checksum and undo.
+  and makes the parameters views into them; per-chunk version, checksum and undo,
+  each held by a part of the layout: :mod:`~leto.retained.geometry`,
+  :mod:`~leto.retained.records`, :mod:`~leto.retained.undo`,
+  :mod:`~leto.retained.grads` (over one :mod:`~leto.retained.header`), planned and
+  described by :mod:`~leto.retained.layout_meta`.
 * :mod:`leto.retained.optim`: :class:`ChunkedSGD`, :class:`ChunkedAdam`,
-  :class:`ChunkedAdamW` (torch's own math, chunk by chunk) and the
-  :class:`WholeStepOptimizer` fallback, all with the same transaction API.
+  :class:`ChunkedAdamW` (torch's own math, chunk by chunk:
+  :mod:`~leto.retained.optim_chunked`) and the :class:`WholeStepOptimizer` fallback
+  (:mod:`~leto.retained.optim_whole`), all with the same transaction API
+  (:mod:`~leto.retained.optim_base`).
 * :mod:`leto.retained.checksum`: salted Fletcher checksums over int32 words.
 * :mod:`leto.retained.parity`: sum-mod-256 parity (encode, update, decode) over
   a tiny :class:`Collective` protocol, with an in-process implementation.

@@ -19,7 +19,7 @@ def replica_digest(lay: RetainedLayout, optimizer_state: Any, scheduler_state: A
     """One hex digest of ``lay``'s stored checksums, the optimizer's process state and
     the scheduler's (JSON, keys sorted: equal states give equal digests anywhere)."""
     h = xxhash.xxh3_128()
-    h.update(b",".join(str(x).encode() for x in lay.stored_checksum_list()))
+    h.update(b",".join(str(x).encode() for x in lay.records.stored_checksum_list()))
     h.update(json.dumps(optimizer_state, sort_keys=True).encode())
     h.update(json.dumps(scheduler_state, sort_keys=True).encode())
     return str(h.hexdigest())

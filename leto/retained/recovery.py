@@ -81,10 +81,10 @@ def observe(lay: RetainedLayout, bad: set[int] | None = None) -> tuple[list[int]
     bad = set(lay.verify()) if bad is None else bad
     data: list[int] = []
     undo: list[int] = []
-    versions = lay.chunk_versions()
+    versions = lay.records.versions()
     for c, st in enumerate(lay.chunk_statuses()):
-        u = lay.undo_version(c) if st is not ChunkStatus.CLEAN else NONE
-        if u != NONE and not lay.verify_undo(c):
+        u = lay.undo.version(c) if st is not ChunkStatus.CLEAN else NONE
+        if u != NONE and not lay.undo.verify(c):
             u = NONE
         if st is ChunkStatus.TORN or c in bad:
             d = TORN if u != NONE else LOST  # damaged new bytes: back to the undo copy
@@ -110,7 +110,7 @@ def deferrable(lay: RetainedLayout) -> list[int]:
     if lay.suspect or lay.n_chunks == 0:
         return []
     ahead = lay.prepared_step - 1
-    versions = lay.chunk_versions()
+    versions = lay.records.versions()
     top = max(versions)
     if top == ahead:
         return []
@@ -145,7 +145,7 @@ def bytes_at(lay: RetainedLayout, c: int, version: int) -> list[torch.Tensor]:
     st = lay.chunk_status(c)
     if st is not ChunkStatus.TORN and lay.chunk_version(c) == version:
         return lay.chunk_data(c)
-    if st is not ChunkStatus.CLEAN and lay.undo_version(c) == version:
+    if st is not ChunkStatus.CLEAN and lay.undo.version(c) == version:
         return lay.undo_data(c)
     raise IntegrityError(f"chunk {c} cannot produce version {version} (it is {st.value})")
 
@@ -155,9 +155,9 @@ def free_undo(lay: RetainedLayout) -> None:
     copies of applied ones released."""
     for c, st in enumerate(lay.chunk_statuses()):
         if st is ChunkStatus.TORN:
-            lay.restore_undo(c)
+            lay.undo.restore(c)
         elif st is ChunkStatus.APPLIED:
-            lay.release_undo(c)
+            lay.undo.release(c)
 
 
 def seal_checked(
@@ -225,22 +225,22 @@ def settle(
     """
     dropped = lay.prepared_step > target
     back = 0
-    versions = lay.chunk_versions()
+    versions = lay.records.versions()
     for c, st in enumerate(lay.chunk_statuses()):
         if st is ChunkStatus.CLEAN:
             continue
         if st is ChunkStatus.APPLIED and versions[c] == target:
-            if lay.verify_chunk(c):
-                lay.release_undo(c)  # parity written, undo not yet released: finish that
+            if lay.records.verify_chunk(c):
+                lay.undo.release(c)  # parity written, undo not yet released: finish that
             else:  # observed TORN: back to the undo copy, then forward again below
-                lay.restore_undo(c)
-        elif lay.undo_version(c) == target:
-            lay.restore_undo(c)  # a step beyond the target had begun: undo it
+                lay.undo.restore(c)
+        elif lay.undo.version(c) == target:
+            lay.undo.restore(c)  # a step beyond the target had begun: undo it
             back += 1
     st = lay.chunk_statuses()
     behind = [
         c
-        for c, v in enumerate(lay.chunk_versions())
+        for c, v in enumerate(lay.records.versions())
         if st[c] is not ChunkStatus.CLEAN or v != target
     ]
     if not behind and target in history:
@@ -353,7 +353,7 @@ def decode_grads(
     elif versions[me] == NONE:
         data = torch.zeros_like(lay.grad_buffer)
     else:
-        if lay.prepared_step != versions[me] or lay.verify_grads(versions[me]):
+        if lay.prepared_step != versions[me] or lay.grads.verify(versions[me]):
             raise IntegrityError(
                 f"node member {me}: its gradients of step {versions[me]} are not intact"
             )
@@ -371,5 +371,5 @@ def seal_rebuilt_grads(
     if pending is None or int(pending["step"]) != step:
         raise IntegrityError(f"{who}: no prepare record of step {step} to rebuild from")
     lay.seal_grads(step, pending["present"])
-    if lay.grad_checksums() != pending["grad_checksums"]:
+    if lay.grads.checksums() != pending["grad_checksums"]:
         raise IntegrityError(f"{who}: gradients {how} fail their checksums")

@@ -57,19 +57,19 @@ def offers(lay: RetainedLayout, *, missing: Collection[int], wanted: Collection[
     for c in range(lay.n_chunks):
         st = lay.chunk_status(c)
         dv = lay.chunk_version(c) if st is not ChunkStatus.TORN else NONE
-        uv = lay.undo_version(c) if st is not ChunkStatus.CLEAN else NONE
+        uv = lay.undo.version(c) if st is not ChunkStatus.CLEAN else NONE
         if c in missing:
             dv = uv = NONE
         else:
-            if c in wanted and dv != NONE and not lay.verify_chunk(c):
+            if c in wanted and dv != NONE and not lay.records.verify_chunk(c):
                 dv = NONE  # its bytes fail their checksum: not a source
-            if uv != NONE and (c not in wanted or not lay.verify_undo(c)):
+            if uv != NONE and (c not in wanted or not lay.undo.verify(c)):
                 uv = NONE
         out += [
             dv,
             lay.stored_checksum(c) if dv != NONE else 0,
             uv,
-            lay.undo_checksum(c) if uv != NONE else 0,
+            lay.undo.checksum(c) if uv != NONE else 0,
         ]
     return out
 
@@ -132,7 +132,7 @@ def copy_chunks(
 
 
 def grads_intact(lay: RetainedLayout, step: int) -> bool:
-    return lay.prepared_step == step and not lay.verify_grads(step)
+    return lay.prepared_step == step and not lay.grads.verify(step)
 
 
 def _send_grads(

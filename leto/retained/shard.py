@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layout import Allocator, LayoutError, RetainedLayout, _bind
+from .layout import Allocator, LayoutError, RetainedLayout
+from .layout_meta import plan
 from .optim import (
     RetainedOptimizer,
     UnsupportedOptimizerError,
@@ -48,6 +49,7 @@ from .optim import (
     bind_layout,
     required_states,
 )
+from .views import bind
 
 PADDING = "(padding)"  # the one piece of a rank whose shard is padding only
 
@@ -79,7 +81,7 @@ class ShardPlan:
     ) -> None:
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise LayoutError(f"world must be a positive int, got {world!r}")
-        meta = RetainedLayout._plan(list(named), chunk_numel, (), 1, align_bytes, master_weights)
+        meta = plan(list(named), chunk_numel, (), 1, align_bytes, master_weights)
         self.names: tuple[str, ...] = tuple(n for n, _ in named)
         self.shapes: tuple[tuple[int, ...], ...] = tuple(tuple(s) for _, s, _, _ in meta["params"])
         self.offsets: tuple[int, ...] = tuple(o for _, _, o, _ in meta["params"])
@@ -199,10 +201,10 @@ class FullParams:
             if values:
                 view.copy_(p.detach())  # exact: to the parameter's dtype or a wider one
             if p.dtype == self.dtype:
-                _bind(p, view)
+                bind(p, view)
                 continue
             if p.device != view.device or not p.is_contiguous():  # e.g. a meta skeleton
-                _bind(p, torch.empty(p.shape, dtype=p.dtype, device=view.device))
+                bind(p, torch.empty(p.shape, dtype=p.dtype, device=view.device))
             self.derived.append((p, view))
         self.params = [p for _, p in named]
 
@@ -223,7 +225,9 @@ def retained_nbytes(lay: RetainedLayout) -> int:
     undo copies and the header (the small meta and super segments aside)."""
     bufs = [lay.param_buffer, lay.grad_buffer, *(lay.state_buffer(s) for s in lay.states)]
     n = sum(b.numel() * b.element_size() for b in bufs)
-    return n + lay._undo.numel() * lay._undo.element_size() + lay._hdr.numel() * 8
+    return (
+        n + lay.undo.copies.numel() * lay.undo.copies.element_size() + lay.header.words.numel() * 8
+    )
 
 
 def retain_shard(

@@ -61,7 +61,7 @@ def test_params_and_grads_are_views_of_the_flat_buffers() -> None:
         assert inside(q.grad, lay.grad_buffer)
         assert torch.equal(q.grad, p.grad)
         assert torch.equal(lay.grad_view(i), p.grad)
-    assert lay.collect_grads() == [True] * 4
+    assert lay.grads.collect() == [True] * 4
 
 
 def test_chunk_boundaries_with_parameters_spanning_chunks() -> None:
@@ -72,8 +72,8 @@ def test_chunk_boundaries_with_parameters_spanning_chunks() -> None:
     assert lay.n_chunks == 9 and lay.numel == 108
     covered: dict[int, list[tuple[int, int]]] = {}
     for i in range(lay.n_chunks):
-        a, b = lay.chunk_range(i)
-        for pc in lay.chunk_pieces(i):
+        a, b = lay.geometry.chunk_range(i)
+        for pc in lay.geometry.chunk_pieces(i):
             assert a <= pc.start < pc.stop <= b
             covered.setdefault(pc.param, []).append((pc.start, pc.stop))
     for k, s in enumerate(lay.slots):
@@ -88,7 +88,7 @@ def test_chunk_boundaries_with_parameters_spanning_chunks() -> None:
     assert torch.equal(lay.param_buffer[:102], flat)
     assert torch.equal(lay.param_buffer[102:], torch.zeros(6))
     with pytest.raises(IndexError):
-        lay.chunk_range(9)
+        lay.geometry.chunk_range(9)
 
 
 def test_alignment_default_and_mixed_sizes() -> None:
@@ -108,28 +108,28 @@ def test_versions_checksums_and_undo_lifecycle() -> None:
     with pytest.raises(ChunkStateError, match="torn"):
         lay.save_undo(3)
     with pytest.raises(ChunkStateError, match="still needed"):
-        lay.release_undo(3)
+        lay.undo.release(3)
     lay.chunk_data(3)[0].fill_(9.0)  # a step half-written
-    lay.restore_undo(3)
+    lay.undo.restore(3)
     assert lay.chunk_status(3) is ChunkStatus.CLEAN
     assert all(torch.equal(a, b) for a, b in zip(before, lay.data_buffers(), strict=True))
     # apply: new bytes sealed at version 1, undo kept until released
     lay.save_undo(3)
     lay.chunk_data(3)[1].fill_(1.5)
     lay.seal_chunk(3, 1)
-    assert lay.chunk_status(3) is ChunkStatus.APPLIED and lay.undo_version(3) == 0
+    assert lay.chunk_status(3) is ChunkStatus.APPLIED and lay.undo.version(3) == 0
     assert torch.equal(lay.undo_data(3)[1], before[1][48:64])
     lay.save_undo(4)
     with pytest.raises(ChunkStateError, match="no free undo slot"):
         lay.save_undo(5)
-    lay.release_undo(3)
+    lay.undo.release(3)
     assert lay.chunk_status(3) is ChunkStatus.CLEAN and lay.chunk_version(3) == 1
     assert lay.verify() == []
     assert lay.base_version() == 0
     # a corrupted undo copy is never restored
-    lay._undo[lay._slot_of(4)][0][0] += 1
+    lay.undo.copies[lay.undo.slot_of(4)][0][0] += 1
     with pytest.raises(ChecksumError):
-        lay.restore_undo(4)
+        lay.undo.restore(4)
     # corruption of a clean chunk is found by verify
     lay.param_buffer[0] += 1
     assert lay.verify() == [0]
@@ -138,17 +138,17 @@ def test_versions_checksums_and_undo_lifecycle() -> None:
 
 
 def test_the_bulk_header_reads_are_the_per_chunk_ones() -> None:
-    """chunk_statuses, chunk_versions and stored_checksum_list (a recovery's reads of
-    every chunk in one call) say what chunk_status, chunk_version and stored_checksum
-    say of each chunk, in every status, and raise as chunk_status does."""
+    """chunk_statuses, records.versions and records.stored_checksum_list (a recovery's
+    reads of every chunk in one call) say what chunk_status, chunk_version and
+    stored_checksum say of each chunk, in every status, and raise as chunk_status does."""
     lay = RetainedLayout.create(mlp(), chunk_numel=16, states=["s"], undo_slots=3)
     n = lay.n_chunks
     assert n >= 5 and lay.chunk_statuses() == [ChunkStatus.CLEAN] * n
 
     def same() -> None:
         assert lay.chunk_statuses() == [lay.chunk_status(i) for i in range(n)]
-        assert lay.chunk_versions() == [lay.chunk_version(i) for i in range(n)]
-        assert lay.stored_checksum_list() == [lay.stored_checksum(i) for i in range(n)]
+        assert lay.records.versions() == [lay.chunk_version(i) for i in range(n)]
+        assert lay.records.stored_checksum_list() == [lay.stored_checksum(i) for i in range(n)]
 
     lay.save_undo(1)  # torn
     lay.save_undo(3)
@@ -159,15 +159,15 @@ def test_the_bulk_header_reads_are_the_per_chunk_ones() -> None:
     same()
     st = lay.chunk_statuses()
     assert (st[1], st[3], st[4]) == (ChunkStatus.TORN, ChunkStatus.APPLIED, ChunkStatus.CLEAN)
-    assert lay.chunk_versions()[3:5] == [1, 1]
-    lay.chunk_versions()[0] = 99  # a copy: the layout's own is untouched
+    assert lay.records.versions()[3:5] == [1, 1]
+    lay.records.versions()[0] = 99  # a copy: the layout's own is untouched
     assert lay.chunk_version(0) == 0
-    lay.release_undo(3)
-    lay.restore_undo(1)
+    lay.undo.release(3)
+    lay.undo.restore(1)
     same()
-    lay._ver[2] = 5  # a header no protocol step writes: neither read accepts it
+    lay.records._ver[2] = 5  # a header no protocol step writes: neither read accepts it
     lay.save_undo(2)
-    lay._ver[2] = 9
+    lay.records._ver[2] = 9
     with pytest.raises(ChunkStateError, match="inconsistent"):
         lay.chunk_statuses()
     with pytest.raises(ChunkStateError, match="inconsistent"):
@@ -176,24 +176,24 @@ def test_the_bulk_header_reads_are_the_per_chunk_ones() -> None:
 
 def test_an_undo_copy_staged_ahead_serves_only_its_chunk_at_its_version() -> None:
     lay = RetainedLayout.create(mlp(), chunk_numel=16, states=["s"], undo_slots=1)
-    assert lay.stage_undo(2)
+    assert lay.undo.stage(2)
     # staged: the slot stays free in the header, the chunk clean
-    assert lay.chunk_status(2) is ChunkStatus.CLEAN and lay._slot_of(2) is None
-    marked = [t.clone() for t in lay._undo[0]]
-    for t in lay._undo[0]:
+    assert lay.chunk_status(2) is ChunkStatus.CLEAN and lay.undo.slot_of(2) is None
+    marked = [t.clone() for t in lay.undo.copies[0]]
+    for t in lay.undo.copies[0]:
         t.fill_(7.0)  # stands for the staged bytes: save_undo must take them as they are
     lay.save_undo(2, staged=True)
     assert lay.chunk_status(2) is ChunkStatus.TORN
     assert all(bool((u == 7.0).all()) for u in lay.undo_data(2))
     with pytest.raises(ChecksumError):  # bytes that are not the chunk's are never restored
-        lay.restore_undo(2)
-    for t, m in zip(lay._undo[0], marked, strict=True):
+        lay.undo.restore(2)
+    for t, m in zip(lay.undo.copies[0], marked, strict=True):
         t.copy_(m)
-    lay.restore_undo(2)
+    lay.undo.restore(2)
     # refused: another chunk, a chunk sealed since, or no staged=True: copied afresh
     for case in ("other", "sealed", "unflagged"):
-        assert lay.stage_undo(2)
-        for t in lay._undo[0]:
+        assert lay.undo.stage(2)
+        for t in lay.undo.copies[0]:
             t.fill_(7.0)
         c = 3 if case == "other" else 2
         if case == "sealed":
@@ -203,10 +203,10 @@ def test_an_undo_copy_staged_ahead_serves_only_its_chunk_at_its_version() -> Non
         assert all(
             torch.equal(u, d) for u, d in zip(lay.undo_data(c), lay.chunk_data(c), strict=True)
         ), case
-        lay.restore_undo(c)
+        lay.undo.restore(c)
     # nothing to stage into: the only slot holds a chunk's undo copy
     lay.save_undo(0)
-    assert not lay.stage_undo(1)
+    assert not lay.undo.stage(1)
 
 
 def test_unresumable_names_chunks_off_target_and_corrupt_ones() -> None:
@@ -218,7 +218,7 @@ def test_unresumable_names_chunks_off_target_and_corrupt_ones() -> None:
     )
     lay.save_undo(2)  # torn: not resumable even at its old version
     assert lay.unresumable(0) == "chunks [2] not clean at step 0, chunks [] fail their checksums"
-    lay.restore_undo(2)
+    lay.undo.restore(2)
     lay.param_buffer[0] += 1  # chunk 0 corrupted
     assert lay.unresumable(0) == "chunks [] not clean at step 0, chunks [0] fail their checksums"
 
@@ -235,7 +235,7 @@ def test_chunks_a_recovery_found_intact_are_not_read_again_the_others_are() -> N
     assert 1 not in intact and 2 not in intact
     assert intact == {c: 0 for c in range(lay.n_chunks) if c not in (1, 2)}
     assert lay.verify(intact) == [1]  # chunk 1 is read again and still fails
-    lay.restore_undo(2)
+    lay.undo.restore(2)
     with pytest.raises(IntegrityError, match=r"chunks \[1\] fail their checksums"):
         check_resumable(lay, None, 0, "rank 0", intact)
     lay.param_buffer[16] = good  # repaired (as a tier-1 repair would)
@@ -268,12 +268,12 @@ def test_attach_binds_a_skeleton_without_copying_and_keeps_the_header() -> None:
         assert p.data_ptr() == seg.data_ptr() + 4 * s.offset
         assert inside(p.grad, lay2.grad_buffer)
     assert lay2.chunk_status(1) is ChunkStatus.TORN
-    assert lay2.prepared_step == 1 and lay2.present_mask() == [True, False, True, True]
+    assert lay2.prepared_step == 1 and lay2.grads.present_mask() == [True, False, True, True]
     assert lay2.verify() == []
-    assert lay2.verify_grads(1) == []
+    assert lay2.grads.verify(1) == []
     lay2.grad_buffer[3] += 1.0
-    assert lay2.verify_grads(1) == [0]
-    assert lay2.verify_grads(2) == list(range(lay2.n_chunks))
+    assert lay2.grads.verify(1) == [0]
+    assert lay2.grads.verify(2) == list(range(lay2.n_chunks))
 
 
 def test_the_layout_records_its_checksum_algorithm_and_attach_checks_it() -> None:
@@ -282,7 +282,7 @@ def test_the_layout_records_its_checksum_algorithm_and_attach_checks_it() -> Non
     store = InMemorySegments()
     lay = RetainedLayout.create(mlp(), chunk_numel=16, states=["exp_avg"], alloc=store)
     assert lay.checksum_algorithm == "xxh3"  # host memory
-    want = lay.data_checksums([0] * lay.n_chunks).tolist()
+    want = lay.records.data_checksums([0] * lay.n_chunks).tolist()
     assert want == [lay.stored_checksum(c) for c in range(lay.n_chunks)]
     assert RetainedLayout.attach(mlp(device="meta"), alloc=store).checksum_algorithm == "xxh3"
     other = RetainedLayout.create(mlp(), chunk_numel=16, checksum_algorithm="fletcher")
@@ -378,18 +378,18 @@ def test_bad_allocator_and_segment_sizes() -> None:
 def test_grad_presence_follows_torch_none_semantics() -> None:
     model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
     lay = RetainedLayout.create(model, chunk_numel=8)
-    assert lay.collect_grads() == [False] * 4  # nothing accumulated yet (torch: None)
+    assert lay.grads.collect() == [False] * 4  # nothing accumulated yet (torch: None)
     x = torch.randn(2, 3)
     model["a"](x).sum().backward()
-    assert lay.collect_grads() == [True, True, False, False]
-    lay.zero_grad(set_to_none=True)
-    assert lay.collect_grads() == [False] * 4
+    assert lay.grads.collect() == [True, True, False, False]
+    lay.grads.zero(set_to_none=True)
+    assert lay.grads.collect() == [False] * 4
     assert torch.equal(lay.grad_buffer, torch.full_like(lay.grad_buffer, -0.0))
     assert lay.grad_buffer[0].view(torch.int32).item() == -(2**31)  # really -0.0
     model["b"](x).sum().backward()
-    assert lay.collect_grads() == [False, False, True, True]
-    lay.zero_grad(set_to_none=False)  # torch: zeroed grads still exist
-    assert lay.collect_grads() == [False, False, True, True]
+    assert lay.grads.collect() == [False, False, True, True]
+    lay.grads.zero(set_to_none=False)  # torch: zeroed grads still exist
+    assert lay.grads.collect() == [False, False, True, True]
     assert lay.grad_buffer.view(torch.int32).abs().sum().item() == 0  # +0.0
     # the user sets grads to None (module.zero_grad) and backward makes fresh ones
     model.zero_grad()
@@ -397,13 +397,13 @@ def test_grad_presence_follows_torch_none_semantics() -> None:
     model["a"](x).sum().backward()
     fresh = model["a"].weight.grad
     assert not inside(fresh, lay.grad_buffer)
-    assert lay.collect_grads() == [True, True, False, False]
+    assert lay.grads.collect() == [True, True, False, False]
     assert inside(model["a"].weight.grad, lay.grad_buffer)
     assert torch.equal(model["a"].weight.grad, fresh)
     assert model["b"].weight.grad is None
     # a grad assigned by hand is present and copied in
     model["b"].bias.grad = torch.ones(3)
-    assert lay.collect_grads() == [True, True, False, True]
+    assert lay.grads.collect() == [True, True, False, True]
     assert torch.equal(lay.grad_view(3), torch.ones(3)) and inside(
         model["b"].bias.grad, lay.grad_buffer
     )

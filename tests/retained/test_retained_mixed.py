@@ -184,13 +184,13 @@ def test_derived_gradients_follow_torch_s_none_rule() -> None:
     loss(m).backward()
     g = m[0].weight.grad
     assert g is not None and g.dtype == torch.bfloat16
-    assert lay.collect_grads() == [True] * 4
+    assert lay.grads.collect() == [True] * 4
     assert torch.equal(lay.grad_view(0), g.float())  # cast up exactly
     ro.zero_grad(set_to_none=False)
     assert m[0].weight.grad is not None and not m[0].weight.grad.any()
-    assert lay.collect_grads()[:2] == [True, True]
+    assert lay.grads.collect()[:2] == [True, True]
     ro.zero_grad()
-    assert m[0].weight.grad is None and lay.collect_grads() == [False] * 4
+    assert m[0].weight.grad is None and lay.grads.collect() == [False] * 4
 
 
 def bn_model() -> nn.Module:

@@ -231,7 +231,7 @@ def test_fused_adam_within_tolerance() -> None:
 def snapshot(opt: Any) -> list[torch.Tensor]:
     """Params, states, and the chunk table (versions, checksums) of the header."""
     lay = opt.layout
-    return [t.clone() for t in (*lay.data_buffers(), lay._table)]
+    return [t.clone() for t in (*lay.data_buffers(), lay.header.table)]
 
 
 def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -375,7 +375,7 @@ def test_roll_forward_in_a_new_process(cls: Any, hp: dict[str, Any]) -> None:
     )
     new.load_process_state(json.loads(process_state))
     assert new.version == 4 and new.layout.chunk_status(n // 2) is ChunkStatus.APPLIED
-    assert new.layout.verify() == [] and new.layout.verify_grads(5) == []
+    assert new.layout.verify() == [] and new.layout.grads.verify(5) == []
     new.roll_forward()
     assert new.version == 5
     assert_bitwise(ref_model, shadow)

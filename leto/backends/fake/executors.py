@@ -132,7 +132,7 @@ def write_gradient_parity(
             "sampler": eng.cursor.state_after(step),
             "buffers": capture_buffers(p.replica.model),  # after this step's forward
             "present": p.present,
-            "grad_checksums": lay.grad_checksums(),
+            "grad_checksums": lay.grads.checksums(),
         }
     )
     p.gdelta = None

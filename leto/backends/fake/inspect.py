@@ -37,9 +37,9 @@ def mismatches(eng: Engine, s: ClusterState) -> list[str]:
             if u == NONE:
                 ok = st is ChunkStatus.CLEAN and v == d
             elif d == TORN:
-                ok = st is ChunkStatus.TORN and lay.undo_version(c) == u
+                ok = st is ChunkStatus.TORN and lay.undo.version(c) == u
             else:
-                ok = st is ChunkStatus.APPLIED and v == d and lay.undo_version(c) == u
+                ok = st is ChunkStatus.APPLIED and v == d and lay.undo.version(c) == u
             if not ok:
                 out.append(f"rank {r} chunk {c}: model data={d} undo={u}, real {st.value} v{v}")
     for n in range(eng.backend.nodes):

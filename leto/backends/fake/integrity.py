@@ -42,9 +42,9 @@ def scan(eng: Engine, s: ClusterState) -> dict[int, str]:
         undo = [
             c
             for c in range(lay.n_chunks)
-            if lay.chunk_status(c) is not ChunkStatus.CLEAN and not lay.verify_undo(c)
+            if lay.chunk_status(c) is not ChunkStatus.CLEAN and not lay.undo.verify(c)
         ]
-        grads = lay.verify_grads(lay.prepared_step) if lay.prepared_step >= 0 else []
+        grads = lay.grads.verify(lay.prepared_step) if lay.prepared_step >= 0 else []
         if chunks or undo or grads:
             bad[r] = (
                 f"chunks {chunks} / undo copies {undo} / gradient chunks {grads} fail their checksums"

@@ -171,12 +171,12 @@ class Follower:
             if rx.grads_deferrable(lay, deferred):  # read before a repair of the node
                 grad, self.deferred_grads = ps, (gen, ps)
             else:
-                ok = ps >= 0 and not lay.verify_grads(ps)
+                ok = ps >= 0 and not lay.grads.verify(ps)
                 grad = ps if ok else (NONE if ps < 0 else LOST)
-            if ps < 0 and lay.reduced_step == self.s.step + 1:
+            if ps < 0 and lay.grads.reduced_step == self.s.step + 1:
                 # the next step's gradients, reduced and not sealed (the spec's REDUCED:
                 # the node's gradient parity still records the step before)
-                grad = lay.reduced_step
+                grad = lay.grads.reduced_step
             elif grad == NONE and self._gparity_names_mine():
                 # released as a step's reduction began writing the buffer: the gradients
                 # the node's record still names are gone (LOST), not "none held"
@@ -370,7 +370,7 @@ class Follower:
         if not todo:
             return
         lay = self.s.layout
-        bad = [c for c in todo if not lay.verify_chunk(c)]
+        bad = [c for c in todo if not lay.records.verify_chunk(c)]
         self.deferred = (gen, left - set(todo))
         if bad:
             lay.mark_suspect()
@@ -389,7 +389,7 @@ class Follower:
         step = self.deferred_grads[1]
         self.deferred_grads = None
         lay = self.s.layout
-        if lay.verify_grads(step):
+        if lay.grads.verify(step):
             lay.mark_suspect()
             raise IntegrityError(
                 f"rank {self.s.rank}: the gradients of step {step} fail their checksums "
@@ -439,12 +439,12 @@ class Follower:
             self.s.gparity.write_full(None, [NONE] * self.s.nproc, [0] * self.s.nproc)
 
     def _own_checksums(self) -> list[int]:
-        return self.s.layout.stored_checksum_list()
+        return self.s.layout.records.stored_checksum_list()
 
     def _node_checksums(self) -> list[list[int]]:
         """Every chunk's stored checksum on every rank of the node: ``[chunk][member]``
         (one all-gather of the node)."""
-        sums = self.s.layout.stored_checksums()
+        sums = self.s.layout.records.stored_checksums()
         allsums = [torch.zeros_like(sums) for _ in range(self.s.nproc)]
         dist.all_gather(allsums, sums, group=self.s.groups.node_group)
         return [[int(x) for x in row] for row in torch.stack(allsums, dim=1).tolist()]

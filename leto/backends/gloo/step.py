@@ -361,7 +361,7 @@ class UserLoop:
         lay.clear_prepared()
         with torch.no_grad():  # the mean written straight into retained memory: one pass
             torch.div(flat, s.W, out=lay.grad_buffer)
-        lay.mark_reduced(self.V)
+        lay.grads.mark_reduced(self.V)
         flags = buf[n:].tolist()
         if plan is None:
             self.present = [bool(c > 0) for c in flags]

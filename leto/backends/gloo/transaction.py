@@ -402,7 +402,7 @@ class StepTransaction:
                 torch.div(flat, W, out=lay.grad_buffer)
             else:
                 lay.grad_buffer.copy_(flat)
-        lay.mark_reduced(V)
+        lay.grads.mark_reduced(V)
         if plan is None:
             present_mask = [bool(c > 0) for c in present.tolist()]
         else:
@@ -461,7 +461,7 @@ class StepTransaction:
             "rng": rng_after,
             "sampler": s.cursor.state_after(V),
             "present": present_mask,
-            "grad_checksums": lay.grad_checksums(),
+            "grad_checksums": lay.grads.checksums(),
             "metric": metric,  # a metric scheduler's, for a roll-forward
             "skipped": skipped,  # a GradScaler's skipped step, for a roll-forward
             "buffers": capture_buffers(s.model),  # after this step's forward
@@ -476,7 +476,7 @@ class StepTransaction:
         # a slot that stays free (a recovery ignores its bytes) until BeginChunk
         first = m % n
         s.keeper.check_writer()
-        staged = lay.stage_undo(first)
+        staged = lay.undo.stage(first)
         s.ch.wait_for("commit", (s.gen, V), s.gen)
         point("decide", where="after")
         # 5. apply, chunk by chunk, each member of the node's parity group starting at
