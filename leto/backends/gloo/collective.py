@@ -63,14 +63,14 @@ def wait_or_abort(work: Any, aborted: Callable[[], bool], what: str) -> None:
     peer's closed connection does not end a wait already posted), and the recovery
     waits for this rank as long. The abandoned collective still writes its buffers
     until it fails: the caller drops them (the next step allocates its own). The
-    polls start at 20 us and grow to 1 ms: a reduce that completes at once costs one
-    look."""
+    polls start at 20 us and grow to 200 us: a reduce that completes at once costs one
+    look, a long one at most 200 us more than a blocking wait."""
     pause = 2e-5
     while not work.is_completed():
         if aborted():
             raise Aborted(f"the recovery's abort came while {what}")
         time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
+        pause = min(2 * pause, 2e-4)
     coll(work.wait)  # its error, if it failed
 
 
