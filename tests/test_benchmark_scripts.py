@@ -35,7 +35,14 @@ def run(script: str, *args: str, timeout: float = 300.0) -> str:
 def test_every_script_here_is_run_by_this_file() -> None:
     scripts = sorted(p.stem for p in BENCH.glob("*.py"))
     assert scripts == sorted(
-        [*WRAPPERS, "replica_check", "retained_step", "shard_bytes", "simulate_speed"]
+        [
+            *WRAPPERS,
+            "reduce_wait",
+            "replica_check",
+            "retained_step",
+            "shard_bytes",
+            "simulate_speed",
+        ]
     )
 
 
@@ -65,6 +72,14 @@ def test_replica_check_prints_the_digest_beside_the_step() -> None:
     ratio = 100.0 * got["digest_ms_median"] / got["step_ms_median"]
     assert abs(got["digest_over_step_pct"] - ratio) < 1e-9
     assert got["distinct_digests"] == 3  # each step's state has a digest of its own
+
+
+def test_reduce_wait_times_both_waits_of_one_reduce() -> None:
+    got = json.loads(run("reduce_wait.py", "--rounds", "3", "--numel", "10K", "--json"))
+    assert got["numel"] == 10_000 and got["rounds"] == 3
+    assert got["blocking_ms_median"] > 0 and got["polled_ms_median"] > 0
+    ratio = got["polled_ms_median"] / got["blocking_ms_median"]
+    assert got["polled_over_blocking"] == pytest.approx(ratio, abs=1e-3)
 
 
 def test_shard_bytes_per_rank_fall_with_the_world() -> None:
