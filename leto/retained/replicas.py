@@ -141,14 +141,14 @@ def _send_grads(
     src: int,
     dst: int,
     step: int,
-    pending: Callable[[], Mapping[str, Any] | None],
+    pending: Callable[[int], Mapping[str, Any] | None],
     who: Callable[[int], str],
 ) -> None:
     if ex.rank == src:
         ex.send(lay.grad_buffer, dst=dst)
     elif ex.rank == dst:
         ex.recv(lay.grad_buffer, src=src)
-        seal_rebuilt_grads(lay, step, pending(), f"copied from {who(src)}", who(dst))
+        seal_rebuilt_grads(lay, step, pending(src), f"copied from {who(src)}", who(dst))
 
 
 def copy_grads(
@@ -157,11 +157,13 @@ def copy_grads(
     lost: int,
     step: int,
     *,
-    pending: Callable[[], Mapping[str, Any] | None],
+    pending: Callable[[int], Mapping[str, Any] | None],
     who: Callable[[int], str],
 ) -> bool:
     """Member ``lost``'s gradients of ``step`` from the first member that holds them
-    intact; False if none does. ``pending()``: the receiver's prepare record."""
+    intact; False if none does. ``pending(src)``: the prepare record the copy from
+    member ``src`` is checked against (the receiver's own, unless it diverged: then
+    the source's)."""
     have = ex.rank != lost and grads_intact(lay, step)
     holders = ex.gather_ints([int(have)])
     src = next((i for i, h in enumerate(holders) if h[0]), None)
@@ -177,7 +179,7 @@ def copy_grads_behind(
     target: int,
     *,
     lost_any: bool,
-    pending: Callable[[], Mapping[str, Any] | None],
+    pending: Callable[[int], Mapping[str, Any] | None],
     who: Callable[[int], str],
 ) -> None:
     """After the copies: a member that lost chunks (``lost_any``) and still has some

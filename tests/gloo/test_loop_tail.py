@@ -87,6 +87,18 @@ def test_one_diverged_replica_of_three_is_repaired_in_place_from_the_majority(
     assert res.digests == ref3.digests, "not bitwise equal to the failure-free run"
 
 
+def test_a_replica_whose_gradients_diverged_is_repaired_in_place(ref3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 scales its reduced gradients in step 5 (a clip on one rank): its prepare
+    record is of those gradients, so the copy of rank 0's is checked against rank 0's
+    record; bitwise the failure-free run (a new user's trial failed here: "gradients
+    copied from rank 0 fail their checksums")."""
+    res = job(tmp_path / "grad3", steps=8, nproc=3, script=TAIL, env={"PLANT_GRAD_STEP": "5"})
+    assert res.ok, explain(res)
+    split = [(e["step"], e.get("repair")) for e in res.of("replicas_disagree")]
+    assert split == [(5, [[1, 0]])], split
+    assert res.digests == ref3.digests, "not bitwise equal to the failure-free run"
+
+
 def test_a_divergence_that_returns_after_its_repair_stops_the_job(tmp_path: Path) -> None:
     """Rank 1 scales its learning rate after every step from step 4: repaired once
     (after step 5), it differs again (after step 7: the repair's recovery resumed it at

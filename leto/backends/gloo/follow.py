@@ -259,7 +259,7 @@ class Follower:
                             self.s.layout,
                             r - base,
                             rep.version,
-                            pending=lambda: self.s.ps.node_state()[1],
+                            pending=self._grad_record(set(msg.diverged)),
                             who=self._who,
                         )
                         and r == self.s.rank
@@ -293,7 +293,7 @@ class Follower:
                     self.s.layout,
                     target,
                     lost_any=self.s.rank in lost,
-                    pending=lambda: self.s.ps.node_state()[1],
+                    pending=self._grad_record(set(msg.diverged)),
                     who=self._who,
                 )
             if self.s.rank in lost:
@@ -518,6 +518,15 @@ class Follower:
     def _who(self, member: int) -> str:
         """How an error names local member ``member`` of this node."""
         return f"rank {self.s.node * self.s.nproc + member}"
+
+    def _grad_record(self, diverged: set[int]) -> Callable[[int], dict[str, Any] | None]:
+        """The prepare record a copy of gradients from node member ``m`` is checked
+        against: this rank's own, or, where it diverged (its record is of the discarded
+        gradients), the source's."""
+        if self.s.rank not in diverged:
+            return lambda _m: self.s.ps.node_state()[1]
+        base = self.s.node * self.s.nproc
+        return lambda m: self.s.ps.node_state(of=base + m)[1]
 
     def _adopt_replicated(self, diverged: set[int]) -> None:
         """Ranks of this node discarded because they diverged (``diverged``; settled at

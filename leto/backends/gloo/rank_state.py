@@ -120,13 +120,21 @@ class RankState:
             self.s.ch.forget(self._asked)
             self._asked = None
 
-    def node_state(self) -> tuple[dict[int, str], dict[str, Any] | None]:
-        """(step -> process state kept by the node agent, the pending prepare record)."""
+    def node_state(self, of: int | None = None) -> tuple[dict[int, str], dict[str, Any] | None]:
+        """(step -> process state kept by the node agent, the pending prepare record) of
+        this rank, or of rank ``of`` of the same node."""
+        if of is not None and of != self.s.rank:
+            reply, _ = self.s.ch.request(M.GetState(rank=of))
+            return self._parse(reply)
         rid, self._asked = self._asked, None
         if rid is None:
             reply, _ = self.s.ch.request(M.GetState(rank=self.s.rank))
         else:
             reply, _ = self.s.ch.answer(rid, M.GetState.TAG)
+        return self._parse(reply)
+
+    @staticmethod
+    def _parse(reply: dict[str, Any]) -> tuple[dict[int, str], dict[str, Any] | None]:
         hist = {int(k): v for k, v in reply.get("ps", {}).items()}
         pend = reply.get("pending")
         return hist, (json.loads(pend) if pend else None)

@@ -6,6 +6,8 @@ USER_COLL=1: the script all-reduces its loss after optimizer.step() (its own col
 PLANT_STEP: after that step's scheduler step, rank 1 alone scales its learning rate
 (a planted divergence of the replicas that no checksum sees); PLANT_ALL=1: after every
 step from there on (a divergence that is the program's: a repair cannot end it).
+PLANT_GRAD_STEP: in that step, rank 1 alone scales its reduced gradients before
+optimizer.step() (a new user's trial: its clip_grad_norm_ on one rank).
 Issue 39's reproduction: such a death split the replicas (the replaced rank's
 scheduler one step behind)."""
 
@@ -53,6 +55,9 @@ for x, y in session.batches(int(os.environ.get("STEPS", "8"))):
         time.sleep(float(os.environ.get("SLOW_S", "4")))
     loss = F.mse_loss(model(x), y)
     loss.backward()
+    if rank == 1 and str(session.step + 1) == os.environ.get("PLANT_GRAD_STEP"):
+        for q in model.parameters():  # its reduced gradients, changed on this rank alone
+            q.grad.mul_(1.5)
     opt.step()
     maybe_die("step")
     if os.environ.get("USER_COLL") == "1":
