@@ -103,3 +103,34 @@ def test_trace_replays_the_latest_job(tmp_path: Path, capsys: pytest.CaptureFixt
     _write(run, _job(good, FIRST, 0.0) + _job([{"event": "job_start"}], SECOND, 0.0))
     assert main(["spec", "trace", str(run)]) == 2
     assert f"has no core records of job {SECOND}" in capsys.readouterr().err
+
+
+def test_report_tells_a_split_its_repair_and_a_restart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user's trial: the report said "0 failure(s), 0 restart(s)" of a job whose
+    replicas disagreed and that restarted from its checkpoint."""
+    events = [
+        {"event": "job_start", "nodes": 1, "nproc_per_node": 3, "script": "a.py"},
+        {"event": "replicas_disagree", "step": 6, "groups": [[0, 2], [1]], "repair": [[1, 0]]},
+        {"event": "failure", "kind": "diverged", "rank": 1, "step": 6, "detected_by": "x"},
+        {"event": "replicas_disagree", "step": 9, "groups": [[0, 2], [1]]},
+        {"event": "job_restart", "attempt": 1, "of": 2, "cause": "the replicas disagree"},
+        {"event": "job_end", "status": "restarting"},
+    ]
+    run = _write(tmp_path / "run", _job(events, FIRST, 0.0))
+    assert main(["report", str(run), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "SPLIT    replicas disagree after step 6 ({0, 2} / {1}): rank 1 copied from rank 0" in out
+    )
+    assert "SPLIT    replicas disagree after step 9 ({0, 2} / {1}): not repaired" in out
+    assert "RESTART  the job starts again from its checkpoint (restart 1 of 2)" in out
+    assert "differed from its replicas" in out
+    assert (
+        "replicas disagreed 2 time(s), 1 rank(s) repaired from the majority; "
+        "the job restarted from its checkpoint 1 time(s)"
+    ) in out
+    assert main(["report", str(run), "--no-plot", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["replica_splits"], got["replica_repairs"], got["job_restarts"]) == (2, 1, 1)

@@ -272,6 +272,21 @@ def timeline_lines(events: list[dict[str, Any]]) -> list[str]:
             )
         elif ev == "recovery_end":
             out.append(f"{t}  RECOVERED {_recovery_text(e)}")
+        elif ev == "replicas_disagree":
+            groups = " / ".join("{" + ", ".join(map(str, g)) + "}" for g in e.get("groups") or [])
+            how = (
+                "; ".join(f"rank {r} copied from rank {src}" for r, src in e["repair"])
+                if e.get("repair")
+                else "not repaired"
+            )
+            out.append(
+                f"{t}  SPLIT    replicas disagree after step {e.get('step')} ({groups}): {how}"
+            )
+        elif ev == "job_restart":
+            out.append(
+                f"{t}  RESTART  the job starts again from its checkpoint (restart "
+                f"{e.get('attempt')} of {e.get('of')}): {_line(e.get('cause'))}"
+            )
         elif ev == "shadow" and e.get("state") in ("cold", "failed"):
             why = _line(e.get("reason", ""))
             out.append(f"{t}  SHADOW   rank {e.get('rank')} {e.get('state')}: {why}")
@@ -305,6 +320,11 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "recoveries_by_kind": dict(sorted(by_kind.items())),
         "recovery_seconds": [float(r.get("seconds", 0)) for r in recs],
         "recovery_restarts": sum(int(r.get("restarts", 0)) for r in recs),
+        "replica_splits": sum(1 for e in events if e["event"] == "replicas_disagree"),
+        "replica_repairs": sum(
+            len(e.get("repair") or []) for e in events if e["event"] == "replicas_disagree"
+        ),
+        "job_restarts": sum(1 for e in events if e["event"] == "job_restart"),
         "promotions_warm": sum(1 for p in promoted if p.get("warm")),
         "promotions_cold": sum(1 for p in promoted if not p.get("warm")),
         "chunks_repaired_tier1": sum(int(r.get("chunks_repaired_tier1", 0)) for r in recs),
@@ -471,8 +491,14 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{summary['failures']} failure(s) {summary['failures_by_kind']}, "
         f"{summary['recoveries']} recovery(ies) {summary['recoveries_by_kind']}, "
-        f"{summary['recovery_restarts']} restart(s); recovery seconds: {secs}"
+        f"{summary['recovery_restarts']} recovery restart(s); recovery seconds: {secs}"
     )
+    if summary["replica_splits"] or summary["job_restarts"]:
+        print(
+            f"replicas disagreed {summary['replica_splits']} time(s), "
+            f"{summary['replica_repairs']} rank(s) repaired from the majority; "
+            f"the job restarted from its checkpoint {summary['job_restarts']} time(s)"
+        )
     print(
         f"shadows promoted warm {summary['promotions_warm']}, cold {summary['promotions_cold']}; "
         f"{summary['chunks_repaired_tier1']} chunk(s) repaired from tier 1 "
