@@ -369,6 +369,15 @@ class Config:
             base = {k: getattr(cfg, k) for k in merged if k != "topology"}
             if "topology" in merged:
                 base["nodes"], base["ranks_per_node"] = cfg.nodes, cfg.ranks_per_node
+                world = env.get("WORLD_SIZE", "")
+                if world.isdigit() and int(world) != cfg.ranks:
+                    raise ConfigError(
+                        "topology",
+                        f"{cfg.nodes}x{cfg.ranks_per_node} is {cfg.ranks} ranks, but this job "
+                        f"runs {int(world)} (WORLD_SIZE); leave topology out of the file to "
+                        "take the job's shape from leto launch",
+                        path,
+                    )
         types = {a.name: a for a in attrs.fields(cls)}
         for name, raw in sorted(env.items()):
             if not name.startswith(_ENV_PREFIX) or name == "LETO_CONFIG" or name in NOT_SETTINGS:

@@ -231,3 +231,20 @@ def test_launch_defaults_sit_under_the_config_file(tmp_path: Path) -> None:
     c = Config.from_env(env)
     assert (c.backend, c.nodes, c.ranks_per_node, c.chunk_size) == ("fake", 1, 6, 1 << 20)
     assert Config.from_env({**env, "LETO_TIER2": "off"}).tier2 is False
+
+
+def test_a_files_topology_other_than_the_launched_world_names_the_file(tmp_path: Path) -> None:
+    """A new user's trial: examples/gloo-1node.toml pinned 1x2, and a 3-rank launch
+    failed with an error labelled "config (environment)"."""
+    p = tmp_path / "job.toml"
+    p.write_text('backend = "gloo"\ntopology = "1x2"\n')
+    env = {"LETO_ROLE": "trainer", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
+    with pytest.raises(ConfigError) as e:
+        Config.from_env({**env, "LETO_CONFIG": str(p)})
+    line = str(e.value)
+    assert str(p) in line and "1x2 is 2 ranks, but this job runs 3" in line, line
+    assert "\n" not in line
+    # the examples' file takes the launched shape
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    c = Config.from_env({**env, "LETO_CONFIG": str(examples / "gloo-1node.toml")})
+    assert (c.nodes, c.ranks_per_node) == (1, 3)
