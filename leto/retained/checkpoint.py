@@ -265,6 +265,10 @@ def read_meta(path: Path) -> dict[str, Any] | None:
             "checksums": {str(r): m["checksums"] for r, m in enumerate(ranks)},
             "process_states": {str(r): m["ps"] for r, m in enumerate(ranks)},
         }
+    except FileNotFoundError:
+        # removed while read: another rank's publish pruned this older checkpoint (a
+        # new user's trial saw a rank fail its own save listing the checkpoints then)
+        return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: unreadable checkpoint metadata ({e})") from None
 

@@ -51,3 +51,31 @@ def test_a_checkpoint_others_can_write_is_refused_before_loading(tmp_path: Path)
     os.chmod(tmp_path / "ckpt", 0o777)
     with pytest.raises(CheckpointError, match="checkpoint directory"):
         ck.read(0)
+
+
+def test_a_checkpoint_pruned_while_it_is_listed_is_no_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rank lists the checkpoints while another's publish removes an older one: its
+    files vanish between the look and the read. That checkpoint is gone, not unreadable
+    (a new user's trial: a rank failed its own save with "unreadable checkpoint
+    metadata ... No such file"); a file that is there but corrupt still is an error."""
+    from leto.retained.checkpoint import read_meta
+
+    step = tmp_path / "step-0"
+    step.mkdir()
+    (step / ".metadata").write_bytes(b"")
+    (step / "leto-rank0.json").write_text('{"step": 0, "world_size": 1, "checksums": [], "ps": {}}')
+    real = Path.read_text
+
+    def vanished(self: Path, *a: object, **k: object) -> str:
+        if self.name == "leto-rank0.json":
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real(self, *a, **k)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "read_text", vanished)
+        assert read_meta(step) is None
+    (step / "leto-rank0.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="unreadable checkpoint metadata"):
+        read_meta(step)
