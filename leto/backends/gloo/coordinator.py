@@ -6,7 +6,8 @@ argument. Agents forward what their processes report; the coordinator
 turns it into the core's events, steps :class:`~leto.core.cluster.ClusterModel`
 (the same model the TLA+ spec and the explicit-state checker verify), and turns
 the effects into commands for the agents (``outbox``: ``(node or None for every
-node, message)``).
+node, message)``) through one table, :data:`.commands.COMMANDS`; each command sent
+is logged (a ``command`` record, checked by ``leto spec trace``).
 
 Training path, per step ``V``: every rank's ``vote`` (gradients sealed, gradient
 parity written, prepare record in its node's memory) -> once all ``W`` are in, the

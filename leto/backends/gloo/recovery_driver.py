@@ -16,8 +16,9 @@ trainer, then ``Rebuild`` and ``Resume``. A failure during any of it feeds
 ``Detect`` again where the core allows it: recovery restarts at the next
 generation.
 
-The core picks every next event (:mod:`leto.core.schedule`); the driver only carries
-them out and waits for what an event needs from the world. Its state (the recovery
+The core picks every next event (:mod:`leto.core.schedule`) and its effects say what
+is sent (:mod:`.commands`, through :meth:`.coordinator.Coordinator.carry_out`); the
+driver only decides when, and waits for what an event needs from the world. Its state (the recovery
 under way, ``rec``; what it waits for, ``wait``; the trainers' reports) lives in the
 coordinator, which the driver holds.
 """
