@@ -405,3 +405,85 @@ def test_a_take_over_goes_on_from_a_state_the_log_passed_through() -> None:
     report = replay(numbered(own))
     assert report.ok, report.line()
     assert report.core_records == sum(r["event"] == "core" for r in own)
+
+
+# --- the commands a coordinator sent, checked against the effects -------------------------
+
+COMMANDS_AFTER: dict[str, dict[str, Any]] = {  # a_run's core record -> the command it implies
+    '[["Commit", 1]]': {"t": "commit", "step": 1, "gen": 0},
+    '[["Detect"]]': {"t": "abort", "gen": 0},
+    '[["Fence"]]': {"t": "fence", "gen": 1, "kill": []},
+    '[["Promote", 1]]': {"t": "promote_rank", "rank": 1, "gen": 1, "warm": True},
+    '[["Reconcile"]]': {"t": "reconcile", "gen": 1, "kind": "inplace", "target": 1}
+    | {"repairs": [], "retake_t2": False, "diverged": []},
+    '[["Rebuild"]]': {"t": "rebuild", "gen": 1},
+    '[["Resume"]]': {"t": "resume", "gen": 1, "step": 1, "t2": 0},
+    '[["Commit", 2]]': {"t": "commit", "step": 2, "gen": 1},
+}
+
+
+def a_run_with_commands() -> list[dict[str, Any]]:
+    """:func:`a_run` as a coordinator that logs its commands writes it."""
+    out = []
+    for rec in a_run():
+        out.append(rec)
+        cmd = COMMANDS_AFTER.get(json.dumps(rec.get("feed")))
+        if rec["event"] == "core" and cmd is not None:
+            out.append({"event": "command", "to": None, "message": dict(cmd)})
+    return out
+
+
+def test_the_commands_sent_are_checked_against_the_effects() -> None:
+    recs = a_run_with_commands()
+    report = replay(numbered(recs))
+    assert report.ok, report.line()
+    assert report.checked == 9 + len(COMMANDS_AFTER)
+    assert replay(numbered(a_run())).ok  # a log of no command records replays as before
+
+
+def _doctor_command(recs: list[dict[str, Any]], t: str, **fields: Any) -> int:
+    """Change the fields of the first ``t`` command; its line."""
+    n = next(n for n, r in numbered(recs) if r["event"] == "command" and r["message"]["t"] == t)
+    recs[n - 1]["message"].update(fields)
+    return n
+
+
+@pytest.mark.parametrize(
+    ("t", "fields", "why"),
+    [
+        ("commit", {"step": 2}, "call for {'t': 'commit', 'step': 1, 'gen': 0}"),
+        ("fence", {"kill": [1]}, "'kill': []"),
+        ("promote_rank", {"warm": False}, "'warm': True"),
+        (
+            "reconcile",
+            {"repairs": [{"what": "tier1", "rank": 1, "chunk": 0, "step": 1}]},
+            "'repairs': []",
+        ),
+        ("resume", {"step": 0}, "'step': 1"),
+        ("abort", {"gen": 1}, "'gen': 0"),
+    ],
+)
+def test_a_doctored_command_diverges(t: str, fields: dict[str, Any], why: str) -> None:
+    recs = a_run_with_commands()
+    n = _doctor_command(recs, t, **fields)
+    report = replay(numbered(recs))
+    d = report.divergence
+    assert d is not None, f"a doctored {t} replays"
+    assert (d.line, d.event) == (n, "command"), report.line()
+    assert "the coordinator sent" in d.why and why in d.why, report.line()
+
+
+def test_a_command_no_effect_calls_for_diverges() -> None:
+    recs = a_run_with_commands()
+    n = line_of(recs, "command", 0)  # commit(1): sent twice
+    recs.insert(n, copy.deepcopy(recs[n - 1]))
+    report = replay(numbered(recs))
+    assert report.divergence is not None and report.divergence.line == n + 1, report.line()
+    assert "call for no (further) command" in report.divergence.why
+    recs = a_run_with_commands()
+    n = line_of(recs, "core", feed=[["Apply", 0, 1]])  # a finish implies no command
+    recs.insert(
+        n, {"event": "command", "to": None, "message": {"t": "commit", "step": 1, "gen": 0}}
+    )
+    report = replay(numbered(recs))
+    assert report.divergence is not None and report.divergence.line == n + 1, report.line()

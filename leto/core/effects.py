@@ -2,8 +2,9 @@
 
 :meth:`leto.core.cluster.ClusterModel.step` returns the next state and a tuple of
 these; a backend carries each out (the fake engine's table
-``leto.backends.fake.executors.EXECUTORS`` has one executor per class, and a test checks that
-every class here has one). They are values: equal when their fields are, hashable,
+``leto.backends.fake.executors.EXECUTORS`` has one executor per class, gloo's
+``leto.backends.gloo.commands.COMMANDS`` one command or the name of who does it, and
+tests check that every class here has one). They are values: equal when their fields are, hashable,
 validated on construction like the events.
 """
 

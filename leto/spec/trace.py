@@ -30,6 +30,16 @@ job is replayed, the latest or ``--job ID``'s, :mod:`leto.jobs`):
   is refused.
 * ``core`` with ``adopt``: the retained state the trainers reported during a recovery
   replaces the model's (:func:`adopt`, which refuses what the model cannot have come to).
+* ``command``: a command the coordinator sent (``message``: as on the wire, ``to``: its
+  node or null for every node), carrying out effects of the events fed in the ``core``
+  record just before it (gloo's table, ``leto.backends.gloo.commands``). Its protocol
+  fields must be what those effects call for (:func:`expected_commands`), each command
+  once: a ``commit`` of the step the model committed, a ``fence`` of the new generation
+  killing the trainers the fence made stale, a ``promote_rank`` of a promoted rank (warm
+  as its shadow was), a ``reconcile`` of the plan's kind, target and repairs (or of the
+  checkpoint), a ``rebuild``, a ``resume`` at the target, an ``abort`` after a
+  detection, a ``t2`` of the snapshot taken. Logs written before these records hold
+  none, and replay as before.
 * ``job_failed`` with ``feed`` or ``adopt``: what the coordinator refused, stopping the
   job; replayed, it is refused again, so such a trace never passes. With ``phase``: the
   recovery deadline passed, and the ``GiveUp`` fed before it left the model FAILED.
@@ -56,6 +66,7 @@ from typing import Any, TypeGuard, cast
 
 import attrs
 
+from leto.core import effects as fx
 from leto.core import events as ev
 from leto.core.adopt import Retained, adopt
 from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Effect
@@ -83,6 +94,7 @@ __all__ = [
     "decode",
     "describe",
     "encode",
+    "expected_commands",
     "rebuild",
     "replay",
     "run",
@@ -214,6 +226,53 @@ def run(
             s, eff = model.step(s, e)
             effects += eff
     return s, effects
+
+
+# --- the commands a coordinator sends for the effects of what it fed ----------------------
+
+
+def expected_commands(
+    before: ClusterState, after: ClusterState, effects: Sequence[Effect]
+) -> list[dict[str, Any]]:
+    """The commands that the effects of events fed from ``before`` to ``after`` call
+    for, each as the fields of its wire message the protocol decides (``t``, its tag;
+    the rest of a message, such as the tier-2 snapshot's metadata, is the backend's)."""
+    out: list[dict[str, Any]] = []
+    repairs = [
+        {"what": x.what, "rank": x.rank, "chunk": x.chunk, "step": x.step, "count": x.count}
+        for x in effects
+        if isinstance(x, fx.RunRepair)
+    ]
+    for e in effects:
+        match e:
+            case fx.RecordCommit(step=step):
+                out.append({"t": "commit", "step": step, "gen": after.gen})
+            case fx.TakeSnapshot(step=step):
+                out.append({"t": "t2", "step": step, "gen": after.gen})
+            case fx.Detected():
+                out.append({"t": "abort", "gen": after.gen})
+            case fx.Fence(generation=gen):
+                # the hung trainers it made stale processes (TRAINER: hung -> dead)
+                kill = [r for r, t in enumerate(after.trainer) if before.trainer[r] is not t]
+                out.append({"t": "fence", "gen": gen, "kill": kill})
+            case fx.Promote(rank=rank, warm=warm, generation=gen):
+                out.append({"t": "promote_rank", "rank": rank, "gen": gen, "warm": warm})
+            case fx.Reconciled(target=target, kind=kind):
+                retake = bool(before.t2lost)
+                out.append(
+                    {"t": "reconcile", "gen": after.gen, "kind": kind, "target": target}
+                    | {"repairs": repairs, "retake_t2": retake}
+                )
+            case fx.LoadCheckpoint(step=step):
+                out.append(
+                    {"t": "reconcile", "gen": after.gen, "kind": "ckpt", "target": step}
+                    | {"repairs": [], "retake_t2": True}
+                )
+            case fx.RebuildCommunicator(generation=gen):
+                out.append({"t": "rebuild", "gen": gen})
+            case fx.Resume(step=step, generation=gen):
+                out.append({"t": "resume", "gen": gen, "step": step})
+    return out
 
 
 # --- the model's constants and initial state -----------------------------------------
@@ -361,6 +420,9 @@ class _Replay:
     checked: int = 0
     # the states after the last core records (a coordinator that took over starts from one)
     seen: list[ClusterState] = attrs.Factory(list)
+    # the commands the last core record's effects call for, not yet logged as sent
+    commands: list[dict[str, Any]] = attrs.Factory(list)
+    effects: tuple[Effect, ...] = ()
 
     def live(self) -> tuple[ClusterModel, ClusterState]:
         if self.model is None or self.state is None:
@@ -371,6 +433,8 @@ class _Replay:
         model, s = self.live()
         if not isinstance(raw, list) or not raw:
             raise _Diverged(f"feed must be a non-empty list of items, got {raw!r}")
+        before, effects = s, cast(tuple[Effect, ...], ())
+        self.commands, self.effects = [], ()
         for x in raw:
             try:
                 item = decode(x)
@@ -378,13 +442,15 @@ class _Replay:
                 raise _Diverged(str(bad)) from None
             try:
                 for e in expand(model, s, item):
-                    s = model.step(s, e)[0]
+                    s, eff = model.step(s, e)
+                    effects += eff
                     self.last = e
                     self.events += 1
             except ProtocolError as err:
                 self.state = s
                 raise _Diverged(f"the model refuses {item!r}: {err}") from None
         self.state = s
+        self.commands, self.effects = expected_commands(before, s, effects), effects
 
     def adopt(self, raw: Any) -> None:
         model, s = self.live()
@@ -393,6 +459,7 @@ class _Replay:
         except (ValueError, ProtocolError) as e:  # TraceError, a malformed retained state
             raise _Diverged(f"the model refuses the adoption: {e}") from None
         self.last = None
+        self.commands, self.effects = [], ()
 
 
 def _get_int(rec: dict[str, Any], key: str) -> int:
@@ -570,6 +637,25 @@ def _c_took_over(r: _Replay, rec: dict[str, Any]) -> None:
         f"in lately ({describe(state)})",
     )
     r.state, r.last = state, None
+    r.commands, r.effects = [], ()
+
+
+def _c_command(r: _Replay, rec: dict[str, Any]) -> None:
+    """A command sent: what the effects of the events fed just before it call for."""
+    r.live()
+    msg = rec.get("message")
+    _expect(isinstance(msg, dict) and "t" in msg, f"a command names its message, got {msg!r}")
+    assert isinstance(msg, dict)
+    for i, want in enumerate(r.commands):
+        if all(msg.get(k) == v for k, v in want.items()):
+            del r.commands[i]
+            return
+    names = ", ".join(repr(e) for e in r.effects) or "none"
+    wants = "; ".join(repr(w) for w in r.commands) or "no (further) command"
+    raise _Diverged(
+        f"the coordinator sent {msg!r}; the effects of the events fed before it ({names}) "
+        f"call for {wants}"
+    )
 
 
 def _c_mismatch(r: _Replay, rec: dict[str, Any]) -> None:
@@ -591,6 +677,7 @@ _CHECKS: dict[str, Callable[[_Replay, dict[str, Any]], None]] = {
     "promoted": _c_promoted,
     "reconciled": _c_reconciled,
     "recovery_end": _c_recovery_end,
+    "command": _c_command,
     "job_failed": _c_failed,
     "model_mismatch": _c_mismatch,
     _TOOK_OVER: _c_took_over,

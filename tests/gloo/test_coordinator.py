@@ -673,3 +673,70 @@ def test_two_ranks_stopped_by_one_unexplained_collective_error_make_one_failure(
     (fail,) = h.events("failure")
     assert fail["kind"] == "collective_error" and fail["rank"] in (0, 1)
     assert h.c.stopped_at == {}
+
+
+# --- the commands: built from the core's effects, logged, checked by the trace ---------------
+
+
+def _hang_and_lost_memory_recovered() -> Harness:
+    """Rank 0 hangs after step 1 (the fence kills it); rank 1 lost its memory (tier-1
+    repairs); recovered at generation 1, then step 2."""
+    h = Harness()
+    h.step(1)
+    h.send(0, {"t": "failure", "kind": "hang", "rank": 0, "detected_by": "heartbeat"})
+    h.send(0, {"t": "failure", "kind": "keeper_lost", "rank": 1, "detected_by": "keeper exit"})
+    h.send(0, {"t": "fenced", "node": 0, "gen": 1})
+    for r in range(2):
+        h.send(0, {"t": "promoted", "rank": r, "gen": 1, "warm": True, "ms": 1.0})
+    h.send(0, report(0, 1, 1))
+    lost = {"t": "report", "rank": 1, "gen": 1, "data": [LOST, LOST], "undo": [NONE, NONE]}
+    h.send(0, {**lost, "grad": LOST})
+    for r in range(2):
+        h.send(0, {"t": "reconciled", "rank": r, "gen": 1, "snapshot": None})
+    for r in range(2):
+        h.send(0, {"t": "rebuilt", "rank": r, "gen": 1})
+    h.step(2, gen=1)
+    return h
+
+
+def test_every_command_sent_is_logged_and_the_log_replays() -> None:
+    h = _hang_and_lost_memory_recovered()
+    sent = [c["message"]["t"] for c in h.events("command")]
+    assert sent[0] == "commit" and sent[-1] == "commit"
+    assert {"abort", "fence", "promote_rank", "reconcile", "rebuild", "resume"} <= set(sent)
+    (fence,) = [c["message"] for c in h.events("command") if c["message"]["t"] == "fence"]
+    assert fence == {"t": "fence", "gen": 1, "kill": [0]}
+    (rec,) = [c["message"] for c in h.events("command") if c["message"]["t"] == "reconcile"]
+    assert rec["kind"] == "tier1" and rec["repairs"] and "snapshot" not in rec
+    assert h.events("fence")[0]["stale_killed"] == [0]
+    assert h.events("recovery_end")[0]["repairs"] == rec["repairs"]
+    rep = replay(enumerate(h.log.records, 1))
+    assert rep.ok, rep.line()
+    older = [r for r in h.log.records if r["event"] != "command"]  # a log of before them
+    assert replay(enumerate(older, 1)).ok
+
+
+@pytest.mark.parametrize(
+    ("t", "doctor"),
+    [
+        ("commit", lambda m: m.update(step=m["step"] + 1)),
+        ("fence", lambda m: m.update(kill=[])),
+        ("reconcile", lambda m: m["repairs"].pop()),
+        ("promote_rank", lambda m: m.update(rank=1 - m["rank"])),
+        ("resume", lambda m: m.update(step=0)),
+    ],
+)
+def test_a_doctored_command_of_a_gloo_job_is_rejected(t: str, doctor: Any) -> None:
+    h = _hang_and_lost_memory_recovered()
+    records = [dict(r) for r in h.log.records]
+    n = next(
+        n for n, r in enumerate(records, 1) if r["event"] == "command" and r["message"]["t"] == t
+    )
+    records[n - 1]["message"] = msg = dict(records[n - 1]["message"])
+    if t == "reconcile":
+        msg["repairs"] = list(msg["repairs"])
+    doctor(msg)
+    rep = replay(enumerate(records, 1))
+    assert rep.divergence is not None, f"a doctored {t} replays"
+    assert (rep.divergence.line, rep.divergence.event) == (n, "command"), rep.line()
+    assert "the coordinator sent" in rep.divergence.why

@@ -3,8 +3,8 @@
 The job (1 node x 2 ranks) has a SIGKILL mid-chunk (rolled forward), a keeper lost
 while its parity is updated (rebuilt from tier 1) and a hang in the all-reduce
 (fenced, killed, promoted). Its log replays through the core's model; each doctored
-copy (an event removed, a step renumbered, events reordered) is refused at the line
-it touches, with exit status 1.
+copy (an event removed, a step renumbered, events reordered, a fence command that
+kills no one) is refused at the line it touches, with exit status 1.
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ def test_the_log_of_a_job_with_failures_replays(
         "Resume",
     } <= names
     assert sum("adopt" in r for r in recs) == len(FAULTS)  # one adoption per recovery
+    # the commands sent, each logged (and checked: leto.spec.trace)
+    sent = [r["message"] for r in recs if r["event"] == "command"]
+    assert {"commit", "abort", "fence", "promote_rank", "reconcile", "rebuild", "resume"} <= {
+        m["t"] for m in sent
+    }
+    assert [m["kill"] for m in sent if m["t"] == "fence"] == [[], [], [1]]  # the hung rank
     # O(ranks) per step: a record for the votes and one for the finished ranks, no more
     steps = sum(r["event"] == "step" for r in recs)
     per_step = [f for f in feeds if f[0] in ("CommitStep", "ApplyStep")]
@@ -107,8 +113,17 @@ def _events_reordered(recs: list[dict[str, Any]]) -> tuple[int, str]:
     return n, "core"
 
 
+def _fence_kills_another(recs: list[dict[str, Any]]) -> tuple[int, str]:
+    # the hang's fence: the agents told to kill no one
+    n = _line(recs, lambda r: r["event"] == "command" and r["message"].get("kill"))
+    recs[n - 1]["message"]["kill"] = []
+    return n, "command"
+
+
 @pytest.mark.parametrize(
-    "doctor", [_event_removed, _step_renumbered, _events_reordered], ids=lambda f: f.__name__[1:]
+    "doctor",
+    [_event_removed, _step_renumbered, _events_reordered, _fence_kills_another],
+    ids=lambda f: f.__name__[1:],
 )
 def test_a_doctored_copy_of_the_log_fails_naming_the_line(
     faulted: JobResult, tmp_path: Path, capsys: pytest.CaptureFixture[str], doctor: Any

@@ -6,7 +6,8 @@ argument. Agents forward what their processes report; the coordinator
 turns it into the core's events, steps :class:`~leto.core.cluster.ClusterModel`
 (the same model the TLA+ spec and the explicit-state checker verify), and turns
 the effects into commands for the agents (``outbox``: ``(node or None for every
-node, message)``).
+node, message)``) through one table, :data:`.commands.COMMANDS`; each command sent
+is logged (a ``command`` record, checked by ``leto spec trace``).
 
 Training path, per step ``V``: every rank's ``vote`` (gradients sealed, gradient
 parity written, prepare record in its node's memory) -> once all ``W`` are in, the
@@ -47,9 +48,10 @@ from leto.spec.state_record import state_to_record
 from leto.spec.trace import CoreSetup, Item, Snapshot, rebuild
 
 from . import messages as M
+from .commands import Narrow, commands, logged
 from .commit_record import CommitRecord, Embedded, RecordError
 from .eventlog import EventLog
-from .model_feed import ModelFeeder
+from .model_feed import Fed, ModelFeeder
 from .recovery_driver import Recovery, RecoveryDriver, Wait, failed_what
 from .replica_checks import ReplicaChecks
 
@@ -140,6 +142,25 @@ class Coordinator:
 
     def _send(self, node: int | None, msg: M.Message) -> None:
         self.outbox.append((node, msg))
+
+    def carry_out(self, fed: Fed) -> list[M.Message]:
+        """Send the commands that carry out ``fed``'s effects (:mod:`.commands`: the
+        caller decides only when), each logged as a ``command`` record that ``leto spec
+        trace`` checks against those effects."""
+        rec = self.rec
+        diverged = (
+            ()
+            if rec is None
+            else tuple(
+                sorted({int(f["rank"]) for f in rec.failures if f.get("kind") == "diverged"})
+            )
+        )
+        narrow = Narrow(self._node_of, self.t2_step, self.t2_meta, diverged)
+        out = commands(fed, narrow)
+        for node, msg in out:
+            self._send(node, msg)
+            self.log.write("command", **logged(node, msg))
+        return [msg for _, msg in out]
 
     def _node_of(self, rank: int) -> int:
         return self.topology.node_of(rank)
@@ -505,13 +526,13 @@ class Coordinator:
         votes.add(msg.rank)
         if len(votes) < self.W or s.phase is not Phase.RUNNING:
             return
-        self.feeder.run([ev.CommitStep(step)], f"the votes for step {step}")
+        fed = self.feeder.run([ev.CommitStep(step)], f"the votes for step {step}")
         del self.votes[step]
         if not self.durable(lambda: self.record.commit(step, s.gen)):
             return  # not durable: no chunk may move on it
         if self.record.compaction_due() and not self.durable(self._compact):
             return
-        self._send(None, M.Commit(step=step, gen=s.gen))
+        self.carry_out(fed)  # Commit
 
     def _on_finished(self, msg: M.Finished, now: float) -> None:
         if not self._current(msg.gen):
@@ -556,9 +577,11 @@ class Coordinator:
         if len(got) < self.W:
             return
         del self.snaps[step]
-        self.feeder.run([Snapshot(step)], f"every rank took the tier-2 snapshot of step {step}")
+        fed = self.feeder.run(
+            [Snapshot(step)], f"every rank took the tier-2 snapshot of step {step}"
+        )
         self.set_tier2(step, got)
-        self._send(None, M.Tier2(step=step, gen=self.generation))
+        self.carry_out(fed)  # Tier2
         self.log.write("tier2_snapshot", step=step)
 
     def _on_ckpt_written(self, msg: M.CheckpointWritten) -> None:

@@ -25,6 +25,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from leto.core import events as ev
 from leto.core.cluster import ClusterModel, ClusterState, Effect
 from leto.core.errors import ProtocolError
@@ -34,7 +36,17 @@ from leto.spec.trace import Apply, Commit, Item, Snapshot, describe, encode, run
 if TYPE_CHECKING:
     from .coordinator import Coordinator
 
-__all__ = ["ModelFeeder", "ModelRefused", "closes"]
+__all__ = ["Fed", "ModelFeeder", "ModelRefused", "closes"]
+
+
+@attrs.frozen
+class Fed:
+    """Events fed as one ``core`` record: the model's state before and after them, and
+    the effects they returned (what the coordinator's commands carry out, :mod:`.commands`)."""
+
+    before: ClusterState
+    after: ClusterState
+    effects: tuple[Effect, ...]
 
 
 def closes(model: ClusterModel, s: ClusterState, items: list[Item]) -> list[ev.Close]:
@@ -73,10 +85,10 @@ class ModelFeeder:
     def __init__(self, coordinator: Coordinator) -> None:
         self.c = coordinator
 
-    def feed_event(self, e: ev.Event) -> tuple[Effect, ...]:
+    def feed_event(self, e: ev.Event) -> Fed:
         return self.run([e], "the recovery driver")
 
-    def run(self, items: list[Item], source: str) -> tuple[Effect, ...]:
+    def run(self, items: list[Item], source: str) -> Fed:
         """Feed ``items`` to the model, all or nothing, and log them as one ``core`` record;
         a refusal raises :class:`ModelRefused` and leaves the state as it was. The ranks
         they show past their loop tail close first, in a record of their own."""
@@ -88,16 +100,17 @@ class ModelFeeder:
             self._feed([*due], f"rank(s) {ranks} acted past their loop tail")
         return self._feed(items, source)
 
-    def _feed(self, items: list[Item], source: str) -> tuple[Effect, ...]:
+    def _feed(self, items: list[Item], source: str) -> Fed:
         assert self.c.model is not None and self.c.state is not None
         feed = [encode(i) for i in items]
+        before = self.c.state
         try:
-            self.c.state, effects = run(self.c.model, self.c.state, items)
+            self.c.state, effects = run(self.c.model, before, items)
         except ProtocolError as err:
             what = ", ".join(repr(i) for i in items)
             raise ModelRefused(what, source, err, {"feed": feed}) from None
         self.c.model_record("core", feed=feed)
-        return effects
+        return Fed(before, self.c.state, effects)
 
     def flush_applied(self) -> None:
         """Feed the finished ranks gathered for a step as one ``ApplyStep``."""

@@ -16,8 +16,9 @@ trainer, then ``Rebuild`` and ``Resume``. A failure during any of it feeds
 ``Detect`` again where the core allows it: recovery restarts at the next
 generation.
 
-The core picks every next event (:mod:`leto.core.schedule`); the driver only carries
-them out and waits for what an event needs from the world. Its state (the recovery
+The core picks every next event (:mod:`leto.core.schedule`) and its effects say what
+is sent (:mod:`.commands`, through :meth:`.coordinator.Coordinator.carry_out`); the
+driver only decides when, and waits for what an event needs from the world. Its state (the recovery
 under way, ``rec``; what it waits for, ``wait``; the trainers' reports) lives in the
 coordinator, which the driver holds.
 """
@@ -33,9 +34,7 @@ from leto.core import restart, schedule
 from leto.core.adopt import Retained, adopt
 from leto.core.cluster import ClusterState
 from leto.core.errors import ProtocolError
-from leto.core.recovery import Kind, Phase
-from leto.core.shadow import ShadowState
-from leto.core.trainer import TrainerState
+from leto.core.recovery import Phase
 from leto.spec.trace import encode
 
 from . import messages as M
@@ -245,8 +244,7 @@ class RecoveryDriver:
             if isinstance(first, ev.Rebuild):
                 self._log_reconciled(now)
                 self._phase("rebuild", now)
-                self.c.feeder.feed_event(first)
-                self.c._send(None, M.Rebuild(gen=s.gen))
+                self.c.carry_out(self.c.feeder.feed_event(first))  # Rebuild
                 self._wait("rebuild", set(range(self.c.W)), now)
                 return
             if isinstance(first, ev.Resume):
@@ -265,7 +263,7 @@ class RecoveryDriver:
         e = schedule.next_event(model, s, overdue=True)
         if isinstance(e, ev.GiveUp):
             with self.c.feeder.judging():
-                for effect in self.c.feeder.feed_event(e):
+                for effect in self.c.feeder.feed_event(e).effects:
                     if isinstance(effect, fx.JobFailed):
                         fields = {"phase": effect.phase, "generation": effect.generation}
         self.c.fail(message, ending=ending, **fields)
@@ -277,7 +275,7 @@ class RecoveryDriver:
         if self.c.rec is None:
             self.c.rec = Recovery(started=now, from_step=s.committed, phase_start=now)
         rec = self.c.rec
-        self.c.feeder.feed_event(ev.Detect())
+        fed = self.c.feeder.feed_event(ev.Detect())
         hopeless = self._hopeless()
         if hopeless is not None:  # the core ends the recovery it has just begun
             self.give_up(*hopeless)
@@ -296,7 +294,7 @@ class RecoveryDriver:
         else:
             self.c.log.write("recovery_start", generation=s.gen, from_step=s.committed)
         self._phase("fence", now)
-        self.c._send(None, M.Abort(gen=s.gen))
+        self.c.carry_out(fed)  # Abort
 
     def _hopeless(self) -> tuple[str, restart.Ending] | None:
         """Why recovering again cannot help, and how the job ends, or None: too many
@@ -335,16 +333,16 @@ class RecoveryDriver:
     def _fence(self, now: float) -> None:
         s = self.c.state
         assert s is not None
-        hung = [r for r, t in enumerate(s.trainer) if t is TrainerState.HUNG]
-        self.c.feeder.feed_event(ev.Fence())
+        fed = self.c.feeder.feed_event(ev.Fence())
         gen = self.c.generation
         if not self.c.durable(lambda: self.c.record.fence(gen)):
             return  # the new generation is not recorded: no agent may act on it
         assert self.c.rec is not None
         self.c.rec.generation = gen
-        self.c._send(None, M.Fence(gen=gen, kill=hung))
+        # Fence, with the hung trainers it made stale processes to kill
+        killed = [m.kill for m in self.c.carry_out(fed) if isinstance(m, M.Fence)]
         self._wait("fence", set(self.c.nodes_up), now)
-        self.c.log.write("fence", generation=gen, stale_killed=hung)
+        self.c.log.write("fence", generation=gen, stale_killed=killed[0])
 
     def _promote(self, nxt: tuple[ev.Event, ...], now: float) -> bool:
         """Carry out the scheduled promotions; True once EndPromote was fed."""
@@ -376,9 +374,7 @@ class RecoveryDriver:
                     self.c._send(self.c._node_of(r), M.NeedShadow(rank=r))
                 needed.add(r)
                 continue
-            warm = s.shadow[r] is ShadowState.WARM
-            self.c.feeder.feed_event(e)
-            self.c._send(self.c._node_of(r), M.PromoteRank(rank=r, gen=s.gen, warm=warm))
+            self.c.carry_out(self.c.feeder.feed_event(e))  # PromoteRank
             sent.add(r)
         if sent:
             pending = set(sent)
@@ -425,57 +421,25 @@ class RecoveryDriver:
                 "tier2_retaken": bool(self.c.info.get("tier2")),
             }
             return True
-        effects = self.c.feeder.feed_event(ev.Reconcile())
-        # runs of chunks (count), expanded by each node (leto.core.reconcile.Repair.expand)
-        repairs = [
-            {"what": x.what, "rank": x.rank, "chunk": x.chunk, "step": x.step, "count": x.count}
-            for x in effects
-            if isinstance(x, fx.RunRepair)
-        ]
+        fed = self.c.feeder.feed_event(ev.Reconcile())
         after = self.c.state
         assert after is not None
+        # Reconcile, with the plan's repairs (RunRepair)
+        sent = [m for m in self.c.carry_out(fed) if isinstance(m, M.Reconcile)][0]
         self.c.rec.plan = {
             "kind": after.kind.value,
             "target": after.target,
             "reason": plan.reason,
             "steps_lost": after.loss,
-            "repairs": repairs,
+            "repairs": sent.repairs,
             # the tier-2 snapshot is retaken only if it lost blocks (the model's rule)
-            "tier2_retaken": bool(s.t2lost) and bool(self.c.info.get("tier2")),
+            "tier2_retaken": sent.retake_t2 and bool(self.c.info.get("tier2")),
         }
-        cmd = self._reconcile_cmd(after.kind, after.target, repairs, retake_t2=bool(s.t2lost))
-        self.c._send(None, cmd)
         self._wait("reconcile", set(range(self.c.W)), now)
         return False
 
-    def _reconcile_cmd(
-        self, kind: Kind, target: int, repairs: list[dict[str, Any]], *, retake_t2: bool = True
-    ) -> M.Reconcile:
-        snapshot = None
-        if kind is Kind.TIER2:
-            snapshot = {
-                "step": self.c.t2_step,
-                "meta": {str(r): m for r, m in self.c.t2_meta.items()},
-            }
-        return M.Reconcile(
-            gen=self.c.generation,
-            kind=kind.value,
-            target=target,
-            repairs=repairs,
-            retake_t2=retake_t2,
-            snapshot=snapshot,
-            diverged=sorted(
-                {int(f["rank"]) for f in self.c.rec.failures if f.get("kind") == "diverged"}
-                if self.c.rec is not None
-                else set()
-            ),
-        )
-
     def _restore_checkpoint(self, now: float) -> None:
-        assert self.c.state is not None
-        step = self.c.state.ckpt  # the latest durable checkpoint
-        self.c.feeder.feed_event(ev.RestoreCheckpoint())
-        self.c._send(None, self._reconcile_cmd(Kind.CKPT, step, []))
+        self.c.carry_out(self.c.feeder.feed_event(ev.RestoreCheckpoint()))  # Reconcile, ckpt
         self._wait("reconcile", set(range(self.c.W)), now)
 
     def _truth(self, s: ClusterState) -> ClusterState:
@@ -578,9 +542,9 @@ class RecoveryDriver:
         assert s is not None
         target = s.target
         self._phase("resume", now)
-        self.c.feeder.feed_event(ev.Resume())
+        fed = self.c.feeder.feed_event(ev.Resume())
         self.c.wait = None
-        self.c._send(None, M.Resume(gen=s.gen, step=target, t2=self.c.t2_step))
+        self.c.carry_out(fed)  # Resume
         rec = self.c.rec
         self.c.rec = None
         self.c.votes.clear()
