@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jobs import TRAIN, STEPS_2x2, digests_equal, explain, job, left_after
@@ -111,22 +112,27 @@ def test_a_lost_node_with_no_spare_restarts_the_job_from_its_checkpoint_bitwise(
 # --- in process: the pool's bookkeeping (the coordinator) and its links (routing) -------
 
 
+def _assign(c: Any) -> list[tuple[int, int]]:
+    """The coordinator's pool assigns its spares to the lost nodes (SparePool.assign)."""
+    return list(c.spares.assign(c.nodes_lost_at, c.nodes_up))
+
+
 def test_lost_nodes_take_the_lowest_spare_ids_in_the_order_they_were_lost() -> None:
     h = Harness(nodes=4, per_node=1)
     h.step(1)
     c = h.c
-    assert [c.spare_joined(f"peer{i}") for i in range(3)] == [0, 1, 2]
-    c.spare_left(1)  # a pooled spare died: out of the pool
-    assert c.pool == [0, 2]
+    assert [c.spares.joined(f"peer{i}") for i in range(3)] == [0, 1, 2]
+    c.spares.left(1)  # a pooled spare died: out of the pool
+    assert c.spares.ids == [0, 2]
     c.node_down(3, h.now)  # lost first
     c.node_down(2, h.now + 0.1)
     c.node_down(1, h.now + 0.1)  # lost at the same instant as node 2: the lower rank first
-    assert c.assign_spares() == [(0, 3), (2, 1)]
+    assert _assign(c) == [(0, 3), (2, 1)]
     for n in (3, 1):
         c.node_up(n, spare=True, now=h.now + 1)
-    assert c.pool == [] and c.assign_spares() == []  # node 2 waits: the pool is empty
-    assert c.spare_joined("late") == 3  # ids are never reused
-    assert c.assign_spares() == [(3, 2)]
+    assert c.spares.ids == [] and _assign(c) == []  # node 2 waits: the pool is empty
+    assert c.spares.joined("late") == 3  # ids are never reused
+    assert _assign(c) == [(3, 2)]
     assigned = [(e["spare"], e["node"]) for e in h.events("spare_assigned")]
     assert assigned == [(0, 3), (2, 1), (3, 2)]
     assert [e["spare"] for e in h.events("spare_left")] == [1]
@@ -138,7 +144,7 @@ def test_a_node_lost_with_the_pool_empty_waits_the_spare_timeout_then_fails() ->
     h = Harness(nodes=2, per_node=1, spare_timeout=5.0)
     h.step(1)
     h.c.node_down(1, h.now)
-    assert h.c.assign_spares() == []
+    assert _assign(h.c) == []
     h.c.tick(h.now + 4.0)
     assert h.c.failed is None  # a spare (or a replacement by hand) may still come
     h.c.tick(h.now + 6.0)
@@ -146,7 +152,7 @@ def test_a_node_lost_with_the_pool_empty_waits_the_spare_timeout_then_fails() ->
     assert err is not None and "the spare pool was empty" in err and "--node-rank 1" in err
     assert "\n" not in err
     assert h.c.state is not None and h.c.state.phase is Phase.FAILED
-    assert h.c.assign_spares() == []  # the job is over: nobody is assigned
+    assert _assign(h.c) == []  # the job is over: nobody is assigned
     assert replay(enumerate(h.log.records, 1)).divergence is None
 
 
@@ -154,8 +160,8 @@ def test_a_spare_that_joins_while_a_node_waits_takes_its_place() -> None:
     h = Harness(nodes=2, per_node=1, spare_timeout=5.0)
     h.step(1)
     h.c.node_down(1, h.now)
-    assert h.c.spare_joined("late") == 0
-    assert h.c.assign_spares() == [(0, 1)]
+    assert h.c.spares.joined("late") == 0
+    assert _assign(h.c) == [(0, 1)]
     h.c.node_up(1, spare=True, now=h.now + 2.0)
     h.c.tick(h.now + 6.0)
     assert h.c.failed is None and not h.c.nodes_lost_at
@@ -245,7 +251,7 @@ def test_a_spare_proves_the_secret_waits_and_is_assigned_a_bad_one_is_refused() 
         assert bad.sock.recv(1) == b""  # closed
         (refused,) = h.events("connection_refused")
         assert "did not prove the job's secret" in refused["why"]
-        assert list(ag.pool_links) == [0] and h.c.pool == [0] and h.c.failed is None
+        assert list(ag.pool_links) == [0] and h.c.spares.ids == [0] and h.c.failed is None
         # the job goes on; node 1 is lost: the pooled spare takes its place
         h.step(2)
         h.c.node_down(1, h.now)

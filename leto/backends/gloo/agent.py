@@ -30,7 +30,7 @@ node into the running job, and so does, without anyone starting anything, a *spa
 agent* (``leto launch --spare``, or ``--spares N`` on node 0): it proves the job's
 secret, waits in the coordinator's pool with torch imported and its zygote forked,
 and when a node is lost the coordinator assigns it that node's rank
-(:meth:`.Coordinator.assign_spares`); from there on it is that node's agent.
+(:meth:`.SparePool.assign`); from there on it is that node's agent.
 
 What comes in from outside is checked where it arrives (``docs/security.md``): a
 TCP connection to the coordinator is a node only once it has proven the job's

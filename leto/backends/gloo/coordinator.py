@@ -22,7 +22,7 @@ anything else is fed: O(ranks) per step, not O(ranks x chunks). Every K steps th
 between failures the model's state is exactly the job's at step boundaries.
 
 Node membership (the nodes up, the lost ones awaiting a replacement, the pool of spare
-agents and which spare takes which lost node: :meth:`Coordinator.assign_spares`) is
+agents and which spare takes which lost node: :meth:`.SparePool.assign`) is
 kept here too, but it is the agents' business, not the protocol's: nothing of it is
 fed to the model, which sees a ``LoseNode`` and later the new node's ``ShadowWarm``.
 
@@ -54,6 +54,7 @@ from .eventlog import EventLog
 from .model_feed import Fed, ModelFeeder
 from .recovery_driver import Recovery, RecoveryDriver, Wait, failed_what
 from .replica_checks import ReplicaChecks
+from .spare_pool import SparePool
 
 __all__ = ["Coordinator", "CoordinatorOptions"]
 
@@ -111,8 +112,8 @@ class Coordinator:
         self.nodes_up: set[int] = set()
         self.nodes_lost_at: dict[int, float] = {}
         self.node_back_at = 0.0  # when the last lost node's replacement joined
-        self.pool: list[int] = []  # the pooled spare agents' ids, lowest first
-        self.spares_joined = 0  # ids are given in the order the spares joined
+        # the pooled spare agents: a lost node's rank goes to the lowest id
+        self.spares = SparePool(log, lambda: self.failed is None and not self.complete)
         self.degraded: dict[int, str] = {}  # ranks whose shadow could not be built: why
         self.pids: dict[int, int] = {}  # rank -> its trainer's pid (a promotion's old pid)
         self.shadow_pending: list[tuple[int, str]] = []
@@ -351,54 +352,22 @@ class Coordinator:
 
     # --- the spare pool (node membership: the agents', not a protocol event) -----
 
-    def spare_joined(self, peer: str) -> int:
-        """A spare agent proved the job's secret: it waits in the pool; its id."""
-        sid = self.spares_joined
-        self.spares_joined += 1
-        self.pool.append(sid)  # ids only grow: the pool stays sorted
-        self.log.write("spare_joined", spare=sid, peer=peer, pool=len(self.pool))
-        return sid
-
-    def spare_left(self, sid: int) -> None:
-        """A pooled spare's link closed (it died, or the job ended)."""
-        if sid in self.pool:
-            self.pool.remove(sid)
-            if not self.complete and self.failed is None:
-                self.log.write("spare_left", spare=sid, pool=len(self.pool))
-
-    def assign_spares(self) -> list[tuple[int, int]]:
-        """Which pooled spare takes which lost node, decided here only: each lost node
-        still awaiting its replacement, the one lost first first (then the lowest node
-        rank), takes the lowest spare id in the pool. ``(spare id, node)`` pairs; the
-        agent tells each spare, and the spare joins as that node (:meth:`node_up`). A
-        node lost while the pool is empty waits ``spare_timeout`` for a replacement
-        started by hand, or for a spare that joins the pool meanwhile."""
-        if self.failed is not None or self.complete or self.model is None:
-            return []
-        out = []
-        waiting = sorted(self.nodes_lost_at, key=lambda n: (self.nodes_lost_at[n], n))
-        for node in waiting:
-            if not self.pool:
-                break
-            if node in self.nodes_up:
-                continue
-            sid = self.pool.pop(0)
-            self.log.write("spare_assigned", spare=sid, node=node, pool=len(self.pool))
-            out.append((sid, node))
-        return out
-
     def start_world(self, nodes: int) -> list[tuple[int, int]]:
         """``--nnodes MIN:MAX``: the rendezvous closed with ``nodes`` nodes (node 0 and
         the pooled agents that joined first, :func:`leto.core.elastic.world_at_close`):
         the job's world from here on; ``(spare id, node)`` for nodes 1.., the lowest ids
         (the first to join) first. The rest stay in the pool, as spares."""
-        if self.model is not None or not 1 <= nodes <= len(self.pool) + 1:
+        if self.model is not None or not 1 <= nodes <= len(self.spares.ids) + 1:
             raise ValueError(f"cannot start a world of {nodes} node(s) now")
         self.topology = Topology.uniform(nodes, self.W // self.topology.nodes)
         self.W = self.topology.world_size
-        placed = [(self.pool.pop(0), n) for n in range(1, nodes)]
+        placed = [(self.spares.ids.pop(0), n) for n in range(1, nodes)]
         self.log.write(
-            "rendezvous_closed", nodes=nodes, world_size=self.W, placed=placed, pool=len(self.pool)
+            "rendezvous_closed",
+            nodes=nodes,
+            world_size=self.W,
+            placed=placed,
+            pool=len(self.spares.ids),
         )
         return placed
 

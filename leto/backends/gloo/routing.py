@@ -412,7 +412,7 @@ class Routing:
         del a.unproven[id(link)]
         link.conn.max_frame = MAX_FRAME
         link.conn.sock.settimeout(30.0)
-        sid = a.coord.spare_joined(link.peer)
+        sid = a.coord.spares.joined(link.peer)
         link.spare = sid
         a.pool_links[sid] = link
         proof = auth.proof(a.secret, "pool", sid, link.challenge, msg.nonce)
@@ -422,12 +422,16 @@ class Routing:
         return True
 
     def assign_spares(self, now: float) -> None:
-        """Send the spares the coordinator assigns (:meth:`.Coordinator.assign_spares`,
-        where it is decided) to the lost nodes' places: each link becomes its node's,
-        and the spare proceeds as a replacement started by hand would."""
+        """Send the spares the coordinator's pool assigns (:meth:`.SparePool.assign`,
+        where it is decided) to the lost nodes' places, once training has started: each
+        link becomes its node's, and the spare proceeds as a replacement started by hand
+        would."""
         a = self.a
-        assert a.coord is not None
-        for sid, n in a.coord.assign_spares():
+        c = a.coord
+        assert c is not None
+        if c.model is None:
+            return
+        for sid, n in c.spares.assign(c.nodes_lost_at, c.nodes_up):
             self.place(sid, n, now)
 
     def send_go(self, node: int) -> None:
@@ -503,7 +507,7 @@ class Routing:
         self.drop_conn(link.conn)
         if not a.stop and not a.coord.complete and a.coord.failed is None:
             a.say(f"spare {sid} left the pool ({why})")
-        a.coord.spare_left(sid)
+        a.coord.spares.left(sid)
 
     def on_coord(self) -> None:
         a = self.a

@@ -472,13 +472,13 @@ class Supervisor:
         o = a.o
         assert a.coord is not None
         lo, hi = (o.world_nodes, o.world_nodes) if o.world_nodes else (o.min_nodes, o.nnodes)
-        n = world_at_close(lo, hi, 1 + len(a.coord.pool), now - a.t_start > o.rdzv_timeout)
+        n = world_at_close(lo, hi, 1 + len(a.coord.spares.ids), now - a.t_start > o.rdzv_timeout)
         if n is None:
             return
         o.nnodes, a.W = n, n * a.nproc
         for sid, node in a.coord.start_world(n):
             a.routing.place(sid, node, now, start=True)
-        left = len(a.coord.pool)
+        left = len(a.coord.spares.ids)
         a.say(f"{n} node(s) joined: starting {a.W} trainers ({left} spare(s) left in the pool)")
         for m in a.links:
             a.routing.send_go(m)
@@ -605,7 +605,7 @@ class Supervisor:
                 self.close_rendezvous(now)
             if not a.started and now - a.t_start > o.rdzv_timeout and self.elastic():
                 raise LaunchError(
-                    f"only {1 + len(a.coord.pool)} node(s) joined within {o.rdzv_timeout:g} s, "
+                    f"only {1 + len(a.coord.spares.ids)} node(s) joined within {o.rdzv_timeout:g} s, "
                     f"fewer than --nnodes {o.min_nodes}:{o.nnodes} asks; start `leto launch` "
                     "with the same --rdzv-endpoint and --nnodes on more nodes"
                 )
