@@ -305,6 +305,10 @@ def test_silent_corruption_of_both_ranks_is_found_and_rebuilt(
     assert fails[-1]["kind"] == "crash", fails
     assert all(f["kind"] == "exception" for f in fails[:-1]), fails
     assert "fail their checksums at PREPARE of step 3" in fails[0]["traceback"]
+    # on the console, one line: bad bytes are a recovery, not a crash of the script
+    out = res.text(0)
+    assert "leto: rank 0: chunks [1] fail their checksums at PREPARE of step 3" in out, out
+    assert "Traceback" not in out, out
     assert len(res.recoveries) == 2, story(res)
     rec, again = res.recoveries
     assert (rec["kind"], rec["target"], rec["chunks_repaired_tier1"]) == ("tier1", 2, 2), rec

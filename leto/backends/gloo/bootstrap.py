@@ -91,7 +91,17 @@ def child_main(spec: dict[str, Any]) -> int:
         tb = traceback.format_exc()
         # a bad setting (leto.wrap's config): its one line, which names the setting and the
         # file; the agent still gets the traceback, for the event log
-        sys.stderr.write(f"{e}\n" if isinstance(e, ConfigError) else tb)
+        # and bad bytes leto's checksums caught: the rank is replaced and its memory
+        # rebuilt (a recovery), one line is what the console needs
+        from leto.retained.layout import ChecksumError
+        from leto.retained.recovery import IntegrityError
+
+        if isinstance(e, ConfigError):
+            sys.stderr.write(f"{e}\n")
+        elif isinstance(e, (IntegrityError, ChecksumError)):
+            sys.stderr.write(f"leto: rank {spec['rank']}: {e}\n")
+        else:
+            sys.stderr.write(tb)
         code = 1
         try:
             CHANNEL.send(
