@@ -4,8 +4,8 @@ recovery, not a crash, and the retained buffers by name (the checkpoint's keys).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -54,6 +54,9 @@ def coll(fn: Any, *args: Any, **kw: Any) -> Any:
         ) from e
 
 
+ABORT_LOOK = timedelta(milliseconds=20)  # how often a waiting reduce looks for the abort
+
+
 def wait_or_abort(work: Any, aborted: Callable[[], bool], what: str) -> None:
     """Wait for the async collective ``work``; if the recovery aborts this generation
     meanwhile (``aborted()``), leave it: :class:`~.channel.Aborted`.
@@ -62,16 +65,19 @@ def wait_or_abort(work: Any, aborted: Callable[[], bool], what: str) -> None:
     and never comes: gloo then waits for its buffer until the collective timeout (a
     peer's closed connection does not end a wait already posted), and the recovery
     waits for this rank as long. The abandoned collective still writes its buffers
-    until it fails: the caller drops them (the next step allocates its own). The
-    polls start at 20 us and grow to 200 us: a reduce that completes at once costs one
-    look, a long one at most 200 us more than a blocking wait."""
-    pause = 2e-5
-    while not work.is_completed():
+    until it fails: the caller drops them (the next step allocates its own). The wait
+    blocks as gloo's does, in slices of :data:`ABORT_LOOK` (a slice that ends first
+    raises "timed out" and leaves the work running, which is waited for again)."""
+    while True:
+        try:
+            work.wait(timeout=ABORT_LOOK)
+            return
+        except RuntimeError:
+            if work.is_completed():
+                coll(work.wait)  # it failed: its error, as a collective's
+                return
         if aborted():
             raise Aborted(f"the recovery's abort came while {what}")
-        time.sleep(pause)
-        pause = min(2 * pause, 2e-4)
-    coll(work.wait)  # its error, if it failed
 
 
 def comm_error(e: BaseException) -> bool:
