@@ -52,7 +52,7 @@ class RepairKind(str, enum.Enum):
 
 def repair_kind(what: str | RepairKind) -> RepairKind:
     """``what`` as a :class:`RepairKind` (its name on the wire accepted)."""
-    return RepairKind(what)
+    return what if type(what) is RepairKind else RepairKind(what)
 
 
 @attrs.frozen
