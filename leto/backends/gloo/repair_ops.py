@@ -138,6 +138,8 @@ class ReplicaOps(ParityOps):
         self.f._check_deferred(gen, {x.chunk for x in repairs if x.what is RepairKind.TIER1})
 
     def rebuild_grads(self, repairs: Sequence[Repair]) -> int:
+        if not repairs:
+            return 0
         s = self.s
         ex = TorchDistCollective(s.groups.node_group)
         base = s.node * s.nproc
