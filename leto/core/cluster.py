@@ -37,7 +37,15 @@ from leto.core.chunk import CHUNK, NONE, ChunkState, uniform_row
 from leto.core.config import FAULT_KINDS, Aggregation, ClusterConfig, Mutant
 from leto.core.errors import ProtocolError
 from leto.core.handlers import Handlers
-from leto.core.reconcile import Plan, Repair, Survivors, empty_grad_parity, plan, reencoded_parity
+from leto.core.reconcile import (
+    Plan,
+    Repair,
+    RepairKind,
+    Survivors,
+    empty_grad_parity,
+    plan,
+    reencoded_parity,
+)
 from leto.core.recovery import Phase
 from leto.core.shadow import ShadowState
 from leto.core.state import ClusterState
@@ -261,12 +269,15 @@ class ClusterModel:
         """The reconcile plan of ``s``, its repairs in runs (:class:`Repair` ``count``)."""
         p = plan(self.survivors(s))
         if self.aggregation is Aggregation.ROW_HEAD and p.target is not None:
-            heads = [x.rank for x in p.repairs if x.what == "forward" and x.chunk == 0]
+            heads = [x.rank for x in p.repairs if x.what is RepairKind.FORWARD and x.chunk == 0]
             p = attrs.evolve(
                 p,
                 repairs=(
-                    *(x for x in p.repairs if x.what != "forward"),
-                    *(Repair("forward", r, 0, p.target, self.config.chunks) for r in heads),
+                    *(x for x in p.repairs if x.what is not RepairKind.FORWARD),
+                    *(
+                        Repair(RepairKind.FORWARD, r, 0, p.target, self.config.chunks)
+                        for r in heads
+                    ),
                 ),
             )
         return p

@@ -15,6 +15,8 @@ from typing import Any
 
 import attrs
 
+from leto.core.reconcile import Repair, RepairKind, repair_kind
+
 __all__ = [
     "AbortCheckpoint",
     "AbortCollectives",
@@ -304,11 +306,11 @@ def _count(_inst: Any, attribute: attrs.Attribute[int], value: int) -> None:
 @attrs.frozen
 class RunRepair(Effect):
     """One repair of the reconcile plan (:class:`leto.core.reconcile.Repair`):
-    ``what`` is ``tier1``, ``grad-tier1``, ``forward``, ``snapshot`` or ``checkpoint``;
+    ``what`` is a :class:`~leto.core.reconcile.RepairKind` (its name accepted);
     with ``count > 1`` the same repair of chunks ``chunk .. chunk + count - 1``, in
     order (:meth:`expand`)."""
 
-    what: str
+    what: RepairKind = attrs.field(converter=repair_kind)
     rank: int = attrs.field(validator=_int)
     chunk: int = attrs.field(validator=_int)  # -1: the rank's gradients, or the whole rank
     step: int = attrs.field(validator=_int)
@@ -322,6 +324,10 @@ class RunRepair(Effect):
             RunRepair(self.what, self.rank, c, self.step)
             for c in range(self.chunk, self.chunk + self.count)
         )
+
+    def repair(self) -> Repair:
+        """The plan's repair this effect carries (its ``step`` is the repair's ``version``)."""
+        return Repair(self.what, self.rank, self.chunk, self.step, self.count)
 
 
 @attrs.frozen

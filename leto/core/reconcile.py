@@ -14,6 +14,7 @@ chunk), and then picks, in order:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
@@ -25,6 +26,33 @@ from leto.core.recovery import Kind
 def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attribute.name} must be >= 1, got {value}")
+
+
+class RepairKind(str, enum.Enum):
+    """What one repair of the plan does. A ``str`` whose value is the name the event
+    log, the gloo wire and the TLC traces carry (``"tier1"``, ...): they are unchanged,
+    and a repair built from that name (:func:`repair_kind`) equals the member. It prints
+    as that name too, so messages naming a repair read as before."""
+
+    TIER1 = "tier1"  # a chunk rebuilt from tier 1 (parity decode, or a replica's copy)
+    GRAD_TIER1 = "grad-tier1"  # a rank's gradients rebuilt from tier 1
+    FORWARD = "forward"  # restore the undo copy if torn, then re-apply the committed step
+    SNAPSHOT = "snapshot"  # the rank restores the tier-2 snapshot
+    CHECKPOINT = "checkpoint"  # the rank restores the disk checkpoint
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def repair_kind(what: str | RepairKind) -> RepairKind:
+    """``what`` as a :class:`RepairKind` (its name on the wire accepted)."""
+    return what if type(what) is RepairKind else RepairKind(what)
 
 
 @attrs.frozen
@@ -39,9 +67,7 @@ class Repair:
     :func:`leto.core.aggregate.check_refinement` checks on every state the checker
     reaches that the runs expand to it exactly."""
 
-    # "tier1" | "grad-tier1" | "forward" (restore the undo copy if torn, then re-apply the
-    # committed step) | "snapshot" | "checkpoint"
-    what: str
+    what: RepairKind = attrs.field(converter=repair_kind)
     rank: int
     chunk: int  # -1 for a rank's gradient block or whole-rank operations
     version: int
@@ -165,12 +191,12 @@ def plan(s: Survivors, *, compress: bool = True) -> Plan:
                 version = par[c][members.index(r)]
                 if alike:
                     prod[r] = frozenset((version,))
-                    repairs.append(Repair("tier1", r, 0, version, n_chunks))
+                    repairs.append(Repair(RepairKind.TIER1, r, 0, version, n_chunks))
                 else:
                     row = prod[r]
                     assert isinstance(row, list)
                     row[c] = frozenset((version,))
-                    add(repairs, Repair("tier1", r, c, version))
+                    add(repairs, Repair(RepairKind.TIER1, r, c, version))
     # Gradients: held locally, or rebuilt from the node's gradient parity.
     grads = list(s.grad)
     for n, members in enumerate(s.groups):
@@ -184,7 +210,7 @@ def plan(s: Survivors, *, compress: bool = True) -> Plan:
             r = missing[0]
             if gp[members.index(r)] == V and V > 0:
                 grads[r] = V
-                repairs.append(Repair("grad-tier1", r, -1, V))
+                repairs.append(Repair(RepairKind.GRAD_TIER1, r, -1, V))
 
     def cells_of(r: int) -> Sequence[frozenset[int]]:
         p = prod[r]
@@ -207,17 +233,17 @@ def plan(s: Survivors, *, compress: bool = True) -> Plan:
                 continue
             reaches = False
     if reaches:
-        used_tier1 = any(x.what in ("tier1", "grad-tier1") for x in repairs)
+        used_tier1 = any(x.what in (RepairKind.TIER1, RepairKind.GRAD_TIER1) for x in repairs)
         dropped = any(g == V + 1 for g in s.grad)
         rolled: list[Repair] = []
         for r in range(len(s.data)):
             behind = chunks_where(r, lambda got: V not in got)
             if isinstance(behind, range):
                 if behind:
-                    rolled.append(Repair("forward", r, 0, V, len(behind)))
+                    rolled.append(Repair(RepairKind.FORWARD, r, 0, V, len(behind)))
                 continue
             for c in behind:
-                add(rolled, Repair("forward", r, c, V))
+                add(rolled, Repair(RepairKind.FORWARD, r, c, V))
         if used_tier1:
             kind = Kind.TIER1
         elif forward:
@@ -244,13 +270,13 @@ def plan(s: Survivors, *, compress: bool = True) -> Plan:
         return Plan(
             target=s.t2,
             kind=Kind.TIER2,
-            repairs=tuple(Repair("snapshot", r, -1, s.t2) for r in range(len(s.data))),
+            repairs=tuple(Repair(RepairKind.SNAPSHOT, r, -1, s.t2) for r in range(len(s.data))),
             reason=f"beyond tier 1 ({what}); restoring the tier-2 snapshot of step {s.t2}",
         )
     return Plan(
         target=None,
         kind=Kind.CKPT,
-        repairs=tuple(Repair("checkpoint", r, -1, 0) for r in range(len(s.data))),
+        repairs=tuple(Repair(RepairKind.CHECKPOINT, r, -1, 0) for r in range(len(s.data))),
         reason=f"beyond tier 1 and tier 2 ({what}; tier-2 snapshot lost)",
     )
 
@@ -268,7 +294,7 @@ def empty_grad_parity(groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...],
 
 # Repairs that write none of a rank's chunks: its retained gradients only, which a
 # step's compute neither reads nor writes (they enter retained memory at Reduce).
-_GRADIENTS_ONLY = frozenset({"grad-tier1"})
+_GRADIENTS_ONLY = frozenset({RepairKind.GRAD_TIER1})
 
 
 def keeps_compute(plans: Sequence[Plan], rank: int, begun_at: int) -> bool:

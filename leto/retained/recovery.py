@@ -20,6 +20,8 @@ The rules, each the executor's side of a rule of ``spec/PROTOCOL.md``:
 * :func:`decode_chunk`, :func:`decode_grads` -- tier 1: one member's chunk (or its
   gradients) rebuilt from the node's parity and the other members' bytes at the
   versions the parity records, then checked against the checksums recorded with it;
+* :func:`carry_out` -- the plan itself, in its order, over a backend's
+  :class:`RepairOps` (the one interpreter of a plan);
 * :func:`bytes_at`, :func:`free_undo`, :func:`seal_checked`, :func:`check_resumable`.
 
 The tier-1 functions are SPMD: every member of the node calls them with its own
@@ -30,21 +32,26 @@ group runs them on gloo and an in-process group runs them on the fake backend.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 import torch
 
 from leto.core.chunk import LOST, NONE, TORN
+from leto.core.reconcile import Plan, Repair, RepairKind
+from leto.core.recovery import Kind
 from leto.retained.layout import ChunkStatus, RetainedLayout
 from leto.retained.optim import RetainedOptimizer
 from leto.retained.parity import Collective, as_bytes, decode
 
 __all__ = [
     "IntegrityError",
+    "ReconcileSummary",
+    "RepairOps",
     "Settled",
     "bytes_at",
+    "carry_out",
     "check_resumable",
     "decode_chunk",
     "decode_grads",
@@ -373,3 +380,138 @@ def seal_rebuilt_grads(
     lay.seal_grads(step, pending["present"])
     if lay.grads.checksums() != pending["grad_checksums"]:
         raise IntegrityError(f"{who}: gradients {how} fail their checksums")
+
+
+@attrs.frozen
+class ReconcileSummary:
+    """What :func:`carry_out` did, counted for the ranks its ``ops`` carries out (every
+    rank on the fake backend; this rank on gloo)."""
+
+    chunks_repaired_tier1: int = 0
+    grads_repaired_tier1: int = 0
+    chunks_rolled_forward: int = 0
+    chunks_rolled_back: int = 0
+    chunks_restored: int = 0
+    tier1_from_replicas: int = 0  # of the tier-1 repairs, those copied from a replica
+    dropped: bool = False  # a rank dropped gradients prepared beyond the target
+
+    def counts(self) -> dict[str, int]:
+        """The counts, by name (the gloo ``Reconciled`` message's summary)."""
+        return {
+            "chunks_repaired_tier1": self.chunks_repaired_tier1,
+            "grads_repaired_tier1": self.grads_repaired_tier1,
+            "chunks_rolled_forward": self.chunks_rolled_forward,
+            "chunks_rolled_back": self.chunks_rolled_back,
+            "chunks_restored": self.chunks_restored,
+            "tier1_from_replicas": self.tier1_from_replicas,
+        }
+
+
+class RepairOps(Protocol):
+    """What a backend provides to carry out a reconcile plan (:func:`carry_out`):
+    memory, collectives and process state, nothing of the plan's order.
+
+    Tier-1 operations are SPMD where the backend is (gloo: every member of the node
+    calls them, in the same order); each returns how many of the repairs it counts
+    (its own ranks') it carried out.
+    """
+
+    @property
+    def copies_from_settled(self) -> bool:
+        """Tier 1 as replicas: a lost chunk is copied from a member already settled at
+        the target (else parity: decoded from the members as the parity recorded them,
+        before any settles)."""
+        ...
+
+    def ranks(self) -> Sequence[int]:
+        """The ranks this executor settles."""
+        ...
+
+    def repairs(self, plan: Plan) -> Sequence[Repair]:
+        """The plan's chunk-level repairs this executor carries out, in the plan's order."""
+        ...
+
+    def check_sources(self, repairs: Sequence[Repair]) -> None:
+        """Read what the repairs read that the report left unchecked (or raise)."""
+        ...
+
+    def restore_snapshot(self, target: int) -> int:
+        """Restore the tier-2 snapshot of ``target``; the chunks restored."""
+        ...
+
+    def restore_checkpoint(self, target: int) -> int:
+        """Restore the disk checkpoint of ``target``; the chunks restored."""
+        ...
+
+    def rebuild_chunks(self, repairs: Sequence[Repair], target: int) -> int:
+        """Rebuild the ``TIER1`` repairs' chunks from tier 1 (parity: at each repair's
+        version; replicas: from a settled member at ``target``)."""
+        ...
+
+    def rebuild_grads(self, repairs: Sequence[Repair]) -> int:
+        """Rebuild the ``GRAD_TIER1`` repairs' gradients from tier 1."""
+        ...
+
+    def forget_grad_parity(self) -> None:
+        """The node's gradient parity is lost from here until it is written afresh."""
+        ...
+
+    def settle(self, rank: int, target: int) -> Settled:
+        """Bring ``rank`` to ``target`` (:func:`settle`)."""
+        ...
+
+    def finish(self) -> None:
+        """After every settle (gloo replicas: discarded ranks adopt the majority's state)."""
+        ...
+
+
+def carry_out(plan: Plan, ops: RepairOps) -> ReconcileSummary:
+    """Carry out the core's reconcile ``plan`` through ``ops``: the one interpreter of a
+    plan, for every backend.
+
+    A tier-2 or checkpoint plan forgets the gradient parity and restores. Otherwise,
+    with tier 1 as parity: every chunk and gradient repair in the plan's order (parity
+    decodes from the members' bytes at the versions it records, so before any settle),
+    the gradient parity forgotten, every rank settled. With tier 1 as replicas: 1. the
+    gradients the plan asks for; 2. the ranks that lost no chunk settle at the target;
+    3. every lost chunk is copied from a settled member; 4. the ranks that lost chunks
+    settle. SPMD backends run this on every member, so the collectives come in one order.
+    """
+    target = plan.target
+    if target is None:
+        raise IntegrityError("a reconcile plan without a target (the checkpoint fallback)")
+    if plan.kind in (Kind.TIER2, Kind.CKPT):
+        ops.forget_grad_parity()
+        restore = ops.restore_snapshot if plan.kind is Kind.TIER2 else ops.restore_checkpoint
+        return ReconcileSummary(chunks_restored=restore(target))
+    repairs = ops.repairs(plan)
+    ops.check_sources(repairs)
+    chunks = [x for x in repairs if x.what is RepairKind.TIER1]
+    grads = [x for x in repairs if x.what is RepairKind.GRAD_TIER1]
+    n_chunks = n_grads = 0
+    settled: list[Settled] = []
+    if ops.copies_from_settled:
+        n_grads = ops.rebuild_grads(grads)
+        ops.forget_grad_parity()
+        lost = {x.rank for x in chunks}
+        settled += [ops.settle(r, target) for r in ops.ranks() if r not in lost]
+        if chunks:
+            n_chunks = ops.rebuild_chunks(chunks, target)
+        settled += [ops.settle(r, target) for r in ops.ranks() if r in lost]
+    else:
+        for x in repairs:
+            if x.what is RepairKind.TIER1:
+                n_chunks += ops.rebuild_chunks((x,), target)
+            elif x.what is RepairKind.GRAD_TIER1:
+                n_grads += ops.rebuild_grads((x,))
+        ops.forget_grad_parity()
+        settled = [ops.settle(r, target) for r in ops.ranks()]
+    ops.finish()
+    return ReconcileSummary(
+        chunks_repaired_tier1=n_chunks,
+        grads_repaired_tier1=n_grads,
+        chunks_rolled_forward=sum(d.forward for d in settled),
+        chunks_rolled_back=sum(d.back for d in settled),
+        tier1_from_replicas=n_chunks + n_grads if ops.copies_from_settled else 0,
+        dropped=any(d.dropped for d in settled),
+    )

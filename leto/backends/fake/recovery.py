@@ -4,13 +4,15 @@ its reconcile plan carried out on real tensors.
 The core decides every step of a recovery (:func:`leto.core.schedule.next_event`: which
 event next; :meth:`~leto.core.cluster.ClusterModel.plan`: roll forward, roll back, or
 restore tier 2; which chunks tier 1 rebuilds). This module only gathers what an event
-needs first and runs the plan through the one recovery executor
-(:mod:`leto.retained.recovery`), then checks every chunk and rebuilds the redundancy
+needs first and runs the plan through the one plan interpreter
+(:func:`leto.retained.recovery.carry_out`, over this module's ``_Ops``: every simulated
+rank at once, tier 1 as parity), then checks every chunk and rebuilds the redundancy
 before anything resumes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from leto.core import effects as fx
@@ -18,9 +20,11 @@ from leto.core import events as ev
 from leto.core import schedule
 from leto.core.chunk import LOST
 from leto.core.cluster import ClusterState, Effect
+from leto.core.reconcile import Plan, Repair, expand_repairs
 from leto.core.recovery import Kind, Phase
 from leto.retained import recovery as rx
 from leto.retained.process_state import restore_buffers, step_scheduler
+from leto.retained.recovery import IntegrityError
 
 from . import integrity, snapshots, tier1
 from .backend import RECOVERY_WHERE
@@ -84,45 +88,76 @@ def reconcile(
     for r in range(eng.W):
         ensure(eng, r, r in lost)
     reason = next((a.reason for a in effects if isinstance(a, fx.Reconciled)), "")
-    rec = eng._rec
-    if kind is Kind.TIER2:
-        snapshots.restore(eng, target)
-        eng.stats["snapshot_restores"] += 1
-    else:
-        # a run of chunks (RunRepair.count) is each chunk's repair, in order
-        chunk_level = [x for a in effects if isinstance(a, fx.RunRepair) for x in a.expand()]
-        for a in chunk_level:
-            if a.what == "tier1":
-                tier1.decode_chunk(eng, a.rank, a.chunk, a.step)
-                eng.stats["chunks_repaired_from_parity"] += 1
-                if rec:
-                    rec.tier1_chunks += 1
-            elif a.what == "grad-tier1":
-                tier1.decode_grads(eng, a.rank, a.step)
-                eng.stats["grad_blocks_repaired_from_parity"] += 1
-                if rec:
-                    rec.tier1_grads += 1
-        rolled, dropped = 0, False
-        for r in range(eng.W):
-            n, d = _settle(eng, r, target)
-            rolled += n
-            dropped = dropped or d
+    repairs = tuple(a.repair() for a in effects if isinstance(a, fx.RunRepair))
+    done = rx.carry_out(Plan(target, kind, repairs, reason), _Ops(eng))
+    if kind is not Kind.TIER2:
+        eng.stats["chunks_repaired_from_parity"] += done.chunks_repaired_tier1
+        eng.stats["grad_blocks_repaired_from_parity"] += done.grads_repaired_tier1
+        rolled = done.chunks_rolled_forward
         eng.stats["chunks_rolled_forward"] += rolled
         if rolled:
             eng.stats["rolled_forward"] += 1
-        if dropped or kind is Kind.BACK:
+        if done.dropped or kind is Kind.BACK:
             eng.stats["rolled_back"] += 1
+        rec = eng._rec
         if rec:
+            rec.tier1_chunks += done.chunks_repaired_tier1
+            rec.tier1_grads += done.grads_repaired_tier1
             rec.forward_chunks += rolled
-            rec.dropped = rec.dropped or dropped or kind is Kind.BACK
+            rec.dropped = rec.dropped or done.dropped or kind is Kind.BACK
     # the tier-2 snapshot is retaken only if it lost blocks (the model's rule)
     rebuild_redundancy(eng, target, snapshot=bool(before.t2lost))
     note_recovered(eng, kind.value, target, after.loss, reason)
 
 
-def _settle(eng: Engine, r: int, target: int) -> tuple[int, bool]:
-    """Bring rank ``r`` to ``target`` (:func:`leto.retained.recovery.settle`).
-    Returns (chunks rolled forward, uncommitted gradients dropped)."""
+class _Ops:
+    """:class:`~leto.retained.recovery.RepairOps` of the simulated ranks: every rank at
+    once, tier 1 as parity over each node's in-process group (:mod:`.tier1`)."""
+
+    copies_from_settled = False
+
+    def __init__(self, eng: Engine) -> None:
+        self.eng = eng
+
+    def ranks(self) -> Sequence[int]:
+        return range(self.eng.W)
+
+    def repairs(self, plan: Plan) -> Sequence[Repair]:
+        return expand_repairs(plan.repairs)  # a run of chunks is each chunk's repair
+
+    def check_sources(self, repairs: Sequence[Repair]) -> None:
+        pass  # the engine checked every rank's memory before Reconcile (integrity.scan)
+
+    def restore_snapshot(self, target: int) -> int:
+        snapshots.restore(self.eng, target)
+        self.eng.stats["snapshot_restores"] += 1
+        return sum(p.layout.n_chunks for p in self.eng.procs)
+
+    def restore_checkpoint(self, target: int) -> int:
+        raise IntegrityError("the fake backend restores its checkpoint at GoFallback")
+
+    def rebuild_chunks(self, repairs: Sequence[Repair], target: int) -> int:
+        for x in repairs:
+            tier1.decode_chunk(self.eng, x.rank, x.chunk, x.version)
+        return len(repairs)
+
+    def rebuild_grads(self, repairs: Sequence[Repair]) -> int:
+        for x in repairs:
+            tier1.decode_grads(self.eng, x.rank, x.version)
+        return len(repairs)
+
+    def forget_grad_parity(self) -> None:
+        pass  # rebuilt at the target by rebuild_redundancy, before anything reads it
+
+    def settle(self, rank: int, target: int) -> rx.Settled:
+        return _settle(self.eng, rank, target)
+
+    def finish(self) -> None:
+        pass
+
+
+def _settle(eng: Engine, r: int, target: int) -> rx.Settled:
+    """Bring rank ``r`` to ``target`` (:func:`leto.retained.recovery.settle`)."""
     p = eng.procs[r]
     assert p.ropt is not None
     store = eng._store(r)
@@ -141,7 +176,7 @@ def _settle(eng: Engine, r: int, target: int) -> tuple[int, bool]:
         p.sampler_state = done.sampler
     if done.buffers is not None:
         restore_buffers(p.replica.model, done.buffers)
-    return done.forward, done.dropped
+    return done
 
 
 def note_recovered(eng: Engine, kind: str, target: int, loss: int, reason: str = "") -> None:

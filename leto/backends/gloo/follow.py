@@ -3,9 +3,9 @@
 :class:`Follower` is the seam between the training step (:mod:`.runtime`'s
 :class:`~.runtime.GlooSession`) and a recovery: once a step is interrupted, the session
 hands over to :meth:`Follower._follow`, which reports this rank's retained memory,
-carries out the core's reconcile plan through the one executor
-(:mod:`leto.retained.recovery`: settle, tier-1 decodes, snapshot and checkpoint
-restores) and the gloo-specific copies between replicas, rebuilds the redundancy and
+carries out the core's reconcile plan through the one plan interpreter
+(:func:`leto.retained.recovery.carry_out`, over :mod:`.repair_ops`: tier 1 as parity
+or as replicas, snapshot and checkpoint restores), rebuilds the redundancy and
 resumes. Everything lives in the session (``self.s``) but what its report checked:
 the chunks whose checksums held, which the check before resuming does not read again
 (one pass over the retained bytes per recovery, not two).
@@ -24,17 +24,12 @@ import torch
 import torch.distributed as dist
 
 from leto.core.chunk import LOST, NONE
-from leto.core.reconcile import Plan, Repair, expand_repairs, writes_no_chunk
+from leto.core.reconcile import Plan, Repair, writes_no_chunk
 from leto.core.recovery import Kind
 from leto.retained import recovery as rx
-from leto.retained import replicas as rpl
-from leto.retained import rs
-from leto.retained.checkpoint import CheckpointError
 from leto.retained.parity import (
     TorchDistCollective,
-    decode_rotated,
     encode,
-    encode_rotated_alike,
 )
 from leto.retained.process_state import restore_buffers
 from leto.retained.recovery import IntegrityError
@@ -43,6 +38,7 @@ from . import messages as M
 from .collective import CHECK_KEPT_PARITY, comm_error
 from .faults import COMMAND_POINT
 from .keeper_client import FencedError
+from .repair_ops import ops_for
 
 if TYPE_CHECKING:
     from .runtime import GlooSession
@@ -207,118 +203,22 @@ class Follower:
     def _reconcile(self, msg: M.Reconcile) -> None:
         self.s.ch.mark("reconcile")
         self.s.ps.prefetch()  # the settle's node state, asked for beside what comes first
-        gen, kind, target = msg.gen, msg.kind, msg.target
-        self.plans.append(Plan(target, Kind(kind), tuple(self._runs(msg)), ""))
+        gen, target = msg.gen, msg.target
+        plan = Plan(target, Kind(msg.kind), tuple(self._runs(msg)), "")
+        self.plans.append(plan)
         # a plan that writes no chunk: the node's checksums are gathered as the gradient
         # parity is forgotten (that collective orders the release), not again at the end
-        early = writes_no_chunk(self.plans[-1])
+        early = writes_no_chunk(plan)
         self._sums_at_start = None
         self._reconciled = None
         if self._before_writes is not None:
             self._before_writes()
         self.s.groups.init(gen)
         t0 = time.perf_counter()
-        summary: dict[str, Any] = {
-            "chunks_repaired_tier1": 0,
-            "grads_repaired_tier1": 0,
-            "chunks_rolled_forward": 0,
-            "chunks_rolled_back": 0,
-            "chunks_restored": 0,
-            "tier1_from_replicas": 0,
-        }
-        if kind == "tier2":
-            if msg.snapshot is None:
-                raise IntegrityError("a tier-2 reconcile without the snapshot's record")
-            self._forget_grad_parity()
-            self._restore_snapshot(target, msg.snapshot)
-            summary["chunks_restored"] = self.s.layout.n_chunks
-            self.s.stats["snapshot_restores"] += 1
-        elif kind == "ckpt":
-            self._forget_grad_parity()
-            self._restore_checkpoint(target)
-            summary["chunks_restored"] = self.s.layout.n_chunks
-            self.s.stats["checkpoint_restores"] += 1
-        elif self.s.replica:
-            # 1. the gradients the plan asks for; 2. the members that lost no chunk
-            # settle at the target; 3. every lost chunk is copied, from one of them if
-            # there is one (leto.retained.replicas), then the gradients a member whose chunks
-            # are still behind lacks; 4. the members that lost chunks settle
-            repairs = self._node_repairs(msg)
-            self._check_deferred_grads(gen, repairs)
-            base = self.s.node * self.s.nproc
-            chunks = [(x.rank - base, x.chunk, x.version) for x in repairs if x.what == "tier1"]
-            lost = {base + m for m, _, _ in chunks}
-            self._check_deferred(gen, {c for _, c, _ in chunks})
-            ex = TorchDistCollective(self.s.groups.node_group)
-            for rep in repairs:
-                if rep.what == "grad-tier1":
-                    r = rep.rank
-                    if (
-                        rpl.copy_grads(
-                            ex,
-                            self.s.layout,
-                            r - base,
-                            rep.version,
-                            pending=self._grad_record(set(msg.diverged)),
-                            who=self._who,
-                        )
-                        and r == self.s.rank
-                    ):
-                        summary["grads_repaired_tier1"] += 1
-                        summary["tier1_from_replicas"] += 1
-            self._forget_grad_parity(gather=early)
-            fwd = back = 0
-            if self.s.rank not in lost:
-                fwd, back = self._settle(target)
-            if chunks:
-                summary["chunks_repaired_tier1"] = rpl.copy_chunks(
-                    ex,
-                    self.s.layout,
-                    chunks,
-                    target=target,
-                    # a diverged rank's record is of the bytes discarded: no check
-                    record=lambda c: (
-                        (NONE, 0)
-                        if self.s.rank in msg.diverged
-                        else (
-                            self.s.parity[c].versions()[self.s.lr],
-                            self.s.parity[c].checksums()[self.s.lr],
-                        )
-                    ),
-                    who=self._who,
-                )
-                summary["tier1_from_replicas"] += summary["chunks_repaired_tier1"]
-                rpl.copy_grads_behind(
-                    ex,
-                    self.s.layout,
-                    target,
-                    lost_any=self.s.rank in lost,
-                    pending=self._grad_record(set(msg.diverged)),
-                    who=self._who,
-                )
-            if self.s.rank in lost:
-                fwd, back = self._settle(target)
-            if msg.diverged:
-                self._adopt_replicated(set(msg.diverged))
-            summary["chunks_rolled_forward"] = fwd
-            summary["chunks_rolled_back"] = back
-        else:
-            repairs = self._node_repairs(msg)
-            self._check_deferred(gen, {x.chunk for x in repairs if x.what == "tier1"})
-            self._check_deferred_grads(gen, repairs)
-            for rep in repairs:
-                if rep.what == "tier1":
-                    self._decode_chunk(rep.rank, rep.chunk, rep.version)
-                    if rep.rank == self.s.rank:
-                        summary["chunks_repaired_tier1"] += 1
-                elif rep.what == "grad-tier1":
-                    self._decode_grads(rep.rank, rep.version)
-                    if rep.rank == self.s.rank:
-                        summary["grads_repaired_tier1"] += 1
-            self._forget_grad_parity(gather=early)
-            fwd, back = self._settle(target)
-            summary["chunks_rolled_forward"] = fwd
-            summary["chunks_rolled_back"] = back
+        if plan.kind is Kind.TIER2 and msg.snapshot is None:
+            raise IntegrityError("a tier-2 reconcile without the snapshot's record")
+        done = rx.carry_out(plan, ops_for(self, msg, early=early))
+        summary: dict[str, Any] = done.counts()
         how = "copied_from_replicas" if self.s.replica else "repaired_from_parity"
         self.s.stats[f"chunks_{how}"] += summary["chunks_repaired_tier1"]
         self.s.stats[f"grad_blocks_{how}"] += summary["grads_repaired_tier1"]
@@ -352,11 +252,6 @@ class Follower:
             Repair(x["what"], int(x["rank"]), int(x["chunk"]), int(x["step"]), int(x["count"]))
             for x in msg.repairs
         ]
-
-    def _node_repairs(self, msg: M.Reconcile) -> tuple[Repair, ...]:
-        """The repairs of this node's ranks, chunk by chunk: each run expanded by the
-        core (:meth:`leto.core.reconcile.Repair.expand`), in the plan's order."""
-        return expand_repairs(x for x in self._runs(msg) if x.rank // self.s.nproc == self.s.node)
 
     def _check_deferred(self, gen: int, chunks: set[int] | None = None) -> None:
         """Read now the deferred chunks (``chunks`` of them; None: all) that this
@@ -452,7 +347,11 @@ class Follower:
     def _untouched(self, msg: M.Reconcile) -> list[int]:
         """The chunks this rank's report of ``msg``'s generation found intact at the
         target that the reconcile wrote nothing to: no restore, no repair of this rank."""
-        if self.intact is None or self.intact[0] != msg.gen or msg.kind in ("tier2", "ckpt"):
+        if (
+            self.intact is None
+            or self.intact[0] != msg.gen
+            or Kind(msg.kind) in (Kind.TIER2, Kind.CKPT)
+        ):
             return []
         mine = {c for x in self._runs(msg) if x.rank == self.s.rank for c in x.chunks}
         return [c for c, v in self.intact[1].items() if v == msg.target and c not in mine]
@@ -476,38 +375,6 @@ class Follower:
         self.s._log("resumed", step=step, generation=self.s.gen)
         self.s.ch.mark("idle", step)
 
-    def _decode_chunk(self, r: int, c: int, version: int) -> None:
-        """Tier 1: rank ``r``'s chunk ``c`` at ``version`` from the node's parity (every
-        member runs :func:`leto.retained.recovery.decode_chunk`)."""
-        block = self.s.parity[c]
-        mi = r - self.s.node * self.s.nproc
-        rx.decode_chunk(
-            TorchDistCollective(self.s.groups.node_group),
-            self.s.layout,
-            c,
-            lost=mi,
-            version=version,
-            versions=block.versions(),
-            checksum=block.checksums()[mi],
-            parity=block.parity() if self.s.lr == 0 else None,
-            who=f"rank {r}",
-        )
-
-    def _decode_grads(self, r: int, step: int) -> None:
-        """Tier 1: rank ``r``'s gradients of ``step`` from the node's gradient parity."""
-        assert self.s.gparity is not None
-        pending = self.s.ps.node_state()[1] if r == self.s.rank else None
-        rx.decode_grads(
-            TorchDistCollective(self.s.groups.node_group),
-            self.s.layout,
-            lost=r - self.s.node * self.s.nproc,
-            step=step,
-            versions=self.s.gparity.versions(),
-            parity=self.s.gparity.parity() if self.s.lr == 0 else None,
-            pending=pending,
-            who=f"rank {r}",
-        )
-
     def _seal_rebuilt_grads(self, step: int, how: str) -> None:
         """This rank's gradients of ``step``, rebuilt: sealed with the present mask of
         its prepare record and checked against that record's checksums."""
@@ -518,32 +385,6 @@ class Follower:
     def _who(self, member: int) -> str:
         """How an error names local member ``member`` of this node."""
         return f"rank {self.s.node * self.s.nproc + member}"
-
-    def _grad_record(self, diverged: set[int]) -> Callable[[int], dict[str, Any] | None]:
-        """The prepare record a copy of gradients from node member ``m`` is checked
-        against: this rank's own, or, where it diverged (its record is of the discarded
-        gradients), the source's."""
-        if self.s.rank not in diverged:
-            return lambda _m: self.s.ps.node_state()[1]
-        base = self.s.node * self.s.nproc
-        return lambda m: self.s.ps.node_state(of=base + m)[1]
-
-    def _adopt_replicated(self, diverged: set[int]) -> None:
-        """Ranks of this node discarded because they diverged (``diverged``; settled at
-        the target with their own process state) take what replicas hold alike besides
-        the chunks they were copied (:meth:`.RankState.replicated`: the optimizer's
-        scalars and hyper-parameters, the scheduler) from the node's lowest rank that was
-        not discarded, a member of the majority, settled at the target too. Every
-        member of the node calls it (one broadcast per such rank)."""
-        base = self.s.node * self.s.nproc
-        node = range(base, base + self.s.nproc)
-        if not diverged & set(node):
-            return
-        src = next(r for r in node if r not in diverged)
-        box = [self.s.ps.replicated() if self.s.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self.s.groups.node_group)
-        if self.s.rank in diverged:
-            self.s.ps.adopt(box[0])
 
     def _settle(self, target: int) -> tuple[int, int]:
         """Roll this rank to ``target`` (:func:`leto.retained.recovery.settle`);
@@ -620,54 +461,6 @@ class Follower:
         block = self.s.parity[c]
         if block.valid and block.versions()[self.s.lr] == step - 1:
             self.s.txn.tier1_chunk(c, step)
-
-    def _restore_snapshot(self, step: int, snap: dict[str, Any]) -> None:
-        meta = snap["meta"][str(self.s.rank)]
-        if int(snap["step"]) != step or meta is None or int(meta["step"]) != step:
-            raise IntegrityError(f"rank {self.s.rank}: no tier-2 snapshot record of step {step}")
-        reply, _ = self.s.ch.request(M.SnapshotSlot(step=-1))
-        have = reply.get("active") is not None and reply.get("active_step") == step
-        flags = torch.zeros(self.s.W, dtype=torch.int64)
-        flags[self.s.rank] = 1 if have else 0
-        dist.all_reduce(flags)
-        missing_nodes = sorted({q // self.s.nproc for q in range(self.s.W) if not flags[q]})
-        m = self.s.snapshots.t2_parity
-        if len(missing_nodes) > m:
-            raise IntegrityError(
-                f"tier-2 snapshots of nodes {missing_nodes} are gone: beyond tier 2 "
-                f"({m} parit{'y' if m == 1 else 'ies'})"
-            )
-        nb, share = self.s.snapshots.layout()
-        lay = self.s.layout
-        if have:
-            seg = self.s.snapshots.segment(int(reply["active"]))
-            data = seg[self.s.lr * nb : (self.s.lr + 1) * nb].clone()
-            base = self.s.nproc * nb
-            sh = seg[base + self.s.lr * share : base + (self.s.lr + 1) * share]
-        else:
-            data = torch.zeros(nb, dtype=torch.uint8)
-            sh = None
-        if missing_nodes:
-            coll = TorchDistCollective(self.s.groups.cross_group)
-            if self.s.snapshots.alike and sh is not None:  # not stored: every rank's bytes alike
-                sh = encode_rotated_alike(data, self.s.nnodes, self.s.node)
-            if m == 1:
-                decode_rotated(coll, data, missing_nodes[0], sh)
-            else:  # a lost node's own shares are not kept: the snapshot is retaken
-                shares = sh if sh is not None else torch.zeros(share, dtype=torch.uint8)
-                rs.decode_striped(coll, data, m, missing_nodes, shares)
-        rx.free_undo(self.s.layout)
-        rx.unpack_into(lay, data)
-        rx.seal_checked(lay, step, meta["checksums"], "tier-2 snapshot", f"rank {self.s.rank}")
-        lay.clear_prepared()
-        self.s.ps.load(meta["ps"])
-
-    def _restore_checkpoint(self, step: int) -> None:
-        """The latest durable checkpoint (``step``), checked bitwise (:mod:`.checkpoints`)."""
-        try:
-            self.s.checkpoints.restore(step)
-        except CheckpointError as e:
-            raise IntegrityError(str(e)) from None
 
     def _after_recovery_state(
         self, target: int, *, snapshot: bool = True, intact: list[int] | None = None
