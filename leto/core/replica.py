@@ -1,7 +1,7 @@
 """Tier 1 as replicas: which member of a node a lost chunk is copied from, at which step.
 
 Where a node's data-parallel ranks hold the same state (gloo's default, ``tier1_code =
-"replicas"``), tier 1 keeps no parity bytes: a lost chunk is copied from another member
+"replica"``), tier 1 keeps no parity bytes: a lost chunk is copied from another member
 of the node. The plan (:mod:`leto.core.reconcile`) names the chunk and the version the
 node's tier-1 record holds for it (``Repair("tier1", rank, chunk, v)``); this module
 picks the source, the same way on every member and in every backend, from what each
