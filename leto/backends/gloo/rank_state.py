@@ -95,10 +95,7 @@ class RankState:
     def load(self, text: str) -> None:
         s = self.s
         ps = json.loads(text)
-        assert s.ropt is not None
-        s.ropt.load_process_state(ps["optimizer"])
-        if s.scheduler is not None:
-            s.scheduler.load_state_dict(ps["scheduler"])
+        self.adopt(ps)  # the optimizer's and the scheduler's, then this rank's own
         s.rng = ps["rng"]
         s.sampler_state = ps["sampler"]
         if "buffers" in ps:  # absent in the process state of an older leto
