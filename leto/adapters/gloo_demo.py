@@ -262,7 +262,7 @@ def demo(
     from leto.backends.gloo.faults import point
 
     covered = sorted({f"{f['kind']}: {point(f)}" for f in plan})
-    tier1 = Config.load(cfg).tier1_kind
+    kept_as = Config.load(cfg).tier1_kind  # this job's tier 1: parity, replicas or off
     grads_tier1 = sum(int(x.get("grads_repaired_tier1", 0)) for x in recs)
     result = {
         "backend": "gloo",
@@ -282,12 +282,12 @@ def demo(
             1 for x in recs if x.get("kind") == "back" or x.get("chunks_rolled_back")
         ),
         "chunks_rolled_forward": s["chunks_rolled_forward"],
-        "tier1_kind": tier1,
+        "tier1_kind": kept_as,
         "chunks_repaired_tier1": s["chunks_repaired_tier1"],
         "grad_blocks_repaired_tier1": grads_tier1,
         # the fake demo's keys: tier-1 repairs decoded from parity (none with replicas)
-        "chunks_repaired_from_parity": s["chunks_repaired_tier1"] if tier1 == "parity" else 0,
-        "grad_blocks_repaired_from_parity": grads_tier1 if tier1 == "parity" else 0,
+        "chunks_repaired_from_parity": s["chunks_repaired_tier1"] if kept_as == "parity" else 0,
+        "grad_blocks_repaired_from_parity": grads_tier1 if kept_as == "parity" else 0,
         "copied_from_replicas": s["tier1_from_replicas"],
         "snapshot_restores": by_kind.get("tier2", 0),
         "checkpoint_restores": by_kind.get("ckpt", 0),

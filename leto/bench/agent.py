@@ -92,7 +92,7 @@ class Job:
         self.dir = Path(tempfile.mkdtemp(prefix=f"leto-bench-{system}-", dir=workdir))
         self.ckpt_dir = self.dir / "ckpt"
         self.ckpt_dir.mkdir()
-        self.store = dist.TCPStore(
+        self.store = dist.TCPStore(  # type: ignore[attr-defined] # (torch's stubs: c10d)
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True
         )
         self.sel = selectors.DefaultSelector()

@@ -293,7 +293,11 @@ def leto_breakdown(events: list[dict[str, Any]], stamp: dict[str, Any]) -> dict[
 
 def step_time(events: list[dict[str, Any]], first: int, last: int | None = None) -> float:
     """Mean wall time per committed step over steps ``first..last`` (leto's log)."""
-    steps = [(e["step"], e["t"]) for e in events if e["event"] == "step" and e["step"] >= first]
+    steps = [
+        (int(e["step"]), float(e["t"]))
+        for e in events
+        if e["event"] == "step" and e["step"] >= first
+    ]
     if last is not None:
         steps = [s for s in steps if s[0] <= last]
     if len(steps) < 2:

@@ -117,8 +117,12 @@ def measure_system(
         if progress is not None:
             progress.advance(f"{system} calibrated")
         for j in range(len(schedule)):
+
+            def recovered(j: int = j) -> bool:
+                return len(job.failures) > j and job.gen > j and job.recovered()
+
             job.pump(
-                lambda j=j: len(job.failures) > j and job.gen > j and job.recovered(),
+                recovered,
                 _TIMEOUT_S,
                 f"recovery {j + 1}",
             )

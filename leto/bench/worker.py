@@ -103,7 +103,7 @@ class _Trainer:
         self.rank, self.world = spec["rank"], spec["world"]
         self.gen = spec["gen"]
         self.wl = Workload.from_dict(spec["workload"])
-        self.store = dist.TCPStore(
+        self.store = dist.TCPStore(  # type: ignore[attr-defined] # (torch's stubs: c10d)
             "127.0.0.1", spec["store_port"], is_master=False, timeout=timedelta(seconds=120)
         )
         self.x, self.y = self.wl.dataset()
@@ -121,7 +121,7 @@ class _Trainer:
 
         self.dist.init_process_group(
             "gloo",
-            store=self.dist.PrefixStore(f"pg/{self.gen}", self.store),
+            store=self.dist.PrefixStore(f"pg/{self.gen}", self.store),  # type: ignore[attr-defined]
             rank=self.rank,
             world_size=self.world,
             timeout=timedelta(seconds=60),
@@ -157,7 +157,7 @@ class _Trainer:
         # there is none: finish the exchange before exiting, or a peer still posting
         # its half finds this process gone and dies ("Connection closed by peer"),
         # which the agent would count as an unscheduled failure
-        if getattr(self, "peer_ops", None):
+        if isinstance(self, _DDPTrainer) and getattr(self, "peer_ops", None):
             self._gemini_wait()
         self.out.emit("done", step=self.step)
         os._exit(0)
@@ -235,16 +235,16 @@ class _DDPTrainer(_Trainer):
 
     def save(self, s: int, path: str) -> float:
         """One checkpoint; the seconds training was blocked."""
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
         t = time.monotonic()
         if self.spec["system"] == "ckpt-disk":
-            dcp.save(self._state(s), checkpoint_id=path)
+            save(self._state(s), checkpoint_id=path)
         elif self.spec["system"] == "ckpt-disk-async":
             if self.pending is not None:  # a new save waits for the previous one
                 self.pending[1].result()
                 self._durable()
-            fut = dcp.async_save(self._state(s), checkpoint_id=path, process_group=self.side)
+            fut = async_save(self._state(s), checkpoint_id=path, process_group=self.side)
             self.pending = (s, fut, time.monotonic())
         else:
             self.gemini_snapshot(s)
@@ -305,8 +305,8 @@ class _DDPTrainer(_Trainer):
         if system == "gemini":
             self._gemini_restore()
             return
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load
 
         d = self.spec["ckpt_dir"]
         done = sorted(
@@ -317,7 +317,7 @@ class _DDPTrainer(_Trainer):
         if not done:
             return  # no checkpoint yet: start over
         sd = self._state(0)
-        dcp.load(sd, checkpoint_id=os.path.join(d, done[-1]))
+        load(sd, checkpoint_id=os.path.join(d, done[-1]))
         set_state_dict(
             self.ddp, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
         )

@@ -95,11 +95,12 @@ def _sharded(
     """Parameter ``i`` of ``plan`` as a ShardedTensor of its full shape: every rank's
     boxes in the metadata, this rank's as views of ``local`` (its piece, flat)."""
     from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import (
         ShardedTensorMetadata,
         TensorProperties,
     )
+    from torch.distributed._shard.sharded_tensor.shard import Shard
 
     shape, o = plan.shapes[i], plan.offsets[i]
     mds, mine = [], []
@@ -198,12 +199,13 @@ def load_shard_state(
     values), each retained optimizer state (zero where it has none: not created yet;
     not ``optimizer``: left as it is), and the model's buffers. The model's parameters
     are not loaded: they are gathered from the shards afterwards."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     try:
         check_tree(path, "checkpoint")  # before DCP unpickles anything in it
         with quiet():
-            md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except InsecurePathError as e:
         raise CheckpointError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - DCP raises several types
@@ -246,7 +248,7 @@ def load_shard_state(
         target["optim"] = {"state": states}
     try:
         with quiet(), torch.no_grad():
-            dcp.load(target, checkpoint_id=str(path), no_dist=True)  # type: ignore[attr-defined]
+            load(target, checkpoint_id=str(path), no_dist=True)
     except Exception as e:  # noqa: BLE001 - DCP raises several types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot read the checkpoint in {path}: {first}") from None
@@ -254,8 +256,8 @@ def load_shard_state(
 
 def has_optimizer_state(path: Path) -> bool:
     """Does the DCP checkpoint at ``path`` hold optimizer state tensors."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     with quiet():
-        md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     return any(k.startswith(("optim.state.", "optimizer.state.")) for k in md)

@@ -244,11 +244,11 @@ def settle(
         elif lay.undo.version(c) == target:
             lay.undo.restore(c)  # a step beyond the target had begun: undo it
             back += 1
-    st = lay.chunk_statuses()
+    statuses = lay.chunk_statuses()
     behind = [
         c
         for c, v in enumerate(lay.records.versions())
-        if st[c] is not ChunkStatus.CLEAN or v != target
+        if statuses[c] is not ChunkStatus.CLEAN or v != target
     ]
     if not behind and target in history:
         load_ps(history[target])

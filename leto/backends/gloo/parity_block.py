@@ -122,8 +122,8 @@ class ParityBlock:
         hw = _header_words(members)
         self.h = self.t[: 8 * hw].view(torch.int64)
         self.hn = self.h.numpy()
-        base = 8 * hw
-        self.buf = [self.t[base : base + nbytes], self.t[base + nbytes : base + 2 * nbytes]]
+        at = 8 * hw
+        self.buf = [self.t[at : at + nbytes], self.t[at + nbytes : at + 2 * nbytes]]
 
     def _off(self, b: int) -> int:
         return _FIXED + b * 2 * self.members
