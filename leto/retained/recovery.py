@@ -228,7 +228,9 @@ def settle(
     ``history``: the rank's process states by step (JSON); ``pending``: its prepare
     record (the step, RNG and sampler after it, the present mask, the module buffers
     after its forward where the backend keeps them). ``on_applied(c)``:
-    called after each chunk rolled forward (a backend keeps its tier 1 up to date).
+    called after each chunk rolled forward, and for a chunk found written at the target
+    with its undo copy still held (a backend keeps its tier 1 up to date from the undo
+    copy; a no-op where its tier 1 already holds the chunk at the target).
     """
     dropped = lay.prepared_step > target
     back = 0
@@ -238,7 +240,13 @@ def settle(
             continue
         if st is ChunkStatus.APPLIED and versions[c] == target:
             if lay.records.verify_chunk(c):
-                lay.undo.release(c)  # parity written, undo not yet released: finish that
+                # written, the undo copy not yet released: finish that. A stop between the
+                # write and the tier-1 update (an abort's safe point) left the backend's
+                # tier 1 a step behind: it follows now, from the undo copy (a no-op where
+                # the update was done)
+                if on_applied is not None:
+                    on_applied(c)
+                lay.undo.release(c)
             else:  # observed TORN: back to the undo copy, then forward again below
                 lay.undo.restore(c)
         elif lay.undo.version(c) == target:

@@ -633,3 +633,49 @@ def test_to_retained_shares_param_groups_with_the_original() -> None:
     with pytest.warns(UserWarning):
         sched.step()
     assert opt.param_groups[0]["lr"] == 0.05
+
+
+@pytest.mark.parametrize("cls,hp", [ADAM, SGD_M])
+def test_settle_lets_tier_1_follow_a_written_chunk_before_its_undo_goes(
+    cls: Any, hp: dict[str, Any]
+) -> None:
+    """A rank stopped at the safe point between its last chunk's write and that chunk's
+    tier-1 update (an abort reaches a survivor there): every chunk is at the target, the
+    last one APPLIED with its undo copy held. The settle calls ``on_applied`` for it
+    before it releases the undo copy (the backend's parity update reads it), so tier 1
+    follows the chunk instead of the recovery re-encoding the node's parity."""
+    from leto.retained.recovery import settle
+
+    ref_model, ref = trained(cls, hp, 4)
+    model, opt = trained(cls, hp, 4)
+    for m, o in ((ref_model, ref), (model, opt)):
+        backward(m, o, 4)
+    ref.step()
+    ps4 = json.dumps(opt.process_state())
+    n = opt.layout.n_chunks
+    opt.prepare(5)
+    opt.begin(5)
+    for i in range(n):
+        opt.save_undo(i)
+        opt.apply_chunk(i)
+        if i < n - 1:
+            opt.finish_chunk(i)
+    assert opt.layout.chunk_status(n - 1) is ChunkStatus.APPLIED
+    seen: list[int] = []
+    done = settle(
+        opt.layout,
+        opt,
+        5,
+        history={4: ps4},
+        pending={"step": 5, "present": None, "rng": None, "sampler": None},
+        load_ps=lambda js: opt.load_process_state(json.loads(js)),
+        step_scheduler=lambda: None,
+        who="rank 0",
+        on_applied=seen.append,
+    )
+    assert seen == [n - 1]  # only the chunk whose tier-1 update the stop left out
+    assert (done.forward, done.back) == (0, 0)
+    assert opt.version == 5 and opt.layout.verify() == []
+    assert all(opt.layout.chunk_status(i) is ChunkStatus.CLEAN for i in range(n))
+    assert equal(snapshot(opt), snapshot(ref))
+    assert_bitwise(ref_model, model)
