@@ -47,7 +47,8 @@ import torch
 from torch import nn
 
 from leto.backends.base import Backend
-from leto.backends.fake.engine import Engine, EngineOptions, Replica, StepFn
+from leto.backends.fake.engine import Engine, EngineOptions, Replica
+from leto.backends.fake.rank import StepFn
 from leto.retained.checkpoint import Checkpointer, CheckpointError, DCPCheckpointer
 from leto.retained.dcp_state import read_checkpoint
 
@@ -125,7 +126,9 @@ def _checkpointer(config: Config) -> Checkpointer | None:
     if config.checkpoint_dir is None:
         return None
     os.makedirs(config.checkpoint_dir, exist_ok=True)
-    return DCPCheckpointer(config.checkpoint_dir)
+    # CheckpointStore.write returns dcp.async_save's future with asynchronous=True and
+    # None otherwise (the engine never asks for it); Checkpointer.write declares None
+    return DCPCheckpointer(config.checkpoint_dir)  # type: ignore[return-value]
 
 
 def refuse_fsdp(model: nn.Module) -> None:

@@ -5,7 +5,8 @@
 (:mod:`leto.retained.recovery`): :mod:`.executors` carries out each effect, and
 :mod:`.recovery`, :mod:`.tier1`, :mod:`.snapshots`, :mod:`.checkpoints`,
 :mod:`.layouts`, :mod:`.integrity`, :mod:`.faults` and :mod:`.inspect` hold the rest
-of what the engine does, one concept each.
+of what the engine does, one concept each, each typing the part of the engine it uses
+as a Protocol (:mod:`.host`).
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ The rest lives next to it, one concept per module: binding ranks to their retain
 state (:mod:`.layouts`), tier-1 parity (:mod:`.tier1`), tier-2 snapshots
 (:mod:`.snapshots`), disk checkpoints (:mod:`.checkpoints`), checksum failures
 (:mod:`.integrity`) and the read-only checks tests use (:mod:`.inspect`). They are
-functions of the engine (or, for checkpoints and fault points, a collaborator holding
-it) rather than methods, so that each reads on its own; the engine holds the shared
-state.
+functions (or, for checkpoints and fault points, a collaborator) rather than methods,
+so that each reads on its own; the engine holds the shared state and passes itself,
+each part typing the narrow view of it that it uses as a Protocol of its own
+(:class:`.host.RanksHost`, the ranks, and the roles built on it: ``ExecutorHost``,
+``RecoveryHost``, ``CheckpointHost``, ...), so that no part imports the engine.
 
 The core's state and COMMIT records live in the backend's
 :class:`~leto.backends.base.ProtocolRecord`, never in a trainer. The Hypothesis
@@ -53,6 +55,7 @@ from leto.retained.process_state import BatchCursor, capture_rng
 from leto.retained.recovery import IntegrityError
 
 from . import inspect, integrity, layouts, recovery, snapshots, tier1
+from .backend import Fault, FaultInjector
 from .checkpoints import Checkpoints
 from .executors import EXECUTORS
 from .faults import FaultPoints
@@ -104,7 +107,7 @@ class Engine:
         self.options = options
         self.step_fn = step_fn
         self.checkpointer = checkpointer
-        self.injector = getattr(backend, "faults", None)
+        self.injector: FaultInjector | None = getattr(backend, "faults", None)
         self.W = backend.world_size
         self.cursor = BatchCursor(sampler)
         self._t0 = time.perf_counter()
@@ -128,13 +131,15 @@ class Engine:
             "snapshots_taken": 0,
             "checkpoints_durable": 0,
         }
-        self.checkpoints = Checkpoints(self, options.checkpoint_interval)
+        self.checkpoints = Checkpoints(
+            self, checkpointer, options.checkpoint_interval, started=self._t0
+        )
         self.points = FaultPoints(self)
-        self._open: list[Any] = []  # faults fired since the last resume
-        self._rec: RecoveryRecord | None = None
-        self._current_step = 0
+        self.open_faults: list[Fault] = []  # faults fired since the last resume
+        self.recovery_record: RecoveryRecord | None = None
+        self.current_step = 0
         self.stale: dict[int, RankProc] = {}
-        self._integrity_notes: list[str] = []
+        self.integrity_notes: list[str] = []
 
         # The skeleton for shadows, and one replica per simulated rank (rank 0: the user's).
         self.template = copy_replica(replica, clear_state=True)
@@ -178,17 +183,17 @@ class Engine:
         for p in self.procs:
             p.rng = rng0
             p.sampler_state = self.cursor.initial
-            self.backend.spawn_shadow(p.rank, self._shadow_factory)
+            self.backend.spawn_shadow(p.rank, self.new_shadow)
         if resume is not None:
             self.checkpoints.resume(*resume)
         for p in self.procs:
-            self._store(p.rank).process_states[p.rank] = {start: p.ps_json(start)}
+            self.store(p.rank).process_states[p.rank] = {start: p.ps_json(start)}
         recovery.rebuild_redundancy(self, start)
-        self._current_step = start
+        self.current_step = start
         if checkpointer is not None:  # the start is durable in the model from the start
             self.checkpoints.write(start)
             self.checkpoints.publish(start)
-        self._log("start", step=start, detail=inspect.describe(self))
+        self.log("start", step=start, detail=inspect.describe(self, checkpointer))
 
     # ------------------------------------------------------------------ basics
 
@@ -210,19 +215,22 @@ class Engine:
     def n_chunks(self) -> int:
         return self.model.config.chunks
 
-    def _store(self, rank: int) -> NodeStore:
+    def store(self, rank: int) -> NodeStore:
         return self.backend.node_store(self.backend.node_of(rank))
 
-    def _member(self, rank: int) -> int:
+    def member(self, rank: int) -> int:
         return self.backend.ranks_of(self.backend.node_of(rank)).index(rank)
 
-    def _log(self, event: str, **kw: Any) -> None:
+    def log(self, event: str, **kw: Any) -> None:
         self.timeline.append(
             {"t_ms": round((time.perf_counter() - self._t0) * 1e3, 3), "event": event, **kw}
         )
 
-    def _shadow_factory(self) -> Replica:
+    def new_shadow(self) -> Replica:
+        """A shadow's replica: the user's objects, deep-copied, with no optimizer state."""
         return copy_replica(self.template, clear_state=True)
+
+    _shadow_factory = new_shadow  # its earlier name (tests/fake spawns shadows with it)
 
     # ================================================================= executor
 
@@ -261,7 +269,7 @@ class Engine:
             raise _Interrupted from None
         coord.adopt(after)
 
-    def _try(self, e: ev.Event) -> bool:
+    def try_feed(self, e: ev.Event) -> bool:
         if self.model.why_not(self.state, e) is not None:
             return False
         self.feed(e)
@@ -286,7 +294,7 @@ class Engine:
             self.feed(ev.Tier2Snapshot())
             s = self.state
         V = s.step[0] + 1
-        self._current_step = V
+        self.current_step = V
         R = range(self.W)
         try:
             for r in R:
@@ -326,13 +334,13 @@ class Engine:
             self.feed(ev.Tier2Snapshot())
         if self.checkpoints.due(V):
             self.checkpoints.take()
-        self._warm_shadows()
+        self.warm_shadows()
         return loss
 
-    def _warm_shadows(self) -> None:
+    def warm_shadows(self) -> None:
         for r in range(self.W):
             if self.state.shadow[r] is not ShadowState.WARM:
-                self._try(ev.ShadowWarm(r))
+                self.try_feed(ev.ShadowWarm(r))
 
     def recover(self) -> None:
         """Feed the recovery the core schedules until every rank runs again (or raise):
@@ -355,12 +363,12 @@ class Engine:
 
     def parity_exact(self) -> list[str]:
         """Recompute every node's tier-1 parity from the members' bytes and compare."""
-        return tier1.exact(self)
+        return tier1.exact(self, self.n_chunks)
 
     def retained_state(self) -> list[dict[str, torch.Tensor]]:
         """Every rank's params and optimizer state buffers (copies), for bitwise checks."""
-        return inspect.retained_state(self)
+        return inspect.retained_state(self.procs)
 
     def process_states(self) -> list[dict[str, Any]]:
         """Every rank's optimizer and scheduler process state (JSON-able)."""
-        return inspect.process_states(self)
+        return inspect.process_states(self.procs)

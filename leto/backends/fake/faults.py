@@ -10,32 +10,52 @@ decision.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from leto.core import events as ev
 from leto.retained.parity import as_bytes
 
-from .rank import InjectedFault, _Interrupted
+from .backend import Fault, FaultInjector
+from .rank import InjectedFault, RankProc, _Interrupted
 
-if TYPE_CHECKING:
-    from .engine import Engine
+__all__ = ["FaultHost", "FaultPoints"]
 
-__all__ = ["FaultPoints"]
+
+class FaultHost(Protocol):
+    """What a fault point reads and strikes: the injector, the counters, the faults
+    open until the next resume, the timeline, the core, and (for a flipped bit) the
+    ranks' retained bytes."""
+
+    @property
+    def injector(self) -> FaultInjector | None: ...
+
+    @property
+    def stats(self) -> dict[str, int]: ...
+
+    @property
+    def open_faults(self) -> list[Fault]: ...
+
+    @property
+    def procs(self) -> list[RankProc]: ...
+
+    def log(self, event: str, **kw: Any) -> None: ...
+
+    def try_feed(self, e: ev.Event) -> bool: ...
 
 
 class FaultPoints:
     """The engine's fault points (none fire without an injector on the backend)."""
 
-    def __init__(self, eng: Engine) -> None:
-        self.eng = eng
+    def __init__(self, host: FaultHost) -> None:
+        self.host = host
 
     def _due(
         self, rank: int, step: int, phase: str, chunk: int | None, where: str | None
-    ) -> list[Any]:
+    ) -> list[Fault]:
         """The faults planned at this point, taken from the injector (none: empty)."""
-        inj = self.eng.injector
+        inj = self.host.injector
         if inj is None or not inj.pending_at(rank, step, phase, chunk, where):
             return []
         return list(inj.take(rank, step, phase, chunk, where))
@@ -74,19 +94,19 @@ class FaultPoints:
 
     def fire(self, faults: list[Any]) -> None:
         """Strike: each fault becomes the core's event for it (or a flipped bit)."""
-        eng = self.eng
+        host = self.host
         for f in faults:
-            eng.stats["failures_injected"] += 1
-            eng._open.append(f)
-            eng._log("fault", step=f.step, detail=f.label)
+            host.stats["failures_injected"] += 1
+            host.open_faults.append(f)
+            host.log("fault", step=f.step, detail=f.label)
             if f.kind == "crash":
-                eng._try(ev.Crash(f.rank))
+                host.try_feed(ev.Crash(f.rank))
             elif f.kind == "hang":
-                eng._try(ev.Hang(f.rank))
+                host.try_feed(ev.Hang(f.rank))
             elif f.kind == "lose_memory":
-                eng._try(ev.LoseMemory(f.rank))
+                host.try_feed(ev.LoseMemory(f.rank))
             elif f.kind == "lose_node":
-                eng._try(ev.LoseNode(f.node))
+                host.try_feed(ev.LoseNode(f.node))
             elif f.kind == "corrupt":
                 self._flip(f)
             else:  # pragma: no cover - the injector validates kinds
@@ -95,7 +115,7 @@ class FaultPoints:
     def _flip(self, f: Any) -> None:
         """Silent corruption: one bit of the chunk's first byte, and no event (no one
         saw it happen)."""
-        lay = self.eng.procs[f.rank].layout
+        lay = self.host.procs[f.rank].layout
         b = as_bytes(lay.chunk_data(f.target_chunk)[0])
         with torch.no_grad():
             b[0] = int(b[0]) ^ (1 << f.bit)

@@ -9,63 +9,82 @@ engine takes over a job an earlier one left between steps.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from leto.core.recovery import Phase
 from leto.core.txn import TxnState
 from leto.errors import ConfigError
+from leto.retained.checkpoint import Checkpointer
 from leto.retained.layout import LayoutError, RetainedLayout
 from leto.retained.optim import retain
+from leto.retained.process_state import BatchCursor
 
+from .backend import FaultInjector
+from .host import RanksHost
 from .inspect import describe
-from .rank import RankProc
+from .rank import RankProc, Replica
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ["attach", "attach_all", "create", "ensure"]
+__all__ = ["AttachHost", "attach", "attach_all", "create", "ensure"]
 
 
-def create(eng: Engine, p: RankProc) -> None:
+def create(ranks: RanksHost, p: RankProc) -> None:
     """Fresh retained state for ``p`` in its keeper (at version 0; repairs follow)."""
-    eng.backend.reset_memory(p.rank)
-    _bind(eng, p, attach=False)
+    ranks.backend.reset_memory(p.rank)
+    _bind(ranks, p, attach=False)
 
 
-def attach(eng: Engine, p: RankProc) -> None:
+def attach(ranks: RanksHost, p: RankProc) -> None:
     """Bind ``p`` to the retained state in its keeper (validates shapes first)."""
-    _bind(eng, p, attach=True)
+    _bind(ranks, p, attach=True)
 
 
-def ensure(eng: Engine, r: int, lost: bool) -> None:
+def ensure(ranks: RanksHost, r: int, lost: bool) -> None:
     """Rank ``r`` bound before a repair: fresh state if its memory is ``lost``."""
-    p = eng.procs[r]
-    if lost or eng.backend.memory_lost(r):
-        create(eng, p)
+    p = ranks.procs[r]
+    if lost or ranks.backend.memory_lost(r):
+        create(ranks, p)
     elif p.ropt is None:
-        attach(eng, p)
+        attach(ranks, p)
 
 
-def _bind(eng: Engine, p: RankProc, *, attach: bool) -> None:
+def _bind(ranks: RanksHost, p: RankProc, *, attach: bool) -> None:
     rep = p.replica
     p.ropt = retain(
         rep.model,
         rep.optimizer,
-        chunk_numel=eng.options.chunk_numel,
-        alloc=eng.backend.allocator(p.rank),
+        chunk_numel=ranks.options.chunk_numel,
+        alloc=ranks.backend.allocator(p.rank),
         attach=attach,
-        align_bytes=eng.options.align_bytes,
-        master_weights=eng.options.master_weights,
+        align_bytes=ranks.options.align_bytes,
+        master_weights=ranks.options.master_weights,
         # chunks are verified at PREPARE (all of them, before the step's vote) and
         # at every recovery; not again before each chunk's undo copy
         verify=False,
     )
 
 
-def attach_all(eng: Engine) -> None:
+class AttachHost(RanksHost, Protocol):
+    """What taking over an earlier engine's job sets up besides the ranks: the batch
+    cursor, the fault injector's chunk count, the shadows, the timeline."""
+
+    @property
+    def cursor(self) -> BatchCursor: ...
+
+    @property
+    def injector(self) -> FaultInjector | None: ...
+
+    @property
+    def checkpointer(self) -> Checkpointer | None: ...
+
+    def new_shadow(self) -> Replica: ...
+
+    def log(self, event: str, **kw: Any) -> None: ...
+
+
+def attach_all(host: AttachHost) -> None:
     """Every rank takes over the retained job an earlier engine left on the backend
     (it must be idle between steps: a job mid-step recovers first)."""
-    coord = eng.backend.record
+    coord = host.backend.record
     if coord is None:
         raise LayoutError("the backend holds no retained job to attach to")
     s = coord.state
@@ -78,23 +97,23 @@ def attach_all(eng: Engine) -> None:
             f"the retained job is not idle between steps (phase {s.phase.name}): "
             "it must recover first"
         )
-    meta = RetainedLayout.read_meta(eng.backend.allocator(0))
-    if meta["chunk_numel"] != eng.options.chunk_numel:
+    meta = RetainedLayout.read_meta(host.backend.allocator(0))
+    if meta["chunk_numel"] != host.options.chunk_numel:
         raise ConfigError(
             "chunk_size",
-            f"{eng.options.chunk_numel} elements, but the retained state is chunked by "
+            f"{host.options.chunk_numel} elements, but the retained state is chunked by "
             f"{meta['chunk_numel']}",
         )
-    for p in eng.procs:  # validates shapes before binding anything; copies nothing
-        attach(eng, p)
+    for p in host.procs:  # validates shapes before binding anything; copies nothing
+        attach(host, p)
     step = s.step[0]
-    for p in eng.procs:
-        p.load_ps(eng._store(p.rank).process_states[p.rank][step])
+    for p in host.procs:
+        p.load_ps(host.store(p.rank).process_states[p.rank][step])
         p.gen = s.gen
-        eng.backend.spawn_shadow(p.rank, eng._shadow_factory)
-    sampler = eng.procs[0].sampler_state
+        host.backend.spawn_shadow(p.rank, host.new_shadow)
+    sampler = host.procs[0].sampler_state
     assert sampler is not None
-    eng.cursor.restore(sampler)
-    if eng.injector is not None:
-        eng.injector.n_chunks = eng.procs[0].layout.n_chunks
-    eng._log("attach", step=step, detail=describe(eng))
+    host.cursor.restore(sampler)
+    if host.injector is not None:
+        host.injector.n_chunks = host.procs[0].layout.n_chunks
+    host.log("attach", step=step, detail=describe(host, host.checkpointer))

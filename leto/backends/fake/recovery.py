@@ -13,31 +13,76 @@ before anything resumes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from leto.core import effects as fx
 from leto.core import events as ev
 from leto.core import schedule
 from leto.core.chunk import LOST
-from leto.core.cluster import ClusterState, Effect
+from leto.core.cluster import ClusterModel, ClusterState, Effect
+from leto.core.erasure import Topology
 from leto.core.reconcile import Plan, Repair, expand_repairs
 from leto.core.recovery import Kind, Phase
 from leto.retained import recovery as rx
+from leto.retained.checkpoint import Checkpointer
 from leto.retained.process_state import restore_buffers, step_scheduler
 from leto.retained.recovery import IntegrityError
 
 from . import integrity, snapshots, tier1
 from .backend import RECOVERY_WHERE
+from .faults import FaultPoints
+from .host import RanksHost
+from .integrity import IntegrityHost
 from .layouts import ensure
-from .rank import UnrecoverableError
+from .rank import RankProc, RecoveryRecord, UnrecoverableError
 
-if TYPE_CHECKING:
-    from .engine import Engine
+__all__ = [
+    "RecoveryHost",
+    "RepairHost",
+    "lost_message",
+    "note_recovered",
+    "rebuild_redundancy",
+    "reconcile",
+    "run",
+]
 
-__all__ = ["lost_message", "note_recovered", "rebuild_redundancy", "reconcile", "run"]
+
+class RepairHost(RanksHost, Protocol):
+    """The ranks a reconcile plan repairs, and the record of the recovery under way."""
+
+    @property
+    def recovery_record(self) -> RecoveryRecord | None: ...
 
 
-def run(eng: Engine) -> None:
+class RecoveryHost(RepairHost, IntegrityHost, Protocol):
+    """What the recovery driver feeds and reads besides the ranks: the core, the step
+    that failed, the fault points, the fenced processes, the checkpointer (none: no
+    fallback), the shadows."""
+
+    @property
+    def state(self) -> ClusterState: ...
+
+    @property
+    def model(self) -> ClusterModel: ...
+
+    @property
+    def current_step(self) -> int: ...
+
+    @property
+    def checkpointer(self) -> Checkpointer | None: ...
+
+    @property
+    def points(self) -> FaultPoints: ...
+
+    @property
+    def stale(self) -> dict[int, RankProc]: ...
+
+    def feed(self, e: ev.Event) -> None: ...
+
+    def warm_shadows(self) -> None: ...
+
+
+def run(host: RecoveryHost) -> None:
     """Feed the recovery the core schedules until every rank runs again (or raise).
 
     The order is the core's (:func:`leto.core.schedule.next_event`); the engine
@@ -45,69 +90,69 @@ def run(eng: Engine) -> None:
     rank's retained memory (a checksum failure is a lost memory), and a shadow
     still spawning warms at once (simulated ranks start instantly).
     """
-    V = eng._current_step
+    V = host.current_step
     for _ in range(10_000):
-        s = eng.state
+        s = host.state
         if s.phase is Phase.RECONCILING:
-            bad = integrity.scan(eng, s)
+            bad = integrity.scan(host, s)
             if bad:
                 for r, why in bad.items():
-                    integrity.failure(eng, r, why)
+                    integrity.failure(host, r, why)
                 continue
-        e = schedule.next_event(eng.model, s)
+        e = schedule.next_event(host.model, s)
         if e is None:
             break
-        if isinstance(e, ev.GoFallback) and eng.checkpointer is None:
-            reason = eng.model.plan(s).reason
-            eng._log("unrecoverable", step=V, detail=reason)
-            raise UnrecoverableError(lost_message(eng, s, reason))
+        if isinstance(e, ev.GoFallback) and host.checkpointer is None:
+            reason = host.model.plan(s).reason
+            host.log("unrecoverable", step=V, detail=reason)
+            raise UnrecoverableError(lost_message(host.backend.topology, s, reason))
         name = type(e).__name__
-        if eng.injector is not None and name in RECOVERY_WHERE:
+        if host.injector is not None and name in RECOVERY_WHERE:
             hits = [
-                f for r in range(eng.W) for f in eng.injector.take(r, V, "recovery", None, name)
+                f for r in range(host.W) for f in host.injector.take(r, V, "recovery", None, name)
             ]
             if hits:
-                eng.points.fire(hits)
+                host.points.fire(hits)
                 continue
-        eng.feed(e)
+        host.feed(e)
         if isinstance(e, ev.Fence):
-            for r in sorted(eng.stale):  # the fenced process wakes up and tries to write
-                eng._try(ev.StaleWrite(r, 0))
+            for r in sorted(host.stale):  # the fenced process wakes up and tries to write
+                host.try_feed(ev.StaleWrite(r, 0))
     else:  # pragma: no cover
         raise RuntimeError("recovery did not end")
-    eng._warm_shadows()
+    host.warm_shadows()
 
 
 def reconcile(
-    eng: Engine, before: ClusterState, after: ClusterState, effects: tuple[Effect, ...]
+    host: RepairHost, before: ClusterState, after: ClusterState, effects: tuple[Effect, ...]
 ) -> None:
     """The ``Reconcile`` event: its plan (``RunRepair`` effects, then ``Reconciled``)
     carried out as a whole, on every rank, then the redundancy rebuilt at the target."""
     target, kind = after.target, after.kind
-    lost = {r for r in range(eng.W) if all(d == LOST for d in before.data[r])}
-    for r in range(eng.W):
-        ensure(eng, r, r in lost)
+    lost = {r for r in range(host.W) if all(d == LOST for d in before.data[r])}
+    for r in range(host.W):
+        ensure(host, r, r in lost)
     reason = next((a.reason for a in effects if isinstance(a, fx.Reconciled)), "")
     repairs = tuple(a.repair() for a in effects if isinstance(a, fx.RunRepair))
-    done = rx.carry_out(Plan(target, kind, repairs, reason), _Ops(eng))
+    done = rx.carry_out(Plan(target, kind, repairs, reason), _Ops(host))
     if kind is not Kind.TIER2:
-        eng.stats["chunks_repaired_from_parity"] += done.chunks_repaired_tier1
-        eng.stats["grad_blocks_repaired_from_parity"] += done.grads_repaired_tier1
+        host.stats["chunks_repaired_from_parity"] += done.chunks_repaired_tier1
+        host.stats["grad_blocks_repaired_from_parity"] += done.grads_repaired_tier1
         rolled = done.chunks_rolled_forward
-        eng.stats["chunks_rolled_forward"] += rolled
+        host.stats["chunks_rolled_forward"] += rolled
         if rolled:
-            eng.stats["rolled_forward"] += 1
+            host.stats["rolled_forward"] += 1
         if done.dropped or kind is Kind.BACK:
-            eng.stats["rolled_back"] += 1
-        rec = eng._rec
+            host.stats["rolled_back"] += 1
+        rec = host.recovery_record
         if rec:
             rec.tier1_chunks += done.chunks_repaired_tier1
             rec.tier1_grads += done.grads_repaired_tier1
             rec.forward_chunks += rolled
             rec.dropped = rec.dropped or done.dropped or kind is Kind.BACK
     # the tier-2 snapshot is retaken only if it lost blocks (the model's rule)
-    rebuild_redundancy(eng, target, snapshot=bool(before.t2lost))
-    note_recovered(eng, kind.value, target, after.loss, reason)
+    rebuild_redundancy(host, target, snapshot=bool(before.t2lost))
+    note_recovered(host.recovery_record, kind.value, target, after.loss, reason)
 
 
 class _Ops:
@@ -116,11 +161,11 @@ class _Ops:
 
     copies_from_settled = False
 
-    def __init__(self, eng: Engine) -> None:
-        self.eng = eng
+    def __init__(self, host: RepairHost) -> None:
+        self.host = host
 
     def ranks(self) -> Sequence[int]:
-        return range(self.eng.W)
+        return range(self.host.W)
 
     def repairs(self, plan: Plan) -> Sequence[Repair]:
         return expand_repairs(plan.repairs)  # a run of chunks is each chunk's repair
@@ -129,38 +174,38 @@ class _Ops:
         pass  # the engine checked every rank's memory before Reconcile (integrity.scan)
 
     def restore_snapshot(self, target: int) -> int:
-        snapshots.restore(self.eng, target)
-        self.eng.stats["snapshot_restores"] += 1
-        return sum(p.layout.n_chunks for p in self.eng.procs)
+        snapshots.restore(self.host, target)
+        self.host.stats["snapshot_restores"] += 1
+        return sum(p.layout.n_chunks for p in self.host.procs)
 
     def restore_checkpoint(self, target: int) -> int:
         raise IntegrityError("the fake backend restores its checkpoint at GoFallback")
 
     def rebuild_chunks(self, repairs: Sequence[Repair], target: int) -> int:
         for x in repairs:
-            tier1.decode_chunk(self.eng, x.rank, x.chunk, x.version)
+            tier1.decode_chunk(self.host, x.rank, x.chunk, x.version)
         return len(repairs)
 
     def rebuild_grads(self, repairs: Sequence[Repair]) -> int:
         for x in repairs:
-            tier1.decode_grads(self.eng, x.rank, x.version)
+            tier1.decode_grads(self.host, x.rank, x.version)
         return len(repairs)
 
     def forget_grad_parity(self) -> None:
         pass  # rebuilt at the target by rebuild_redundancy, before anything reads it
 
     def settle(self, rank: int, target: int) -> rx.Settled:
-        return _settle(self.eng, rank, target)
+        return _settle(self.host, rank, target)
 
     def finish(self) -> None:
         pass
 
 
-def _settle(eng: Engine, r: int, target: int) -> rx.Settled:
+def _settle(ranks: RanksHost, r: int, target: int) -> rx.Settled:
     """Bring rank ``r`` to ``target`` (:func:`leto.retained.recovery.settle`)."""
-    p = eng.procs[r]
+    p = ranks.procs[r]
     assert p.ropt is not None
-    store = eng._store(r)
+    store = ranks.store(r)
     done = rx.settle(
         p.layout,
         p.ropt,
@@ -179,33 +224,35 @@ def _settle(eng: Engine, r: int, target: int) -> rx.Settled:
     return done
 
 
-def note_recovered(eng: Engine, kind: str, target: int, loss: int, reason: str = "") -> None:
-    """What the recovery under way did, for its timeline entry at Resume."""
-    if eng._rec is not None:
-        eng._rec.kind = kind
-        eng._rec.target = target
-        eng._rec.loss = loss
-        eng._rec.reason = reason
+def note_recovered(
+    record: RecoveryRecord | None, kind: str, target: int, loss: int, reason: str = ""
+) -> None:
+    """What the recovery under way (``record``; none: none is) did, for its timeline
+    entry at Resume."""
+    if record is not None:
+        record.kind = kind
+        record.target = target
+        record.loss = loss
+        record.reason = reason
 
 
-def rebuild_redundancy(eng: Engine, target: int, *, snapshot: bool = True) -> None:
+def rebuild_redundancy(ranks: RanksHost, target: int, *, snapshot: bool = True) -> None:
     """Verify every chunk, then rebuild the redundancy at ``target``: process states,
     tier-1 parity, empty gradient parity, and (``snapshot``) the tier-2 snapshot."""
-    for p in eng.procs:
+    for p in ranks.procs:
         rx.check_resumable(p.layout, p.ropt, target, f"rank {p.rank}")
-    for n in range(eng.backend.nodes):
-        eng.backend.node_store(n).pending.clear()
-    for p in eng.procs:
-        eng._store(p.rank).process_states[p.rank] = {target: p.ps_json(target)}
-    tier1.encode_all(eng, target)
+    for n in range(ranks.backend.nodes):
+        ranks.backend.node_store(n).pending.clear()
+    for p in ranks.procs:
+        ranks.store(p.rank).process_states[p.rank] = {target: p.ps_json(target)}
+    tier1.encode_all(ranks, target)
     if snapshot:
-        snapshots.take(eng, target)
+        snapshots.take(ranks, target)
 
 
-def lost_message(eng: Engine, s: ClusterState, reason: str) -> str:
+def lost_message(topo: Topology, s: ClusterState, reason: str) -> str:
     """Why training stops: what was lost, beyond which tier, and that no checkpoint
     is configured to fall back to."""
-    topo = eng.backend.topology
     parts = []
     if s.nlost:
         parts.append(

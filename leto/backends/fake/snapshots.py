@@ -9,7 +9,7 @@ restored are the core's decisions (Tier2Snapshot, a TIER2 reconcile).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -19,15 +19,18 @@ from leto.retained import rs
 from leto.retained.parity import decode_rotated, encode_rotated
 from leto.retained.recovery import IntegrityError
 
-from .integrity import failure
+from .host import RanksHost
+from .integrity import IntegrityHost, failure
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ["capture_clean", "restore", "take"]
+__all__ = ["CaptureHost", "capture_clean", "restore", "take"]
 
 
-def capture_clean(eng: Engine) -> bool:
+class CaptureHost(RanksHost, IntegrityHost, Protocol):
+    """The ranks whose bytes a snapshot captures, and where a chunk that fails its
+    checksum then is reported."""
+
+
+def capture_clean(host: CaptureHost) -> bool:
     """PROTOCOL.md, Tier2Snapshot: a snapshot captures verified bytes only.
 
     Bytes damaged after PREPARE's pass (a silent flip between the vote and the
@@ -36,56 +39,56 @@ def capture_clean(eng: Engine) -> bool:
     chunks fail here is an integrity failure (its memory is discarded and rebuilt
     from tier 1) and the snapshot is taken after that recovery.
     """
-    if not eng.options.verify:
+    if not host.options.verify:
         return True
-    bad = {p.rank: p.layout.verify() for p in eng.procs}
+    bad = {p.rank: p.layout.verify() for p in host.procs}
     bad = {r: cs for r, cs in bad.items() if cs}
     for r, cs in bad.items():
-        failure(eng, r, f"chunks {cs} fail their checksums at the tier-2 snapshot")
+        failure(host, r, f"chunks {cs} fail their checksums at the tier-2 snapshot")
     return not bad
 
 
-def take(eng: Engine, step: int) -> None:
+def take(ranks: RanksHost, step: int) -> None:
     """Every node's snapshot at ``step``: its members' packed bytes, their checksums
     and process states, and the node's share of the cross-node parity."""
-    eng.stats["snapshots_taken"] += 1
-    N = eng.backend.nodes
-    rank_bytes = [rx.packed(p.layout) for p in eng.procs]
+    ranks.stats["snapshots_taken"] += 1
+    N = ranks.backend.nodes
+    rank_bytes = [rx.packed(p.layout) for p in ranks.procs]
     nb = rank_bytes[0].numel()
-    width = max(eng.backend.topology.node_sizes)
+    width = max(ranks.backend.topology.node_sizes)
     checks = {
-        p.rank: [p.layout.stored_checksum(c) for c in range(p.layout.n_chunks)] for p in eng.procs
+        p.rank: [p.layout.stored_checksum(c) for c in range(p.layout.n_chunks)] for p in ranks.procs
     }
-    states = {p.rank: eng._store(p.rank).process_states[p.rank][step] for p in eng.procs}
+    states = {p.rank: ranks.store(p.rank).process_states[p.rank][step] for p in ranks.procs}
     datas = []
     for n in range(N):
         d = torch.zeros(width * nb, dtype=torch.uint8)
-        for j, r in enumerate(eng.backend.ranks_of(n)):
+        for j, r in enumerate(ranks.backend.ranks_of(n)):
             d[j * nb : (j + 1) * nb] = rank_bytes[r]
         datas.append(d)
     shares: list[Any] = [None] * N
     if N >= 2:
 
         def program(coll: Any) -> Any:
-            m = eng.options.tier2_parity
+            m = ranks.options.tier2_parity
             if m == 1:
                 return encode_rotated(coll, datas[coll.rank])
             share = torch.zeros(m * rs.striped_share_nbytes(width * nb, N, m), dtype=torch.uint8)
             rs.encode_striped(coll, datas[coll.rank], m, share)
             return share
 
-        shares = eng.backend.spmd(list(range(N)), program)
+        shares = ranks.backend.spmd(list(range(N)), program)
     for n in range(N):
-        eng.backend.node_store(n).snapshot = Snapshot(step, datas[n], checks, states, shares[n])
+        ranks.backend.node_store(n).snapshot = Snapshot(step, datas[n], checks, states, shares[n])
 
 
-def restore(eng: Engine, step: int) -> None:
+def restore(ranks: RanksHost, step: int) -> None:
     """Every rank restores its node's snapshot (a lost node's is decoded first)."""
-    N = eng.backend.nodes
-    stores = [eng.backend.node_store(n) for n in range(N)]
+    N = ranks.backend.nodes
+    stores = [ranks.backend.node_store(n) for n in range(N)]
     snaps = [st.snapshot for st in stores]
     missing = [n for n, sn in enumerate(snaps) if sn is None or sn.step != step]
-    m = eng.options.tier2_parity
+    m = ranks.options.tier2_parity
     if len(missing) > m:
         raise IntegrityError(f"tier-2 snapshots of nodes {missing} are gone: beyond tier 2")
     if missing:
@@ -106,7 +109,7 @@ def restore(eng: Engine, step: int) -> None:
             rs.decode_striped(coll, datas[coll.rank], m, missing, shares[coll.rank])
             return shares[coll.rank]
 
-        out = eng.backend.spmd(list(range(N)), program)
+        out = ranks.backend.spmd(list(range(N)), program)
         for lost in missing:
             stores[lost].snapshot = Snapshot(
                 step, datas[lost], dict(ref.checksums), dict(ref.process_states), out[lost]
@@ -114,8 +117,8 @@ def restore(eng: Engine, step: int) -> None:
     for n in range(N):
         snap = stores[n].snapshot
         assert snap is not None
-        for j, r in enumerate(eng.backend.ranks_of(n)):
-            p = eng.procs[r]
+        for j, r in enumerate(ranks.backend.ranks_of(n)):
+            p = ranks.procs[r]
             lay = p.layout
             rx.free_undo(lay)
             nb = rx.packed(lay).numel()
