@@ -126,9 +126,7 @@ def _checkpointer(config: Config) -> Checkpointer | None:
     if config.checkpoint_dir is None:
         return None
     os.makedirs(config.checkpoint_dir, exist_ok=True)
-    # CheckpointStore.write returns dcp.async_save's future with asynchronous=True and
-    # None otherwise (the engine never asks for it); Checkpointer.write declares None
-    return DCPCheckpointer(config.checkpoint_dir)  # type: ignore[return-value]
+    return DCPCheckpointer(config.checkpoint_dir)
 
 
 def refuse_fsdp(model: nn.Module) -> None:

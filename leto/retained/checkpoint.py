@@ -43,7 +43,9 @@ class CheckpointError(RuntimeError):
 
 
 class Checkpointer(Protocol):
-    def write(self, step: int, state: dict[str, Any]) -> None: ...
+    # what write returns is the implementation's own (DCP's: the future of an
+    # asynchronous save, or None); the engine never reads it
+    def write(self, step: int, state: dict[str, Any]) -> object: ...
 
     def publish(self, step: int, meta: dict[str, Any]) -> None: ...
 
