@@ -87,3 +87,31 @@ def test_the_checks_reject_a_drifted_table() -> None:
     ) == {"Foo", "Bar", "Baz"}
     with pytest.raises(AssertionError, match="no BoundedNext"):
         next_actions("Next ==\n    \\/ Foo\n\nFoo == TRUE\n")
+
+
+def test_every_file_spec_changing_names_exists() -> None:
+    """spec/CHANGING.md names the files a protocol change touches: each must exist (a
+    renamed module is renamed there too), and a planted name must be found missing."""
+    root = Path(__file__).resolve().parent.parent
+
+    def missing(text: str) -> list[str]:
+        names = re.findall(r"`([\w./*-]+\.(?:py|md|tla|cfg))`", text)
+        out = []
+        for name in names:
+            if "*" in name or "<" in name:
+                continue  # a pattern (`*_handlers.py`, `MCLeto_<mutant>.cfg`)
+            if "/" not in name:  # a module named next to its package: seek it
+                places = ("leto/**", "tests/**", "spec")
+                if not any(any(root.glob(f"{p}/{name}")) for p in places):
+                    out.append(name)
+            elif not (root / name).exists():
+                out.append(name)
+        return out
+
+    text = (root / "spec" / "CHANGING.md").read_text()
+    assert len(re.findall(r"\.py`", text)) >= 20
+    assert missing(text) == []
+    assert missing("`leto/backends/gloo/no_such_part.py` and `nowhere_at_all.py`") == [
+        "leto/backends/gloo/no_such_part.py",
+        "nowhere_at_all.py",
+    ]
