@@ -200,7 +200,9 @@ def test_failure_during_recovery_restarts_at_the_next_generation() -> None:
     h.send(
         0, {"t": "report", "rank": 1, "gen": 1, "data": [1, 1], "undo": [NONE, NONE], "grad": NONE}
     )
-    assert h.c.wait is not None and h.c.wait.what == "fence"  # the old generation's acks are void
+    assert (
+        h.c.driver.wait is not None and h.c.driver.wait.what == "fence"
+    )  # the old generation's acks are void
 
 
 def test_a_lost_node_without_replacement_fails_with_a_clear_error() -> None:
@@ -229,7 +231,7 @@ def test_beyond_both_tiers_without_checkpoint_stops_with_the_reason() -> None:
     assert h.c.failed is None
     cmd = [m for m in h.c.outbox if m[1].TAG == "reconcile"] or []
     assert not cmd  # the outbox was drained by the harness; check the log instead
-    assert h.c.rec is not None and h.c.rec.plan["kind"] == "tier2"
+    assert h.c.driver.rec is not None and h.c.driver.rec.plan["kind"] == "tier2"
 
 
 @pytest.mark.parametrize("tier2", [False])
@@ -366,7 +368,7 @@ def test_a_shadow_that_never_comes_fails_the_job_within_the_recovery_timeout() -
     h.send(0, {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"})
     out = h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     assert (0, {"t": "need_shadow", "rank": 1}) in out
-    assert h.c.wait is not None and h.c.wait.what == "shadow"
+    assert h.c.driver.wait is not None and h.c.driver.wait.what == "shadow"
     h.c.tick(h.now + 4.9)
     assert h.c.failed is None
     h.c.tick(h.now + 5.0)
@@ -396,7 +398,7 @@ def test_a_shadow_warm_while_the_recovery_waits_is_promoted() -> None:
     h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     out = h.send(0, {"t": "shadow", "rank": 1, "state": "warm"})
     assert out == [(0, {"t": "promote_rank", "rank": 1, "gen": 1, "warm": True})]
-    assert h.c.wait is not None and h.c.wait.what == "promote"
+    assert h.c.driver.wait is not None and h.c.driver.wait.what == "promote"
 
 
 def test_a_shadow_that_cannot_be_built_marks_the_job_degraded() -> None:
@@ -672,7 +674,7 @@ def test_two_ranks_stopped_by_one_unexplained_collective_error_make_one_failure(
     assert h.c.failed is None, h.c.failed
     (fail,) = h.events("failure")
     assert fail["kind"] == "collective_error" and fail["rank"] in (0, 1)
-    assert h.c.stopped_at == {}
+    assert h.c.driver.stopped_at == {}
 
 
 # --- the commands: built from the core's effects, logged, checked by the trace ---------------

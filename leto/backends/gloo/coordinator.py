@@ -52,7 +52,7 @@ from .commands import Narrow, commands, logged
 from .commit_record import CommitRecord, Embedded, RecordError
 from .eventlog import EventLog
 from .model_feed import Fed, ModelFeeder
-from .recovery_driver import Recovery, RecoveryDriver, Wait, failed_what
+from .recovery_driver import RecoveryDriver, failed_what
 from .replica_checks import ReplicaChecks
 from .spare_pool import SparePool
 
@@ -101,7 +101,6 @@ class Coordinator:
         self.ready: dict[int, dict[str, Any]] = {}  # the ranks' ready messages, as sent
         self.votes: dict[int, set[int]] = {}
         self.finished: dict[int, set[int]] = {}
-        self.applied: tuple[int, list[int]] | None = None  # (step, ranks) not yet fed
         self.snaps: dict[int, dict[int, Any]] = {}
         self.ckpts: dict[int, set[int]] = {}  # step -> ranks that wrote their part
         self.t2_step = 0
@@ -115,40 +114,41 @@ class Coordinator:
         # the pooled spare agents: a lost node's rank goes to the lowest id
         self.spares = SparePool(log, lambda: self.failed is None and not self.complete)
         self.degraded: dict[int, str] = {}  # ranks whose shadow could not be built: why
-        self.pids: dict[int, int] = {}  # rank -> its trainer's pid (a promotion's old pid)
         self.shadow_pending: list[tuple[int, str]] = []
-        self.asked_shadow: set[tuple[int, int]] = set()  # shadow reports before the model exists
-        self.rec: Recovery | None = None
-        self.wait: Wait | None = None
-        self.reports: dict[int, dict[str, Any]] = {}
-        self.stopped_at: dict[int, float] = {}
         self.done: dict[int, M.Done] = {}
         self.finished_nodes: set[int] = set()
         self.failed: str | None = None
         self.restart: restart.Restart | None = None  # the core's decision, when failed
         self.complete = False
-        self.recoveries: list[dict[str, Any]] = []
         self.losses: dict[int, float] = {}
-        self.feeder = ModelFeeder(self)  # all the model is fed, judged
-        self.driver = RecoveryDriver(self)  # a recovery, from its failure to Resume
+        # all the model is fed, judged
+        self.feeder = ModelFeeder(self, log=log, strict=self.opt.strict)
+        # a recovery, from its failure to Resume (its state: the recovery under way, what
+        # it waits for, the trainers' reports, the recoveries so far)
+        self.driver = RecoveryDriver(
+            self,
+            log=log,
+            feeder=self.feeder,
+            max_recoveries=self.opt.max_recoveries,
+        )
         self.replicas = ReplicaChecks(  # the data-parallel replicas agree, or are repaired
             [self.topology.node_of(r) for r in range(self.W)],
             log,
-            send=self._send,
+            send=self.send,
             lose=self.driver.failure,
             fail=self.fail,
         )
 
     # ------------------------------------------------------------------ plumbing
 
-    def _send(self, node: int | None, msg: M.Message) -> None:
+    def send(self, node: int | None, msg: M.Message) -> None:
         self.outbox.append((node, msg))
 
     def carry_out(self, fed: Fed) -> list[M.Message]:
         """Send the commands that carry out ``fed``'s effects (:mod:`.commands`: the
         caller decides only when), each logged as a ``command`` record that ``leto spec
         trace`` checks against those effects."""
-        rec = self.rec
+        rec = self.driver.rec
         diverged = (
             ()
             if rec is None
@@ -156,19 +156,39 @@ class Coordinator:
                 sorted({int(f["rank"]) for f in rec.failures if f.get("kind") == "diverged"})
             )
         )
-        narrow = Narrow(self._node_of, self.t2_step, self.t2_meta, diverged)
+        narrow = Narrow(self.node_of, self.t2_step, self.t2_meta, diverged)
         out = commands(fed, narrow)
         for node, msg in out:
-            self._send(node, msg)
+            self.send(node, msg)
             self.log.write("command", **logged(node, msg))
         return [msg for _, msg in out]
 
-    def _node_of(self, rank: int) -> int:
+    def node_of(self, rank: int) -> int:
         return self.topology.node_of(rank)
 
     @property
     def generation(self) -> int:
         return self.state.gen if self.state is not None else 0
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """The recoveries that ended, one record each (kept by the recovery driver)."""
+        return self.driver.recoveries
+
+    def lost_node(self, node: int, now: float) -> None:
+        """``node`` is lost since ``now`` (unless it was already): its replacement is due
+        within ``spare_timeout``."""
+        self.nodes_lost_at.setdefault(node, now)
+
+    def forget_done(self) -> None:
+        """A recovery began: the ranks' done reports so far are void."""
+        self.done.clear()
+
+    def forget_gathered(self) -> None:
+        """Training resumes: the votes, finishes and snapshots gathered before are void."""
+        self.votes.clear()
+        self.finished.clear()
+        self.snaps.clear()
 
     def fail(
         self, message: str, *, ending: restart.Ending = restart.Ending.FATAL, **fields: Any
@@ -181,11 +201,11 @@ class Coordinator:
         self.restart = restart.after(ending, self.opt.restarts, self.opt.max_restarts)
         if self.restart is None:
             self.log.write("job_failed", error=message, **fields)
-            self._send(None, M.Fail(error=message))
+            self.send(None, M.Fail(error=message))
             return
         r = self.restart
         self.log.write("job_restart", attempt=r.attempt, of=r.of, cause=message, **fields)
-        self._send(None, M.Fail(error=message, restart=r.attempt))
+        self.send(None, M.Fail(error=message, restart=r.attempt))
 
     def model_record(self, name: str, **fields: Any) -> None:
         """A record of what the model was fed (``core_init``, ``core``): to the event log,
@@ -237,7 +257,7 @@ class Coordinator:
         each that rejoins it may not have heard it from the predecessor, which kept it
         (:meth:`set_tier2`) before the ranks heard; a keeper that did not hear it would
         count its node's snapshot gone at the next tier-2 restore."""
-        self._send(node, M.Tier2(step=self.t2_step, gen=self.generation))
+        self.send(node, M.Tier2(step=self.t2_step, gen=self.generation))
 
     def _compact(self) -> None:
         """The commit record's log so far replaced by what rebuilds the model as it is
@@ -316,8 +336,7 @@ class Coordinator:
                 case M.Promoted():
                     self.driver.on_promoted(msg)
                 case M.Report():
-                    if self.driver.ack("report", msg.rank, msg.gen):
-                        self.reports[msg.rank] = msg.to_wire()
+                    self.driver.on_report(msg)
                 case M.Reconciled():
                     self.driver.on_reconciled(msg)
                 case M.Rebuilt():
@@ -384,7 +403,7 @@ class Coordinator:
                     "or keep spare agents in the pool (--spare, --spares N), to recover in place"
                 )
                 return
-        rec = self.rec
+        rec = self.driver.rec
         if rec is not None and not self.nodes_lost_at:
             if now - max(rec.started, self.node_back_at) > self.opt.recovery_timeout:
                 self.driver.give_up(
@@ -394,11 +413,12 @@ class Coordinator:
                 return
         s = self.state
         assert s is not None
-        for rank, since in list(self.stopped_at.items()):
-            if rank not in self.stopped_at:  # cleared: another rank's failure explains it
+        stopped_at = self.driver.stopped_at
+        for rank, since in list(stopped_at.items()):
+            if rank not in stopped_at:  # cleared: another rank's failure explains it
                 continue
             if now - since > self.opt.stopped_grace:
-                del self.stopped_at[rank]
+                del stopped_at[rank]
                 running = s.phase is Phase.RUNNING
                 if s.trainer[rank] is TrainerState.ALIVE and (
                     running or self.driver.waits_on(rank, s.gen)
@@ -477,7 +497,7 @@ class Coordinator:
         for r, st in self.shadow_pending:
             self._shadow(r, st)
         self.shadow_pending.clear()
-        self._send(None, M.Tier2(step=setup.start, gen=0))  # the start's snapshot is current
+        self.send(None, M.Tier2(step=setup.start, gen=0))  # the start's snapshot is current
         self._all_done()
 
     # --- training path ---------------------------------------------------------
@@ -507,19 +527,7 @@ class Coordinator:
         if not self._current(msg.gen):
             return
         r, step = msg.rank, msg.step
-        assert self.model is not None and self.state is not None
-        one = ev.ApplyStep(step, (r,))
-        pending = self.applied
-        if pending is not None and (pending[0] != step or r in pending[1]):
-            self.feeder.flush_applied()
-            pending = None
-        if self.model.why_not(self.state, one) is not None:
-            self.feeder.run([one], f"rank {r} finished step {step}")  # refused: the job stops
-        if pending is None:
-            pending = self.applied = (step, [])
-        pending[1].append(r)
-        if len(pending[1]) == self.W:
-            self.feeder.flush_applied()
+        self.feeder.gather_applied(step, r, self.W)
         fin = self.finished.setdefault(step, set())
         fin.add(r)
         if msg.replica is not None:
@@ -608,7 +616,7 @@ class Coordinator:
             replica_checks=self.replicas.agreed,
             replica_repairs=self.replicas.repairs,
         )
-        self._send(None, M.Complete())
+        self.send(None, M.Complete())
 
     # --- shadows -----------------------------------------------------------------
 
@@ -616,7 +624,7 @@ class Coordinator:
         """A process of ``node`` started: its pid in the log (which process is rank 3's
         trainer), and a trainer's kept for the promotion that replaces it."""
         if msg.role == "trainer" and msg.rank is not None:
-            self.pids[msg.rank] = msg.pid
+            self.driver.pids[msg.rank] = msg.pid
         fields = {"rank": msg.rank, "incarnation": msg.incarnation}
         self.log.write(
             "process_started",
@@ -640,12 +648,8 @@ class Coordinator:
 
     def _shadow(self, r: int, st: str) -> None:
         if st == "warm":
-            if (
-                self.feeder.try_event(ev.ShadowWarm(r))
-                and self.wait is not None
-                and self.wait.what == "shadow"
-            ):
-                self.wait.pending.discard(r)
+            if self.feeder.try_event(ev.ShadowWarm(r)):
+                self.driver.shadow_warm(r)
         elif st == "cold":
             self.feeder.try_event(ev.ShadowReclaim(r))
 

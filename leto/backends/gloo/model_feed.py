@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -33,10 +33,9 @@ from leto.core.errors import ProtocolError
 from leto.core.txn import TxnState
 from leto.spec.trace import Apply, Commit, Item, Snapshot, describe, encode, run
 
-if TYPE_CHECKING:
-    from .coordinator import Coordinator
+from .eventlog import EventLog
 
-__all__ = ["Fed", "ModelFeeder", "ModelRefused", "closes"]
+__all__ = ["Fed", "FeedHost", "ModelFeeder", "ModelRefused", "closes"]
 
 
 @attrs.frozen
@@ -78,12 +77,30 @@ class ModelRefused(Exception):
         self.what, self.source, self.error, self.record = what, source, error, record
 
 
-class ModelFeeder:
-    """Feeds the coordinator's model (``c.model``, ``c.state``), all or nothing, and
-    logs each feed as one ``core`` record (see the module docstring)."""
+class FeedHost(Protocol):
+    """What the feeder uses of its coordinator: the model, its state (which each feed
+    replaces), where a feed is recorded, and how the job stops on a refusal."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.c = coordinator
+    @property
+    def model(self) -> ClusterModel | None: ...
+
+    state: ClusterState | None
+
+    def model_record(self, name: str, **fields: Any) -> None: ...
+
+    def fail(self, message: str, **fields: Any) -> None: ...
+
+
+class ModelFeeder:
+    """Feeds the coordinator's model (``host.model``, ``host.state``), all or nothing, and
+    logs each feed as one ``core`` record (see the module docstring). It gathers the
+    ranks' finishes of a step (``applied``) and feeds them as one ``ApplyStep``."""
+
+    def __init__(self, host: FeedHost, *, log: EventLog, strict: bool) -> None:
+        self.host = host
+        self.log = log
+        self.strict = strict  # a refusal stops the job (CoordinatorOptions.strict)
+        self.applied: tuple[int, list[int]] | None = None  # (step, ranks) not yet fed
 
     def feed_event(self, e: ev.Event) -> Fed:
         return self.run([e], "the recovery driver")
@@ -92,32 +109,50 @@ class ModelFeeder:
         """Feed ``items`` to the model, all or nothing, and log them as one ``core`` record;
         a refusal raises :class:`ModelRefused` and leaves the state as it was. The ranks
         they show past their loop tail close first, in a record of their own."""
-        assert self.c.model is not None and self.c.state is not None
+        assert self.host.model is not None and self.host.state is not None
         self.flush_applied()
-        due = closes(self.c.model, self.c.state, items)
+        due = closes(self.host.model, self.host.state, items)
         if due:
             ranks = [c.rank for c in due]
             self._feed([*due], f"rank(s) {ranks} acted past their loop tail")
         return self._feed(items, source)
 
     def _feed(self, items: list[Item], source: str) -> Fed:
-        assert self.c.model is not None and self.c.state is not None
+        assert self.host.model is not None and self.host.state is not None
         feed = [encode(i) for i in items]
-        before = self.c.state
+        before = self.host.state
         try:
-            self.c.state, effects = run(self.c.model, before, items)
+            self.host.state, effects = run(self.host.model, before, items)
         except ProtocolError as err:
             what = ", ".join(repr(i) for i in items)
             raise ModelRefused(what, source, err, {"feed": feed}) from None
-        self.c.model_record("core", feed=feed)
-        return Fed(before, self.c.state, effects)
+        self.host.model_record("core", feed=feed)
+        return Fed(before, self.host.state, effects)
 
     def flush_applied(self) -> None:
         """Feed the finished ranks gathered for a step as one ``ApplyStep``."""
-        if self.c.applied is not None:
-            (step, ranks), self.c.applied = self.c.applied, None
+        if self.applied is not None:
+            (step, ranks), self.applied = self.applied, None
             what = f"{len(ranks)} rank(s) finished step {step}"
             self.run([ev.ApplyStep(step, sorted(ranks))], what)
+
+    def gather_applied(self, step: int, rank: int, world: int) -> None:
+        """``rank`` finished ``step``: judged at once (the model's guard of its own
+        ``ApplyStep``; a refusal raises), gathered, and fed with the others once all
+        ``world`` ranks finished (or before anything else is fed)."""
+        assert self.host.model is not None and self.host.state is not None
+        one = ev.ApplyStep(step, (rank,))
+        pending = self.applied
+        if pending is not None and (pending[0] != step or rank in pending[1]):
+            self.flush_applied()
+            pending = None
+        if self.host.model.why_not(self.host.state, one) is not None:
+            self.run([one], f"rank {rank} finished step {step}")  # refused: the job stops
+        if pending is None:
+            pending = self.applied = (step, [])
+        pending[1].append(rank)
+        if len(pending[1]) == world:
+            self.flush_applied()
 
     @contextlib.contextmanager
     def judging(self) -> Iterator[None]:
@@ -130,16 +165,16 @@ class ModelFeeder:
         """The model refused an input: stop the job, naming it (strict), or log it."""
         line = (
             f"the protocol model refused {refused.what} ({refused.source}): {refused.error}; "
-            f"model: {describe(self.c.state)}"
+            f"model: {describe(self.host.state)}"
         )
-        if self.c.opt.strict:
-            self.c.fail(line, **refused.record)
+        if self.strict:
+            self.host.fail(line, **refused.record)
         else:
-            self.c.log.write("model_mismatch", error=line, **refused.record)
+            self.log.write("model_mismatch", error=line, **refused.record)
 
     def try_event(self, e: ev.Event) -> bool:
-        assert self.c.model is not None and self.c.state is not None
-        if self.c.model.why_not(self.c.state, e) is not None:
+        assert self.host.model is not None and self.host.state is not None
+        if self.host.model.why_not(self.host.state, e) is not None:
             return False
         self.feed_event(e)
         return True

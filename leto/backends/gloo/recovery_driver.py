@@ -19,31 +19,32 @@ generation.
 The core picks every next event (:mod:`leto.core.schedule`) and its effects say what
 is sent (:mod:`.commands`, through :meth:`.coordinator.Coordinator.carry_out`); the
 driver only decides when, and waits for what an event needs from the world. Its state (the recovery
-under way, ``rec``; what it waits for, ``wait``; the trainers' reports) lives in the
-coordinator, which the driver holds.
+under way, ``rec``; what it waits for, ``wait``; the trainers' reports; the recoveries
+that ended) is its own; of its coordinator it uses what :class:`RecoveryHost` names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from leto.core import effects as fx
 from leto.core import events as ev
 from leto.core import restart, schedule
 from leto.core.adopt import Retained, adopt
-from leto.core.cluster import ClusterState
+from leto.core.cluster import ClusterModel, ClusterState
+from leto.core.erasure import Topology
 from leto.core.errors import ProtocolError
 from leto.core.recovery import Phase
 from leto.spec.trace import encode
 
 from . import messages as M
-from .model_feed import ModelRefused
+from .commit_record import CommitRecord
+from .eventlog import EventLog
+from .model_feed import Fed, ModelFeeder, ModelRefused
 
-if TYPE_CHECKING:
-    from .coordinator import Coordinator
-
-__all__ = ["Recovery", "RecoveryDriver", "Wait", "failed_what"]
+__all__ = ["Recovery", "RecoveryDriver", "RecoveryHost", "Wait", "failed_what"]
 
 
 @dataclass
@@ -81,16 +82,93 @@ def failed_what(rec: Recovery) -> str:
     return ", ".join(names) or "a process"
 
 
+class RecoveryHost(Protocol):
+    """What the recovery driver uses of its coordinator: the model and its state (the
+    retained truth replaces it), the job's shape and settings, the nodes up, and how
+    commands are sent, the job ends and the training path's gathers are voided."""
+
+    @property
+    def model(self) -> ClusterModel | None: ...
+
+    state: ClusterState | None
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def W(self) -> int: ...
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def info(self) -> dict[str, Any]: ...
+
+    @property
+    def t2_step(self) -> int: ...
+
+    @property
+    def nodes_up(self) -> set[int]: ...
+
+    @property
+    def failed(self) -> str | None: ...
+
+    @property
+    def record(self) -> CommitRecord: ...
+
+    @property
+    def complete(self) -> bool: ...
+
+    def node_of(self, rank: int) -> int: ...
+
+    def send(self, node: int | None, msg: M.Message) -> None: ...
+
+    def carry_out(self, fed: Fed) -> list[M.Message]: ...
+
+    def fail(
+        self, message: str, *, ending: restart.Ending = restart.Ending.FATAL, **fields: Any
+    ) -> None: ...
+
+    def durable(self, write: Callable[[], None]) -> bool: ...
+
+    def model_record(self, name: str, **fields: Any) -> None: ...
+
+    def set_tier2(self, step: int, meta: dict[int, Any]) -> None: ...
+
+    def lost_node(self, node: int, now: float) -> None: ...
+
+    def forget_done(self) -> None: ...
+
+    def forget_gathered(self) -> None: ...
+
+
 class RecoveryDriver:
     """Carries out a gloo job's recoveries for its coordinator (see the module docstring)."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.c = coordinator
+    def __init__(
+        self,
+        host: RecoveryHost,
+        *,
+        log: EventLog,
+        feeder: ModelFeeder,
+        max_recoveries: int,
+    ) -> None:
+        self.host = host
+        self.log = log
+        self.feeder = feeder
+        self.max_recoveries = max_recoveries
+        self.rec: Recovery | None = None  # the recovery under way
+        self.wait: Wait | None = None  # what it waits for from the world
+        self.reports: dict[int, dict[str, Any]] = {}  # the trainers' retained state, by rank
+        self.stopped_at: dict[int, float] = {}  # ranks stopped with no failure reported: since
+        self.asked_shadow: set[tuple[int, int]] = set()  # (rank, generation) shadows asked for
+        self.pids: dict[int, int] = {}  # rank -> its trainer's pid (a promotion's old pid)
+        self.recoveries: list[dict[str, Any]] = []  # those that ended, one record each
 
     def failure(self, msg: dict[str, Any], now: float) -> None:
         """A failure (``msg``: its record, as reported or as the coordinator saw it)."""
-        s = self.c.state
-        assert s is not None and self.c.model is not None
+        s = self.host.state
+        assert s is not None and self.host.model is not None
         kind = msg.get("kind")
         rank = msg.get("rank")
         fault: ev.Event
@@ -102,32 +180,32 @@ class RecoveryDriver:
             fault = ev.Hang(int(rank))  # type: ignore[arg-type]
         else:
             fault = ev.Crash(int(rank))  # type: ignore[arg-type]
-        why = self.c.model.why_not(s, fault)
+        why = self.host.model.why_not(s, fault)
         record = dict(msg)
         record["step"] = s.committed
         record["phase"] = s.phase.value
         if why is not None:
             # e.g. a crash of a rank already dead, or of a process of an old generation
-            self.c.log.write("failure_ignored", **record, why=str(why), refused=encode(fault))
+            self.log.write("failure_ignored", **record, why=str(why), refused=encode(fault))
             return
-        self.c.feeder.run([fault], "a failure report")
-        self.c.log.write("failure", **record, generation=s.gen)
+        self.feeder.run([fault], "a failure report")
+        self.log.write("failure", **record, generation=s.gen)
         if isinstance(fault, ev.LoseNode):
-            self.c.nodes_lost_at.setdefault(fault.node, now)
-        if self.c.rec is None:
-            self.c.rec = Recovery(started=now, from_step=s.committed, phase_start=now)
-        self.c.rec.failures.append(record)
-        if self.c.wait is not None and self.c.wait.what == "promote" and rank is not None:
-            self.c.wait.pending.discard(int(rank))
-        if self.c.wait is not None and kind == "node_lost" and self.c.wait.what == "fence":
-            self.c.wait.pending.discard(int(msg["node"]))
+            self.host.lost_node(fault.node, now)
+        if self.rec is None:
+            self.rec = Recovery(started=now, from_step=s.committed, phase_start=now)
+        self.rec.failures.append(record)
+        if self.wait is not None and self.wait.what == "promote" and rank is not None:
+            self.wait.pending.discard(int(rank))
+        if self.wait is not None and kind == "node_lost" and self.wait.what == "fence":
+            self.wait.pending.discard(int(msg["node"]))
 
     def on_failure(self, msg: M.Failure, now: float) -> None:
-        if self.c.model is None:
+        if self.host.model is None:
             tb = (msg.traceback or "").strip()
             what = msg.detail or msg.kind
             last = tb.splitlines()[-1] if tb else ""
-            self.c.fail(
+            self.host.fail(
                 f"rank {msg.rank} failed before training started ({what})"
                 + (f": {last}" if last else ""),
                 # a process lost (killed, crashed) may succeed when the job starts again
@@ -142,21 +220,21 @@ class RecoveryDriver:
         self.failure(record, now)
 
     def on_stopped(self, msg: M.Stopped, now: float) -> None:
-        s = self.c.state
+        s = self.host.state
         if s is None:
             return
         if (
             msg.reason
-            and self.c._current(msg.gen)
+            and msg.gen == s.gen
             and (s.phase is Phase.RUNNING or self.waits_on(msg.rank, msg.gen))
         ):
-            self.c.stopped_at.setdefault(msg.rank, now)
+            self.stopped_at.setdefault(msg.rank, now)
 
     def waits_on(self, rank: int, gen: int) -> bool:
         """The recovery waits for ``rank``'s report, reconcile or rebuild in ``gen``: a
         step of it that failed there with no failure to explain it (a communicator that
         could not form) leaves the recovery waiting for nothing, unless it restarts."""
-        w = self.c.wait
+        w = self.wait
         return (
             w is not None
             and w.generation == gen
@@ -165,39 +243,49 @@ class RecoveryDriver:
         )
 
     def ack(self, what: str, key: int, gen: int) -> bool:
-        w = self.c.wait
+        w = self.wait
         if w is None or w.what != what or gen != w.generation:
             return False
         w.pending.discard(key)
         return True
 
+    def on_report(self, msg: M.Report) -> None:
+        """A trainer's report of its retained state (kept if the recovery waits for it)."""
+        if self.ack("report", msg.rank, msg.gen):
+            self.reports[msg.rank] = msg.to_wire()
+
+    def shadow_warm(self, rank: int) -> None:
+        """The model took ``rank``'s shadow as warm: a promotion waiting for it may go on."""
+        if self.wait is not None and self.wait.what == "shadow":
+            self.wait.pending.discard(rank)
+
     def on_promoted(self, msg: M.Promoted) -> None:
         """A shadow is its rank's trainer now: the new process replaces the old one (their
         pids in the log: the old one is the trainer that failed)."""
-        if self.ack("promote", msg.rank, msg.gen) and self.c.rec is not None:
-            pids = {"pid": msg.pid, "old_pid": self.c.pids.get(msg.rank)}
+        if self.ack("promote", msg.rank, msg.gen) and self.rec is not None:
+            pids = {"pid": msg.pid, "old_pid": self.pids.get(msg.rank)}
             pids = {k: v for k, v in pids.items() if v is not None}
             if msg.pid is not None:
-                self.c.pids[msg.rank] = msg.pid
-            self.c.rec.promoted.append(
+                self.pids[msg.rank] = msg.pid
+            self.rec.promoted.append(
                 {"rank": msg.rank, "warm": bool(msg.warm), "ms": msg.ms, **pids}
             )
-            self.c.log.write(
+            self.log.write(
                 "promoted",
                 rank=msg.rank,
                 warm=bool(msg.warm),
                 ms=msg.ms,
-                generation=self.c.generation,
+                generation=self.host.generation,
                 **pids,
             )
 
     def on_reconciled(self, msg: M.Reconciled) -> None:
-        if self.ack("reconcile", msg.rank, msg.gen) and self.c.rec is not None:
-            self.c.rec.summaries[msg.rank] = msg.summary
-            self.c.rec.snapshot[msg.rank] = msg.snapshot
+        if self.ack("reconcile", msg.rank, msg.gen) and self.rec is not None:
+            self.rec.summaries[msg.rank] = msg.summary
+            self.rec.snapshot[msg.rank] = msg.snapshot
 
     def _phase(self, name: str, now: float) -> None:
-        rec = self.c.rec
+        rec = self.rec
         if rec is None:
             return
         rec.phases[rec.phase_name] = rec.phases.get(rec.phase_name, 0.0) + (now - rec.phase_start)
@@ -205,7 +293,7 @@ class RecoveryDriver:
         rec.phase_start = now
 
     def _wait(self, what: str, pending: set[int], now: float) -> None:
-        self.c.wait = Wait(what, self.c.generation, set(pending), now)
+        self.wait = Wait(what, self.host.generation, set(pending), now)
 
     def advance(self, now: float) -> None:
         """Carry out the recovery the core schedules (:mod:`leto.core.schedule`).
@@ -214,18 +302,18 @@ class RecoveryDriver:
         from the world (the trainers' acknowledgements, their reports, a warm shadow).
         """
         for _ in range(1000):
-            if self.c.failed is not None or self.c.complete:
+            if self.host.failed is not None or self.host.complete:
                 return
-            s = self.c.state
-            assert s is not None and self.c.model is not None
-            nxt = schedule.next_events(self.c.model, s)
+            s = self.host.state
+            assert s is not None and self.host.model is not None
+            nxt = schedule.next_events(self.host.model, s)
             if not nxt:
                 return
             first = nxt[0]
             if isinstance(first, ev.Detect):
                 self._detect(now)
                 continue
-            if self.c.wait is not None and self.c.wait.pending:
+            if self.wait is not None and self.wait.pending:
                 return
             if isinstance(first, ev.Fence):
                 self._fence(now)
@@ -244,8 +332,8 @@ class RecoveryDriver:
             if isinstance(first, ev.Rebuild):
                 self._log_reconciled(now)
                 self._phase("rebuild", now)
-                self.c.carry_out(self.c.feeder.feed_event(first))  # Rebuild
-                self._wait("rebuild", set(range(self.c.W)), now)
+                self.host.carry_out(self.feeder.feed_event(first))  # Rebuild
+                self._wait("rebuild", set(range(self.host.W)), now)
                 return
             if isinstance(first, ev.Resume):
                 self._resume(now)
@@ -257,57 +345,57 @@ class RecoveryDriver:
         """A deadline passed (the clock is the coordinator's): the core decides what ends
         the recovery under way (``GiveUp``: phase FAILED, effect ``JobFailed``), then the
         job stops with ``message``, one line naming what the recovery still waited for."""
-        s, model = self.c.state, self.c.model
+        s, model = self.host.state, self.host.model
         assert s is not None and model is not None
         fields: dict[str, Any] = {}
         e = schedule.next_event(model, s, overdue=True)
         if isinstance(e, ev.GiveUp):
-            with self.c.feeder.judging():
-                for effect in self.c.feeder.feed_event(e).effects:
+            with self.feeder.judging():
+                for effect in self.feeder.feed_event(e).effects:
                     if isinstance(effect, fx.JobFailed):
                         fields = {"phase": effect.phase, "generation": effect.generation}
-        self.c.fail(message, ending=ending, **fields)
+        self.host.fail(message, ending=ending, **fields)
 
     def _detect(self, now: float) -> None:
-        s = self.c.state
+        s = self.host.state
         assert s is not None
         during = s.phase is not Phase.RUNNING
-        if self.c.rec is None:
-            self.c.rec = Recovery(started=now, from_step=s.committed, phase_start=now)
-        rec = self.c.rec
-        fed = self.c.feeder.feed_event(ev.Detect())
+        if self.rec is None:
+            self.rec = Recovery(started=now, from_step=s.committed, phase_start=now)
+        rec = self.rec
+        fed = self.feeder.feed_event(ev.Detect())
         hopeless = self._hopeless()
         if hopeless is not None:  # the core ends the recovery it has just begun
             self.give_up(*hopeless)
             return
-        self.c.wait = None
-        self.c.done.clear()
-        self.c.stopped_at.clear()  # collective errors seen so far are explained by this failure
+        self.wait = None
+        self.host.forget_done()
+        self.stopped_at.clear()  # collective errors seen so far are explained by this failure
         if during:
             rec.restarts += 1
-            self.c.log.write(
+            self.log.write(
                 "recovery_restart",
                 generation=s.gen,
                 phase=s.phase.value,
                 cause=[f for f in rec.failures[-1:]],
             )
         else:
-            self.c.log.write("recovery_start", generation=s.gen, from_step=s.committed)
+            self.log.write("recovery_start", generation=s.gen, from_step=s.committed)
         self._phase("fence", now)
-        self.c.carry_out(fed)  # Abort
+        self.host.carry_out(fed)  # Abort
 
     def _hopeless(self) -> tuple[str, restart.Ending] | None:
         """Why recovering again cannot help, and how the job ends, or None: too many
         recoveries, or the same exception of the script at the same step in ``REPEATS``
         incarnations in a row (an error of the script, not of the hardware)."""
-        if len(self.c.recoveries) >= self.c.opt.max_recoveries:
+        if len(self.recoveries) >= self.max_recoveries:
             return (
-                f"more than {self.c.opt.max_recoveries} recoveries: giving up",
+                f"more than {self.max_recoveries} recoveries: giving up",
                 restart.Ending.GAVE_UP,
             )
-        rec = self.c.rec
+        rec = self.rec
         assert rec is not None
-        last = [rec.failures] + [r.get("failures", []) for r in reversed(self.c.recoveries)]
+        last = [rec.failures] + [r.get("failures", []) for r in reversed(self.recoveries)]
         seen = [_exception_of(fs) for fs in last[:REPEATS]]
         first = seen[0]
         if len(seen) == REPEATS and first is not None and all(x == first for x in seen):
@@ -331,77 +419,77 @@ class RecoveryDriver:
         return None
 
     def _fence(self, now: float) -> None:
-        s = self.c.state
+        s = self.host.state
         assert s is not None
-        fed = self.c.feeder.feed_event(ev.Fence())
-        gen = self.c.generation
-        if not self.c.durable(lambda: self.c.record.fence(gen)):
+        fed = self.feeder.feed_event(ev.Fence())
+        gen = self.host.generation
+        if not self.host.durable(lambda: self.host.record.fence(gen)):
             return  # the new generation is not recorded: no agent may act on it
-        assert self.c.rec is not None
-        self.c.rec.generation = gen
+        assert self.rec is not None
+        self.rec.generation = gen
         # Fence, with the hung trainers it made stale processes to kill
-        killed = [m.kill for m in self.c.carry_out(fed) if isinstance(m, M.Fence)]
-        self._wait("fence", set(self.c.nodes_up), now)
-        self.c.log.write("fence", generation=gen, stale_killed=killed[0])
+        killed = [m.kill for m in self.host.carry_out(fed) if isinstance(m, M.Fence)]
+        self._wait("fence", set(self.host.nodes_up), now)
+        self.log.write("fence", generation=gen, stale_killed=killed[0])
 
     def _promote(self, nxt: tuple[ev.Event, ...], now: float) -> bool:
         """Carry out the scheduled promotions; True once EndPromote was fed."""
-        s = self.c.state
-        assert s is not None and self.c.model is not None
-        if self.c.wait is not None and self.c.wait.what == "fence":
+        s = self.host.state
+        assert s is not None and self.host.model is not None
+        if self.wait is not None and self.wait.what == "fence":
             for r, stale in enumerate(s.stale):
                 if stale:  # the fence killed it: its writes can no longer happen
-                    self.c.feeder.try_event(ev.StaleWrite(r, 0))
-            self.c.wait = None
+                    self.feeder.try_event(ev.StaleWrite(r, 0))
+            self.wait = None
             self._phase("promote", now)
-            s = self.c.state
+            s = self.host.state
             assert s is not None
-            nxt = schedule.next_events(self.c.model, s)
+            nxt = schedule.next_events(self.host.model, s)
         if any(isinstance(e, ev.EndPromote) for e in nxt):
-            self.c.feeder.feed_event(ev.EndPromote())
+            self.feeder.feed_event(ev.EndPromote())
             self._phase("rejoin", now)  # the new generation's communicator + retained truth
             return True
         sent, needed = set(), set()
         for e in nxt:
             r = e.rank  # type: ignore[attr-defined]
-            if self.c._node_of(r) not in self.c.nodes_up:
+            if self.host.node_of(r) not in self.host.nodes_up:
                 continue  # its node is being replaced
             if isinstance(e, ev.ShadowWarm):
                 # its replacement shadow must be warm first: make sure one is coming
                 # (the shadow's warm report feeds ShadowWarm)
-                if (r, s.gen) not in self.c.asked_shadow:
-                    self.c.asked_shadow.add((r, s.gen))
-                    self.c._send(self.c._node_of(r), M.NeedShadow(rank=r))
+                if (r, s.gen) not in self.asked_shadow:
+                    self.asked_shadow.add((r, s.gen))
+                    self.host.send(self.host.node_of(r), M.NeedShadow(rank=r))
                 needed.add(r)
                 continue
-            self.c.carry_out(self.c.feeder.feed_event(e))  # PromoteRank
+            self.host.carry_out(self.feeder.feed_event(e))  # PromoteRank
             sent.add(r)
         if sent:
             pending = set(sent)
-            if self.c.wait is not None and self.c.wait.what == "promote":
-                pending |= self.c.wait.pending
+            if self.wait is not None and self.wait.what == "promote":
+                pending |= self.wait.pending
             self._wait("promote", pending, now)
         elif needed:
             self._wait("shadow", needed, now)  # until their warm reports
         return False
 
     def _reconcile(self, now: float) -> bool:
-        s = self.c.state
-        assert s is not None and self.c.model is not None
-        if self.c.wait is None or self.c.wait.what not in ("report",):
-            self.c.reports = {}
-            self.c._send(None, M.CallReports(gen=s.gen))
-            self._wait("report", set(range(self.c.W)), now)
+        s = self.host.state
+        assert s is not None and self.host.model is not None
+        if self.wait is None or self.wait.what not in ("report",):
+            self.reports = {}
+            self.host.send(None, M.CallReports(gen=s.gen))
+            self._wait("report", set(range(self.host.W)), now)
             return False
         # every trainer reported: the truth of the retained state replaces the model's
         self._phase("reconcile", now)
-        self.c.state = self._truth(s)
-        s = self.c.state
-        plan = self.c.model.plan(s)
-        fallback = isinstance(schedule.next_event(self.c.model, s), ev.GoFallback)
-        self.c.wait = None
-        if fallback and not self.c.info.get("checkpoint"):
-            self.c.fail(
+        self.host.state = self._truth(s)
+        s = self.host.state
+        plan = self.host.model.plan(s)
+        fallback = isinstance(schedule.next_event(self.host.model, s), ev.GoFallback)
+        self.wait = None
+        if fallback and not self.host.info.get("checkpoint"):
+            self.host.fail(
                 "cannot recover in place: "
                 + plan.reason
                 + ". No checkpoint is configured (set checkpoint_dir in the leto config), "
@@ -409,48 +497,48 @@ class RecoveryDriver:
                 plan=plan.reason,
             )
             return False
-        assert self.c.rec is not None
+        assert self.rec is not None
         if fallback:
-            self.c.feeder.feed_event(ev.GoFallback())
-            self.c.rec.plan = {
+            self.feeder.feed_event(ev.GoFallback())
+            self.rec.plan = {
                 "kind": "ckpt",
                 "target": s.ckpt,  # the latest durable checkpoint
                 "reason": plan.reason,
                 "steps_lost": s.committed - s.ckpt,
                 "repairs": [],
-                "tier2_retaken": bool(self.c.info.get("tier2")),
+                "tier2_retaken": bool(self.host.info.get("tier2")),
             }
             return True
-        fed = self.c.feeder.feed_event(ev.Reconcile())
-        after = self.c.state
+        fed = self.feeder.feed_event(ev.Reconcile())
+        after = self.host.state
         assert after is not None
         # Reconcile, with the plan's repairs (RunRepair)
-        sent = [m for m in self.c.carry_out(fed) if isinstance(m, M.Reconcile)][0]
-        self.c.rec.plan = {
+        sent = [m for m in self.host.carry_out(fed) if isinstance(m, M.Reconcile)][0]
+        self.rec.plan = {
             "kind": after.kind.value,
             "target": after.target,
             "reason": plan.reason,
             "steps_lost": after.loss,
             "repairs": sent.repairs,
             # the tier-2 snapshot is retaken only if it lost blocks (the model's rule)
-            "tier2_retaken": sent.retake_t2 and bool(self.c.info.get("tier2")),
+            "tier2_retaken": sent.retake_t2 and bool(self.host.info.get("tier2")),
         }
-        self._wait("reconcile", set(range(self.c.W)), now)
+        self._wait("reconcile", set(range(self.host.W)), now)
         return False
 
     def _restore_checkpoint(self, now: float) -> None:
-        self.c.carry_out(self.c.feeder.feed_event(ev.RestoreCheckpoint()))  # Reconcile, ckpt
-        self._wait("reconcile", set(range(self.c.W)), now)
+        self.host.carry_out(self.feeder.feed_event(ev.RestoreCheckpoint()))  # Reconcile, ckpt
+        self._wait("reconcile", set(range(self.host.W)), now)
 
     def _truth(self, s: ClusterState) -> ClusterState:
         """The model's state with the retained state as the trainers found it: adopted
         through :func:`leto.core.adopt.adopt` (which refuses what the model cannot have
         come to) and logged as a ``core`` record, so the trace replays it."""
-        assert self.c.model is not None
+        assert self.host.model is not None
         data, undo, grad = [], [], []
         notes = []
-        for r in range(self.c.W):
-            rep = self.c.reports[r]
+        for r in range(self.host.W):
+            rep = self.reports[r]
             d = tuple(map(int, rep["data"]))
             u = tuple(map(int, rep["undo"]))
             g = int(rep["grad"])
@@ -462,8 +550,8 @@ class RecoveryDriver:
             undo.append(u)
             grad.append(g)
         par, gpar = [], []
-        for n in range(self.c.topology.nodes):
-            head = self.c.reports[self.c.topology.ranks_of(n)[0]]
+        for n in range(self.host.topology.nodes):
+            head = self.reports[self.host.topology.ranks_of(n)[0]]
             p = head.get("node_par")
             gp = head.get("node_gpar")
             newp = None if p is None else tuple(tuple(int(v) for v in row) for row in p)
@@ -474,44 +562,46 @@ class RecoveryDriver:
                 )
             par.append(newp)
             gpar.append(newg)
-        t2lost = s.t2lost if self.c.info.get("tier2") else frozenset(range(self.c.topology.nodes))
+        t2lost = (
+            s.t2lost if self.host.info.get("tier2") else frozenset(range(self.host.topology.nodes))
+        )
         retained = Retained(
             data=tuple(data),
             undo=tuple(undo),
             grad=tuple(grad),
             par=tuple(par),
             gpar=tuple(gpar),
-            t2=self.c.t2_step,
+            t2=self.host.t2_step,
             t2lost=t2lost,
         )
         try:
-            after = adopt(self.c.model, s, retained)
+            after = adopt(self.host.model, s, retained)
         except ProtocolError as err:
             what = "the retained state the trainers reported"
             source = f"generation {s.gen}"
             raise ModelRefused(what, source, err, {"adopt": retained.to_record()}) from None
-        self.c.model_record("core", adopt=retained.to_record())
-        if self.c.rec is not None:
-            self.c.rec.truth_notes.extend(notes)
+        self.host.model_record("core", adopt=retained.to_record())
+        if self.rec is not None:
+            self.rec.truth_notes.extend(notes)
         if notes:
-            self.c.log.write("retained_truth", generation=s.gen, differences=notes)
+            self.log.write("retained_truth", generation=s.gen, differences=notes)
         return after
 
     def _log_reconciled(self, now: float) -> None:
-        rec = self.c.rec
+        rec = self.rec
         if rec is None:
             return
         # every rank took the snapshot of the target step: it becomes the tier-2 snapshot
-        s = self.c.state
+        s = self.host.state
         assert s is not None
         snaps = rec.snapshot
         if (
-            self.c.info.get("tier2")
-            and len(snaps) == self.c.W
+            self.host.info.get("tier2")
+            and len(snaps) == self.host.W
             and all(m is not None for m in snaps.values())
         ):
-            self.c.set_tier2(s.target, rec.snapshot)
-            self.c._send(None, M.Tier2(step=s.target, gen=s.gen))
+            self.host.set_tier2(s.target, rec.snapshot)
+            self.host.send(None, M.Tier2(step=s.target, gen=s.gen))
         sums = rec.summaries
         total = {
             k: sum(int(x.get(k, 0)) for x in sums.values())
@@ -531,25 +621,25 @@ class RecoveryDriver:
             k: max((float(x.get(k, 0.0)) for x in sums.values()), default=0.0)
             for k in ("repair_ms", "redundancy_ms")
         }
-        pg = [float(r.get("pg_ms", 0.0)) for r in self.c.reports.values()]
+        pg = [float(r.get("pg_ms", 0.0)) for r in self.reports.values()]
         slowest["communicator_ms"] = max(pg, default=0.0)
-        self.c.log.write("reconciled", generation=self.c.generation, **rec.plan, **total, **slowest)
+        self.log.write(
+            "reconciled", generation=self.host.generation, **rec.plan, **total, **slowest
+        )
         rec.plan.update(total)
         rec.plan["slowest_rank_ms"] = slowest
 
     def _resume(self, now: float) -> None:
-        s = self.c.state
+        s = self.host.state
         assert s is not None
         target = s.target
         self._phase("resume", now)
-        fed = self.c.feeder.feed_event(ev.Resume())
-        self.c.wait = None
-        self.c.carry_out(fed)  # Resume
-        rec = self.c.rec
-        self.c.rec = None
-        self.c.votes.clear()
-        self.c.finished.clear()
-        self.c.snaps.clear()
+        fed = self.feeder.feed_event(ev.Resume())
+        self.wait = None
+        self.host.carry_out(fed)  # Resume
+        rec = self.rec
+        self.rec = None
+        self.host.forget_gathered()
         if rec is None:
             return
         self._phase("done", now)
@@ -567,14 +657,14 @@ class RecoveryDriver:
         }
         if rec.truth_notes:
             entry["truth_notes"] = rec.truth_notes
-        self.c.recoveries.append(entry)
-        self.c.log.write("recovery_end", **entry)
+        self.recoveries.append(entry)
+        self.log.write("recovery_end", **entry)
 
     def waiting_for(self) -> str:
         """What a recovery is waiting for, in words (its timeout's message)."""
-        s = self.c.state
+        s = self.host.state
         assert s is not None
-        w = self.c.wait
+        w = self.wait
         where = f"phase {s.phase.value}, generation {s.gen}"
         if w is None or not w.pending:
             return f"it made no progress ({where})"
