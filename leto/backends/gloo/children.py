@@ -13,33 +13,160 @@ import selectors
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 from . import messages as M
 from . import procs as P
-from .deathwatch import Undecided, quiesced
-from .keeper import spawn_keeper
-from .records import LaunchError, Proc, look
-from .wire import WireError
+from .board import StatusBoard
+from .deathwatch import DeathWatch, Undecided, quiesced
+from .keeper import KeeperHandle, spawn_keeper
+from .records import AgentOptions, LaunchError, Proc, look
+from .wire import Conn, WireError
 
-if TYPE_CHECKING:
-    from .agent import Agent
-
-__all__ = ["QUIESCE_WAIT", "Children"]
+__all__ = ["QUIESCE_WAIT", "Children", "ChildrenHost"]
 
 #: how long the agent waits for a dying process's threads to lose their address space
 #: once its main thread died, before it leaves the death to the pidfd
 QUIESCE_WAIT = 0.05
 
 
+class ChildRouting(Protocol):
+    """What the node's processes use of the agent's routing."""
+
+    def to_coord(self, msg: M.Message) -> None: ...
+
+    def claim(self, p: Proc) -> None: ...
+
+    def drain_proc(self, p: Proc) -> None: ...
+
+    def drop_conn(self, conn: Conn) -> None: ...
+
+
+class ChildShadows(Protocol):
+    """What the node's processes use of its shadows: a shadow wanted again, or given up."""
+
+    def ensure(self, lr: int, *, force: bool = False) -> None: ...
+
+    def degrade(self, lr: int, rank: int, why: str) -> None: ...
+
+
+class ChildSupervisor(Protocol):
+    """The node's end: checked when a process of it ends."""
+
+    def check_node_finished(self) -> None: ...
+
+
+class ChildrenHost(Protocol):
+    """What the node's processes use of their agent: the job's and node's shape and
+    places, its selector, deathwatch and zygote, the tables of its processes (held in
+    place), the counters a spawn or fence moves on, and the parts they report to."""
+
+    @property
+    def o(self) -> AgentOptions: ...
+
+    @property
+    def node(self) -> int: ...
+
+    @property
+    def nproc(self) -> int: ...
+
+    @property
+    def W(self) -> int: ...
+
+    @property
+    def local_ranks(self) -> range: ...
+
+    def rank(self, lr: int) -> int: ...
+
+    @property
+    def who(self) -> str: ...
+
+    def say(self, text: str) -> None: ...
+
+    @property
+    def job(self) -> str: ...
+
+    @property
+    def run_dir(self) -> Path: ...
+
+    @property
+    def logs(self) -> Path: ...
+
+    @property
+    def umask(self) -> int: ...
+
+    @property
+    def agent_socket(self) -> str: ...
+
+    @property
+    def sel(self) -> selectors.BaseSelector: ...
+
+    @property
+    def deathwatch(self) -> DeathWatch: ...
+
+    @property
+    def zygote(self) -> Any: ...
+
+    generation: int
+    incarnation: int
+    recovering: bool
+    told_unprotected: bool
+
+    @property
+    def stop(self) -> bool: ...
+
+    @property
+    def complete(self) -> bool: ...
+
+    @property
+    def keepers(self) -> dict[int, KeeperHandle]: ...
+
+    @property
+    def trainer(self) -> dict[int, Proc | None]: ...
+
+    @property
+    def shadow(self) -> dict[int, Proc | None]: ...
+
+    @property
+    def shadow_state(self) -> dict[int, str]: ...
+
+    @property
+    def shadow_failures(self) -> dict[int, int]: ...
+
+    @property
+    def degraded(self) -> dict[int, str]: ...
+
+    @property
+    def asked(self) -> set[int]: ...
+
+    @property
+    def spawns(self) -> dict[int, dict[str, Any]]: ...
+
+    @property
+    def by_pid(self) -> dict[int, Proc]: ...
+
+    @property
+    def unclaimed_boards(self) -> dict[int, StatusBoard | None]: ...
+
+    @property
+    def routing(self) -> ChildRouting: ...
+
+    @property
+    def shadows(self) -> ChildShadows: ...
+
+    @property
+    def supervisor(self) -> ChildSupervisor: ...
+
+
 class Children:
     """Spawning, reaping and fencing the node's processes and keepers."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.a = agent
+    def __init__(self, agent: ChildrenHost) -> None:
+        self.agent = agent
 
     def start_keeper(self, lr: int) -> None:
-        a = self.a
+        a = self.agent
         h = spawn_keeper(a.rank(lr), a.job, tag=str(a.run_dir))
         a.routing.to_coord(M.Started(role="keeper", pid=h.pid, rank=a.rank(lr)))
         if a.generation:
@@ -52,7 +179,7 @@ class Children:
     ) -> None:
         """Fork a trainer or a shadow of ``lr``; a *cold* shadow (one to be promoted at
         once) keeps its parameters instead of building a skeleton."""
-        a = self.a
+        a = self.agent
         cold = role == "shadow" and (cold or promote_gen is not None)
         a.incarnation += 1
         rank = a.rank(lr)
@@ -129,7 +256,7 @@ class Children:
             a.shadow_state[lr] = "spawning"
 
     def on_zygote(self) -> None:
-        a = self.a
+        a = self.agent
         alive = a.zygote.conn.feed()
         for msg, fds in a.zygote.conn.messages():
             op = msg.get("op")
@@ -182,7 +309,7 @@ class Children:
     def unprotected(self, msg: M.Unprotected) -> None:
         """A trainer's script runs without ``leto.wrap`` (:mod:`.unwrapped`): one line on
         this node's console, also with ``--quiet`` (the first rank's), and the event log."""
-        a = self.a
+        a = self.agent
         if not a.told_unprotected:
             a.told_unprotected = True
             print(
@@ -201,8 +328,8 @@ class Children:
         ``/proc``, before the kernel has torn its memory down and the pidfd says so.
         One that does not get there in :data:`QUIESCE_WAIT` seconds (a main thread that
         exited alone, or a slow exit) is left to its pidfd."""
-        for pid in self.a.deathwatch.pids():
-            p = self.a.by_pid.get(pid)
+        for pid in self.agent.deathwatch.pids():
+            p = self.agent.by_pid.get(pid)
             # a process the agent killed (fencing, reclaiming, the end) is no news
             if p is None or p.dead_at is not None or p.expected_exit or P.readable(p.pidfd):
                 continue
@@ -215,14 +342,14 @@ class Children:
             except Undecided:
                 continue
             if code is not None:
-                self.a.routing.drain_proc(p)
+                self.agent.routing.drain_proc(p)
                 p.exited, p.seen_by = code, "deathwatch"
                 self.on_pidfd(p)
 
     def on_pidfd(self, p: Proc) -> None:
         if p.dead_at is not None:  # seen already (deathwatch): its pidfd is closed
             return
-        a = self.a
+        a = self.agent
         a.sel.unregister(p.pidfd)
         p.dead_at = time.monotonic()
         if a.trainer.get(p.local_rank) is p and not p.expected_exit:
@@ -231,7 +358,7 @@ class Children:
             self.finalize_exit(p)
 
     def finalize_exit(self, p: Proc) -> None:
-        a = self.a
+        a = self.agent
         if p.pid not in a.by_pid:
             return
         del a.by_pid[p.pid]
@@ -336,7 +463,7 @@ class Children:
 
     def keeper(self, lr: int, op: str, *args: int) -> None:
         """``fence``/``admit`` on the keeper of ``lr``; a keeper found dead is handled now."""
-        a = self.a
+        a = self.agent
         for _ in range(3):
             h = a.keepers[lr]
             try:
@@ -351,7 +478,7 @@ class Children:
         raise LaunchError(f"the keeper of rank {a.rank(lr)} keeps failing")
 
     def on_keeper_dead(self, lr: int) -> None:
-        a = self.a
+        a = self.agent
         h = a.keepers[lr]
         a.sel.unregister(h.pidfd)
         code = h.proc.wait()
@@ -382,7 +509,7 @@ class Children:
         ``LoseMemory``); the recovery copies its chunks and its optimizer's and
         scheduler's state from ``source`` (:mod:`.follow`). No failure is reported: the
         coordinator saw it first."""
-        a = self.a
+        a = self.agent
         rank = a.rank(lr)
         a.say(
             f"rank {rank}'s retained state differs from its replicas' after step {step}: "
@@ -397,7 +524,7 @@ class Children:
         self.start_keeper(lr)
 
     def fence(self, gen: int, kill: list[int]) -> None:
-        a = self.a
+        a = self.agent
         a.generation = gen
         killed = []
         for r in kill:

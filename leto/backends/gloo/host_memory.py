@@ -8,21 +8,29 @@ segments."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import segments
 
-if TYPE_CHECKING:
-    from .agent import Agent
+__all__ = ["HostMemory", "MemoryHost"]
 
-__all__ = ["HostMemory"]
+
+class MemoryHost(Protocol):
+    """What a node's memory uses of its agent: the names its segments take (the job and
+    the node, both known only once the agent joined the job)."""
+
+    @property
+    def job(self) -> str: ...
+
+    @property
+    def node(self) -> int: ...
 
 
 class HostMemory:
     """A node's process states, prepare records, node segments and snapshot slots."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.a = agent
+    def __init__(self, agent: MemoryHost) -> None:
+        self.agent = agent
         self.node_segments: dict[str, tuple[int, int]] = {}
         self.ps: dict[int, dict[int, str]] = {}
         self.pending: dict[int, str] = {}
@@ -50,7 +58,7 @@ class HostMemory:
         to a ``node_segment`` request and the descriptor that goes with it."""
         have = self.node_segments.get(name)
         if have is None:
-            fd = segments.create(f"leto-{self.a.job}-node{self.a.node}-{name}", nbytes)
+            fd = segments.create(f"leto-{self.agent.job}-node{self.agent.node}-{name}", nbytes)
             have = (fd, nbytes)
             self.node_segments[name] = have
         if have[1] != nbytes:

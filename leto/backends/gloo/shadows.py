@@ -14,27 +14,106 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from . import messages as M
 from . import procs as P
-from .records import Proc
+from .keeper import KeeperHandle
+from .records import AgentOptions, Proc
 
-if TYPE_CHECKING:
-    from .agent import Agent
+__all__ = ["Shadows", "ShadowsHost"]
 
-__all__ = ["Shadows"]
+
+class ShadowChildren(Protocol):
+    """What the shadows use of the node's processes: spawn, kill, and tell a keeper."""
+
+    def spawn(
+        self, lr: int, role: str, promote_gen: int | None = None, *, cold: bool = False
+    ) -> None: ...
+
+    def kill(self, p: Proc, *, wait: float = 5.0) -> None: ...
+
+    def keeper(self, lr: int, op: str, *args: int) -> None: ...
+
+
+class ShadowRouting(Protocol):
+    """Where the shadows' messages go: to a process, to the coordinator."""
+
+    def send_proc(self, p: Proc, msg: M.Message) -> None: ...
+
+    def to_coord(self, msg: M.Message) -> None: ...
+
+
+class ShadowsHost(Protocol):
+    """What the shadows use of their agent: its options, the node's ranks, their trainers,
+    shadows and keepers (the tables held in place), the generation (a promotion's fence
+    moves it on) and whether the shadows' memory was reclaimed, and the agent's state."""
+
+    @property
+    def o(self) -> AgentOptions: ...
+
+    @property
+    def node(self) -> int: ...
+
+    @property
+    def local_ranks(self) -> range: ...
+
+    def rank(self, lr: int) -> int: ...
+
+    def say(self, text: str) -> None: ...
+
+    generation: int
+    reclaimed: bool
+
+    @property
+    def recovering(self) -> bool: ...
+
+    @property
+    def stop(self) -> bool: ...
+
+    @property
+    def complete(self) -> bool: ...
+
+    @property
+    def trainer(self) -> dict[int, Proc | None]: ...
+
+    @property
+    def shadow(self) -> dict[int, Proc | None]: ...
+
+    @property
+    def shadow_state(self) -> dict[int, str]: ...
+
+    @property
+    def shadow_failures(self) -> dict[int, int]: ...
+
+    @property
+    def degraded(self) -> dict[int, str]: ...
+
+    @property
+    def asked(self) -> set[int]: ...
+
+    @property
+    def spawns(self) -> dict[int, dict[str, Any]]: ...
+
+    @property
+    def keepers(self) -> dict[int, KeeperHandle]: ...
+
+    @property
+    def children(self) -> ShadowChildren: ...
+
+    @property
+    def routing(self) -> ShadowRouting: ...
 
 
 class Shadows:
     """Ensure, promote, degrade and reclaim the node's shadows."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.a = agent
+    def __init__(self, agent: ShadowsHost) -> None:
+        self.agent = agent
         self.after_recovery: set[int] = set()  # local ranks to re-warm once training resumes
 
     def promote(self, lr: int, gen: int) -> None:
-        a = self.a
+        a = self.agent
         sh = a.shadow.get(lr)
         a.children.keeper(lr, "fence", max(gen, a.generation))
         a.generation = max(gen, a.generation)
@@ -49,7 +128,7 @@ class Shadows:
         a.children.spawn(lr, "shadow", promote_gen=gen)
 
     def promote_now(self, sh: Proc, gen: int, *, warm: bool) -> None:
-        a = self.a
+        a = self.agent
         lr = sh.local_rank
         if not warm and sh.promote_started == 0.0:
             sh.promote_started = time.monotonic()
@@ -85,7 +164,7 @@ class Shadows:
         """A shadow for ``lr`` if it has none (not while shadows are reclaimed, unless the
         coordinator needs one to promote: ``force``). Without shadows (``--no-shadows``,
         or a rank whose skeleton could not be built) only ``force`` starts one, cold."""
-        a = self.a
+        a = self.agent
         starting = any(sp["lr"] == lr and sp["role"] == "shadow" for sp in a.spawns.values())
         on_demand = not a.o.shadows or lr in a.degraded
         if (
@@ -99,7 +178,7 @@ class Shadows:
 
     def degrade(self, lr: int, rank: int, why: str) -> None:
         """The shadow of ``lr`` could not be built: say so now; its rank runs without one."""
-        a = self.a
+        a = self.agent
         a.degraded[lr] = why
         print(
             f"leto[node {a.node}]: warning: the shadow of rank {rank} could not be built "
@@ -110,7 +189,7 @@ class Shadows:
         )
 
     def reclaim(self, lr: int, reason: str) -> None:
-        a = self.a
+        a = self.agent
         sh = a.shadow.get(lr)
         if sh is None or sh.promote_gen is not None:
             return
@@ -121,7 +200,7 @@ class Shadows:
 
     def needed(self, lr: int) -> None:
         """The coordinator needs a shadow of ``lr`` (to promote it): one, even cold."""
-        a = self.a
+        a = self.agent
         sh = a.shadow.get(lr)
         if sh is not None and sh.status == "warm":  # (its report may have been refused)
             a.routing.to_coord(M.Shadow(rank=sh.rank, state="warm"))
@@ -131,7 +210,7 @@ class Shadows:
 
     def on_warm(self, p: Proc, now: float) -> None:
         """A shadow is warm: promote it if it was started for that, else report it."""
-        a = self.a
+        a = self.agent
         p.status = "warm"
         p.hb = now
         lr = p.local_rank
@@ -149,7 +228,7 @@ class Shadows:
 
     def on_promoted(self, p: Proc, now: float) -> None:
         """A promoted shadow runs as the trainer of its rank."""
-        a = self.a
+        a = self.agent
         if p.promote_gen is None:
             return  # not a process this agent promoted
         p.status = "running"
@@ -164,7 +243,7 @@ class Shadows:
     def budget(self, budget: int) -> None:
         """Shadows go cold while the trainers' memory is over ``budget`` bytes, and warm
         again once it is under 90 % of it (and no recovery is under way)."""
-        a = self.a
+        a = self.agent
         each = [P.rss_bytes(p.pid) for p in a.trainer.values() if p is not None]
         used = sum(each)
         if not a.reclaimed and used > budget:
