@@ -20,8 +20,9 @@ from . import messages as M
 from . import procs as P
 from .board import StatusBoard
 from .deathwatch import DeathWatch, Undecided, quiesced
-from .keeper import KeeperHandle, spawn_keeper
-from .records import AgentOptions, LaunchError, Proc, look
+from .keeper import spawn_keeper
+from .node_tables import NodeTables
+from .records import LaunchError, Proc, look
 from .wire import Conn, WireError
 
 __all__ = ["QUIESCE_WAIT", "Children", "ChildrenHost"]
@@ -57,16 +58,10 @@ class ChildSupervisor(Protocol):
     def check_node_finished(self) -> None: ...
 
 
-class ChildrenHost(Protocol):
+class ChildrenHost(NodeTables, Protocol):
     """What the node's processes use of their agent: the job's and node's shape and
     places, its selector, deathwatch and zygote, the tables of its processes (held in
     place), the counters a spawn or fence moves on, and the parts they report to."""
-
-    @property
-    def o(self) -> AgentOptions: ...
-
-    @property
-    def node(self) -> int: ...
 
     @property
     def nproc(self) -> int: ...
@@ -75,14 +70,7 @@ class ChildrenHost(Protocol):
     def W(self) -> int: ...
 
     @property
-    def local_ranks(self) -> range: ...
-
-    def rank(self, lr: int) -> int: ...
-
-    @property
     def who(self) -> str: ...
-
-    def say(self, text: str) -> None: ...
 
     @property
     def job(self) -> str: ...
@@ -112,36 +100,6 @@ class ChildrenHost(Protocol):
     incarnation: int
     recovering: bool
     told_unprotected: bool
-
-    @property
-    def stop(self) -> bool: ...
-
-    @property
-    def complete(self) -> bool: ...
-
-    @property
-    def keepers(self) -> dict[int, KeeperHandle]: ...
-
-    @property
-    def trainer(self) -> dict[int, Proc | None]: ...
-
-    @property
-    def shadow(self) -> dict[int, Proc | None]: ...
-
-    @property
-    def shadow_state(self) -> dict[int, str]: ...
-
-    @property
-    def shadow_failures(self) -> dict[int, int]: ...
-
-    @property
-    def degraded(self) -> dict[int, str]: ...
-
-    @property
-    def asked(self) -> set[int]: ...
-
-    @property
-    def spawns(self) -> dict[int, dict[str, Any]]: ...
 
     @property
     def by_pid(self) -> dict[int, Proc]: ...

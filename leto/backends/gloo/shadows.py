@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 from . import messages as M
 from . import procs as P
-from .keeper import KeeperHandle
-from .records import AgentOptions, Proc
+from .node_tables import NodeTables
+from .records import Proc
 
 __all__ = ["Shadows", "ShadowsHost"]
 
@@ -44,59 +44,16 @@ class ShadowRouting(Protocol):
     def to_coord(self, msg: M.Message) -> None: ...
 
 
-class ShadowsHost(Protocol):
+class ShadowsHost(NodeTables, Protocol):
     """What the shadows use of their agent: its options, the node's ranks, their trainers,
     shadows and keepers (the tables held in place), the generation (a promotion's fence
     moves it on) and whether the shadows' memory was reclaimed, and the agent's state."""
-
-    @property
-    def o(self) -> AgentOptions: ...
-
-    @property
-    def node(self) -> int: ...
-
-    @property
-    def local_ranks(self) -> range: ...
-
-    def rank(self, lr: int) -> int: ...
-
-    def say(self, text: str) -> None: ...
 
     generation: int
     reclaimed: bool
 
     @property
     def recovering(self) -> bool: ...
-
-    @property
-    def stop(self) -> bool: ...
-
-    @property
-    def complete(self) -> bool: ...
-
-    @property
-    def trainer(self) -> dict[int, Proc | None]: ...
-
-    @property
-    def shadow(self) -> dict[int, Proc | None]: ...
-
-    @property
-    def shadow_state(self) -> dict[int, str]: ...
-
-    @property
-    def shadow_failures(self) -> dict[int, int]: ...
-
-    @property
-    def degraded(self) -> dict[int, str]: ...
-
-    @property
-    def asked(self) -> set[int]: ...
-
-    @property
-    def spawns(self) -> dict[int, dict[str, Any]]: ...
-
-    @property
-    def keepers(self) -> dict[int, KeeperHandle]: ...
 
     @property
     def children(self) -> ShadowChildren: ...
