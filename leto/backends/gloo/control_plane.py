@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from . import auth
 from . import messages as M
 from .commit_record import EtcdRecord, RecordError
 from .election import Election
 from .etcdstore import EtcdStore, StoreError
-from .records import LaunchError
-
-if TYPE_CHECKING:
-    from .agent import Agent
+from .records import AgentOptions, LaunchError, Proc
 
 __all__ = ["ETCD_LEASE_TTL", "PRESENT", "ControlPlane"]
 
@@ -40,11 +38,115 @@ ETCD_LEASE_TTL = 15  # seconds: an agent's lease in etcd (kept alive each 3 s)
 PRESENT = "a/"  # a/<node>: the node's agent lives (under its lease)
 
 
+class PlaneSupervisor(Protocol):
+    """How the control plane has its agent join, serve and leave the job."""
+
+    def join_job(self) -> M.Welcome | M.Pooled: ...
+
+    def drop_coord(self) -> None: ...
+
+    def serve(self) -> dict[str, Any]: ...
+
+    def unserve(self) -> None: ...
+
+    def start_coordinator(self, *, continued: bool = False) -> None: ...
+
+    def need_secret(self) -> None: ...
+
+
+class PlaneRouting(Protocol):
+    """What the control plane sends through its agent's routing."""
+
+    def send_proc(self, p: Proc, msg: M.Message) -> None: ...
+
+    def flush_coord(self) -> None: ...
+
+    def assign_spares(self, now: float) -> None: ...
+
+
+class PlaneCoordinator(Protocol):
+    """What the control plane tells the coordinator it took over."""
+
+    def take_over(self, records: list[dict[str, Any]], kept: dict[str, dict[str, Any]]) -> None: ...
+
+    def node_up(self, node: int, *, spare: bool, now: float) -> None: ...
+
+    def node_down(self, node: int, now: float, why: str = "agent link closed") -> None: ...
+
+    def tell_tier2(self, node: int) -> None: ...
+
+
+class PlaneHost(Protocol):
+    """What the control plane uses of its agent: who it is and where it runs, its state
+    in etcd (the store, the election, the commit record: set here), the leader it
+    follows and the nodes that must rejoin it, and the parts it drives."""
+
+    @property
+    def o(self) -> AgentOptions: ...
+
+    @property
+    def node(self) -> int: ...
+
+    @property
+    def who(self) -> str: ...
+
+    def say(self, text: str) -> None: ...
+
+    @property
+    def job(self) -> str: ...
+
+    @property
+    def run_dir(self) -> Path: ...
+
+    @property
+    def pooled(self) -> bool: ...
+
+    @property
+    def failed(self) -> str | None: ...
+
+    @property
+    def complete(self) -> bool: ...
+
+    @property
+    def leader_node(self) -> int | None: ...
+
+    @property
+    def store(self) -> Any: ...
+
+    @property
+    def trainer(self) -> dict[int, Proc | None]: ...
+
+    @property
+    def shadow(self) -> dict[int, Proc | None]: ...
+
+    secret: bytes | None
+    generation: int
+    spare_id: int | None
+    etcd: EtcdStore | None
+    election: Election | None
+    etcd_refreshed: float
+    record: EtcdRecord | None
+    leader_info: dict[str, Any] | None
+    joined: set[int]
+    lost_leader: int | None
+    rejoin: set[int]
+    rejoin_by: float
+
+    @property
+    def supervisor(self) -> PlaneSupervisor: ...
+
+    @property
+    def routing(self) -> PlaneRouting: ...
+
+    @property
+    def coord(self) -> PlaneCoordinator | None: ...
+
+
 class ControlPlane:
     """See the module docstring: one per agent (``agent.control``)."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.a = agent
+    def __init__(self, agent: PlaneHost) -> None:
+        self.agent = agent
         self.leads = False  # node 0: the job's start (not a replacement for a lost node 0)
 
     def first_of_job(self) -> bool:
@@ -52,7 +154,7 @@ class ControlPlane:
         agent of it holds its presence ``a/<node>`` in etcd: this node 0 replaces a lost
         one, and joins)? The job's secret: the environment's, or the run directory's of
         the running job, or (the job's start) a new one, written to RUN_DIR/secret."""
-        a = self.a
+        a = self.agent
         env = a.secret is not None
         if a.secret is None and (a.run_dir / auth.FILE).exists():
             try:
@@ -82,7 +184,7 @@ class ControlPlane:
         """With etcd, a node's agent (not a pooled spare) holds ``a/<node>`` under its
         own lease (:meth:`keep_lease`) while it lives: a node 0 that starts while
         the job runs joins it instead of starting another; and it can campaign."""
-        a = self.a
+        a = self.agent
         if a.etcd is None:
             return
         try:
@@ -98,12 +200,12 @@ class ControlPlane:
     def _fault_key(self, fault: str) -> str:
         """Where the claim of the plan's fault ``fault`` lives: in etcd (it outlives
         every node), or on the job's TCPStore."""
-        a = self.a
+        a = self.agent
         return f"r/fault/{fault}" if a.etcd is not None else f"leto/{a.job}/fault/{fault}"
 
     def claim_fault(self, fault: str) -> bool:
         """The first claim of the plan's fault ``fault`` in this job (it fires then)."""
-        a = self.a
+        a = self.agent
         key = self._fault_key(fault)
         try:
             if a.etcd is not None:
@@ -115,7 +217,7 @@ class ControlPlane:
     def fired(self, fault: str) -> bool:
         """Has the plan's fault ``fault`` been claimed in this job (a restart marks it
         claimed in the next one)?"""
-        a = self.a
+        a = self.agent
         key = self._fault_key(fault)
         try:
             if a.etcd is not None:
@@ -134,7 +236,7 @@ class ControlPlane:
         (:class:`~.messages.StoreAt`); a pooled spare waits for the new leader and joins
         its pool. Without etcd, or when no coordinator comes back within
         --rdzv-timeout, the job ends here."""
-        a = self.a
+        a = self.agent
         old = a.leader_info
         if a.o.etcd and a.pooled and old is not None:
             self.repool(old)
@@ -177,6 +279,7 @@ class ControlPlane:
                     )
                 a.generation = max(a.generation, answer.gen)
                 self.store_moved()
+                assert a.leader_info is not None  # joining the job read it
                 a.say(f"rejoined the job at its new coordinator {a.leader_info.get('coordinator')}")
                 return
         except StoreError as e:
@@ -185,7 +288,7 @@ class ControlPlane:
     def repool(self, old: dict[str, Any]) -> None:
         """A pooled spare whose coordinator was lost: once another agent leads (the job's
         record names another coordinator), it joins that one's pool."""
-        a = self.a
+        a = self.agent
         assert a.etcd is not None
         a.supervisor.drop_coord()
         deadline = time.monotonic() + a.o.rdzv_timeout
@@ -206,7 +309,8 @@ class ControlPlane:
         if not isinstance(answer, M.Pooled):
             raise LaunchError("the new coordinator did not take this spare into its pool")
         a.spare_id = answer.spare_id
-        a.say(f"back in the spare pool, at the new coordinator {a.leader_info.get('coordinator')}")  # type: ignore[union-attr]
+        assert a.leader_info is not None  # joining the job read it
+        a.say(f"back in the spare pool, at the new coordinator {a.leader_info.get('coordinator')}")
 
     def take_over(self, old: dict[str, Any]) -> None:
         """This agent won the election: the commit record taken over from etcd (the
@@ -214,7 +318,7 @@ class ControlPlane:
         take_over`); the other nodes rejoin, and the predecessor's node, whose agent
         is gone with its trainers, is lost (:meth:`.Coordinator.node_down`): the
         coordinator recovers from that as from any node's loss."""
-        a = self.a
+        a = self.agent
         o = a.o
         a.record = EtcdRecord(a.etcd)  # type: ignore[arg-type]
         try:
@@ -245,7 +349,7 @@ class ControlPlane:
     def settle_rejoin(self, now: float) -> None:
         """Once every other live node has rejoined (or --rdzv-timeout has passed: those
         that did not are lost too), the predecessor's node is lost."""
-        a = self.a
+        a = self.agent
         assert a.coord is not None
         if a.lost_leader is None:
             return
@@ -261,14 +365,14 @@ class ControlPlane:
 
     def store_moved(self) -> None:
         """This node's processes connect to the job's TCPStore where it is now."""
-        a = self.a
+        a = self.agent
         for p in [*a.trainer.values(), *a.shadow.values()]:
             if p is not None:
                 a.routing.send_proc(p, M.StoreAt(host=a.o.rdzv_host, port=a.o.rdzv_port))
 
     def open(self) -> None:
         """The job's etcd store (:mod:`.etcdstore`), signed with the job's secret."""
-        a = self.a
+        a = self.agent
         o = a.o
         a.supervisor.need_secret()
         assert a.secret is not None
@@ -284,7 +388,7 @@ class ControlPlane:
         another node 0 with the same id is refused while this one lives), clear what an
         earlier job of the id left, publish the rendezvous and start the commit record
         (:class:`.commit_record.EtcdRecord`)."""
-        a = self.a
+        a = self.agent
         assert a.etcd is not None
         try:
             a.election = Election(a.etcd, ETCD_LEASE_TTL)
@@ -302,7 +406,7 @@ class ControlPlane:
     def job_record(self) -> dict[str, Any]:
         """A node other than 0, or a spare: the job's rendezvous record, once node 0 has
         published it (within --rdzv-timeout), checked (signed with the job's secret)."""
-        a = self.a
+        a = self.agent
         assert a.etcd is not None
         deadline = time.monotonic() + a.o.rdzv_timeout
         while True:
@@ -332,7 +436,7 @@ class ControlPlane:
     def keep_lease(self, now: float) -> None:
         """Keep this agent's lease (its presence; the leader's, the job's id) alive; a
         lease etcd let expire stops this agent in one line (another could take its role)."""
-        a = self.a
+        a = self.agent
         if a.election is None or now - a.etcd_refreshed < ETCD_LEASE_TTL / 5:
             return
         try:
@@ -345,7 +449,7 @@ class ControlPlane:
         """The job's end: every agent gives its lease back (the leader's holds the job's
         id), and the leader, after a job that completed, deletes the job's keys; the
         commit record of a failed job is kept."""
-        a = self.a
+        a = self.agent
         if a.etcd is None:
             return
         try:

@@ -86,7 +86,8 @@ def steady_heap() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    return mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and ok
+    mapped = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)  # ctypes: untyped
+    return mapped and ok
 
 
 PARENT_ENV = "LETO_PARENT_PID"
