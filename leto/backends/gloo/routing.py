@@ -14,7 +14,7 @@ import selectors
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -22,13 +22,14 @@ from . import auth
 from . import messages as M
 from . import procs as P
 from .board import MUTEX_AT, SIZE, StatusBoard
-from .records import LaunchError, Link, Proc, ProcConn, note
+from .coordinator import Coordinator
+from .deathwatch import DeathWatch
+from .eventlog import EventLog
+from .host_memory import HostMemory
+from .records import AgentOptions, LaunchError, Link, Proc, ProcConn, note
 from .wire import MAX_FRAME, Conn, WireError, check_peer
 
-if TYPE_CHECKING:
-    from .agent import Agent
-
-__all__ = ["Routing"]
+__all__ = ["Routing", "RoutingHost"]
 
 # what the coordinator says that the trainers act on (the agent passes it on)
 TO_TRAINERS = (
@@ -49,14 +50,171 @@ HELD_MAX = 256  # messages held for a process whose spawn report has not been re
 REFUSALS_LOGGED = 100
 
 
+class RoutedChildren(Protocol):
+    """What the coordinator's messages ask of the node's processes."""
+
+    def discard(self, lr: int, source: int, step: int) -> None: ...
+
+    def fence(self, gen: int, kill: list[int]) -> None: ...
+
+    def unprotected(self, msg: M.Unprotected) -> None: ...
+
+
+class RoutedShadows(Protocol):
+    """What the messages of the coordinator and the processes ask of the shadows."""
+
+    def promote(self, lr: int, gen: int) -> None: ...
+
+    def needed(self, lr: int) -> None: ...
+
+    def on_warm(self, p: Proc, now: float) -> None: ...
+
+    def on_promoted(self, p: Proc, now: float) -> None: ...
+
+    def resumed(self) -> None: ...
+
+
+class RoutedSupervisor(Protocol):
+    """The node's start, and a spare's place in the job, as messages decide them."""
+
+    def go(self, spare: bool = False) -> None: ...
+
+    def take_place(self, node: int, gen: int, nnodes: int | None, *, start: bool) -> None: ...
+
+    def elastic(self) -> bool: ...
+
+
+class RoutedControl(Protocol):
+    """What routing asks of the control plane: a fault's claim, a leader's loss or rejoin."""
+
+    def claim_fault(self, fault: str) -> bool: ...
+
+    def coordinator_lost(self) -> None: ...
+
+    def settle_rejoin(self, now: float) -> None: ...
+
+
+class RoutingHost(Protocol):
+    """What routing uses of its agent: who it is and the job's shape, its sockets, links
+    and connections (held in place), its processes' tables, the state the coordinator's
+    messages change (stop, complete, failed, restart, generation, recovering), and the
+    parts and the coordinator it hands messages to."""
+
+    @property
+    def o(self) -> AgentOptions: ...
+
+    @property
+    def node(self) -> int: ...
+
+    @property
+    def nproc(self) -> int: ...
+
+    @property
+    def W(self) -> int: ...
+
+    @property
+    def who(self) -> str: ...
+
+    def say(self, text: str) -> None: ...
+
+    @property
+    def pooled(self) -> bool: ...
+
+    @property
+    def started(self) -> bool: ...
+
+    @property
+    def secret(self) -> bytes | None: ...
+
+    @property
+    def lost_leader(self) -> int | None: ...
+
+    @property
+    def rejoin(self) -> set[int]: ...
+
+    @property
+    def joined(self) -> set[int]: ...
+
+    stop: bool
+    complete: bool
+    failed: str | None
+    restart: int | None
+    generation: int
+    recovering: bool
+    refusals: int
+
+    @property
+    def sel(self) -> selectors.BaseSelector: ...
+
+    @property
+    def deathwatch(self) -> DeathWatch: ...
+
+    @property
+    def zygote(self) -> Any: ...
+
+    @property
+    def listener(self) -> socket.socket | None: ...
+
+    @property
+    def agent_listener(self) -> socket.socket | None: ...
+
+    @property
+    def log(self) -> EventLog | None: ...
+
+    @property
+    def trainer(self) -> dict[int, Proc | None]: ...
+
+    @property
+    def by_pid(self) -> dict[int, Proc]: ...
+
+    @property
+    def unclaimed(self) -> dict[int, ProcConn]: ...
+
+    @property
+    def unclaimed_boards(self) -> dict[int, StatusBoard | None]: ...
+
+    @property
+    def local_inbox(self) -> list[M.Message]: ...
+
+    @property
+    def links(self) -> dict[int, Conn]: ...
+
+    @property
+    def pool_links(self) -> dict[int, Link]: ...
+
+    @property
+    def unproven(self) -> dict[int, Link]: ...
+
+    @property
+    def coord(self) -> Coordinator | None: ...
+
+    @property
+    def coord_conn(self) -> Conn | None: ...
+
+    @property
+    def memory(self) -> HostMemory: ...
+
+    @property
+    def children(self) -> RoutedChildren: ...
+
+    @property
+    def shadows(self) -> RoutedShadows: ...
+
+    @property
+    def supervisor(self) -> RoutedSupervisor: ...
+
+    @property
+    def control(self) -> RoutedControl: ...
+
+
 class Routing:
     """Messages between the trainers, the coordinator and the other nodes."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.a = agent
+    def __init__(self, agent: RoutingHost) -> None:
+        self.agent = agent
 
     def accept_proc(self) -> None:
-        a = self.a
+        a = self.agent
         got = _accept(a.agent_listener)
         if got is None:
             return
@@ -70,7 +228,7 @@ class Routing:
         a.sel.register(conn, selectors.EVENT_READ, ("pconn", ProcConn(conn, pid)))
 
     def drop_conn(self, conn: Conn) -> None:
-        a = self.a
+        a = self.agent
         try:
             a.sel.unregister(conn)
         except (KeyError, ValueError):
@@ -83,7 +241,7 @@ class Routing:
         (its spawn report may not have been read yet: its messages wait for it). Once
         it is known, it is this node's trainer or shadow and speaks the protocol; a bad
         frame from anyone closes its connection."""
-        a = self.a
+        a = self.agent
         conn = pc.conn
         alive = conn.feed()
         got, bad = conn.drain()
@@ -128,7 +286,7 @@ class Routing:
         """Take every message ``p`` sent before it died (none of its threads runs: all
         it sent is on the socket), so that its death is judged with them (a traceback
         sent before the exit makes it an exception, not a crash)."""
-        a = self.a
+        a = self.agent
         while p.conn is not None and P.readable(p.conn.fileno()):
             try:
                 _, pc = a.sel.get_key(p.conn).data
@@ -138,7 +296,7 @@ class Routing:
 
     def proc_hello(self, pc: ProcConn, msg: M.Message, fds: list[int]) -> WireError | None:
         """Take the first message of a connection; why not, if it is refused."""
-        a = self.a
+        a = self.agent
         p = a.by_pid.get(pc.pid)
         why = None
         if not isinstance(msg, M.Hello):
@@ -167,7 +325,7 @@ class Routing:
         return None
 
     def claim(self, p: Proc) -> None:
-        a = self.a
+        a = self.agent
         pc = a.unclaimed.pop(p.pid, None)
         if pc is None:
             return
@@ -196,7 +354,7 @@ class Routing:
     def on_proc_msg(self, p: Proc, msg: M.Message) -> None:
         """A message from this node's trainer or shadow ``p``: the agent's business,
         or the coordinator's (passed on)."""
-        a = self.a
+        a = self.agent
         mem = a.memory
         now = time.monotonic()
         match msg:
@@ -256,7 +414,7 @@ class Routing:
                 pass  # a kind a process does not send: ignored, as before
 
     def to_coord(self, msg: M.Message) -> None:
-        a = self.a
+        a = self.agent
         if a.coord is not None:
             a.coord.handle(a.node, msg, time.monotonic())
             self.flush_coord()
@@ -267,7 +425,7 @@ class Routing:
                 pass
 
     def flush_coord(self) -> None:
-        a = self.a
+        a = self.agent
         assert a.coord is not None
         if a.coord.outbox:
             a.coord.make_durable()
@@ -289,7 +447,7 @@ class Routing:
     def accept_link(self) -> None:
         """A TCP connection to the coordinator: challenged at once (:mod:`.auth`); it
         may send a few bytes, for a few seconds, until its hello proves the secret."""
-        a = self.a
+        a = self.agent
         got = _accept(a.listener)
         if got is None:
             return
@@ -308,7 +466,7 @@ class Routing:
 
     def refuse(self, link: Link, why: str, tell: str | None = None) -> None:
         """Close a connection that is not (or not yet) a node, saying why in the log."""
-        a = self.a
+        a = self.agent
         a.unproven.pop(id(link), None)
         if tell is not None:
             _send_link(link.conn, M.Reject(why=tell))
@@ -320,14 +478,14 @@ class Routing:
                 a.log.write("connection_refused", peer=link.peer, why=why)
 
     def expire_unproven(self, now: float) -> None:
-        a = self.a
+        a = self.agent
         for link in list(a.unproven.values()):
             if now - link.since > UNPROVEN_SECONDS:
                 self.refuse(link, f"no proof of the job's secret within {UNPROVEN_SECONDS:g} s")
 
     def prove(self, link: Link, obj: dict[str, Any], now: float) -> bool:
         """A connection's first message: a node's hello with its proof, or it is closed."""
-        a = self.a
+        a = self.agent
         assert a.coord is not None and a.secret is not None
         conn = link.conn
         try:
@@ -391,7 +549,7 @@ class Routing:
     def prove_spare(self, link: Link, msg: M.SpareHello) -> bool:
         """A spare agent's hello: proven as a node's is (:mod:`.auth`), it joins the
         pool, or its connection is closed with the reason and the job goes on."""
-        a = self.a
+        a = self.agent
         assert a.coord is not None and a.secret is not None
         if not auth.verify(a.secret, "spare", auth.POOL, link.challenge, msg.nonce, msg.proof):
             self.refuse(
@@ -426,7 +584,7 @@ class Routing:
         where it is decided) to the lost nodes' places, once training has started: each
         link becomes its node's, and the spare proceeds as a replacement started by hand
         would."""
-        a = self.a
+        a = self.agent
         c = a.coord
         assert c is not None
         if c.model is None:
@@ -436,12 +594,12 @@ class Routing:
 
     def send_go(self, node: int) -> None:
         """The job starts: node ``node`` starts its trainers."""
-        _send_link(self.a.links[node], M.Go(spare=False))
+        _send_link(self.agent.links[node], M.Go(spare=False))
 
     def place(self, sid: int, n: int, now: float, *, start: bool = False) -> None:
         """The pooled spare ``sid`` becomes node ``n``: a lost node's replacement, or
         (``start``) one of an elastic job's first nodes, whose go comes with the others'."""
-        a = self.a
+        a = self.agent
         assert a.coord is not None
         link = a.pool_links.pop(sid)
         link.spare, link.node = None, n
@@ -455,7 +613,7 @@ class Routing:
             _send_link(link.conn, M.Go(spare=True))
 
     def on_link(self, link: Link) -> None:
-        a = self.a
+        a = self.agent
         conn = link.conn
         assert a.coord is not None
         alive = conn.feed()
@@ -500,7 +658,7 @@ class Routing:
 
     def drop_spare(self, link: Link, why: str) -> None:
         """A pooled spare is gone (or misbehaved): out of the pool."""
-        a = self.a
+        a = self.agent
         assert a.coord is not None and link.spare is not None
         sid = link.spare
         a.pool_links.pop(sid, None)
@@ -510,7 +668,7 @@ class Routing:
         a.coord.spares.left(sid)
 
     def on_coord(self) -> None:
-        a = self.a
+        a = self.agent
         assert a.coord_conn is not None
         alive = a.coord_conn.feed()
         self.coord_messages()
@@ -523,7 +681,7 @@ class Routing:
                 self.coord_messages()  # (an Assign and Go, a Tier2): its socket is quiet
 
     def coord_messages(self) -> None:
-        a = self.a
+        a = self.agent
         assert a.coord_conn is not None
         got, bad = a.coord_conn.drain()
         for obj, _fds in got:
@@ -537,7 +695,7 @@ class Routing:
             raise LaunchError(f"the coordinator sent a bad frame: {bad}")
 
     def from_coord(self, msg: M.Message) -> None:
-        a = self.a
+        a = self.agent
         if a.pooled and not isinstance(msg, (M.Assign, M.Fail, M.Complete)):
             return  # a spare has no processes yet: nothing else concerns it
         match msg:
