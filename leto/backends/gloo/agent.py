@@ -41,13 +41,15 @@ agent. The TCPStore and the coordinator listen on the rendezvous address only, a
 the run directory is private (:mod:`.private`).
 
 The agent is one object of shared state (this module) acted on by its parts, each a
-small class holding a reference to it: :mod:`.supervisor` (startup, rendezvous, the
-loop and its timers, cleanup), :mod:`.children` (spawning and reaping processes, the
-keepers, fencing), :mod:`.shadows` (warm and cold shadows: ensure, promote, degrade,
-reclaim), :mod:`.routing` (messages between the trainers, the coordinator and the
-other nodes' agents) and :mod:`.host_memory` (the node's process states, prepare
-records, node segments and tier-2 snapshot slots). The records they share are in
-:mod:`.records`.
+small class that sees it through a Protocol of what it uses (``SupervisorHost``,
+``ChildrenHost``, ...: :mod:`.node_tables` has what they share), not the agent's
+class: :mod:`.supervisor` (startup, rendezvous, the loop and its timers, cleanup),
+:mod:`.children` (spawning and reaping processes, the keepers, fencing),
+:mod:`.shadows` (warm and cold shadows: ensure, promote, degrade, reclaim),
+:mod:`.routing` (messages between the trainers, the coordinator and the other nodes'
+agents), :mod:`.control_plane` (etcd: the election, the job's record) and
+:mod:`.host_memory` (the node's process states, prepare records, node segments and
+tier-2 snapshot slots). The records they share are in :mod:`.records`.
 """
 
 from __future__ import annotations
@@ -161,7 +163,6 @@ class Agent:
         self.listener: socket.socket | None = None  # the coordinator's (the leader)
         self.agent_listener: socket.socket | None = None  # the node's Unix socket
         self.agent_socket = ""
-        self._finished_sent = False
         # its parts
         self.supervisor = Supervisor(self)
         self.control = ControlPlane(self)

@@ -19,7 +19,8 @@ import socket
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from leto.core.elastic import world_at_close
 from leto.private import InsecurePathError, private_dir
@@ -27,30 +28,230 @@ from leto.private import InsecurePathError, private_dir
 from . import auth
 from . import messages as M
 from . import procs as P
+from .commit_record import EtcdRecord
 from .control_plane import restart_of
 from .coordinator import Coordinator, CoordinatorOptions
+from .deathwatch import DeathWatch
+from .etcdstore import EtcdStore
 from .eventlog import EventLog, job_started
-from .records import JOB_ENV, LaunchError, look
+from .host_memory import HostMemory
+from .keeper import KeeperHandle
+from .records import JOB_ENV, AgentOptions, LaunchError, Link, Proc, ProcConn, look
 from .watch import Watchers
 from .wire import Conn, WireError, abstract_name, listen_unix
 
-if TYPE_CHECKING:
-    from .agent import Agent
-
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "SupervisorHost"]
 
 COMPUTE_PHASES = {"forward", "backward", "step"}
+
+
+class SupervisedChildren(Protocol):
+    """What the agent's life asks of the node's processes."""
+
+    def start_keeper(self, lr: int) -> None: ...
+
+    def spawn(
+        self, lr: int, role: str, promote_gen: int | None = None, *, cold: bool = False
+    ) -> None: ...
+
+    def on_zygote(self) -> None: ...
+
+    def on_owner_died(self) -> None: ...
+
+    def on_pidfd(self, p: Proc) -> None: ...
+
+    def on_keeper_dead(self, lr: int) -> None: ...
+
+    def finalize_exit(self, p: Proc) -> None: ...
+
+
+class SupervisedRouting(Protocol):
+    """The loop's events handed to routing, and the rendezvous' messages sent through it."""
+
+    def accept_proc(self) -> None: ...
+
+    def accept_link(self) -> None: ...
+
+    def on_pconn(self, pc: ProcConn) -> None: ...
+
+    def on_link(self, link: Link) -> None: ...
+
+    def on_coord(self) -> None: ...
+
+    def coord_messages(self) -> None: ...
+
+    def from_coord(self, msg: M.Message) -> None: ...
+
+    def to_coord(self, msg: M.Message) -> None: ...
+
+    def flush_coord(self) -> None: ...
+
+    def expire_unproven(self, now: float) -> None: ...
+
+    def place(self, sid: int, n: int, now: float, *, start: bool = False) -> None: ...
+
+    def send_go(self, node: int) -> None: ...
+
+
+class SupervisedShadows(Protocol):
+    """The shadows' memory budget, checked by the loop's timers."""
+
+    def budget(self, budget: int) -> None: ...
+
+
+class SupervisedControl(Protocol):
+    """The control plane (etcd) as the agent's life drives it."""
+
+    leads: bool
+
+    def open(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def first_of_job(self) -> bool: ...
+
+    def claim(self, info: dict[str, Any]) -> None: ...
+
+    def job_record(self) -> dict[str, Any]: ...
+
+    def present(self) -> None: ...
+
+    def keep_lease(self, now: float) -> None: ...
+
+    def settle_rejoin(self, now: float) -> None: ...
+
+    def claim_fault(self, fault: str) -> bool: ...
+
+    def fired(self, fault: str) -> bool: ...
+
+
+class SupervisorHost(Protocol):
+    """What the agent's life uses of the agent: nearly all of it, as the part that
+    starts it, joins it to the job, runs its loop and cleans up. Its options and the
+    node's ranks; what the rendezvous sets (who the agent is in the job, the job's id,
+    secret and places, the coordinator and its connections, the event log); its
+    sockets, selector, zygote and deathwatch; the processes' tables; and its parts."""
+
+    @property
+    def o(self) -> AgentOptions: ...
+
+    @property
+    def nproc(self) -> int: ...
+
+    @property
+    def local_ranks(self) -> range: ...
+
+    @property
+    def who(self) -> str: ...
+
+    @property
+    def local_host(self) -> str: ...
+
+    @property
+    def t_start(self) -> float: ...
+
+    def say(self, text: str) -> None: ...
+
+    def name_self(self) -> None: ...
+
+    node: int
+    W: int
+    pooled: bool
+    spare: bool
+    spare_id: int | None
+    started: bool
+    stop: bool
+    failed: str | None
+    restart: int | None
+    generation: int
+    fired: list[int]
+    job: str
+    secret: bytes | None
+    umask: int
+    run_dir: Path
+    logs: Path
+    leader_info: dict[str, Any] | None
+    store: Any
+    zygote: Any
+    listener: socket.socket | None
+    agent_listener: socket.socket | None
+    agent_socket: str
+    coord: Coordinator | None
+    coord_conn: Conn | None
+    log: EventLog | None
+    watchers: Watchers | None
+
+    @property
+    def complete(self) -> bool: ...
+
+    @property
+    def recovering(self) -> bool: ...
+
+    @property
+    def record(self) -> EtcdRecord | None: ...
+
+    @property
+    def etcd(self) -> EtcdStore | None: ...
+
+    @property
+    def sel(self) -> selectors.BaseSelector: ...
+
+    @property
+    def deathwatch(self) -> DeathWatch: ...
+
+    @property
+    def trainer(self) -> dict[int, Proc | None]: ...
+
+    @property
+    def by_pid(self) -> dict[int, Proc]: ...
+
+    @property
+    def keepers(self) -> dict[int, KeeperHandle]: ...
+
+    @property
+    def joined(self) -> set[int]: ...
+
+    @property
+    def links(self) -> dict[int, Conn]: ...
+
+    @property
+    def pool_links(self) -> dict[int, Link]: ...
+
+    @property
+    def unproven(self) -> dict[int, Link]: ...
+
+    @property
+    def local_inbox(self) -> list[M.Message]: ...
+
+    @property
+    def spare_procs(self) -> list[subprocess.Popen[bytes]]: ...
+
+    @property
+    def memory(self) -> HostMemory: ...
+
+    @property
+    def children(self) -> SupervisedChildren: ...
+
+    @property
+    def routing(self) -> SupervisedRouting: ...
+
+    @property
+    def shadows(self) -> SupervisedShadows: ...
+
+    @property
+    def control(self) -> SupervisedControl: ...
 
 
 class Supervisor:
     """The agent's life: start, rendezvous, loop, timers, cleanup."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.a = agent
+    def __init__(self, agent: SupervisorHost) -> None:
+        self.agent = agent
+        self.finished_sent = False  # this node's end was told to the coordinator
 
     def run(self) -> int:
         """Start, run the loop, clean up; the process exit code."""
-        a = self.a
+        a = self.agent
         a.name_self()
         try:
             self.private()
@@ -109,7 +310,7 @@ class Supervisor:
         the environment, or on node 0 a new one written to RUN_DIR/secret (before the
         store exists, so a node that reached the store finds it written; with etcd,
         unless the job runs already: :meth:`first_of_job`)."""
-        a = self.a
+        a = self.agent
         a.umask = os.umask(0o077)
         a.run_dir = private_dir(a.run_dir, "run directory")
         private_dir(a.run_dir / "logs", "log directory")
@@ -128,7 +329,7 @@ class Supervisor:
         spare) joins them. With etcd, a node 0 started while the job runs (some agent of
         it holds its presence in etcd: a replacement for a lost node 0) joins the job's
         current coordinator instead, wherever it is."""
-        a = self.a
+        a = self.agent
         o = a.o
         if a.node == 0 and (not o.etcd or a.control.leads):
             info = self.serve()
@@ -163,7 +364,7 @@ class Supervisor:
     def serve(self) -> dict[str, Any]:
         """This agent serves the job's TCPStore and the coordinator's listener, on the
         rendezvous address (etcd: this machine's, any free port): the rendezvous record."""
-        a = self.a
+        a = self.agent
         from datetime import timedelta
 
         import torch
@@ -215,7 +416,7 @@ class Supervisor:
 
     def unserve(self) -> None:
         """Stop serving (an election this agent lost)."""
-        a = self.a
+        a = self.agent
         if a.listener is not None:
             a.listener.close()
             a.listener = None
@@ -225,7 +426,7 @@ class Supervisor:
         """The coordinator, its event log and its watchers, in this agent. Every record
         names the job (the run directory may hold others' records, :mod:`leto.jobs`); a
         job ``continued`` (taken over) or restarted keeps the clock of its first record."""
-        a = self.a
+        a = self.agent
         o = a.o
         path = a.run_dir / "events.jsonl"
         t0 = job_started(path, a.job) if continued or o.restarts else None
@@ -256,7 +457,7 @@ class Supervisor:
         a.sel.register(a.listener, selectors.EVENT_READ, ("agent_listener", None))
 
     def log_start(self, endpoint: str) -> None:
-        a = self.a
+        a = self.agent
         o = a.o
         assert a.log is not None
         a.log.write(
@@ -280,7 +481,7 @@ class Supervisor:
         """Reach the job and join its coordinator; with etcd, the coordinator the job's
         record names now, tried again (the record re-read) until --rdzv-timeout: a
         coordinator may be failing over meanwhile."""
-        a = self.a
+        a = self.agent
         deadline = time.monotonic() + a.o.rdzv_timeout
         while True:
             host, port = self.reach_job()
@@ -297,7 +498,7 @@ class Supervisor:
             return answer
 
     def drop_coord(self) -> None:
-        a = self.a
+        a = self.agent
         if a.coord_conn is not None:
             try:
                 a.sel.unregister(a.coord_conn)
@@ -313,7 +514,7 @@ class Supervisor:
 
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-        a = self.a
+        a = self.agent
         o = a.o
         endpoint = f"{o.rdzv_host}:{o.rdzv_port}"
         timeout = timedelta(seconds=o.rdzv_timeout)
@@ -356,7 +557,7 @@ class Supervisor:
     def need_secret(self) -> None:
         """A node other than 0 (or a spare) takes the job's secret from its run directory
         when the environment has none."""
-        a = self.a
+        a = self.agent
         if a.secret is None:
             try:
                 a.secret = auth.read_secret(a.run_dir)
@@ -372,7 +573,7 @@ class Supervisor:
     def join(self, host: str, port: int) -> M.Welcome | M.Pooled:
         """Connect to the coordinator, prove the job's secret and check its proof (see
         :mod:`.auth`): a node's welcome, or a spare agent's place in the pool."""
-        a = self.a
+        a = self.agent
         o = a.o
         self.need_secret()
         assert a.secret is not None
@@ -416,7 +617,7 @@ class Supervisor:
         return answer
 
     def watch_zygote(self) -> None:
-        a = self.a
+        a = self.agent
         a.sel.register(a.zygote.conn, selectors.EVENT_READ, ("zygote", None))
         a.sel.register(a.zygote.pidfd, selectors.EVENT_READ, ("zygote_dead", None))
 
@@ -425,7 +626,7 @@ class Supervisor:
         that node's agent, joined as a replacement (the coordinator's :class:`Go`
         follows, which starts its shadows); ``start``: one of an elastic job's first
         nodes, of a world of ``nnodes`` nodes."""
-        a = self.a
+        a = self.agent
         if not a.pooled:
             raise LaunchError(f"the coordinator assigned node {node} to an agent not in the pool")
         if nnodes is not None and not (a.o.min_nodes or a.o.nnodes) <= nnodes <= a.o.nnodes:
@@ -448,7 +649,7 @@ class Supervisor:
         die with this agent (``LETO_PARENT_PID``, see :func:`.procs.die_with_starter`;
         their own processes die with them), given the job's secret in the environment
         (the spare takes it out of it)."""
-        a = self.a
+        a = self.agent
         o = a.o
         if a.node != 0 or not o.spares:
             return
@@ -460,7 +661,7 @@ class Supervisor:
 
     def elastic(self) -> bool:
         """``--nnodes MIN:MAX`` with MIN < MAX, or the restart of a job that had it."""
-        o = self.a.o
+        o = self.agent.o
         return bool(o.world_nodes) or 0 < o.min_nodes < o.nnodes
 
     def close_rendezvous(self, now: float) -> None:
@@ -468,7 +669,7 @@ class Supervisor:
         it starts with (:func:`leto.core.elastic.world_at_close`: MAX joined, or MIN by
         the rendezvous timeout; a restart: the world the job started with), the pooled
         agents that joined first become nodes 1.., the others stay spares, and it goes."""
-        a = self.a
+        a = self.agent
         o = a.o
         assert a.coord is not None
         lo, hi = (o.world_nodes, o.world_nodes) if o.world_nodes else (o.min_nodes, o.nnodes)
@@ -485,7 +686,7 @@ class Supervisor:
         self.go()
 
     def start_node(self) -> None:
-        a = self.a
+        a = self.agent
         # each job's process logs apart (a run directory used again holds several jobs)
         try:
             a.logs = private_dir(a.run_dir / "logs" / a.job, "log directory")
@@ -503,7 +704,7 @@ class Supervisor:
 
     def go(self, spare: bool = False) -> None:
         """Every node has joined (or this is a spare): start the processes."""
-        a = self.a
+        a = self.agent
         a.started = True
         for lr in a.local_ranks:
             if not spare:
@@ -512,7 +713,7 @@ class Supervisor:
                 a.children.spawn(lr, "shadow")
 
     def loop(self) -> None:
-        a = self.a
+        a = self.agent
         last_tick = 0.0
         if a.coord_conn is not None:  # messages that arrived with the welcome
             a.routing.coord_messages()
@@ -570,27 +771,27 @@ class Supervisor:
         recovery runs; in steady training a twentieth of the hang timeout, at most 0.25
         s (each tick wakes the agent on cores the trainers share; the coordinator's
         other timers are seconds long)."""
-        a = self.a
+        a = self.agent
         if a.recovering or any(p.dead_at is not None for p in a.by_pid.values()):
             return 0.05
         return max(0.05, min(0.25, a.o.hang_timeout / 20))
 
     def node_done(self) -> bool:
-        a = self.a
+        a = self.agent
         return a.complete and all(p is None for p in a.trainer.values())
 
     def check_node_finished(self) -> None:
-        a = self.a
+        a = self.agent
         if a.pooled:
             return
-        if self.node_done() and not a._finished_sent:
-            a._finished_sent = True
+        if self.node_done() and not self.finished_sent:
+            self.finished_sent = True
             a.routing.to_coord(M.NodeFinished(node=a.node))
             if a.coord is None:
                 a.stop = True
 
     def tick(self, now: float) -> None:
-        a = self.a
+        a = self.agent
         o = a.o
         # exits whose status the zygote did not send in time
         for p in list(a.by_pid.values()):
@@ -649,7 +850,7 @@ class Supervisor:
             self.check_node_finished()
 
     def on_log(self, info: dict[str, Any]) -> None:
-        a = self.a
+        a = self.agent
         fd = info["fd"]
         try:
             data = os.read(fd, 65536)
@@ -681,7 +882,7 @@ class Supervisor:
                     sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
     def cleanup(self) -> None:
-        a = self.a
+        a = self.agent
         a.stop = True
         if a.restart and a.coord is not None:
             a.fired = [f["id"] for f in a.o.faults if a.control.fired(str(f["id"]))]
@@ -761,7 +962,7 @@ class Supervisor:
         """The spare agents this node started: told of the job's end (or their link
         closed), they exit; any still running after a few seconds is killed."""
         deadline = time.monotonic() + 5.0
-        for p in self.a.spare_procs:
+        for p in self.agent.spare_procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
