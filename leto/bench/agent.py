@@ -6,7 +6,9 @@ users run it: like torchrun's elastic agent, when a worker dies every other work
 is stopped (SIGTERM, then SIGKILL) and a new process per rank is started
 (``python`` + ``import torch`` + ``init_process_group`` on gloo over 127.0.0.1),
 which reloads the newest checkpoint. (leto's jobs run under ``leto launch``:
-:mod:`leto.bench.gloojob`.)
+:mod:`leto.bench.gloojob`.) A ``torchft`` job's replica groups are separate jobs, each
+under its own agent as torchft runs them: a death restarts the dead rank's group only
+(one rank per group here, :mod:`leto.bench.ftjob`), and the other groups train on.
 
 The agent hosts the job's ``TCPStore`` (a port from the OS) and each rank's host
 memory (a memfd created here and passed to the rank's processes, so it outlives
@@ -82,8 +84,9 @@ class Job:
         plan_for: Callable[[int], dict[str, Any]],
         max_failures: int = 1000,
         workdir: str | None = None,
+        extra_spec: dict[str, Any] | None = None,
     ) -> None:
-        if system not in RESTART_SYSTEMS and system != "plain":
+        if system not in RESTART_SYSTEMS and system not in ("plain", "torchft"):
             raise BenchError(f"unknown system {system!r}")
         import torch.distributed as dist
 
@@ -105,6 +108,9 @@ class Job:
         self.recover_target: int | None = None  # every trainer completes it: recovered
         self.mem_fds: dict[int, int] = {}
         self.max_failures = max_failures
+        self.extra_spec = extra_spec or {}
+        # torchft: each rank is its own replica group, restarted alone (torchrun per group)
+        self.group_restart = system == "torchft"
         self._make_memory()
 
     # ------------------------------------------------------------------ set-up
@@ -142,6 +148,7 @@ class Job:
             "ckpt_dir": str(self.ckpt_dir),
             "resume": resume,
             "parent": os.getpid(),
+            **self.extra_spec,
         }
         fds = [wfd]
         if rank in self.mem_fds:
@@ -249,9 +256,10 @@ class Job:
         """A trainer died: stop the others, start a new generation (torchrun).
 
         The first exit seen may be a survivor's (its collective failed when the
-        peer died); the failure is the process that reported one, if any did.
+        peer died); the failure is the process that reported one, if any did. A
+        ``torchft`` job restarts the dead process's replica group only.
         """
-        old = [p for p in self.trainers.values() if p is not proc]
+        old = [] if self.group_restart else [p for p in self.trainers.values() if p is not proc]
         for p in old:
             if not p.exited:
                 p.expected_exit = True
@@ -284,7 +292,7 @@ class Job:
         self.gen += 1
         self.set_plan(f"plan/{self.gen}", self.plan_for(self.gen))
         failure.update(new_gen=self.gen, t_respawn=time.monotonic())
-        for r in range(self.wl.world):
+        for r in [proc.rank] if self.group_restart else range(self.wl.world):
             self.trainers[r] = self._spawn(r, resume=True)
 
     # ---------------------------------------------------------------- queries

@@ -12,8 +12,11 @@
 
 Systems (``--systems``, comma-separated): ``ckpt-disk`` (torch.distributed.checkpoint
 to local disk, restart), ``ckpt-disk-async`` (DCP ``async_save``), ``gemini`` (a
-checkpoint of every step in host memory, restart), ``leto`` (in place, through
-``leto launch`` on the gloo backend). Each
+checkpoint of every step in host memory, restart), ``torchft`` (PyTorch's
+fault-tolerance library: the other replica groups train on while the failed one
+restarts and heals from a live peer; recovery and scaling only, and by default only
+where ``import torchft`` works), ``leto`` (in place, through ``leto launch`` on the
+gloo backend). Each
 benchmark prints a table, and writes its JSON and a PNG plot to ``--out``
 (default ``bench-results``); ``--json`` prints the JSON instead of the table.
 Bad input (an unknown system, a non-positive MTBF or budget, a model too large
@@ -44,6 +47,7 @@ from leto.argcheck import (
     show,
 )
 
+from .ftjob import missing
 from .interval import FAIL_AT
 from .workload import (
     LAYERS,
@@ -58,7 +62,9 @@ MAX_LAYERS = 256
 
 __all__ = ["configure", "run"]
 
-SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "leto")
+SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "leto")
+# the benchmarks torchft is measured by (goodput's failures come from a clock, not steps)
+TORCHFT_BENCHES = ("recovery", "scaling")
 # Rows per rank per step. Recovery and scaling use short steps (512 rows, ~0.1 s),
 # so a recovery is mostly the machinery under test, not the recomputed step. The
 # failure-free overhead and goodput use the per-replica batch of real training
@@ -88,8 +94,9 @@ def _common(
     if systems:
         p.add_argument(
             "--systems",
-            default=",".join(SYSTEMS),
-            help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all)",
+            default=None,
+            help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all; torchft where "
+            "it is installed, for recovery and scaling)",
         )
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
@@ -252,13 +259,30 @@ BOUNDS: dict[str, Bound] = {
 MAX_SIZES = 16
 
 
-def _systems(text: str) -> list[str]:
+def _systems(text: str | None, bench: str) -> list[str]:
+    """``--systems``; its default: every system, torchft where this benchmark measures it
+    and it imports (else left out, with one line saying why)."""
+    if text is None:
+        names = [s for s in SYSTEMS if s != "torchft"]
+        if bench in TORCHFT_BENCHES:
+            why = missing()
+            if why is None:
+                names = list(SYSTEMS)
+            else:
+                print(f"leto bench: torchft left out: {why}", file=sys.stderr)
+        return names
     names = [s.strip() for s in text.split(",") if s.strip()]
     if not names:
         raise BenchError("--systems names no system")
     for n in names:
         if n not in SYSTEMS:
             raise BenchError(f"unknown system {n!r} (choose from {', '.join(SYSTEMS)})")
+    if "torchft" in names:
+        if bench not in TORCHFT_BENCHES:
+            raise BenchError(f"--systems torchft: measured by {' and '.join(TORCHFT_BENCHES)} only")
+        why = missing()
+        if why is not None:
+            raise BenchError(f"--systems torchft: {why}")
     return names
 
 
@@ -314,7 +338,7 @@ def check_memory(
 
 
 def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
-    systems = _systems(args.systems) if hasattr(args, "systems") else ["leto"]
+    systems = _systems(args.systems, args.bench) if hasattr(args, "systems") else ["leto"]
     try:
         check_args(args, BOUNDS)
         dir_to_create("--out", args.out)

@@ -2,7 +2,9 @@
 
 Each system runs as a real job on the same workload, four processes on gloo over
 127.0.0.1: the checkpoint/restart baselines under the benchmark's torchrun-style
-agent (:class:`leto.bench.agent.Job`), leto under ``leto launch``
+agent (:class:`leto.bench.agent.Job`), torchft's replica groups under the same
+agent with a lighthouse (:mod:`leto.bench.ftjob`: a death restarts its group only),
+leto under ``leto launch``
 (:class:`leto.bench.gloojob.GlooJob`, two nodes of two ranks). A baseline job
 first calibrates (a few steps, then three saves of its own kind, timed in place);
 the checkpoint interval follows (:mod:`leto.bench.interval`), and so does the
@@ -11,9 +13,10 @@ dies at the scheduled step (after its forward pass, or with ``--fail-at update``
 the update: :mod:`leto.bench.interval`), the system recovers, and
 training goes on to the next failure. Every recovery is broken down into the
 phases of :mod:`leto.bench.timeline` (leto's from its coordinator's record,
-:func:`leto.bench.gloojob.leto_breakdown`); the figures are medians over the
-repeats, and ``ratio_vs_best_baseline`` is the best baseline's median total over
-leto's.
+:func:`leto.bench.gloojob.leto_breakdown`; torchft's from its restarted group's
+stamps, :func:`leto.bench.ftjob.torchft_breakdown`); the figures are medians over
+the repeats, and ``ratio_vs_best_baseline`` is the best other system's median total
+over leto's (torchft counts as one).
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from .agent import RESTART_SYSTEMS, Job
+from .ftjob import measure_torchft
 from .interval import check_fail_at, checkpoint_interval_steps, failure_schedule
 from .timeline import PHASES, restart_breakdown
 from .workload import BenchError, Workload
 
 __all__ = ["CAL_STEPS", "ORDER", "measure_leto", "measure_system", "run_recovery", "summarize"]
 
-ORDER = ("ckpt-disk", "ckpt-disk-async", "gemini", "leto")
+ORDER = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "leto")
 CAL_STEPS = 5
 CAL_SAVES = 3
 _TIMEOUT_S = 300.0
@@ -218,29 +222,21 @@ def run_recovery(
     schedule: list[dict[str, Any]] | None = None
     out: dict[str, Any] = {}
     for system in ordered:
+        common: dict[str, Any] = {
+            "repeats": repeats,
+            "schedule": schedule,
+            "gap_s": gap_s,
+            "progress": bar,
+            "fail_at": fail_at,
+        }
         if system == "leto":
-            res = measure_leto(
-                wl,
-                repeats=repeats,
-                schedule=schedule,
-                gap_s=gap_s,
-                progress=bar,
-                tier2=tier2,
-                fail_at=fail_at,
-            )
-            if bar is not None:
-                bar.advance("leto done")
+            res = measure_leto(wl, tier2=tier2, **common)
+        elif system == "torchft":
+            res = measure_torchft(wl, cal_steps=CAL_STEPS, **common)
         else:
-            res = measure_system(
-                system,
-                wl,
-                mtbf_s=mtbf_s,
-                repeats=repeats,
-                schedule=schedule,
-                gap_s=gap_s,
-                progress=bar,
-                fail_at=fail_at,
-            )
+            res = measure_system(system, wl, mtbf_s=mtbf_s, **common)
+        if system in ("leto", "torchft") and bar is not None:
+            bar.advance(f"{system} done")
         schedule = res["schedule"]
         res["phases"] = summarize(res["runs"])
         res["total_s"] = res["phases"]["total"]

@@ -47,6 +47,12 @@ def recovery_table(res: dict[str, Any]) -> str:
             note = "in-memory ckpt every step"
         elif name == "leto":
             note = "in place (leto launch, gloo)"
+        elif name == "torchft":
+            frac = s["survivor_throughput"]["fraction_of_steady"]
+            kept = f"{frac:.0%} of steady" if frac is not None else "unmeasured"
+            note = (
+                f"torchft {s['version']}, {s['backend'].split(', ', 2)[2]}; survivors kept {kept}"
+            )
         lines.append(
             f"{name:<16}"
             + "".join(f"{ph[p]:>9.3f}s" for p in PHASES)

@@ -19,6 +19,10 @@ Systems (``spec["system"]``):
     process (the agent's memfd): this rank's copy, and a copy sent over gloo to
     the next rank's host memory; a restarted process reloads from it.
 
+``torchft``
+    torchft's fault-tolerant DDP, each rank its own replica group
+    (:mod:`leto.bench.ftworker`).
+
 (leto runs through ``leto launch`` instead: :mod:`leto.bench.letojob`.)
 
 Failures strike at one point of a step, the same for every system: after the
@@ -78,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     worker_torch()  # imports torch
     out.emit("torch")
     try:
-        _DDPTrainer(spec, out).run()
+        if spec["system"] == "torchft":
+            from .ftworker import FTTrainer
+
+            FTTrainer(spec, out).run()
+        else:
+            _DDPTrainer(spec, out).run()
     except BaseException as e:  # report, then die the way a crashed trainer does
         if not isinstance(e, SystemExit):
             out.emit("error", error=f"{type(e).__name__}: {e}"[:1500])

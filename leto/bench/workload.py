@@ -142,6 +142,8 @@ class Workload:
         proc = 350 * 2**20
         data = SAMPLES * self.width * 4
         replica = 20 * P + data
+        if system == "torchft":  # + a peer's state staged to send (or received) in a heal
+            return W * (proc + replica + 12 * P)
         if system in ("plain", "ckpt-disk"):
             return W * (proc + replica + 12 * P)  # DCP write buffers
         if system == "ckpt-disk-async":

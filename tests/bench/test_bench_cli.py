@@ -15,7 +15,8 @@ from leto.cli import main
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["recovery", "--systems", "ckpt-disk,torchft"], "unknown system 'torchft'"),
+        (["recovery", "--systems", "ckpt-disk,torchrun"], "unknown system 'torchrun'"),
+        (["goodput", "--systems", "torchft"], "--systems torchft: measured by recovery and"),
         (["goodput", "--systems", ""], "names no system"),
         (["goodput", "--mtbf", "0"], "--mtbf must be positive, got 0"),
         (["recovery", "--mtbf", "-5"], "--mtbf must be positive, got -5"),
@@ -48,6 +49,27 @@ def test_bad_input_is_one_line_and_exit_2(
     assert err.count("\n") == 1
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
     assert time.monotonic() - t < 5
+
+
+def test_torchft_not_installed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import leto.bench.cli as cli
+
+    why = "torchft is not importable (ModuleNotFoundError: No module named 'torchft')"
+    monkeypatch.setattr(cli, "missing", lambda: why)
+    # asked for: one line naming it, exit 2, nothing started
+    code = main(["bench", "recovery", "--systems", "torchft", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"leto bench: error: --systems torchft: {why}\n"
+    assert not (tmp_path / "o").exists()
+    # the default: left out, in one line
+    assert cli._systems(None, "recovery") == ["ckpt-disk", "ckpt-disk-async", "gemini", "leto"]
+    assert capsys.readouterr().err == f"leto bench: torchft left out: {why}\n"
+    monkeypatch.setattr(cli, "missing", lambda: None)
+    assert "torchft" in cli._systems(None, "recovery")
+    assert "torchft" not in cli._systems(None, "goodput")  # goodput does not measure it
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("bench", ["recovery", "scaling"])
@@ -118,3 +140,14 @@ def test_scaling_layers_keep_the_size_and_shrink_a_layer() -> None:
     assert (deep.layers, shallow.layers) == (32, 4)
     assert abs(deep.params - shallow.params) / shallow.params < 0.03
     assert deep.width**2 * 7 < shallow.width**2 < deep.width**2 * 9
+
+
+def test_torchft_missing_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from leto.bench.ftjob import missing
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft: ImportError
+    why = missing()
+    assert why is not None and why.startswith("torchft is not importable (ModuleNotFoundError")
+    assert "\n" not in why and "torchft==0.2.0" in why

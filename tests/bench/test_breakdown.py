@@ -126,3 +126,60 @@ def test_leto_breakdown_of_a_step_rolled_forward_loses_no_work() -> None:
     assert b["total"] == pytest.approx(0.47)
     assert sum(b[p] for p in PHASES) == pytest.approx(b["total"])
     assert b["detail"]["resumed_at"] == 12 and b["detail"]["steps_lost"] == 0
+
+
+def _torchft_log() -> list[dict[str, object]]:
+    """Three groups train at 10 steps/s; group 1 dies at 2.05 s in step 21 (after its
+    forward), the others wait for the quorum, commit steps 21 and 22 at 3/4 width, and
+    the restarted group heals to step 22 and commits step 23 with them."""
+    W, ev = 3, []
+    for s in range(11, 21):  # steady: every group, every 0.1 s
+        ev += [_ev("step", s * 0.1, r, 0, 10 + r, step=s, participants=W) for r in range(W)]
+    ev.append(_ev("fail", 2.05, 1, 0, 11, step=21))
+    ev += [_ev("discard", 2.06, r, 0, 10 + r, step=21) for r in (0, 2)]
+    ev += [
+        _ev("step", 4.0 + s * 0.1, r, 0, 10 + r, step=21 + s, participants=2)
+        for s in (0, 1)
+        for r in (0, 2)
+    ]
+    new = [("main", 2.5), ("torch", 3.0), ("model", 3.5), ("pg", 3.6)]
+    new += [("heal_start", 4.15), ("heal_recv", 4.25)]
+    ev += [_ev(name, t, 1, 1, 21) for name, t in new]
+    ev.append(_ev("loaded", 4.3, 1, 1, 21, step=22))
+    ev += [
+        _ev("step", 4.35, r, g, p, step=23, participants=W)
+        for r, g, p in ((1, 1, 21), (0, 0, 10), (2, 0, 12))
+    ]
+    return ev
+
+
+def test_torchft_breakdown_partitions_the_total_and_counts_the_survivors() -> None:
+    from leto.bench.ftjob import torchft_breakdown
+
+    failure = {"rank": 1, "pid": 11, "t_detect": 2.1, "t_respawn": 2.4, "new_gen": 1}
+    b = torchft_breakdown(_torchft_log(), failure, world=3, batch=8)
+    assert b["detection"] == pytest.approx(0.05)
+    assert b["process_state"] == pytest.approx(3.5 - 2.1)
+    assert b["communicator"] == pytest.approx(4.15 - 3.5)  # manager up + the quorum
+    assert b["model_state"] == pytest.approx(4.3 - 4.15)  # the heal: received and applied
+    assert b["lost_work"] == pytest.approx(0.05)
+    assert b["total"] == pytest.approx(4.35 - 2.05)
+    assert sum(b[p] for p in PHASES) == pytest.approx(b["total"])
+    d = b["detail"]
+    assert (d["failed_step"], d["healed_to"], d["rejoined_at"]) == (21, 22, 23)
+    assert d["quorum_wait"] == pytest.approx(0.55) and d["transfer"] == pytest.approx(0.1)
+    s = d["survivors"]
+    # steps 21, 22 (2 groups) and 23 (the survivors' first report comes with the new one's)
+    assert s["steps"] == 3 and s["first_commit_after"] == pytest.approx(4.0 - 2.05)
+    assert s["steady_steps_per_s"] == pytest.approx(10.0)
+    assert s["rows_per_s"] == pytest.approx((2 + 2 + 3) * 8 / 2.3)
+    assert s["fraction_of_steady"] == pytest.approx(3 / 2.3 / 10.0)
+
+
+def test_torchft_breakdown_needs_the_heal() -> None:
+    from leto.bench.ftjob import torchft_breakdown
+
+    log = [e for e in _torchft_log() if e["ev"] != "heal_start"]
+    failure = {"rank": 1, "pid": 11, "t_detect": 2.1, "t_respawn": 2.4, "new_gen": 1}
+    with pytest.raises(ValueError, match="heal_start"):
+        torchft_breakdown(log, failure, world=3, batch=8)

@@ -6,6 +6,7 @@ JSON that ``leto simulate --bench`` reads), not how fast anything is.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import uuid
@@ -176,3 +177,38 @@ def test_leto_job_nodes_share_the_benchmarks_session() -> None:
             assert os.getsid(p.pid) == os.getsid(0)
             assert os.getpgid(p.pid) == p.pid != os.getpgid(0)
         job.wait(lambda: bool(job.seen("job_end")), 120, "the job's end")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_at", ["forward", "update"])
+def test_tiny_torchft_recovery_run(fail_at: str) -> None:
+    pytest.importorskip("torchft", reason="torchft is in the dev extra")
+    from leto.bench.recovery import run_recovery
+
+    wl = Workload.for_params(20_000, world=4, batch=8)  # four replica groups of one rank
+    res = run_recovery(
+        ["torchft"], wl, mtbf_s=30.0, repeats=1, gap_s=0.5, progress=False, fail_at=fail_at
+    )
+    ft = res["systems"]["torchft"]
+    assert ft["version"] == importlib.metadata.version("torchft")
+    (run,) = ft["runs"]  # one failure, recovered: the restarted group committed a step
+    assert all(run[p] >= 0 for p in PHASES), run
+    assert sum(run[p] for p in PHASES) == pytest.approx(run["total"], abs=1e-6)
+    assert run["model_state"] > 0 and run["communicator"] > 0 and run["process_state"] > 0
+    d = run["detail"]
+    assert d["failed_step"] >= d["scheduled_step"] == res["schedule"][0]["step"]
+    # it healed to the survivors' state, then committed the next step with them
+    assert d["rejoined_at"] == d["healed_to"] + 1
+    # forward: the failed step was not committed (the survivors compute it again, so
+    # the heal brings at least the step before it); update: the survivors committed it
+    # with the dead group's gradients
+    assert d["healed_to"] >= d["failed_step"] - (fail_at == "forward")
+    assert d["transfer"] > 0 and d["import_torch"] > 0
+    s = d["survivors"]
+    # what the other groups trained meanwhile (none while the lighthouse waits out the
+    # dead group's heartbeat: torchft's 5 s default outlasts this restart)
+    assert s["steady_steps_per_s"] > 0 and s["steps"] >= 0
+    assert s["steps_per_s"] == pytest.approx(s["steps"] / run["total"])
+    assert 0 <= s["fraction_of_steady"] == pytest.approx(s["steps_per_s"] / s["steady_steps_per_s"])
+    assert ft["survivor_throughput"]["steps_per_s"] == pytest.approx(s["steps_per_s"])
+    assert ft["total_s"] == pytest.approx(run["total"])
