@@ -9,10 +9,11 @@ by each rank for its own shard (:mod:`leto.retained.dcp_shard`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from leto.errors import ConfigError
 from leto.retained import recovery as rx
@@ -32,21 +33,60 @@ from leto.retained.dcp_state import (
     training_state,
     young_daly_interval,
 )
+from leto.retained.layout import RetainedLayout
+from leto.retained.optim import RetainedOptimizer
+from leto.retained.process_state import BatchCursor
+from leto.retained.shard import FullParams
 
 from . import messages as M
+from .channel import AgentChannel
 from .collective import coll as _coll
+from .rank_memory import RankMemory
+from .rank_state import RankState
 
-if TYPE_CHECKING:
-    from .runtime import GlooSession
+__all__ = ["CheckpointHost", "Checkpoints"]
 
-__all__ = ["Checkpoints"]
+
+class CheckpointHost(Protocol):
+    """What :class:`Checkpoints` reads of its rank's session."""
+
+    @property
+    def cfg(self) -> Any: ...
+    @property
+    def spec(self) -> dict[str, Any]: ...
+    @property
+    def store(self) -> Any: ...
+    @property
+    def ch(self) -> AgentChannel: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def W(self) -> int: ...
+    @property
+    def gen(self) -> int: ...
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def ropt(self) -> RetainedOptimizer | None: ...
+    @property
+    def full(self) -> FullParams | None: ...
+    @property
+    def layout(self) -> RetainedLayout: ...
+    @property
+    def cursor(self) -> BatchCursor: ...
+    @property
+    def sampler_state(self) -> dict[str, Any] | None: ...
+    @property
+    def memory(self) -> RankMemory: ...
+    @property
+    def ps(self) -> RankState: ...
 
 
 class Checkpoints:
     """One rank's part of the job's checkpoints (see the module docstring)."""
 
-    def __init__(self, session: GlooSession) -> None:
-        self.s = session
+    def __init__(self, session: CheckpointHost) -> None:
+        self.session = session
         self.save_s = 0.0  # the last checkpoint's save cost here
         self.step_t0 = 0.0  # when the start's checkpoint was done
         self.yd: int | None = None  # Young/Daly's checkpoint interval, once agreed
@@ -58,25 +98,25 @@ class Checkpoints:
         step time (the job's first step), agreed at that step by one collective of every
         rank (a promoted shadow, which measured neither, adds zeros), and kept in the
         job's store for the shadows promoted later."""
-        s = self.s
-        n = int(getattr(s.cfg, "checkpoint_interval", 0) or 0)
-        mtbf = int(getattr(s.cfg, "checkpoint_mtbf", 0) or 0)
-        if n or not mtbf or s.cfg.checkpoint_dir is None:
+        session = self.session
+        n = int(getattr(session.cfg, "checkpoint_interval", 0) or 0)
+        mtbf = int(getattr(session.cfg, "checkpoint_mtbf", 0) or 0)
+        if n or not mtbf or session.cfg.checkpoint_dir is None:
             return n
         if self.yd is None:
-            key = f"leto/{s.spec['job']}/checkpoint_interval"
+            key = f"leto/{session.spec['job']}/checkpoint_interval"
             if self.first is None:
-                self.first = int(s.store.get(f"leto/{s.spec['job']}/first_step"))
+                self.first = int(session.store.get(f"leto/{session.spec['job']}/first_step"))
             first = self.first
             if V == first:
                 step_s = time.perf_counter() - self.step_t0 if self.step_t0 else 0.0
                 t = torch.tensor([self.save_s, step_s], dtype=torch.float64)
                 _coll(dist.all_reduce, t, op=dist.ReduceOp.MAX)
                 self.yd = young_daly_interval(max(float(t[0]), 1e-6), mtbf, max(float(t[1]), 1e-6))
-                if s.rank == 0:
-                    s.store.set(key, str(self.yd))
-            elif s.store.check([key]):
-                self.yd = int(s.store.get(key))
+                if session.rank == 0:
+                    session.store.set(key, str(self.yd))
+            elif session.store.check([key]):
+                self.yd = int(session.store.get(key))
             else:
                 return 0
         return self.yd
@@ -84,7 +124,7 @@ class Checkpoints:
     def reseed(self, store: Any) -> None:
         """The job's TCPStore moved (its coordinator failed over, and the store with it):
         what this rank knows of the keys a promoted shadow reads there, put back."""
-        job = self.s.spec["job"]
+        job = self.session.spec["job"]
         if self.first is not None:
             store.set(f"leto/{job}/first_step", str(self.first))
         if self.yd is not None:
@@ -105,73 +145,78 @@ class Checkpoints:
         job's start (durable in the model from the start): a job resumed from this
         directory's checkpoint of ``V`` keeps it; a fresh one drops what a former run left
         in the directory."""
-        s = self.s
-        if s.cfg.checkpoint_dir is None:
+        session = self.session
+        if session.cfg.checkpoint_dir is None:
             return
-        store = CheckpointStore(s.cfg.checkpoint_dir)
+        store = CheckpointStore(session.cfg.checkpoint_dir)
         latest = store.latest()
         if not first and latest is not None and latest >= V:
             return  # a recovery went back before the durable checkpoint: it still holds
         if first and resumed and latest == V:
-            s.ch.send(M.CheckpointWritten(rank=s.rank, step=V, gen=s.gen))
+            session.ch.send(M.CheckpointWritten(rank=session.rank, step=V, gen=session.gen))
             return
-        if s.rank == 0:
+        if session.rank == 0:
             store.prune(V if first else latest, newer=first)
-        assert s.ropt is not None
+        assert session.ropt is not None
         t0 = time.perf_counter()
-        if s.full is not None:  # sharded: each rank its own shard
+        if session.full is not None:  # sharded: each rank its own shard
             state = shard_training_state(
-                s.model, s.ropt, s.full.plan, s.rank, s.memory.shard_groups
+                session.model,
+                session.ropt,
+                session.full.plan,
+                session.rank,
+                session.memory.shard_groups,
             )
         else:
-            state = training_state(s.model, s.ropt)
+            state = training_state(session.model, session.ropt)
         _coll(store.write, V, state, no_dist=False)
         self.save_s = time.perf_counter() - t0
-        lay = s.layout
+        lay = session.layout
         store.write_rank_meta(
             V,
-            s.rank,
+            session.rank,
             {
                 "step": V,
-                "world_size": s.W,
+                "world_size": session.W,
                 "chunk_numel": lay.chunk_numel,
                 "checksums": [lay.stored_checksum(c) for c in range(lay.n_chunks)],
-                "ps": s.ps.to_json(V),
+                "ps": session.ps.to_json(V),
             },
         )
-        s.ch.send(M.CheckpointWritten(rank=s.rank, step=V, gen=s.gen))
+        session.ch.send(M.CheckpointWritten(rank=session.rank, step=V, gen=session.gen))
 
     def resume(self) -> int:
         """Start from the DCP checkpoint ``resume`` names (leto's, or any of this model):
         the model's and optimizer's state and, from a leto checkpoint of this world
         size, this rank's process state, checked bitwise; its step."""
-        s = self.s
-        src = str(s.cfg.resume)
+        session = self.session
+        src = str(session.cfg.resume)
         try:
-            if s.full is not None:
+            if session.full is not None:
                 step = self._resume_shard(src)
             else:
                 state, meta = read_checkpoint(src)
-                assert s.ropt is not None
+                assert session.ropt is not None
                 if meta is None:
-                    load_training_state(s.model, s.ropt, state, src)
-                    s.ropt.set_version(0)
+                    load_training_state(session.model, session.ropt, state, src)
+                    session.ropt.set_version(0)
                     return 0
                 step = int(meta["step"])
-                load_model_state(s.model, state, src)
-                load_retained_optimizer_state(s.layout, state, src)
+                load_model_state(session.model, state, src)
+                load_retained_optimizer_state(session.layout, state, src)
                 self._seal(step, meta, src)
         except CheckpointError as e:
             raise ConfigError("resume", str(e)) from None
-        s.cursor.restore(s.sampler_state)
+        assert session.sampler_state is not None
+        session.cursor.restore(session.sampler_state)
         return step
 
     def _resume_shard(self, src: str) -> int:
         """``resume`` with sharded state: this rank's shard of a leto checkpoint of this
         world size and chunk size; from a DCP checkpoint leto did not write, the model
         only (its optimizer state, by parameter, has none of leto's per-piece scalars)."""
-        s = self.s
-        assert s.full is not None and s.ropt is not None
+        session = self.session
+        assert session.full is not None and session.ropt is not None
         path = checkpoint_path(src)
         meta = read_meta(path)
         if meta is None:
@@ -181,11 +226,19 @@ class Checkpoints:
                     "a checkpoint leto did not write starts the model only (save the model "
                     "alone)"
                 )
-            load_shard_state(path, s.model, s.layout, s.full.plan, s.rank, src, optimizer=False)
-            s.ropt.set_version(0)
+            load_shard_state(
+                path,
+                session.model,
+                session.layout,
+                session.full.plan,
+                session.rank,
+                src,
+                optimizer=False,
+            )
+            session.ropt.set_version(0)
             return 0
-        check_same_plan(meta, s.W, s.layout.chunk_numel, src)
-        load_shard_state(path, s.model, s.layout, s.full.plan, s.rank, src)
+        check_same_plan(meta, session.W, session.layout.chunk_numel, src)
+        load_shard_state(path, session.model, session.layout, session.full.plan, session.rank, src)
         step = int(meta["step"])
         self._seal(step, meta, src)
         return step
@@ -193,32 +246,38 @@ class Checkpoints:
     def _seal(self, step: int, meta: dict[str, Any], src: str) -> None:
         """After loading a leto checkpoint of ``step``: the version, this rank's process
         state (rank 0's at another world size) and, at the same plan, the checksums."""
-        s = self.s
-        assert s.ropt is not None
-        s.ropt.set_version(step)
-        same = meta.get("world_size") == s.W
-        s.ps.load(meta["process_states"][str(s.rank) if same else "0"])
-        if same and meta.get("chunk_numel") == s.layout.chunk_numel:
-            rx.seal_checked(s.layout, step, meta["checksums"][str(s.rank)], src, f"rank {s.rank}")
+        session = self.session
+        assert session.ropt is not None
+        session.ropt.set_version(step)
+        same = meta.get("world_size") == session.W
+        session.ps.load(meta["process_states"][str(session.rank) if same else "0"])
+        if same and meta.get("chunk_numel") == session.layout.chunk_numel:
+            rx.seal_checked(
+                session.layout,
+                step,
+                meta["checksums"][str(session.rank)],
+                src,
+                f"rank {session.rank}",
+            )
 
     def restore(self, step: int) -> None:
         """A recovery's fallback to the latest durable checkpoint (``step``): the model's
         and optimizer's state from the DCP files (sharded: this rank's shard), this
         rank's process state beside them, checked bitwise."""
-        s = self.s
-        store = CheckpointStore(str(s.cfg.checkpoint_dir))
-        lay = s.layout
+        session = self.session
+        store = CheckpointStore(str(session.cfg.checkpoint_dir))
+        lay = session.layout
         where = f"the checkpoint of step {step} in {store.describe()}"
-        if s.full is not None:
+        if session.full is not None:
             path, meta = store.durable(step)  # checks the tree is private before loading
             rx.free_undo(lay)
-            load_shard_state(path, s.model, lay, s.full.plan, s.rank, where)
+            load_shard_state(path, session.model, lay, session.full.plan, session.rank, where)
         else:
             state, meta = store.read(step)
             rx.free_undo(lay)
-            load_model_state(s.model, state, where)
+            load_model_state(session.model, state, where)
             load_retained_optimizer_state(lay, state, where)
-        r = str(s.rank)
+        r = str(session.rank)
         rx.seal_checked(lay, step, meta["checksums"][r], "disk checkpoint", f"rank {r}")
         lay.clear_prepared()
-        s.ps.load(meta["process_states"][r])
+        session.ps.load(meta["process_states"][r])

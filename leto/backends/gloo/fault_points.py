@@ -13,33 +13,60 @@ import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from leto.retained.layout import RetainedLayout
 from leto.retained.parity import as_bytes
 
 from . import messages as M
+from .channel import AgentChannel
 from .collective import Interrupted
 from .faults import label as fault_label
 
-if TYPE_CHECKING:
-    from .runtime import GlooSession
+__all__ = ["FaultHost", "FaultPoints", "StepProgress"]
 
-__all__ = ["FaultPoints"]
+
+class StepProgress(Protocol):
+    """What :class:`FaultPoints` reads of the step under way (the step transaction)."""
+
+    @property
+    def in_progress(self) -> int: ...
+    def claims_recovery(self) -> bool: ...
+
+
+class FaultHost(Protocol):
+    """What :class:`FaultPoints` reads of its rank's session."""
+
+    @property
+    def txn(self) -> StepProgress: ...
+    @property
+    def ch(self) -> AgentChannel: ...
+    @property
+    def gen(self) -> int: ...
+    @property
+    def spec(self) -> dict[str, Any]: ...
+    @property
+    def cfg(self) -> Any: ...
+    @property
+    def keeper_pid(self) -> int: ...
+    @property
+    def layout(self) -> RetainedLayout: ...
+    def _fatal(self, message: str) -> None: ...
 
 
 class FaultPoints:
     """One rank's fault plan, fired at its points (see the module docstring)."""
 
-    def __init__(self, session: GlooSession, plan: list[dict[str, Any]]) -> None:
-        self.s = session
+    def __init__(self, session: FaultHost, plan: list[dict[str, Any]]) -> None:
+        self.session = session
         self.faults = plan
 
     def point(
         self, phase: str, chunk: int | None = None, where: str | None = None, *, tear: Any = None
     ) -> None:
         """A safe point (abort check) and a fault point of the plan."""
-        s = self.s
-        step = s.txn.in_progress
+        session = self.session
+        step = session.txn.in_progress
         for f in self.faults:
             if f.get("_fired"):
                 continue
@@ -54,15 +81,19 @@ class FaultPoints:
             elif f["step"] != step:
                 continue
             f["_fired"] = True
-            reply, _ = s.ch.request(M.ClaimFault(fault=str(f["id"])))
+            reply, _ = session.ch.request(M.ClaimFault(fault=str(f["id"])))
             if not reply.get("first"):
                 continue  # fired by an earlier incarnation
             self._fire(f, tear)
-        if phase != "recovery" and s.ch.aborted_since(s.gen) and s.txn.claims_recovery():
+        if (
+            phase != "recovery"
+            and session.ch.aborted_since(session.gen)
+            and session.txn.claims_recovery()
+        ):
             raise Interrupted  # (a recovery beside the compute is waited for at its end)
 
     def _fire(self, f: dict[str, Any], tear: Any) -> None:
-        s = self.s
+        session = self.session
         what = fault_label(f)
         print(f"leto: injecting fault: {what}", flush=True)
         sys.stdout.flush()
@@ -77,18 +108,20 @@ class FaultPoints:
         elif kind == "exception":
             raise RuntimeError(f"injected exception: {what}")
         elif kind == "lose_memory":
-            os.kill(s.keeper_pid, signal.SIGKILL)
+            os.kill(session.keeper_pid, signal.SIGKILL)
             time.sleep(120)  # the agent kills this process (the last holder of the memory)
         elif kind == "lose_node":
-            os.kill(int(s.spec["agent_pid"]), signal.SIGKILL)
+            os.kill(int(session.spec["agent_pid"]), signal.SIGKILL)
             time.sleep(120)  # dies with its agent
         elif kind == "corrupt":
-            if not s.cfg.verify_chunks:
-                s._fatal(f"fault {what}: needs verify_chunks (PREPARE's checksum pass)")
+            if not session.cfg.verify_chunks:
+                session._fatal(f"fault {what}: needs verify_chunks (PREPARE's checksum pass)")
             c = int(f["chunk"] or 0)
-            if not 0 <= c < s.layout.n_chunks:
-                s._fatal(f"fault {what}: this rank has chunks 0..{s.layout.n_chunks - 1}")
-            first = as_bytes(s.layout.chunk_data(c)[0])
+            if not 0 <= c < session.layout.n_chunks:
+                session._fatal(
+                    f"fault {what}: this rank has chunks 0..{session.layout.n_chunks - 1}"
+                )
+            first = as_bytes(session.layout.chunk_data(c)[0])
             first[0] ^= 0x10  # and train on: nothing reported a memory error
             return
         time.sleep(120)

@@ -1,12 +1,12 @@
 """A trainer's side of a recovery: the coordinator's commands, carried out on this rank.
 
 :class:`Follower` is the seam between the training step (:mod:`.runtime`'s
-:class:`~.runtime.GlooSession`) and a recovery: once a step is interrupted, the session
+session, seen as a :class:`FollowerHost`) and a recovery: once a step is interrupted, the session
 hands over to :meth:`Follower._follow`, which reports this rank's retained memory,
 carries out the core's reconcile plan through the one plan interpreter
 (:func:`leto.retained.recovery.carry_out`, over :mod:`.repair_ops`: tier 1 as parity
 or as replicas, snapshot and checkpoint restores), rebuilds the redundancy and
-resumes. Everything lives in the session (``self.s``) but what its report checked:
+resumes. Everything lives in the session (``self.session``) but what its report checked:
 the chunks whose checksums held, which the check before resuming does not read again
 (one pass over the retained bytes per recovery, not two).
 """
@@ -18,39 +18,80 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from leto.core.chunk import LOST, NONE
 from leto.core.reconcile import Plan, Repair, writes_no_chunk
 from leto.core.recovery import Kind
 from leto.retained import recovery as rx
+from leto.retained.optim import RetainedOptimizer
 from leto.retained.parity import (
     TorchDistCollective,
     encode,
 )
-from leto.retained.process_state import restore_buffers
+from leto.retained.process_state import BatchCursor, restore_buffers
 from leto.retained.recovery import IntegrityError
 
 from . import messages as M
 from .collective import CHECK_KEPT_PARITY, comm_error
+from .fault_points import FaultPoints
 from .faults import COMMAND_POINT
-from .keeper_client import FencedError
-from .repair_ops import ops_for
+from .keeper_client import FencedError, KeeperClient
+from .rank_memory import RankMemory
+from .repair_ops import RepairHost, ops_for
 
-if TYPE_CHECKING:
-    from .runtime import GlooSession
+__all__ = ["Follower", "FollowerHost", "StepStopper"]
 
-__all__ = ["Follower"]
+
+class StepStopper(Protocol):
+    """What a recovery tells the step transaction (:class:`~.transaction.StepTransaction`)."""
+
+    def stopped(self, reason: str) -> None: ...
+    def tier1_chunk(self, c: int, step: int) -> None: ...
+
+
+class FollowerHost(RepairHost, Protocol):
+    """What :class:`Follower` reads of its rank's session, and the state a recovery
+    sets there (besides what the repair operations read: :class:`~.repair_ops.RepairHost`)."""
+
+    gen: int
+    rng: dict[str, Any] | None
+    sampler_state: dict[str, Any] | None
+    completed: bool
+
+    @property
+    def cfg(self) -> Any: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def ropt(self) -> RetainedOptimizer | None: ...
+    @property
+    def keeper(self) -> KeeperClient | None: ...
+    @property
+    def cursor(self) -> BatchCursor: ...
+    @property
+    def memory(self) -> RankMemory: ...
+    @property
+    def fault_points(self) -> FaultPoints: ...
+    @property
+    def txn(self) -> StepStopper: ...
+    def _fatal(self, message: str) -> None: ...
+    def _log(self, event: str, **kw: Any) -> None: ...
 
 
 class Follower:
     """Carries out recoveries for one rank's session (see the module docstring)."""
 
-    def __init__(self, session: GlooSession) -> None:
-        self.s = session
+    def __init__(self, session: FollowerHost) -> None:
+        self.session = session
+        self.reencoded = 0  # chunks whose tier-1 parity the last recovery re-encoded
+        self.parity_checked = False  # did it check a kept parity (LETO_CHECK_KEPT_PARITY)
         # (generation, {chunk: version}): the chunks this rank's report found CLEAN
         # with their checksums holding or left to the next PREPARE (intact_at)
         self.intact: tuple[int, dict[int, int]] | None = None
@@ -83,23 +124,23 @@ class Follower:
         self.plans = []
         self._before_writes = before_writes
         self._beside = beside
-        self.s.groups.destroy()
+        self.session.groups.destroy()
         while True:
-            msg = self.s.ch.next_command()
+            msg = self.session.ch.next_command()
             if isinstance(msg, M.Abort):
-                self.s.groups.destroy()
+                self.session.groups.destroy()
                 continue
             if isinstance(msg, M.Complete):
-                self.s.completed = True
+                self.session.completed = True
                 continue
             if not isinstance(msg, tuple(COMMAND_POINT)):
                 continue  # nothing else is a recovery command
             t = msg.TAG
-            gen = int(getattr(msg, "gen", self.s.gen))
-            if gen < self.s.gen or self.s.ch.aborted_since(gen):
+            gen = int(getattr(msg, "gen", self.session.gen))
+            if gen < self.session.gen or self.session.ch.aborted_since(gen):
                 continue  # a command of a generation that has been aborted since
-            self.s.ch.mark(t)
-            self.s.fault_points.point("recovery", where=COMMAND_POINT[type(msg)])
+            self.session.ch.mark(t)
+            self.session.fault_points.point("recovery", where=COMMAND_POINT[type(msg)])
             try:
                 match msg:
                     case M.CallReports():
@@ -108,7 +149,7 @@ class Follower:
                         try:
                             self._reconcile(msg)
                         finally:
-                            self.s.ps.drop_prefetch()
+                            self.session.ps.drop_prefetch()
                     case M.Rebuild():
                         self._rebuild(gen)
                     case M.Resume():
@@ -118,36 +159,36 @@ class Follower:
                 # fenced: either a newer generation overtook this command (its abort is on
                 # the way: wait for the next command), or this process is stale: it must go
                 deadline = time.monotonic() + 3.0
-                while time.monotonic() < deadline and not self.s.ch.aborted_since(gen):
+                while time.monotonic() < deadline and not self.session.ch.aborted_since(gen):
                     time.sleep(0.01)
-                if self.s.ch.aborted_since(gen):
-                    self.s.txn.stopped(f"generation {gen} was overtaken")
+                if self.session.ch.aborted_since(gen):
+                    self.session.txn.stopped(f"generation {gen} was overtaken")
                     continue
-                sys.stderr.write(f"leto: rank {self.s.rank}: fenced off ({e}); exiting\n")
+                sys.stderr.write(f"leto: rank {self.session.rank}: fenced off ({e}); exiting\n")
                 os._exit(4)
             except Exception as e:  # noqa: BLE001
                 if not comm_error(e):
-                    self.s._fatal(
+                    self.session._fatal(
                         f"recovery ({t}, generation {gen}) failed: {type(e).__name__}: {e}\n"
                         + traceback.format_exc()
                     )
                 # a collective of the recovery failed (another failure): wait for the restart
-                self.s.txn.stopped(
+                self.session.txn.stopped(
                     f"recovery step {t} failed: {str(e).splitlines()[0] if str(e) else e}"
                 )
 
     def _report(self, gen: int) -> None:
-        self.s.ch.mark("report")
-        self.s.gen = gen
-        assert self.s.keeper is not None
-        self.s.keeper.readmit(gen)
+        self.session.ch.mark("report")
+        self.session.gen = gen
+        assert self.session.keeper is not None
+        self.session.keeper.readmit(gen)
         # This rank's own memory first: nothing but this process writes it now (the fence
         # killed any stale writer before the promotion), so its checksum pass runs while
         # the other ranks are still stopping their step, not after they all joined.
-        lost = self.s.memory.ensure_layout()
-        if not self.s.parity and self.s.cfg.tier1:
-            self.s.memory.node_memory()
-        lay = self.s.layout
+        lost = self.session.memory.ensure_layout()
+        if not self.session.parity and self.session.cfg.tier1:
+            self.session.memory.node_memory()
+        lay = self.session.layout
         C = lay.n_chunks
         self.intact = self.deferred = self.deferred_grads = None
         if lost:
@@ -156,7 +197,7 @@ class Follower:
             # what this recovery writes from is read now; the other CLEAN chunks are
             # checked by the next PREPARE's pass, as between failures (or here, by
             # _check_deferred, if the recovery reads them after all)
-            deferred = rx.deferrable(lay) if self.s.cfg.verify_chunks else []
+            deferred = rx.deferrable(lay) if self.session.cfg.verify_chunks else []
             bad = set(lay.verify(deferred))
             if bad:
                 lay.mark_suspect()  # until a recovery ends, every report reads every chunk
@@ -169,7 +210,7 @@ class Follower:
             else:
                 ok = ps >= 0 and not lay.grads.verify(ps)
                 grad = ps if ok else (NONE if ps < 0 else LOST)
-            if ps < 0 and lay.grads.reduced_step == self.s.step + 1:
+            if ps < 0 and lay.grads.reduced_step == self.session.step + 1:
                 # the next step's gradients, reduced and not sealed (the spec's REDUCED:
                 # the node's gradient parity still records the step before)
                 grad = lay.grads.reduced_step
@@ -178,17 +219,23 @@ class Follower:
                 # the node's record still names are gone (LOST), not "none held"
                 grad = LOST
         t0 = time.perf_counter()
-        self.s.groups.init(gen)  # every rank has stopped: the node's shared records hold still
+        self.session.groups.init(
+            gen
+        )  # every rank has stopped: the node's shared records hold still
         pg_ms = round((time.perf_counter() - t0) * 1e3, 3)
         node_par = node_gpar = None
-        if self.s.lr == 0:  # the node's first rank: its parity records, if valid
-            if self.s.cfg.tier1 and self.s.parity and all(b.valid for b in self.s.parity):
-                node_par = [b.versions() for b in self.s.parity]
-                assert self.s.gparity is not None
-                node_gpar = self.s.gparity.versions() if self.s.gparity.valid else None
-        self.s.ch.send(
+        if self.session.local_rank == 0:  # the node's first rank: its parity records, if valid
+            if (
+                self.session.cfg.tier1
+                and self.session.parity
+                and all(b.valid for b in self.session.parity)
+            ):
+                node_par = [b.versions() for b in self.session.parity]
+                assert self.session.gparity is not None
+                node_gpar = self.session.gparity.versions() if self.session.gparity.valid else None
+        self.session.ch.send(
             M.Report(
-                rank=self.s.rank,
+                rank=self.session.rank,
                 gen=gen,
                 data=data,
                 undo=undo,
@@ -201,8 +248,8 @@ class Follower:
         )
 
     def _reconcile(self, msg: M.Reconcile) -> None:
-        self.s.ch.mark("reconcile")
-        self.s.ps.prefetch()  # the settle's node state, asked for beside what comes first
+        self.session.ch.mark("reconcile")
+        self.session.ps.prefetch()  # the settle's node state, asked for beside what comes first
         gen, target = msg.gen, msg.target
         plan = Plan(target, Kind(msg.kind), tuple(self._runs(msg)), "")
         self.plans.append(plan)
@@ -213,38 +260,40 @@ class Follower:
         self._reconciled = None
         if self._before_writes is not None:
             self._before_writes()
-        self.s.groups.init(gen)
+        self.session.groups.init(gen)
         t0 = time.perf_counter()
         if plan.kind is Kind.TIER2 and msg.snapshot is None:
             raise IntegrityError("a tier-2 reconcile without the snapshot's record")
-        done = rx.carry_out(plan, ops_for(self, msg, early=early))
+        done = rx.carry_out(plan, ops_for(self, self.session, msg, early=early))
         summary: dict[str, Any] = done.counts()
-        how = "copied_from_replicas" if self.s.replica else "repaired_from_parity"
-        self.s.stats[f"chunks_{how}"] += summary["chunks_repaired_tier1"]
-        self.s.stats[f"grad_blocks_{how}"] += summary["grads_repaired_tier1"]
-        self.s.stats["chunks_rolled_forward"] += summary["chunks_rolled_forward"]
+        how = "copied_from_replicas" if self.session.replica else "repaired_from_parity"
+        self.session.stats[f"chunks_{how}"] += summary["chunks_repaired_tier1"]
+        self.session.stats[f"grad_blocks_{how}"] += summary["grads_repaired_tier1"]
+        self.session.stats["chunks_rolled_forward"] += summary["chunks_rolled_forward"]
         t1 = time.perf_counter()
         meta = self._after_recovery_state(
             target, snapshot=msg.retake_t2, intact=self._untouched(msg)
         )
         summary["repair_ms"] = round((t1 - t0) * 1e3, 3)
         summary["redundancy_ms"] = round((time.perf_counter() - t1) * 1e3, 3)
-        summary["parity_reencoded"] = int(self.s._reencoded > 0)
-        summary["parity_chunks_reencoded"] = self.s._reencoded
-        summary["parity_checked"] = int(self.s._parity_checked)
-        self.s.memory.status_lost(False)
+        summary["parity_reencoded"] = int(self.reencoded > 0)
+        summary["parity_chunks_reencoded"] = self.reencoded
+        summary["parity_checked"] = int(self.parity_checked)
+        self.session.memory.status_lost(False)
         self._reconciled = gen
-        self.s.ch.send(M.Reconciled(rank=self.s.rank, gen=gen, summary=summary, snapshot=meta))
+        self.session.ch.send(
+            M.Reconciled(rank=self.session.rank, gen=gen, summary=summary, snapshot=meta)
+        )
 
     def _rebuild(self, gen: int) -> None:
         """The communicator of this generation was formed before Reconcile and carried its
         collectives: the rank only says it is on it (no barrier: the coordinator's wait for
         every Rebuilt is one). Every rank has reported its reconcile done, so every
         gradient is released: the node's gradient parity is written afresh now."""
-        self.s.ch.mark("rebuild")
+        self.session.ch.mark("rebuild")
         if self._reconciled == gen:
             self._renew_grad_parity()
-        self.s.ch.send(M.Rebuilt(rank=self.s.rank, gen=gen))
+        self.session.ch.send(M.Rebuilt(rank=self.session.rank, gen=gen))
 
     def _runs(self, msg: M.Reconcile) -> list[Repair]:
         """The plan's repairs as the coordinator sent them: runs of chunks (``count``)."""
@@ -264,13 +313,13 @@ class Follower:
         todo = sorted(left if chunks is None else left & chunks)
         if not todo:
             return
-        lay = self.s.layout
+        lay = self.session.layout
         bad = [c for c in todo if not lay.records.verify_chunk(c)]
         self.deferred = (gen, left - set(todo))
         if bad:
             lay.mark_suspect()
             raise IntegrityError(
-                f"rank {self.s.rank}: chunks {bad} fail their checksums (read by the "
+                f"rank {self.session.rank}: chunks {bad} fail their checksums (read by the "
                 f"recovery of generation {gen})"
             )
 
@@ -283,19 +332,22 @@ class Follower:
             return
         step = self.deferred_grads[1]
         self.deferred_grads = None
-        lay = self.s.layout
+        lay = self.session.layout
         if lay.grads.verify(step):
             lay.mark_suspect()
             raise IntegrityError(
-                f"rank {self.s.rank}: the gradients of step {step} fail their checksums "
+                f"rank {self.session.rank}: the gradients of step {step} fail their checksums "
                 f"(read by the recovery of generation {gen})"
             )
 
     def _gparity_names_mine(self) -> bool:
         """The node's gradient parity records gradients of some step for this rank."""
-        g = self.s.gparity
+        g = self.session.gparity
         return bool(
-            self.s.cfg.tier1 and g is not None and g.valid and g.versions()[self.s.lr] != NONE
+            self.session.cfg.tier1
+            and g is not None
+            and g.valid
+            and g.versions()[self.session.local_rank] != NONE
         )
 
     def _forget_grad_parity(self, *, gather: bool = False) -> None:
@@ -312,14 +364,14 @@ class Follower:
         the collective is the gather of the node's checksums, which the end of the
         reconcile then uses (an all-gather orders what follows it as a barrier does).
         """
-        if not self.s.cfg.tier1 or self.s.gparity is None:
+        if not self.session.cfg.tier1 or self.session.gparity is None:
             return
-        if self.s.lr == 0:
-            self.s.gparity.invalidate()
+        if self.session.local_rank == 0:
+            self.session.gparity.invalidate()
         if gather:
             self._sums_at_start = self._node_checksums()
         else:
-            dist.barrier(group=self.s.groups.node_group)
+            dist.barrier(group=self.session.groups.node_group)
 
     def _renew_grad_parity(self) -> None:
         """The node's gradient parity written afresh (every member NONE) by its first rank,
@@ -329,19 +381,21 @@ class Follower:
         gradients (a plan that writes no chunk has no collective of the node after the
         settles): killed there, its next report would hold gradients the record names
         NONE for, which breaks ParityOK's gradient clause (the adoption is refused)."""
-        if self.s.cfg.tier1 and self.s.lr == 0:
-            assert self.s.gparity is not None
-            self.s.gparity.write_full(None, [NONE] * self.s.nproc, [0] * self.s.nproc)
+        if self.session.cfg.tier1 and self.session.local_rank == 0:
+            assert self.session.gparity is not None
+            self.session.gparity.write_full(
+                None, [NONE] * self.session.nproc, [0] * self.session.nproc
+            )
 
     def _own_checksums(self) -> list[int]:
-        return self.s.layout.records.stored_checksum_list()
+        return self.session.layout.records.stored_checksum_list()
 
     def _node_checksums(self) -> list[list[int]]:
         """Every chunk's stored checksum on every rank of the node: ``[chunk][member]``
         (one all-gather of the node)."""
-        sums = self.s.layout.records.stored_checksums()
-        allsums = [torch.zeros_like(sums) for _ in range(self.s.nproc)]
-        dist.all_gather(allsums, sums, group=self.s.groups.node_group)
+        sums = self.session.layout.records.stored_checksums()
+        allsums = [torch.zeros_like(sums) for _ in range(self.session.nproc)]
+        dist.all_gather(allsums, sums, group=self.session.groups.node_group)
         return [[int(x) for x in row] for row in torch.stack(allsums, dim=1).tolist()]
 
     def _untouched(self, msg: M.Reconcile) -> list[int]:
@@ -353,44 +407,48 @@ class Follower:
             or Kind(msg.kind) in (Kind.TIER2, Kind.CKPT)
         ):
             return []
-        mine = {c for x in self._runs(msg) if x.rank == self.s.rank for c in x.chunks}
+        mine = {c for x in self._runs(msg) if x.rank == self.session.rank for c in x.chunks}
         return [c for c, v in self.intact[1].items() if v == msg.target and c not in mine]
 
     def _resume(self, msg: M.Resume) -> None:
-        self.s.ch.mark("resume")
+        self.session.ch.mark("resume")
         step = msg.step
-        assert self.s.ropt is not None
-        if self.s.ropt.version != step:
-            self.s._fatal(
-                f"resume at step {step}, but this rank's state is at {self.s.ropt.version}"
+        assert self.session.ropt is not None
+        if self.session.ropt.version != step:
+            self.session._fatal(
+                f"resume at step {step}, but this rank's state is at {self.session.ropt.version}"
             )
-        self.s.snapshots.t2 = step if msg.t2 is None else msg.t2
-        self.s.snapshots.pending = None
-        assert self.s.sampler_state is not None
+        self.session.snapshots.t2 = step if msg.t2 is None else msg.t2
+        self.session.snapshots.pending = None
+        assert self.session.sampler_state is not None
         if not self._beside:
-            self.s.cursor.restore(self.s.sampler_state)
-        self.s.stats["recoveries"] += 1
-        self.s.layout.mark_suspect(False)  # every chunk was read or is left to PREPARE
+            self.session.cursor.restore(self.session.sampler_state)
+        self.session.stats["recoveries"] += 1
+        self.session.layout.mark_suspect(False)  # every chunk was read or is left to PREPARE
         self.deferred = self.deferred_grads = None
-        self.s._log("resumed", step=step, generation=self.s.gen)
-        self.s.ch.mark("idle", step)
+        self.session._log("resumed", step=step, generation=self.session.gen)
+        self.session.ch.mark("idle", step)
 
     def _seal_rebuilt_grads(self, step: int, how: str) -> None:
         """This rank's gradients of ``step``, rebuilt: sealed with the present mask of
         its prepare record and checked against that record's checksums."""
         rx.seal_rebuilt_grads(
-            self.s.layout, step, self.s.ps.node_state()[1], how, f"rank {self.s.rank}"
+            self.session.layout,
+            step,
+            self.session.ps.node_state()[1],
+            how,
+            f"rank {self.session.rank}",
         )
 
     def _who(self, member: int) -> str:
         """How an error names local member ``member`` of this node."""
-        return f"rank {self.s.node * self.s.nproc + member}"
+        return f"rank {self.session.node * self.session.nproc + member}"
 
     def _settle(self, target: int) -> tuple[int, int]:
         """Roll this rank to ``target`` (:func:`leto.retained.recovery.settle`);
         (chunks rolled forward, chunks rolled back)."""
-        assert self.s.ropt is not None
-        hist, pend = self.s.ps.node_state()
+        assert self.session.ropt is not None
+        hist, pend = self.session.ps.node_state()
         # Checksums gathered before the settle (a plan that writes no chunk): no
         # collective follows it before each rank reads the node's shared records to pick
         # the stale chunks, so no settle may write them. A chunk it restores and rolls
@@ -398,21 +456,21 @@ class Follower:
         # bytes, and its parity, one step behind for this member, is re-encoded there.
         early = self._sums_at_start is not None
         done = rx.settle(
-            self.s.layout,
-            self.s.ropt,
+            self.session.layout,
+            self.session.ropt,
             target,
             history=hist,
             pending=pend,
-            load_ps=self.s.ps.load,
-            step_scheduler=lambda: self.s.ps.replay_scheduler(pend),
-            who=f"rank {self.s.rank}",
+            load_ps=self.session.ps.load,
+            step_scheduler=lambda: self.session.ps.replay_scheduler(pend),
+            who=f"rank {self.session.rank}",
             on_applied=None if early else (lambda c: self._parity_follows(c, target)),
         )
         if done.rng is not None:
-            self.s.rng = done.rng
-            self.s.sampler_state = done.sampler
+            self.session.rng = done.rng
+            self.session.sampler_state = done.sampler
         if done.buffers is not None:
-            restore_buffers(self.s.model, done.buffers)
+            restore_buffers(self.session.model, done.buffers)
         return done.forward, done.back
 
     def _check_kept_parity(self, coll: TorchDistCollective, target: int, kept: list[int]) -> None:
@@ -420,16 +478,16 @@ class Follower:
         ``kept``, byte for byte, against a fresh encoding of every member's chunks at
         ``target``."""
         par = self._encode_chunks(coll, kept)
-        self.s._parity_checked = True
+        self.parity_checked = True
         if par is not None:
             bad = [
                 c
                 for c, p in zip(kept, par, strict=True)
-                if not torch.equal(p, self.s.parity[c].parity())
+                if not torch.equal(p, self.session.parity[c].parity())
             ]
             if bad:
                 raise IntegrityError(
-                    f"node {self.s.node}: the kept parity of chunks {bad} is not the encoding "
+                    f"node {self.session.node}: the kept parity of chunks {bad} is not the encoding "
                     f"of its members at step {target}"
                 )
 
@@ -438,7 +496,7 @@ class Follower:
     ) -> list[torch.Tensor] | None:
         """Tier-1 parity of ``chunks`` (every member calls it): one reduce of their bytes,
         in order; on the node's first rank each chunk's parity, else None."""
-        lay = self.s.layout
+        lay = self.session.layout
         par = encode(coll, [t for c in chunks for t in lay.chunk_data(c)], 0)
         if par is None:
             return None
@@ -456,11 +514,11 @@ class Follower:
         seal and parity update leaves it there; after the update it is already at
         ``step``); otherwise the recovery re-encodes this chunk's parity.
         """
-        if not self.s.parity:
+        if not self.session.parity:
             return
-        block = self.s.parity[c]
-        if block.valid and block.versions()[self.s.lr] == step - 1:
-            self.s.txn.tier1_chunk(c, step)
+        block = self.session.parity[c]
+        if block.valid and block.versions()[self.session.local_rank] == step - 1:
+            self.session.txn.tier1_chunk(c, step)
 
     def _after_recovery_state(
         self, target: int, *, snapshot: bool = True, intact: list[int] | None = None
@@ -468,27 +526,33 @@ class Follower:
         """Verify, then rebuild the redundancy at ``target``: parity, gradient parity, and
         (``snapshot``: the coordinator says the tier-2 snapshot lost blocks) the snapshot.
         ``intact``: chunks whose checksums this recovery checked already."""
-        lay = self.s.layout
-        self.s._reencoded = 0
-        self.s._parity_checked = False
-        rx.check_resumable(lay, self.s.ropt, target, f"rank {self.s.rank}", intact or ())
+        lay = self.session.layout
+        self.reencoded = 0
+        self.parity_checked = False
+        rx.check_resumable(
+            lay, self.session.ropt, target, f"rank {self.session.rank}", intact or ()
+        )
         # the target's process state kept before the prepare record it may have come
         # from is dropped: a death between the two left neither (no state of the target,
         # no record to roll it forward from), and the next recovery could not settle
-        self.s.ps.send(target)
-        self.s.ch.send(M.Pending(rank=self.s.rank, json=""))
-        if self.s.cfg.tier1:
-            if not self.s.parity:
-                self.s.memory.node_memory()
-            coll = TorchDistCollective(self.s.groups.node_group)
+        self.session.ps.send(target)
+        self.session.ch.send(M.Pending(rank=self.session.rank, json=""))
+        if self.session.cfg.tier1:
+            if not self.session.parity:
+                self.session.memory.node_memory()
+            coll = TorchDistCollective(self.session.groups.node_group)
             want, self._sums_at_start = self._sums_at_start, None
             if want is None:
                 want = self._node_checksums()
             else:  # gathered before the settle: the plan wrote no chunk, so they hold
-                moved = [c for c, v in enumerate(self._own_checksums()) if v != want[c][self.s.lr]]
+                moved = [
+                    c
+                    for c, v in enumerate(self._own_checksums())
+                    if v != want[c][self.session.local_rank]
+                ]
                 if moved:
                     raise IntegrityError(
-                        f"rank {self.s.rank}: chunks {moved} changed in a reconcile whose "
+                        f"rank {self.session.rank}: chunks {moved} changed in a reconcile whose "
                         "plan writes no chunk"
                     )
             # A chunk whose parity already encodes every member at ``target`` (no byte of
@@ -498,43 +562,49 @@ class Follower:
             # checksums, so all choose the same chunks.
             stale = [
                 c
-                for c, b in enumerate(self.s.parity)
+                for c, b in enumerate(self.session.parity)
                 if not (
-                    b.valid and b.versions() == [target] * self.s.nproc and b.checksums() == want[c]
+                    b.valid
+                    and b.versions() == [target] * self.session.nproc
+                    and b.checksums() == want[c]
                 )
             ]
-            self.s.stats["parity_reencodes_skipped"] += int(not stale)
-            self.s._reencoded = len(stale)
-            if self.s.replica:
+            self.session.stats["parity_reencodes_skipped"] += int(not stale)
+            self.reencoded = len(stale)
+            if self.session.replica:
                 # no bytes to encode: the replicas must agree, then the records say so
                 split = [c for c in range(lay.n_chunks) if len(set(want[c])) != 1]
                 if split:
                     raise IntegrityError(
-                        f"node {self.s.node}: its ranks' chunks {split} differ at step {target}; "
-                        f"tier1_code {self.s.cfg.tier1_code!r} keeps tier 1 as replicas, which "
+                        f"node {self.session.node}: its ranks' chunks {split} differ at step {target}; "
+                        f"tier1_code {self.session.cfg.tier1_code!r} keeps tier 1 as replicas, which "
                         "needs every rank of a node to hold the same state (data-parallel "
                         "training): set tier1_code = 'parity'"
                     )
-                if self.s.lr == 0:
+                if self.session.local_rank == 0:
                     for c in stale:
-                        self.s.parity[c].write_full(None, [target] * self.s.nproc, want[c])
+                        self.session.parity[c].write_full(
+                            None, [target] * self.session.nproc, want[c]
+                        )
             else:
                 kept = sorted(set(range(lay.n_chunks)) - set(stale))
                 if kept and CHECK_KEPT_PARITY:
                     self._check_kept_parity(coll, target, kept)
                 if stale:
-                    self._check_deferred(self.s.gen, set(stale))  # the chunks encoded
+                    self._check_deferred(self.session.gen, set(stale))  # the chunks encoded
                     par = self._encode_chunks(coll, stale)
                     if par is not None:  # the node's first rank writes the blocks
                         for c, p in zip(stale, par, strict=True):
-                            self.s.parity[c].write_full(p, [target] * self.s.nproc, want[c])
+                            self.session.parity[c].write_full(
+                                p, [target] * self.session.nproc, want[c]
+                            )
         # No barrier after the writes: a rank reports its end (``reconciled``, or ``ready``
         # at the start) only after them, and nothing goes on until every rank has (the
         # coordinator's rebuild and resume, or its start, wait for all of them). The
         # gradient parity is not among them: :meth:`_renew_grad_parity` writes it later.
-        if self.s.cfg.tier2 and snapshot:
-            self._check_deferred(self.s.gen)  # every chunk is copied into the snapshot
-        meta = self.s.snapshots.take(target) if self.s.cfg.tier2 and snapshot else None
+        if self.session.cfg.tier2 and snapshot:
+            self._check_deferred(self.session.gen)  # every chunk is copied into the snapshot
+        meta = self.session.snapshots.take(target) if self.session.cfg.tier2 and snapshot else None
         lay.derive_params()  # master weights: bf16/fp16 parameters cast from the target's
-        self.s.memory.gather_params()  # sharded: the model's parameters at the target
+        self.session.memory.gather_params()  # sharded: the model's parameters at the target
         return meta

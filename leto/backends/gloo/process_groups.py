@@ -13,16 +13,13 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from .channel import Aborted
+from .channel import Aborted, AgentChannel
 
-if TYPE_CHECKING:
-    from .runtime import GlooSession
-
-__all__ = ["FORM_TIMEOUT_S", "ProcessGroups", "reset_group_count", "set_timeout"]
+__all__ = ["FORM_TIMEOUT_S", "GroupsHost", "ProcessGroups", "reset_group_count", "set_timeout"]
 
 FORM_TIMEOUT_S = 5.0  # the most a generation's communicator may take to form
 
@@ -48,11 +45,35 @@ def set_timeout(timeout: timedelta, group: Any) -> None:
     distributed_c10d._set_pg_timeout(timeout, group)
 
 
+class GroupsHost(Protocol):
+    """What :class:`ProcessGroups` reads of its rank's session."""
+
+    @property
+    def spec(self) -> dict[str, Any]: ...
+    @property
+    def store(self) -> Any: ...
+    @property
+    def ch(self) -> AgentChannel: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def W(self) -> int: ...
+    @property
+    def node(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def nproc(self) -> int: ...
+    @property
+    def nnodes(self) -> int: ...
+    def _log(self, event: str, **kw: Any) -> None: ...
+
+
 class ProcessGroups:
     """The communicators of the generation ``pg_gen`` (None: none formed)."""
 
-    def __init__(self, session: GlooSession) -> None:
-        self.s = session
+    def __init__(self, session: GroupsHost) -> None:
+        self.session = session
         self.pg_gen: int | None = None
         self.node_group: Any = None
         self.cross_group: Any = None
@@ -60,26 +81,26 @@ class ProcessGroups:
 
     def init(self, gen: int) -> None:
         """Form generation ``gen``'s communicators (nothing if they are formed already)."""
-        s = self.s
+        session = self.session
         if self.pg_gen == gen and dist.is_initialized():
             return
         self.destroy()
         t = time.perf_counter()
-        base = f"leto/{s.spec['job']}/pg/{gen}"
+        base = f"leto/{session.spec['job']}/pg/{gen}"
         # An abortable barrier first: gloo's own rendezvous blocks (up to the collective
         # timeout) on a peer that never comes; here every rank polls, and a recovery that
         # restarts meanwhile (a peer died or hangs) interrupts the wait at once. It has
         # no deadline of its own: a peer still held in an earlier generation's formation
         # comes when that fails, and a deadline here, as long as that one, made the two
         # expire together and miss each other (the recovery's timeout bounds the wait).
-        s.store.set(f"{base}/here/{s.rank}", "1")
-        keys = [f"{base}/here/{q}" for q in range(s.W)]
-        while not s.store.check(keys):
-            if s.ch.aborted_since(gen):
+        session.store.set(f"{base}/here/{session.rank}", "1")
+        keys = [f"{base}/here/{q}" for q in range(session.W)]
+        while not session.store.check(keys):
+            if session.ch.aborted_since(gen):
                 raise Aborted(f"generation {gen} was aborted while its communicator formed")
             time.sleep(0.005)
         t_barrier = time.perf_counter()
-        prefix = dist.PrefixStore(base, s.store)  # type: ignore[attr-defined]
+        prefix = dist.PrefixStore(base, session.store)  # type: ignore[attr-defined]
         # Formed with a short timeout: gloo's connection of the ranks cannot be
         # interrupted, and a peer that died after it passed the barrier above (its key
         # set) would hold this rank there for the whole collective timeout while the
@@ -87,29 +108,36 @@ class ProcessGroups:
         # the barrier passes, so forming takes milliseconds; the collectives then get
         # the collective timeout.
         reset_group_count()  # every rank names this generation's groups alike
-        collective = timedelta(seconds=float(s.spec["collective_timeout"]))
+        collective = timedelta(seconds=float(session.spec["collective_timeout"]))
         form = min(collective, timedelta(seconds=FORM_TIMEOUT_S))
-        dist.init_process_group("gloo", store=prefix, rank=s.rank, world_size=s.W, timeout=form)
-        groups = [dist.group.WORLD]
+        dist.init_process_group(
+            "gloo", store=prefix, rank=session.rank, world_size=session.W, timeout=form
+        )
+        # new_group's stubs say ProcessGroup; a rank outside a group gets NON_GROUP_MEMBER
+        groups: list[dist.ProcessGroup | int | None] = [dist.group.WORLD]
         # every rank creates every group, in the same order (gloo: tier-1 groups of each
         # node, then tier-2 groups of each local rank across nodes)
-        for n in range(s.nnodes):
-            g = dist.new_group(list(range(n * s.nproc, (n + 1) * s.nproc)), timeout=form)
+        for n in range(session.nnodes):
+            g = dist.new_group(
+                list(range(n * session.nproc, (n + 1) * session.nproc)), timeout=form
+            )
             groups.append(g)
-            if n == s.node:
+            if n == session.node:
                 self.node_group = g
         self.cross_group = None
-        if s.nnodes >= 2:
-            for lr in range(s.nproc):
-                g = dist.new_group([n * s.nproc + lr for n in range(s.nnodes)], timeout=form)
+        if session.nnodes >= 2:
+            for lr in range(session.nproc):
+                g = dist.new_group(
+                    [n * session.nproc + lr for n in range(session.nnodes)], timeout=form
+                )
                 groups.append(g)
-                if lr == s.lr:
+                if lr == session.local_rank:
                     self.cross_group = g
         for g in groups:
             if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
                 set_timeout(collective, g)
         self.pg_gen = gen
-        s._log(
+        session._log(
             "process_group",
             generation=gen,
             ms=round((time.perf_counter() - t) * 1e3, 3),

@@ -12,25 +12,24 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from leto.retained.layout import ShapeMismatchError
-from leto.retained.optim import retain
+from leto.retained.layout import RetainedLayout, ShapeMismatchError
+from leto.retained.optim import RetainedOptimizer, retain
 from leto.retained.recovery import IntegrityError
 from leto.retained.shard import FullParams, ShardPlan, retain_shard
 
 from . import messages as M
 from . import segments
+from .channel import AgentChannel
 from .collective import ALL_GATHER, coll
-from .parity_block import TIER1, node_blocks, tier1_bytes, tier1_name
+from .keeper_client import KeeperClient
+from .parity_block import TIER1, ParityBlock, node_blocks, tier1_bytes, tier1_name
 
-if TYPE_CHECKING:
-    from .runtime import GlooSession
-
-__all__ = ["RankMemory", "materialize", "to_meta"]
+__all__ = ["MemoryHost", "RankMemory", "materialize", "to_meta"]
 
 _STATUS = "gloo.status"  # keeper segment: int64 [lost flag]
 
@@ -72,11 +71,42 @@ def materialize(model: nn.Module) -> None:
             p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
 
 
+class MemoryHost(Protocol):
+    """What :class:`RankMemory` reads of its rank's session, and the state it binds there."""
+
+    ropt: RetainedOptimizer | None
+    full: FullParams | None
+    parity: list[ParityBlock]
+    gparity: ParityBlock | None
+
+    @property
+    def keeper(self) -> KeeperClient | None: ...
+    @property
+    def cfg(self) -> Any: ...
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def user_optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def members(self) -> int: ...
+    @property
+    def layout(self) -> RetainedLayout: ...
+    @property
+    def ch(self) -> AgentChannel: ...
+    @property
+    def replica(self) -> bool: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def W(self) -> int: ...
+    def _fatal(self, message: str) -> None: ...
+
+
 class RankMemory:
     """Binds a session to its keeper's and its node agent's segments (see the module docstring)."""
 
-    def __init__(self, session: GlooSession) -> None:
-        self.s = session
+    def __init__(self, session: MemoryHost) -> None:
+        self.session = session
         self.status: torch.Tensor | None = None
         #: sharded state: the names of each of the user's optimizer's groups' parameters
         #: (its groups hold this rank's pieces once bound), for the checkpoint
@@ -87,8 +117,8 @@ class RankMemory:
 
     def _status_seg(self) -> torch.Tensor:
         if self.status is None:
-            assert self.s.keeper is not None
-            self.status = self.s.keeper.alloc(_STATUS, 8).view(torch.int64)
+            assert self.session.keeper is not None
+            self.status = self.session.keeper.alloc(_STATUS, 8).view(torch.int64)
         return self.status
 
     def status_lost(self, lost: bool) -> None:
@@ -96,77 +126,85 @@ class RankMemory:
         self._status_seg()[0] = 1 if lost else 0
 
     def bind(self, *, attach: bool) -> None:
-        s = self.s
-        assert s.keeper is not None
+        session = self.session
+        assert session.keeper is not None
         if not attach:
-            materialize(s.model)  # a skeleton has no values: garbage until repaired
-        if s.cfg.shard:
+            materialize(session.model)  # a skeleton has no values: garbage until repaired
+        if session.cfg.shard:
             self._bind_shard(attach=attach)
             return
-        s.ropt = retain(
-            s.model,
-            s.user_optimizer,
-            chunk_numel=int(s.cfg.chunk_size),
-            alloc=s.keeper.alloc,
+        session.ropt = retain(
+            session.model,
+            session.user_optimizer,
+            chunk_numel=int(session.cfg.chunk_size),
+            alloc=session.keeper.alloc,
             attach=attach,
             # verify_chunks is done once per step, for every chunk, before the vote
             # (during the gradient all-reduce, so a corrupt chunk stops the step
             # before its commit); checking each chunk again at its undo copy would
             # read the whole state a second time for nothing
             verify=False,
-            master_weights=bool(s.cfg.master_weights),
+            master_weights=bool(session.cfg.master_weights),
         )
 
     def _bind_shard(self, *, attach: bool) -> None:
         """Sharded state (``shard = true``): this rank's shard retained, the model's
         parameters views of a flat tensor of this process, filled by the all-gather
         (:meth:`gather_params`) after every step and every recovery."""
-        s = self.s
-        assert s.keeper is not None
-        named = list(s.model.named_parameters())
+        session = self.session
+        assert session.keeper is not None
+        named = list(session.model.named_parameters())
         name_of = {id(p): n for n, p in named}
         self.shard_groups = [
-            [name_of[id(p)] for p in g["params"]] for g in s.user_optimizer.param_groups
+            [name_of[id(p)] for p in g["params"]] for g in session.user_optimizer.param_groups
         ]
         plan = ShardPlan(
-            named, s.W, int(s.cfg.chunk_size), master_weights=bool(s.cfg.master_weights)
+            named,
+            session.W,
+            int(session.cfg.chunk_size),
+            master_weights=bool(session.cfg.master_weights),
         )
-        s.full = FullParams(plan, named, values=not attach)
-        s.ropt = retain_shard(
-            s.model, s.user_optimizer, plan, s.rank, alloc=s.keeper.alloc, attach=attach
+        session.full = FullParams(plan, named, values=not attach)
+        session.ropt = retain_shard(
+            session.model,
+            session.user_optimizer,
+            plan,
+            session.rank,
+            alloc=session.keeper.alloc,
+            attach=attach,
         )
 
     def gather_params(self) -> None:
         """Sharded state: every rank's shard of the parameters into the model's (a
         collective of every rank); nothing without sharding."""
-        s = self.s
-        if s.full is None:
+        session = self.session
+        if session.full is None:
             return
-        coll(ALL_GATHER, s.full.flat, s.full.gather_input(s.layout))
-        s.full.derive()  # master weights in a model of mixed dtypes: its bf16 parameters
+        coll(ALL_GATHER, session.full.flat, session.full.gather_input(session.layout))
+        session.full.derive()  # master weights in a model of mixed dtypes: its bf16 parameters
 
     def ensure_layout(self) -> bool:
         """Attach to the retained state, or create it fresh if the keeper lost it.
 
         Returns True if the memory was lost (the rank must be rebuilt).
         """
-        s = self.s
-        assert s.keeper is not None
-        if s.ropt is not None:
+        session = self.session
+        assert session.keeper is not None
+        if session.ropt is not None:
             return bool(self._status_seg()[0])
-        have = s.keeper.open()  # the listing, and every segment's descriptor with it
+        have = session.keeper.open()  # the listing, and every segment's descriptor with it
         try:
             if "leto.super" in have:
                 try:
                     self.bind(attach=True)
                 except ShapeMismatchError as e:
-                    s._fatal(
+                    session._fatal(
                         f"the script's model does not match the retained state: {e}. "
                         "Every process of a rank must build the same model (shapes, names, dtype)."
                     )
                 return bool(self._status_seg()[0])
         finally:
-            s.keeper.close_opened()
+            session.keeper.close_opened()
         self.status_lost(True)  # until the rebuild completes, a restart sees LOST
         self.bind(attach=False)
         return True
@@ -175,26 +213,26 @@ class RankMemory:
         """Map this node's tier-1 blocks (one segment, :func:`tier1_name`; created empty
         by the agent): the one a warm shadow mapped before its promotion
         (:meth:`premap_node`), or asked for now."""
-        s = self.s
-        lay = s.layout
-        if not s.cfg.tier1:
+        session = self.session
+        lay = session.layout
+        if not session.cfg.tier1:
             return
-        item = 0 if s.replica else lay.dtype.itemsize  # replicas: the records only
+        item = 0 if session.replica else lay.dtype.itemsize  # replicas: the records only
         cbytes = (1 + len(lay.states)) * lay.chunk_numel * item
         gbytes = lay.numel * item
         name = tier1_name(cbytes, lay.n_chunks, gbytes)
-        size = tier1_bytes(s.members, cbytes, lay.n_chunks, gbytes)
+        size = tier1_bytes(session.members, cbytes, lay.n_chunks, gbytes)
         early, self.premapped = self.premapped, None
         if early is not None and (early[0] != name or early[2].numel() != size):
             os.close(early[1])  # a segment of another geometry: not this layout's
             early = None
         _, fd, base = early if early is not None else self._map(name, size)
         try:
-            blocks = node_blocks(fd, base, s.members, cbytes, lay.n_chunks, gbytes)
+            blocks = node_blocks(fd, base, session.members, cbytes, lay.n_chunks, gbytes)
         except BaseException:
             os.close(fd)
             raise
-        *s.parity, s.gparity = blocks
+        *session.parity, session.gparity = blocks
 
     def _map(self, name: str, nbytes: int) -> tuple[str, int, torch.Tensor]:
         """The node's tier-1 segment ``name`` of ``nbytes`` (made by the agent on first
@@ -213,11 +251,11 @@ class RankMemory:
         the node's agent, and its bytes and records are read through the mapping when
         used, so a mapping made early is the one a promotion would make. Returns the
         number of segments mapped so far (0 or 1)."""
-        s = self.s
-        if not s.cfg.tier1:
+        session = self.session
+        if not session.cfg.tier1:
             return 0
         if self.premapped is None:
-            reply, _ = s.ch.request(M.NodeListing())
+            reply, _ = session.ch.request(M.NodeListing())
             sizes = dict(zip(reply.get("names", []), reply.get("sizes", []), strict=True))
             names = sorted(n for n in sizes if n.startswith(TIER1 + "."))
             if names:
@@ -226,7 +264,7 @@ class RankMemory:
 
     def segment(self, name: str, nbytes: int) -> int:
         """A descriptor of the node agent's segment ``name`` (created on first ask)."""
-        reply, fds = self.s.ch.request(M.NodeSegment(name=name, nbytes=nbytes))
+        reply, fds = self.session.ch.request(M.NodeSegment(name=name, nbytes=nbytes))
         if len(fds) != 1:
             for fd in fds:
                 os.close(fd)

@@ -11,7 +11,7 @@ parity) or as replicas (:class:`ReplicaOps`, a lost chunk copied from a settled 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,21 +22,75 @@ from leto.retained import recovery as rx
 from leto.retained import replicas as rpl
 from leto.retained import rs
 from leto.retained.checkpoint import CheckpointError
+from leto.retained.layout import RetainedLayout
 from leto.retained.parity import TorchDistCollective, decode_rotated, encode_rotated_alike
 from leto.retained.recovery import IntegrityError, Settled
 
 from . import messages as M
+from .channel import AgentChannel
+from .checkpoints import Checkpoints
+from .parity_block import ParityBlock
+from .process_groups import ProcessGroups
+from .rank_state import RankState
+from .snapshots import Tier2Snapshots
 
-if TYPE_CHECKING:
-    from .follow import Follower
-
-__all__ = ["ParityOps", "ReplicaOps", "ops_for"]
+__all__ = ["ParityOps", "RepairFollower", "RepairHost", "ReplicaOps", "ops_for"]
 
 
-def ops_for(f: Follower, msg: M.Reconcile, *, early: bool) -> ParityOps:
-    """The operations of ``f``'s rank for ``msg``'s plan. ``early``: the plan writes no
-    chunk, so forgetting the gradient parity gathers the node's checksums."""
-    return (ReplicaOps if f.s.replica else ParityOps)(f, msg, early)
+class RepairFollower(Protocol):
+    """What the operations ask of the recovery that runs them (:class:`~.follow.Follower`)."""
+
+    def _check_deferred(self, gen: int, chunks: set[int] | None = None) -> None: ...
+    def _check_deferred_grads(self, gen: int, repairs: tuple[Repair, ...]) -> None: ...
+    def _forget_grad_parity(self, *, gather: bool = False) -> None: ...
+    def _settle(self, target: int) -> tuple[int, int]: ...
+    def _who(self, member: int) -> str: ...
+
+
+class RepairHost(Protocol):
+    """What the operations read of their rank's session."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def W(self) -> int: ...
+    @property
+    def node(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def nproc(self) -> int: ...
+    @property
+    def nnodes(self) -> int: ...
+    @property
+    def replica(self) -> bool: ...
+    @property
+    def ch(self) -> AgentChannel: ...
+    @property
+    def layout(self) -> RetainedLayout: ...
+    @property
+    def parity(self) -> list[ParityBlock]: ...
+    @property
+    def gparity(self) -> ParityBlock | None: ...
+    @property
+    def stats(self) -> dict[str, int]: ...
+    @property
+    def groups(self) -> ProcessGroups: ...
+    @property
+    def ps(self) -> RankState: ...
+    @property
+    def snapshots(self) -> Tier2Snapshots: ...
+    @property
+    def checkpoints(self) -> Checkpoints: ...
+
+
+def ops_for(
+    follower: RepairFollower, session: RepairHost, msg: M.Reconcile, *, early: bool
+) -> ParityOps:
+    """The operations of ``session``'s rank for ``msg``'s plan, run by ``follower``.
+    ``early``: the plan writes no chunk, so forgetting the gradient parity gathers the
+    node's checksums."""
+    return (ReplicaOps if session.replica else ParityOps)(follower, session, msg, early)
 
 
 class ParityOps:
@@ -45,81 +99,83 @@ class ParityOps:
 
     copies_from_settled = False
 
-    def __init__(self, f: Follower, msg: M.Reconcile, early: bool) -> None:
-        self.f, self.s, self.msg, self.early = f, f.s, msg, early
+    def __init__(
+        self, follower: RepairFollower, session: RepairHost, msg: M.Reconcile, early: bool
+    ) -> None:
+        self.follower, self.session, self.msg, self.early = follower, session, msg, early
 
     def ranks(self) -> Sequence[int]:
-        return (self.s.rank,)
+        return (self.session.rank,)
 
     def repairs(self, plan: Plan) -> Sequence[Repair]:
         """The repairs of this node's ranks, chunk by chunk (each run expanded by the
         core: :meth:`leto.core.reconcile.Repair.expand`), in the plan's order."""
-        s = self.s
-        return expand_repairs(x for x in plan.repairs if x.rank // s.nproc == s.node)
+        session = self.session
+        return expand_repairs(x for x in plan.repairs if x.rank // session.nproc == session.node)
 
     def check_sources(self, repairs: Sequence[Repair]) -> None:
         gen = self.msg.gen
-        self.f._check_deferred(gen, {x.chunk for x in repairs if x.what is RepairKind.TIER1})
-        self.f._check_deferred_grads(gen, tuple(repairs))
+        self.follower._check_deferred(gen, {x.chunk for x in repairs if x.what is RepairKind.TIER1})
+        self.follower._check_deferred_grads(gen, tuple(repairs))
 
     def restore_snapshot(self, target: int) -> int:
         assert self.msg.snapshot is not None
-        restore_snapshot(self.f, target, self.msg.snapshot)
-        self.s.stats["snapshot_restores"] += 1
-        return self.s.layout.n_chunks
+        restore_snapshot(self.session, target, self.msg.snapshot)
+        self.session.stats["snapshot_restores"] += 1
+        return self.session.layout.n_chunks
 
     def restore_checkpoint(self, target: int) -> int:
         """The latest durable checkpoint (``target``), checked bitwise (:mod:`.checkpoints`)."""
         try:
-            self.s.checkpoints.restore(target)
+            self.session.checkpoints.restore(target)
         except CheckpointError as e:
             raise IntegrityError(str(e)) from None
-        self.s.stats["checkpoint_restores"] += 1
-        return self.s.layout.n_chunks
+        self.session.stats["checkpoint_restores"] += 1
+        return self.session.layout.n_chunks
 
     def rebuild_chunks(self, repairs: Sequence[Repair], target: int) -> int:
         """Each chunk at its repair's version from the node's parity (every member runs
         :func:`leto.retained.recovery.decode_chunk`)."""
-        s = self.s
+        session = self.session
         for x in repairs:
-            block = s.parity[x.chunk]
-            mi = x.rank - s.node * s.nproc
+            block = session.parity[x.chunk]
+            mi = x.rank - session.node * session.nproc
             rx.decode_chunk(
-                TorchDistCollective(s.groups.node_group),
-                s.layout,
+                TorchDistCollective(session.groups.node_group),
+                session.layout,
                 x.chunk,
                 lost=mi,
                 version=x.version,
                 versions=block.versions(),
                 checksum=block.checksums()[mi],
-                parity=block.parity() if s.lr == 0 else None,
+                parity=block.parity() if session.local_rank == 0 else None,
                 who=f"rank {x.rank}",
             )
-        return sum(x.rank == s.rank for x in repairs)
+        return sum(x.rank == session.rank for x in repairs)
 
     def rebuild_grads(self, repairs: Sequence[Repair]) -> int:
         """Each rank's gradients of its repair's step from the node's gradient parity."""
-        s = self.s
+        session = self.session
         for x in repairs:
-            assert s.gparity is not None
+            assert session.gparity is not None
             rx.decode_grads(
-                TorchDistCollective(s.groups.node_group),
-                s.layout,
-                lost=x.rank - s.node * s.nproc,
+                TorchDistCollective(session.groups.node_group),
+                session.layout,
+                lost=x.rank - session.node * session.nproc,
                 step=x.version,
-                versions=s.gparity.versions(),
-                parity=s.gparity.parity() if s.lr == 0 else None,
-                pending=s.ps.node_state()[1] if x.rank == s.rank else None,
+                versions=session.gparity.versions(),
+                parity=session.gparity.parity() if session.local_rank == 0 else None,
+                pending=session.ps.node_state()[1] if x.rank == session.rank else None,
                 who=f"rank {x.rank}",
             )
-        return sum(x.rank == s.rank for x in repairs)
+        return sum(x.rank == session.rank for x in repairs)
 
     def forget_grad_parity(self) -> None:
-        self.f._forget_grad_parity(gather=self.early)
+        self.follower._forget_grad_parity(gather=self.early)
 
     def settle(self, rank: int, target: int) -> Settled:
-        assert rank == self.s.rank
-        fwd, back = self.f._settle(target)
+        assert rank == self.session.rank
+        fwd, back = self.follower._settle(target)
         return Settled(fwd, back, False)
 
     def finish(self) -> None:
@@ -134,135 +190,137 @@ class ReplicaOps(ParityOps):
 
     def check_sources(self, repairs: Sequence[Repair]) -> None:
         gen = self.msg.gen
-        self.f._check_deferred_grads(gen, tuple(repairs))
-        self.f._check_deferred(gen, {x.chunk for x in repairs if x.what is RepairKind.TIER1})
+        self.follower._check_deferred_grads(gen, tuple(repairs))
+        self.follower._check_deferred(gen, {x.chunk for x in repairs if x.what is RepairKind.TIER1})
 
     def rebuild_grads(self, repairs: Sequence[Repair]) -> int:
         if not repairs:
             return 0
-        s = self.s
-        ex = TorchDistCollective(s.groups.node_group)
-        base = s.node * s.nproc
+        session = self.session
+        ex = TorchDistCollective(session.groups.node_group)
+        base = session.node * session.nproc
         n = 0
         for x in repairs:
             copied = rpl.copy_grads(
                 ex,
-                s.layout,
+                session.layout,
                 x.rank - base,
                 x.version,
-                pending=grad_record(self.f, set(self.msg.diverged)),
-                who=self.f._who,
+                pending=grad_record(self.session, set(self.msg.diverged)),
+                who=self.follower._who,
             )
-            n += int(copied and x.rank == s.rank)
+            n += int(copied and x.rank == session.rank)
         return n
 
     def rebuild_chunks(self, repairs: Sequence[Repair], target: int) -> int:
         """Every lost chunk copied from a member that lost none, if there is one, then the
         gradients a member whose chunks are still behind lacks."""
-        s = self.s
-        ex = TorchDistCollective(s.groups.node_group)
-        base = s.node * s.nproc
+        session = self.session
+        ex = TorchDistCollective(session.groups.node_group)
+        base = session.node * session.nproc
         chunks = [(x.rank - base, x.chunk, x.version) for x in repairs]
         lost = {x.rank for x in repairs}
-        diverged = s.rank in self.msg.diverged
+        diverged = session.rank in self.msg.diverged
         n = rpl.copy_chunks(
             ex,
-            s.layout,
+            session.layout,
             chunks,
             target=target,
             # a diverged rank's record is of the bytes discarded: no check
             record=lambda c: (
                 (NONE, 0)
                 if diverged
-                else (s.parity[c].versions()[s.lr], s.parity[c].checksums()[s.lr])
+                else (
+                    session.parity[c].versions()[session.local_rank],
+                    session.parity[c].checksums()[session.local_rank],
+                )
             ),
-            who=self.f._who,
+            who=self.follower._who,
         )
         rpl.copy_grads_behind(
             ex,
-            s.layout,
+            session.layout,
             target,
-            lost_any=s.rank in lost,
-            pending=grad_record(self.f, set(self.msg.diverged)),
-            who=self.f._who,
+            lost_any=session.rank in lost,
+            pending=grad_record(self.session, set(self.msg.diverged)),
+            who=self.follower._who,
         )
         return n
 
     def finish(self) -> None:
         if self.msg.diverged:
-            adopt_replicated(self.f, set(self.msg.diverged))
+            adopt_replicated(self.session, set(self.msg.diverged))
 
 
-def grad_record(f: Follower, diverged: set[int]) -> Callable[[int], dict[str, Any] | None]:
+def grad_record(session: RepairHost, diverged: set[int]) -> Callable[[int], dict[str, Any] | None]:
     """The prepare record a copy of gradients from node member ``m`` is checked against:
     this rank's own, or, where it diverged (its record is of the discarded gradients),
-    the source's."""
-    s = f.s
-    if s.rank not in diverged:
-        return lambda _m: s.ps.node_state()[1]
-    base = s.node * s.nproc
-    return lambda m: s.ps.node_state(of=base + m)[1]
+    the source'session."""
+    if session.rank not in diverged:
+        return lambda _m: session.ps.node_state()[1]
+    base = session.node * session.nproc
+    return lambda m: session.ps.node_state(of=base + m)[1]
 
 
-def adopt_replicated(f: Follower, diverged: set[int]) -> None:
+def adopt_replicated(session: RepairHost, diverged: set[int]) -> None:
     """Ranks of this node discarded because they diverged (``diverged``; settled at
     the target with their own process state) take what replicas hold alike besides
     the chunks they were copied (:meth:`.RankState.replicated`: the optimizer's
     scalars and hyper-parameters, the scheduler) from the node's lowest rank that was
     not discarded, a member of the majority, settled at the target too. Every
     member of the node calls it (one broadcast per such rank)."""
-    s = f.s
-    base = s.node * s.nproc
-    node = range(base, base + s.nproc)
+    base = session.node * session.nproc
+    node = range(base, base + session.nproc)
     if not diverged & set(node):
         return
     src = next(r for r in node if r not in diverged)
-    box = [s.ps.replicated() if s.rank == src else None]
-    dist.broadcast_object_list(box, src=src, group=s.groups.node_group)
-    if s.rank in diverged:
-        s.ps.adopt(box[0])
+    box = [session.ps.replicated() if session.rank == src else None]
+    dist.broadcast_object_list(box, src=src, group=session.groups.node_group)
+    if session.rank in diverged:
+        state = box[0]
+        assert state is not None  # the source's, broadcast
+        session.ps.adopt(state)
 
 
-def restore_snapshot(f: Follower, step: int, snap: dict[str, Any]) -> None:
+def restore_snapshot(session: RepairHost, step: int, snap: dict[str, Any]) -> None:
     """This rank's chunks and process state from the tier-2 snapshot of ``step``: its own
     block where its node kept it, else decoded across the nodes."""
-    s = f.s
-    meta = snap["meta"][str(s.rank)]
+    meta = snap["meta"][str(session.rank)]
     if int(snap["step"]) != step or meta is None or int(meta["step"]) != step:
-        raise IntegrityError(f"rank {s.rank}: no tier-2 snapshot record of step {step}")
-    reply, _ = s.ch.request(M.SnapshotSlot(step=-1))
+        raise IntegrityError(f"rank {session.rank}: no tier-2 snapshot record of step {step}")
+    reply, _ = session.ch.request(M.SnapshotSlot(step=-1))
     have = reply.get("active") is not None and reply.get("active_step") == step
-    flags = torch.zeros(s.W, dtype=torch.int64)
-    flags[s.rank] = 1 if have else 0
+    flags = torch.zeros(session.W, dtype=torch.int64)
+    flags[session.rank] = 1 if have else 0
     dist.all_reduce(flags)
-    missing_nodes = sorted({q // s.nproc for q in range(s.W) if not flags[q]})
-    m = s.snapshots.t2_parity
+    missing_nodes = sorted({q // session.nproc for q in range(session.W) if not flags[q]})
+    m = session.snapshots.t2_parity
     if len(missing_nodes) > m:
         raise IntegrityError(
             f"tier-2 snapshots of nodes {missing_nodes} are gone: beyond tier 2 "
             f"({m} parit{'y' if m == 1 else 'ies'})"
         )
-    nb, share = s.snapshots.layout()
-    lay = s.layout
+    nb, share = session.snapshots.layout()
+    lay = session.layout
     if have:
-        seg = s.snapshots.segment(int(reply["active"]))
-        data = seg[s.lr * nb : (s.lr + 1) * nb].clone()
-        base = s.nproc * nb
-        sh = seg[base + s.lr * share : base + (s.lr + 1) * share]
+        seg = session.snapshots.segment(int(reply["active"]))
+        data = seg[session.local_rank * nb : (session.local_rank + 1) * nb].clone()
+        base = session.nproc * nb
+        sh = seg[base + session.local_rank * share : base + (session.local_rank + 1) * share]
     else:
         data = torch.zeros(nb, dtype=torch.uint8)
         sh = None
     if missing_nodes:
-        coll = TorchDistCollective(s.groups.cross_group)
-        if s.snapshots.alike and sh is not None:  # not stored: every rank's bytes alike
-            sh = encode_rotated_alike(data, s.nnodes, s.node)
+        coll = TorchDistCollective(session.groups.cross_group)
+        if session.snapshots.alike and sh is not None:  # not stored: every rank's bytes alike
+            sh = encode_rotated_alike(data, session.nnodes, session.node)
         if m == 1:
             decode_rotated(coll, data, missing_nodes[0], sh)
         else:  # a lost node's own shares are not kept: the snapshot is retaken
             shares = sh if sh is not None else torch.zeros(share, dtype=torch.uint8)
             rs.decode_striped(coll, data, m, missing_nodes, shares)
-    rx.free_undo(s.layout)
+    rx.free_undo(session.layout)
     rx.unpack_into(lay, data)
-    rx.seal_checked(lay, step, meta["checksums"], "tier-2 snapshot", f"rank {s.rank}")
+    rx.seal_checked(lay, step, meta["checksums"], "tier-2 snapshot", f"rank {session.rank}")
     lay.clear_prepared()
-    s.ps.load(meta["ps"])
+    session.ps.load(meta["ps"])

@@ -10,7 +10,9 @@ views into memfd segments owned by its keeper (:mod:`.keeper`); its node's
 tier-1 blocks (a parity, or with replicas only the records) and tier-2 snapshot
 slots are segments owned by the node agent. The session holds one rank's state
 and its life (start, or wait warm as a shadow until promoted; the job-wide
-completion barrier); small collaborators, each holding the session, do the rest:
+completion barrier); small collaborators do the rest, each seeing the session
+through a protocol of its own module that names what it uses (``GroupsHost``,
+``MemoryHost``, ``StepHost``, ...), so that none imports this module back:
 
 * :mod:`.rank_memory`: the retained state bound from the keeper, the node's segments;
 * :mod:`.process_groups`: the gloo communicators of each generation;
@@ -73,16 +75,14 @@ from .process_groups import ProcessGroups
 from .rank_memory import RankMemory, to_meta
 from .rank_state import RankState
 from .snapshots import Tier2Snapshots
-from .step import UserLoop
+from .step import UserLoop, install_unscale_grads
 from .stops import StopPoints
 from .title import set_title
-from .transaction import StepTransaction
+from .transaction import StepFn, StepTransaction
 
 PREMAP_EVERY_S = 2.0  # a warm shadow looks for node blocks made since, this often
 
 __all__ = ["GlooSession", "IntegrityError", "finish", "wrap_gloo"]
-
-StepFn = Any
 
 
 def wrap_gloo(
@@ -138,7 +138,7 @@ def wrap_gloo(
     if scaler is not None and scaler.is_enabled() and (config.shard or config.master_weights):
         # its gradients are in retained memory, not in .grad (float32 masters: of another
         # dtype; sharded: this rank's shard, whose inf/NaN finding every rank must share)
-        scaler._unscale_grads_ = loop.unscale_grads
+        install_unscale_grads(scaler, loop.unscale_grads)
     session.start()
     loop.started()
     global _SESSION
@@ -182,7 +182,7 @@ class GlooSession:
         self.rank: int = spec["rank"]
         self.W: int = spec["world"]
         self.node: int = spec["node"]
-        self.lr: int = spec["local_rank"]
+        self.local_rank: int = spec["local_rank"]
         self.nproc: int = spec["nproc"]
         self.nnodes: int = spec["nnodes"]
         self.role: str = spec["role"]
@@ -209,8 +209,6 @@ class GlooSession:
         # ranks per node): the node's other ranks hold the same state; the blocks
         # keep only each member's versions and checksums
         self.replica = config.tier1_kind == "replica"
-        self._reencoded = 0  # chunks whose tier-1 parity the last recovery re-encoded
-        self._parity_checked = False  # did it check a kept parity (LETO_CHECK_KEPT_PARITY)
         self.completed = False
         self.t0 = time.perf_counter()
         self.timeline: list[dict[str, Any]] = []
@@ -245,7 +243,7 @@ class GlooSession:
         self.stops.pause = self.txn.paused  # a recovery noticed inside the compute
         self.stops.tick = ch.tick  # each layer is progress for the agent's hang check
         ch.on_abort = self.txn._abort_seen  # inside the compute: the recovery starts beside it
-        self.loop: Any = None  # the user's own loop (step.py), once wrap installs it
+        self.loop: UserLoop | None = None  # the user's own loop (step.py), once wrap installs it
 
     # ================================================================ properties
 
@@ -425,16 +423,19 @@ class GlooSession:
     def batches(self, steps: int | None = None) -> Any:
         """The user's own loop: this rank's batch of each step (leto's step boundary),
         until the committed step is ``steps`` and the whole job is done (docs/loop.md)."""
+        assert self.loop is not None  # leto.wrap installs it
         return self.loop.batches(steps)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The user's loop: clip this step's reduced gradients by their global norm
         (with ``shard = true``, what to call instead of ``torch.nn.utils.clip_grad_norm_``:
         one all-reduce of the shards' norms); the total norm."""
+        assert self.loop is not None
         return self.loop.clip_grad_norm_(max_norm, norm_type)
 
     def no_sync(self) -> Any:
         """Gradient accumulation: backwards inside reduce nothing (DDP's ``no_sync``)."""
+        assert self.loop is not None
         return self.loop.no_sync()
 
     @property

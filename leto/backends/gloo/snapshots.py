@@ -13,11 +13,12 @@ recovery restores from the active slot (:mod:`.follow`).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from leto.retained import rs
+from leto.retained.layout import RetainedLayout
 from leto.retained.parity import (
     TorchDistCollective,
     as_bytes,
@@ -28,19 +29,49 @@ from leto.retained.recovery import IntegrityError
 
 from . import messages as M
 from . import segments
+from .channel import AgentChannel
 from .collective import coll as _coll
+from .process_groups import ProcessGroups
+from .rank_memory import RankMemory
+from .rank_state import RankState
 
-if TYPE_CHECKING:
-    from .runtime import GlooSession
+__all__ = ["SnapshotHost", "Tier2Snapshots"]
 
-__all__ = ["Tier2Snapshots"]
+
+class SnapshotHost(Protocol):
+    """What :class:`Tier2Snapshots` reads of its rank's session."""
+
+    @property
+    def cfg(self) -> Any: ...
+    @property
+    def ch(self) -> AgentChannel: ...
+    @property
+    def gen(self) -> int: ...
+    @property
+    def layout(self) -> RetainedLayout: ...
+    @property
+    def replica(self) -> bool: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def nproc(self) -> int: ...
+    @property
+    def nnodes(self) -> int: ...
+    @property
+    def memory(self) -> RankMemory: ...
+    @property
+    def groups(self) -> ProcessGroups: ...
+    @property
+    def ps(self) -> RankState: ...
 
 
 class Tier2Snapshots:
     """One rank's tier-2 snapshots: the last one's step, and one sent but not yet confirmed."""
 
-    def __init__(self, session: GlooSession, config: Any) -> None:
-        self.s = session
+    def __init__(self, session: SnapshotHost, config: Any) -> None:
+        self.session = session
         self.t2 = 0
         self.pending: int | None = None  # a snapshot sent, its "t2" not yet seen
         self.K = config.tier2_interval if config.tier2 else 10**12
@@ -54,22 +85,22 @@ class Tier2Snapshots:
 
     def maybe_take(self, V: int) -> None:
         """The tier-2 snapshot of step ``V`` if the last one is K steps back."""
-        s = self.s
-        if not s.cfg.tier2 or V - self.t2 < self.K:
+        session = self.session
+        if not session.cfg.tier2 or V - self.t2 < self.K:
             return
         if self.pending is not None:  # the previous snapshot is complete (long since)
-            s.ch.wait_for("t2", self.pending, s.gen)
-        bad = s.layout.verify() if s.cfg.verify_chunks else []
+            session.ch.wait_for("t2", self.pending, session.gen)
+        bad = session.layout.verify() if session.cfg.verify_chunks else []
         if bad:  # PROTOCOL.md, Tier2Snapshot: a snapshot captures verified bytes only
             # the recovery this starts reads every chunk in its reports (as PREPARE's
             # failure does): else its report leaves the damaged chunk to the next
             # check, resumes in place, and the snapshot fails again the same way
-            s.layout.mark_suspect()
+            session.layout.mark_suspect()
             raise IntegrityError(
                 f"chunks {bad} fail their checksums at the tier-2 snapshot of step {V}"
             )
         meta = _coll(self.take, V)
-        s.ch.send(M.SnapshotDone(rank=s.rank, step=V, gen=s.gen, meta=meta))
+        session.ch.send(M.SnapshotDone(rank=session.rank, step=V, gen=session.gen, meta=meta))
         # No wait for the coordinator's "t2" here (it was a barrier of every rank each
         # K steps): step V+1 cannot commit before it anyway, since the coordinator
         # receives this rank's snapshot_done before its vote for V+1 (one FIFO path)
@@ -79,14 +110,14 @@ class Tier2Snapshots:
 
     def layout(self) -> tuple[int, int]:
         """(snapshot bytes of this rank, parity bytes it stores for tier 2)."""
-        s = self.s
-        nb = sum(as_bytes(b).numel() for b in s.layout.data_buffers())
+        session = self.session
+        nb = sum(as_bytes(b).numel() for b in session.layout.data_buffers())
         m = self.t2_parity
-        if s.nnodes < 2 or self.alike:
+        if session.nnodes < 2 or self.alike:
             return nb, 0
         if m == 1:
-            return nb, rotated_share_nbytes(nb, s.nnodes)
-        return nb, m * rs.striped_share_nbytes(nb, s.nnodes, m)
+            return nb, rotated_share_nbytes(nb, session.nnodes)
+        return nb, m * rs.striped_share_nbytes(nb, session.nnodes, m)
 
     def segment(self, slot: int) -> torch.Tensor:
         """The node's snapshot slot ``slot``, mapped (every local rank's bytes, then shares).
@@ -95,8 +126,8 @@ class Tier2Snapshots:
         its lifetime: the same inode): a fresh mapping would fault in every page of the
         copy again, which cost this copy five times its memory traffic."""
         nb, share = self.layout()
-        total = self.s.nproc * (nb + share)
-        fd = self.s.memory.segment(f"snap.{slot}", total)
+        total = self.session.nproc * (nb + share)
+        fd = self.session.memory.segment(f"snap.{slot}", total)
         try:
             key = (total, os.fstat(fd).st_ino)
             have = self._mapped.get(slot)
@@ -109,28 +140,28 @@ class Tier2Snapshots:
 
     def take(self, step: int) -> dict[str, Any]:
         """Tier 2: this rank's bytes at ``step`` into its node's slot + the cross-node code."""
-        s = self.s
-        s.ch.mark("snapshot")
-        reply, _ = s.ch.request(M.SnapshotSlot(step=step))
+        session = self.session
+        session.ch.mark("snapshot")
+        reply, _ = session.ch.request(M.SnapshotSlot(step=step))
         seg = self.segment(int(reply["write"]))
         nb, share = self.layout()
-        own = seg[s.lr * nb : (s.lr + 1) * nb]
+        own = seg[session.local_rank * nb : (session.local_rank + 1) * nb]
         off = 0
-        for b in s.layout.data_buffers():  # straight into the slot: no packed copy
+        for b in session.layout.data_buffers():  # straight into the slot: no packed copy
             bb = as_bytes(b)
             own[off : off + bb.numel()].copy_(bb)
             off += bb.numel()
-        if s.nnodes >= 2 and not self.alike:
-            base = s.nproc * nb
-            out = seg[base + s.lr * share : base + (s.lr + 1) * share]
-            coll = TorchDistCollective(s.groups.cross_group)
+        if session.nnodes >= 2 and not self.alike:
+            base = session.nproc * nb
+            out = seg[base + session.local_rank * share : base + (session.local_rank + 1) * share]
+            coll = TorchDistCollective(session.groups.cross_group)
             if self.t2_parity == 1:
                 encode_rotated(coll, own, out=out)
             else:
                 rs.encode_striped(coll, own, self.t2_parity, out)
-        lay = s.layout
+        lay = session.layout
         return {
             "step": step,
             "checksums": [lay.stored_checksum(c) for c in range(lay.n_chunks)],
-            "ps": s.ps.to_json(step),
+            "ps": session.ps.to_json(step),
         }

@@ -39,14 +39,17 @@ import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from leto.core.chunk import NONE
+from leto.retained.layout import RetainedLayout
 from leto.retained.parity import as_bytes
 from leto.retained.process_state import (
+    BatchCursor,
     capture_rng,
     from_json,
     restore_rng,
@@ -55,24 +58,92 @@ from leto.retained.process_state import (
     takes_metric,
     to_json,
 )
+from leto.retained.shard import FullParams
 
-from .channel import Aborted
+from .channel import Aborted, AgentChannel
+from .checkpoints import Checkpoints
 from .collective import REDUCE_SCATTER, CollectiveFailed, Interrupted, wait_or_abort
 from .collective import coll as _coll
-from .keeper_client import FencedError
-from .transaction import prepare_pass
+from .fault_points import FaultPoints
+from .follow import Follower
+from .keeper_client import FencedError, KeeperClient
+from .parity_block import ParityBlock
+from .rank_memory import RankMemory
+from .rank_state import RankState
+from .snapshots import Tier2Snapshots
+from .transaction import StepTransaction, prepare_pass
 
-if TYPE_CHECKING:
-    from .runtime import GlooSession
+__all__ = ["LoopHost", "UserLoop", "install_unscale_grads", "scaler_update"]
 
-__all__ = ["UserLoop", "scaler_update"]
+
+class LoopHost(Protocol):
+    """What :class:`UserLoop` reads of its rank's session, and the state its steps set
+    there (it installs itself as the session's ``loop``)."""
+
+    loop: UserLoop | None
+    rng: dict[str, Any] | None
+    sampler_state: dict[str, Any] | None
+
+    @property
+    def role(self) -> str: ...
+    @property
+    def cfg(self) -> Any: ...
+    @property
+    def ch(self) -> AgentChannel: ...
+    @property
+    def gen(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def W(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def replica(self) -> bool: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def user_optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def scheduler(self) -> Any: ...
+    @property
+    def cursor(self) -> BatchCursor: ...
+    @property
+    def full(self) -> FullParams | None: ...
+    @property
+    def layout(self) -> RetainedLayout: ...
+    @property
+    def keeper(self) -> KeeperClient | None: ...
+    @property
+    def gparity(self) -> ParityBlock | None: ...
+    @property
+    def stats(self) -> dict[str, int]: ...
+    @property
+    def memory(self) -> RankMemory: ...
+    @property
+    def ps(self) -> RankState: ...
+    @property
+    def fault_points(self) -> FaultPoints: ...
+    @property
+    def snapshots(self) -> Tier2Snapshots: ...
+    @property
+    def checkpoints(self) -> Checkpoints: ...
+    @property
+    def follower(self) -> Follower: ...
+    @property
+    def txn(self) -> StepTransaction: ...
+    def check_float_mode(self) -> None: ...
+    def complete(self) -> bool: ...
+    def _fatal(self, message: str) -> None: ...
 
 
 class UserLoop:
     """One rank's side of the user's loop (see the module docstring)."""
 
-    def __init__(self, s: GlooSession, *, stateful: dict[str, Any], per_rank: bool) -> None:
-        self.s = s
+    def __init__(self, session: LoopHost, *, stateful: dict[str, Any], per_rank: bool) -> None:
+        self.session = session
         self.stateful = stateful  # name -> an object with state_dict()/load_state_dict()
         self.per_rank = per_rank  # the loader yields this rank's batches (no split)
         self.sync = True
@@ -87,9 +158,9 @@ class UserLoop:
         self.out = torch.zeros(0)  # sharded: the reduce-scatter's output
         self.queued = False
         self.hooked: dict[int, Any] = {}
-        self.V = s.step
-        s.model.register_forward_pre_hook(self._on_forward)
-        opt = s.user_optimizer
+        self.V = session.step
+        session.model.register_forward_pre_hook(self._on_forward)
+        opt = session.user_optimizer
 
         # the user's optimizer object is stepped by the loop: its step is leto's
         def step(closure: Any = None) -> None:
@@ -98,7 +169,9 @@ class UserLoop:
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler's check
         opt.step = step  # type: ignore[method-assign,assignment]
         opt.zero_grad = self.zero_grad  # type: ignore[method-assign]
-        s.loop = self  # before the session starts: a promoted shadow's recovery loads its state
+        session.loop = (
+            self  # before the session starts: a promoted shadow's recovery loads its state
+        )
         _guard_user_collectives(self)
         self.resumed: str | None = None
         # the step this process just committed, whose periodic checkpoint is written at
@@ -107,10 +180,12 @@ class UserLoop:
 
     def started(self) -> None:
         """The session started (a promoted shadow: recovered): the loop begins there."""
-        s = self.s
-        if s.stats["recoveries"] == 0 and s.role == "trainer":
-            s.ps.send(s.step)  # the state the loop starts from, with the stateful objects
-        self.resumed = s.ps.to_json(s.step)  # restored at the first batch
+        session = self.session
+        if session.stats["recoveries"] == 0 and session.role == "trainer":
+            session.ps.send(
+                session.step
+            )  # the state the loop starts from, with the stateful objects
+        self.resumed = session.ps.to_json(session.step)  # restored at the first batch
 
     @property
     def committed(self) -> bool:
@@ -131,7 +206,7 @@ class UserLoop:
         """A roll-forward of a step this rank did not finish: the scheduler's step the
         loop would have taken (a metric scheduler's needs the user's metric: kept as
         it was; docs/loop.md)."""
-        sch = self.s.scheduler
+        sch = self.session.scheduler
         if sch is not None and not takes_metric(sch):
             step_scheduler(sch)
         skipped = bool((pending or {}).get("skipped"))  # the scaler found an inf/NaN
@@ -162,8 +237,8 @@ class UserLoop:
             out: list[Any] = []
 
             def run() -> None:
-                s = self.s
-                if s.ch.aborted_since(s.gen) and s.txn.claims_recovery():
+                session = self.session
+                if session.ch.aborted_since(session.gen) and session.txn.claims_recovery():
                     raise Interrupted
                 out.append(_coll(fn, *args, **kwargs))
                 if kwargs.get("async_op") and out[0] is not None:
@@ -174,12 +249,12 @@ class UserLoop:
         return _Finished() if kwargs.get("async_op") else None
 
     def _recover(self, reason: str) -> None:
-        self.s.txn.stopped(reason)
-        self.s.follower._follow()
+        self.session.txn.stopped(reason)
+        self.session.follower._follow()
         self._resumed()
 
     def _resumed(self) -> None:
-        self.resumed = self.s.ps.to_json(self.s.step)
+        self.resumed = self.session.ps.to_json(self.session.step)
         self.void = True
         self.ckpt_due = None
         self.queued = False
@@ -187,8 +262,8 @@ class UserLoop:
 
     def _params(self) -> list[torch.nn.Parameter]:
         """The model's parameters (sharded: not the retained pieces)."""
-        s = self.s
-        return s.full.params if s.full is not None else s.layout.params
+        session = self.session
+        return session.full.params if session.full is not None else session.layout.params
 
     def _scratch_grads(self) -> None:
         for p in self._params():
@@ -199,13 +274,13 @@ class UserLoop:
     def batches(self, steps: int | None = None) -> Iterator[Any]:
         """This rank's batch of each step until the committed step is ``steps``; then
         the job-wide completion (a recovery there may roll back: the loop goes on)."""
-        s = self.s
+        session = self.session
         while True:
             self._close()
-            if steps is not None and s.step >= steps:
+            if steps is not None and session.step >= steps:
                 if not self._guard(self._checkpoint):
                     continue
-                if s.complete():
+                if session.complete():
                     self.open = False
                     return
                 self._resumed()
@@ -214,7 +289,7 @@ class UserLoop:
 
     def _close(self) -> None:
         """The step boundary: close the iteration under way, or restore after a recovery."""
-        s = self.s
+        session = self.session
         if self.open and not self.void:
             self._guard(self._post if self.stepped else self._empty_step)
         if self.broken is not None:  # the step committed; its recovery starts here
@@ -223,52 +298,57 @@ class UserLoop:
                 self._recover(reason)
         if self.resumed is not None:
             text, self.resumed = self.resumed, None
-            s.ps.load(text)
-            assert s.rng is not None and s.sampler_state is not None
-            restore_rng(s.rng)
-            s.cursor.restore(s.sampler_state)
+            session.ps.load(text)
+            assert session.rng is not None and session.sampler_state is not None
+            restore_rng(session.rng)
+            session.cursor.restore(session.sampler_state)
             for p in self._params():
                 p.grad = None
         self.open = self.void = False
 
     def next_batch(self) -> Any:
-        s = self.s
+        session = self.session
         self._close()
         # the tiers beyond one step, at the step boundary: the process state after the
         # user's code that followed optimizer.step() (the scheduler's step)
         while not (
-            self._guard(lambda: s.snapshots.maybe_take(s.step)) and self._guard(self._checkpoint)
+            self._guard(lambda: session.snapshots.maybe_take(session.step))
+            and self._guard(self._checkpoint)
         ):
             self._close()
-        self.V = s.step + 1
-        s.txn.in_progress = self.V
-        s.check_float_mode()
-        batch = s.cursor.batch(self.V)
+        self.V = session.step + 1
+        session.txn.in_progress = self.V
+        session.check_float_mode()
+        batch = session.cursor.batch(self.V)
         self.open, self.stepped, self.reduced = True, False, False
-        s.ch.mark("forward", s.step)
-        return batch if self.per_rank else shard(batch, s.rank, s.W)
+        session.ch.mark("forward", session.step)
+        return batch if self.per_rank else shard(batch, session.rank, session.W)
 
     def _checkpoint(self) -> None:
         """The periodic checkpoint of the step just committed, if one is due."""
         V, self.ckpt_due = self.ckpt_due, None
-        if V is not None and V == self.s.step:
-            self.s.checkpoints.maybe_write(V)
+        if V is not None and V == self.session.step:
+            self.session.checkpoints.maybe_write(V)
 
     def _post(self) -> None:
         """The process state after the user's code that followed ``optimizer.step()``:
         the step is closed (the agent keeps its final process state)."""
-        s = self.s
-        s.fault_points.point("tail")
-        s.rng = capture_rng()
-        s.sampler_state = s.cursor.state_after(s.step)
-        s.ps.send(s.step)
+        session = self.session
+        session.fault_points.point("tail")
+        session.rng = capture_rng()
+        session.sampler_state = session.cursor.state_after(session.step)
+        session.ps.send(session.step)
 
     def _empty_step(self) -> None:
         """A step whose optimizer step was skipped: committed with no gradient present."""
-        s = self.s
-        lay = s.layout
+        session = self.session
+        lay = session.layout
         if not self.reduced:  # the retained gradients stay as they are: a zero parity delta
-            comp = s.gparity.versions()[s.lr] if s.gparity is not None else NONE
+            comp = (
+                session.gparity.versions()[session.local_rank]
+                if session.gparity is not None
+                else NONE
+            )
             self.old = as_bytes(lay.grad_buffer).clone() if comp != NONE else None
             lay.clear_prepared()
         self.present = [False] * len(lay.params)
@@ -288,7 +368,7 @@ class UserLoop:
         if not self.open or not torch.is_grad_enabled():
             return  # outside leto's batches (an evaluation)
         self._hook_params()
-        self._guard(lambda: self.s.fault_points.point("forward"))
+        self._guard(lambda: self.session.fault_points.point("forward"))
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.queued and self.open:
@@ -301,7 +381,7 @@ class UserLoop:
             self._scratch_grads()
             return
         if not self.sync:  # a micro-batch: the gradients accumulate, nothing is reduced
-            self._guard(lambda: self.s.fault_points.point("backward"))
+            self._guard(lambda: self.session.fault_points.point("backward"))
             return
         self._guard(self._reduce)
 
@@ -316,12 +396,12 @@ class UserLoop:
             self.sync = before
 
     def _reduce(self) -> None:
-        s = self.s
-        lay = s.layout
-        assert s.keeper is not None
-        s.fault_points.point("backward")
-        s.ch.mark("allreduce")
-        plan = s.full.plan if s.full is not None else None
+        session = self.session
+        lay = session.layout
+        assert session.keeper is not None
+        session.fault_points.point("backward")
+        session.ch.mark("allreduce")
+        plan = session.full.plan if session.full is not None else None
         if plan is None:
             n, k = lay.numel, len(lay.params)
             if self.buf is None or self.buf.numel() != n + k:
@@ -348,19 +428,25 @@ class UserLoop:
             buf = self.out
             flat = buf[:n]
             work = _coll(REDUCE_SCATTER, buf, self.buf, op=dist.ReduceOp.SUM, async_op=True)
-        s.fault_points.point("allreduce")
+        session.fault_points.point("allreduce")
         try:
-            wait_or_abort(work, lambda: s.ch.aborted_since(s.gen), "the gradients were reduced")
+            wait_or_abort(
+                work, lambda: session.ch.aborted_since(session.gen), "the gradients were reduced"
+            )
         except Aborted:
             self.buf = None  # the abandoned collective's: the next step takes fresh ones
             raise
-        s.keeper.check_writer()
+        session.keeper.check_writer()
         self.old = None
-        if s.gparity is not None and not s.replica and s.gparity.versions()[s.lr] != NONE:
+        if (
+            session.gparity is not None
+            and not session.replica
+            and session.gparity.versions()[session.local_rank] != NONE
+        ):
             self.old = as_bytes(lay.grad_buffer).clone()
         lay.clear_prepared()
         with torch.no_grad():  # the mean written straight into retained memory: one pass
-            torch.div(flat, s.W, out=lay.grad_buffer)
+            torch.div(flat, session.W, out=lay.grad_buffer)
         lay.grads.mark_reduced(self.V)
         flags = buf[n:].tolist()
         if plan is None:
@@ -374,7 +460,7 @@ class UserLoop:
                 else:
                     prm.grad = lay.grad_view(i)
         else:
-            self.present = plan.present_pieces(s.rank, flags)
+            self.present = plan.present_pieces(session.rank, flags)
             for prm, c in zip(self._params(), flags, strict=True):
                 prm.grad = self._refusing(prm, _ShardedGrad) if c > 0 else None
         self.reduced = True
@@ -384,7 +470,7 @@ class UserLoop:
         rank holds only its shard of the reduced gradients, in retained memory) or derived
         from a float32 master (its gradients are float32, in retained memory). Any use of
         it stops the job with one line naming what to call instead (:class:`_RefusedGrad`)."""
-        _RefusedGrad.fatal = self.s._fatal
+        _RefusedGrad.fatal = self.session._fatal
         return torch.Tensor._make_subclass(cls, torch.zeros((), dtype=p.dtype).expand(p.shape))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -392,7 +478,7 @@ class UserLoop:
         ``clip_grad_norm_``; its total norm returned). Sharded: each rank's norm of its
         shard, combined by one all-reduce, every shard scaled alike; otherwise torch's
         own over the parameters' ``.grad`` (the same on every rank)."""
-        s = self.s
+        session = self.session
         if self.void or not self.open:
             return torch.zeros(())
         if not self.reduced:
@@ -400,13 +486,13 @@ class UserLoop:
                 "session.clip_grad_norm_(): no gradients were reduced since the batch was "
                 "drawn (call it after the last loss.backward())"
             )
-        if s.full is None and not s.layout.derived:
+        if session.full is None and not session.layout.derived:
             return torch.nn.utils.clip_grad_norm_(self._params(), max_norm, norm_type)
         out = torch.zeros(())
-        sharded = s.full is not None
+        sharded = session.full is not None
 
         def clip() -> None:
-            g = s.layout.grad_buffer
+            g = session.layout.grad_buffer
             p = float(norm_type)
             inf = p == float("inf")
             local = g.abs().max() if inf else torch.linalg.vector_norm(g, p) ** p
@@ -415,8 +501,8 @@ class UserLoop:
                 _coll(dist.all_reduce, t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
             total = t[0] if inf else t[0] ** (1.0 / p)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            assert s.keeper is not None
-            s.keeper.check_writer()
+            assert session.keeper is not None
+            session.keeper.check_writer()
             with torch.no_grad():
                 g.mul_(coef)
             out.copy_(total)
@@ -433,18 +519,18 @@ class UserLoop:
         torch does for ``.grad``; sharded, the finding is all-reduced (as torch's
         ``ShardedGradScaler`` does), so that every rank steps or skips alike."""
         del optimizer
-        s = self.s
+        session = self.session
         if self.void or not self.open or not self.reduced:
             return {found_inf.device: found_inf}  # a void iteration: nothing is stepped
-        g = s.layout.grad_buffer
+        g = session.layout.grad_buffer
         if g.dtype == torch.float16 and not allow_fp16:
             raise ValueError("Attempting to unscale FP16 gradients.")  # torch's own refusal
 
         def unscale() -> None:
-            assert s.keeper is not None
-            s.keeper.check_writer()
+            assert session.keeper is not None
+            session.keeper.check_writer()
             torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv_scale)
-            if s.full is not None:  # each rank checked its shard: every rank's finding
+            if session.full is not None:  # each rank checked its shard: every rank's finding
                 _coll(dist.all_reduce, found_inf, op=dist.ReduceOp.MAX)
 
         if not self._guard(unscale):
@@ -462,7 +548,7 @@ class UserLoop:
         """leto's transactional step on the reduced gradients (``optimizer.step()``)."""
         if closure is not None:
             raise TypeError("optimizer.step(closure): a closure is not supported by leto's step")
-        self.s.user_optimizer._opt_called = True  # type: ignore[attr-defined]
+        self.session.user_optimizer._opt_called = True  # type: ignore[attr-defined]
         if self.void or not self.open:
             return
         if self.stepped:
@@ -477,23 +563,23 @@ class UserLoop:
             self.zero_grad()
             try:  # sharded: the new parameters; a failure here leaves the step committed,
                 # so the user's code after it runs, as after any step (its recovery: _close)
-                self.s.memory.gather_params()
+                self.session.memory.gather_params()
             except CollectiveFailed as e:
                 self.broken = f"collective failed: {e}"
 
     def _transact(self, skipped: bool = False) -> None:
-        s = self.s
-        lay = s.layout
-        V = s.step + 1
+        session = self.session
+        lay = session.layout
+        V = session.step + 1
         if V != self.V:
             raise RuntimeError(f"the batch is of step {self.V}, the optimizer is at step {V - 1}")
-        bad = prepare_pass(s)
+        bad = prepare_pass(session)
         gdelta = None
-        if s.gparity is not None and not s.replica:
+        if session.gparity is not None and not session.replica:
             gdelta = as_bytes(lay.grad_buffer).clone()
             if self.old is not None:
                 gdelta.sub_(self.old)
-        s.txn.commit(
+        session.txn.commit(
             V,
             bad,
             self.present,
@@ -601,6 +687,19 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         return loop.user_collective(fn, args, kwargs)
 
     return call
+
+
+def install_unscale_grads(
+    scaler: Any, unscale: Callable[..., dict[torch.device, torch.Tensor]]
+) -> None:
+    """Make ``unscale`` (:meth:`UserLoop.unscale_grads`) the ``GradScaler``'s
+    ``_unscale_grads_``, on that one scaler object.
+
+    A private method of torch's, overwritten: ``GradScaler.unscale_`` and ``step`` find
+    the gradients' inf/NaN through it, and torch has no public hook for gradients kept
+    elsewhere than ``.grad`` (retained memory: this rank's shard, or float32 beside
+    fp16 parameters). Kept here alone, so that a torch that renames it breaks one line."""
+    scaler._unscale_grads_ = unscale
 
 
 def scaler_update(st: dict[str, Any], skipped: bool) -> dict[str, Any]:

@@ -36,15 +36,19 @@ import contextlib
 import json
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from leto.core.chunk import NONE
 from leto.core.reconcile import keeps_compute
+from leto.retained.layout import RetainedLayout
+from leto.retained.optim import RetainedOptimizer
 from leto.retained.parity import as_bytes
 from leto.retained.process_state import (
+    BatchCursor,
     capture_buffers,
     capture_rng,
     restore_rng,
@@ -52,31 +56,115 @@ from leto.retained.process_state import (
     step_scheduler,
 )
 from leto.retained.recovery import IntegrityError
+from leto.retained.shard import FullParams
 
 from . import messages as M
-from .channel import Aborted
+from .channel import Aborted, AgentChannel
+from .checkpoints import Checkpoints
 from .collective import REDUCE_SCATTER, CollectiveFailed, Interrupted, wait_or_abort
 from .collective import coll as _coll
-from .keeper_client import FencedError
+from .fault_points import FaultPoints
+from .follow import Follower
+from .keeper_client import FencedError, KeeperClient
+from .parity_block import ParityBlock
+from .process_groups import ProcessGroups
 from .procs import Backseat
+from .rank_memory import RankMemory
+from .rank_state import RankState
+from .snapshots import Tier2Snapshots
+from .stops import StopPoints
 
-if TYPE_CHECKING:
-    from .runtime import GlooSession, StepFn
+__all__ = ["PrepareHost", "Recovered", "StepFn", "StepHost", "StepTransaction", "prepare_pass"]
 
-__all__ = ["Recovered", "StepTransaction", "prepare_pass"]
+StepFn = Any  # the user's step function (model, batch) -> loss
 
 
-def prepare_pass(s: GlooSession) -> list[int]:
+class PrepareHost(Protocol):
+    """What :func:`prepare_pass` reads of a rank's session."""
+
+    @property
+    def cfg(self) -> Any: ...
+    @property
+    def layout(self) -> RetainedLayout: ...
+
+
+class StepHost(Protocol):
+    """What :class:`StepTransaction` reads of its rank's session, and the state a
+    step sets there."""
+
+    step_fn: StepFn | None
+    rng: dict[str, Any] | None
+    sampler_state: dict[str, Any] | None
+
+    @property
+    def cfg(self) -> Any: ...
+    @property
+    def ch(self) -> AgentChannel: ...
+    @property
+    def gen(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def W(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def replica(self) -> bool: ...
+    @property
+    def flush_denormal(self) -> bool: ...
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def scheduler(self) -> Any: ...
+    @property
+    def cursor(self) -> BatchCursor: ...
+    @property
+    def ropt(self) -> RetainedOptimizer | None: ...
+    @property
+    def full(self) -> FullParams | None: ...
+    @property
+    def layout(self) -> RetainedLayout: ...
+    @property
+    def keeper(self) -> KeeperClient | None: ...
+    @property
+    def parity(self) -> list[ParityBlock]: ...
+    @property
+    def gparity(self) -> ParityBlock | None: ...
+    @property
+    def stats(self) -> dict[str, int]: ...
+    @property
+    def losses(self) -> dict[int, float]: ...
+    @property
+    def memory(self) -> RankMemory: ...
+    @property
+    def groups(self) -> ProcessGroups: ...
+    @property
+    def ps(self) -> RankState: ...
+    @property
+    def fault_points(self) -> FaultPoints: ...
+    @property
+    def snapshots(self) -> Tier2Snapshots: ...
+    @property
+    def checkpoints(self) -> Checkpoints: ...
+    @property
+    def follower(self) -> Follower: ...
+    @property
+    def stops(self) -> StopPoints: ...
+    def check_float_mode(self) -> None: ...
+    def _log(self, event: str, **kw: Any) -> None: ...
+
+
+def prepare_pass(session: PrepareHost) -> list[int]:
     """PREPARE's checksum pass over the rank's chunks: those failing. One failing marks
     the layout suspect at once, before anything else may stop this step (a peer's
     death, an abort): the recovery that follows, whichever ends the step, then reads
     every chunk of this rank in its report and rebuilds the chunk, instead of leaving
     it to the next PREPARE (PROTOCOL.md, "Which bytes a report reads")."""
-    if not s.cfg.verify_chunks:
+    if not session.cfg.verify_chunks:
         return []
-    bad = s.layout.verify()
+    bad = session.layout.verify()
     if bad:
-        s.layout.mark_suspect()
+        session.layout.mark_suspect()
     return bad
 
 
@@ -98,8 +186,8 @@ class Recovered(Exception):
 class StepTransaction:
     """One rank's steps (see the module docstring); ``in_progress``: the step under way."""
 
-    def __init__(self, session: GlooSession) -> None:
-        self.s = session
+    def __init__(self, session: StepHost) -> None:
+        self.session = session
         self.in_progress = 0
         self._red: torch.Tensor | None = None  # the all-reduce buffer, reused
         self._gdelta: torch.Tensor | None = None  # the gradient parity's delta, reused
@@ -119,10 +207,10 @@ class StepTransaction:
 
     def run(self, step_fn: StepFn | None = None) -> float | None:
         """One step (every rank runs it); its loss on this rank, or None if interrupted."""
-        s = self.s
+        session = self.session
         if step_fn is not None:
-            s.step_fn = step_fn
-        if s.step_fn is None:
+            session.step_fn = step_fn
+        if session.step_fn is None:
             raise RuntimeError("no step function: pass one to train() / run_step()")
         try:
             return self._step()
@@ -132,15 +220,15 @@ class StepTransaction:
             self.stopped("")
         except CollectiveFailed as e:
             self.stopped(f"collective failed: {e}")
-        s.follower._follow()
+        session.follower._follow()
         return None
 
     def stopped(self, reason: str) -> None:
         """This rank stopped its step (a recovery): tell the coordinator."""
-        s = self.s
-        s.groups.destroy()
-        s.ch.mark("stopped")
-        s.ch.send(M.Stopped(rank=s.rank, gen=s.gen, reason=reason[: M.MAX_TEXT]))
+        session = self.session
+        session.groups.destroy()
+        session.ch.mark("stopped")
+        session.ch.send(M.Stopped(rank=session.rank, gen=session.gen, reason=reason[: M.MAX_TEXT]))
 
     # --------------------------------------------------------- a recovery in the compute
 
@@ -174,9 +262,11 @@ class StepTransaction:
         try:
             # this thread's math (a roll forward, the masters' casts) in the steps' mode:
             # it was started by the channel's reader, which may predate the script's call
-            torch.set_flush_denormal(self.s.flush_denormal)
+            torch.set_flush_denormal(self.session.flush_denormal)
             self.stopped("")
-            self.s.follower._follow(before_writes=lambda: self._before_writes(rec), beside=True)
+            self.session.follower._follow(
+                before_writes=lambda: self._before_writes(rec), beside=True
+            )
         except BaseException as e:  # noqa: BLE001 - handed to the compute's thread
             rec.error = e
         finally:
@@ -201,10 +291,10 @@ class StepTransaction:
         rank's chunks), and the backend does too: a sharded model's parameters are
         gathered again, and a model's persistent buffers written back, by every recovery,
         which the protocol does not see, so their compute is void."""
-        s = self.s
+        session = self.session
         return (
-            keeps_compute(s.follower.plans, s.rank, self.in_progress - 1)
-            and s.full is None
+            keeps_compute(session.follower.plans, session.rank, self.in_progress - 1)
+            and session.full is None
             and not self._buffers
         )
 
@@ -226,7 +316,7 @@ class StepTransaction:
         kept, else :class:`Recovered` (the step is run again)."""
         if self.claims_recovery():  # none beside: carried out here
             self.stopped("")
-            self.s.follower._follow()
+            self.session.follower._follow()
         else:
             rec = self._rec  # cleared only by this thread (_wait)
             assert rec is not None
@@ -241,8 +331,8 @@ class StepTransaction:
         """Stop the compute until the recovery beside it ends (no other starts beside it
         meanwhile: this thread decides, and may run collectives, before the compute goes
         on); its error, if it failed, raised here."""
-        s = self.s
-        s.ch.mark("stopped")  # a phase the agent's hang check does not time: it waits
+        session = self.session
+        session.ch.mark("stopped")  # a phase the agent's hang check does not time: it waits
         rec.parked.set()
         rec.done.wait()
         with self._lock:
@@ -252,21 +342,22 @@ class StepTransaction:
             raise rec.error
         # the sampler back where the recovery resumed (not on the recovery's thread: a
         # plain iterable is replayed under fork_rng, which would rewind the compute's RNG)
-        s.cursor.restore(s.sampler_state)
+        assert session.sampler_state is not None
+        session.cursor.restore(session.sampler_state)
 
     def _decide(self) -> None:
-        s = self.s
-        assert s.ropt is not None
+        session = self.session
+        assert session.ropt is not None
         if not self._keeps():
             raise Recovered(f"step {self.in_progress} is computed again after the recovery")
         # as the step's start: a snapshot now K steps back first (every rank takes it
         # before its compute; collective), the sampler after this step's batch again
-        s.snapshots.maybe_take(s.ropt.version)
-        s.cursor.batch(self.in_progress)
-        s.stats["computes_kept"] += 1
-        s.ch.send(M.Kept(rank=s.rank, step=self.in_progress, gen=s.gen))
-        s._log("compute kept", step=self.in_progress, generation=s.gen)
-        s.ch.mark(self._phase)
+        session.snapshots.maybe_take(session.ropt.version)
+        session.cursor.batch(self.in_progress)
+        session.stats["computes_kept"] += 1
+        session.ch.send(M.Kept(rank=session.rank, step=self.in_progress, gen=session.gen))
+        session._log("compute kept", step=self.in_progress, generation=session.gen)
+        session.ch.mark(self._phase)
 
     @contextlib.contextmanager
     def _compute(self) -> Iterator[None]:
@@ -279,7 +370,7 @@ class StepTransaction:
             self._computing = True
             self._compute_tid = threading.get_native_id()
         try:
-            with self.s.stops.armed():
+            with self.session.stops.armed():
                 yield
         except BaseException as e:
             rec = self._end_compute()
@@ -301,31 +392,31 @@ class StepTransaction:
             return self._rec
 
     def _step(self) -> float:
-        s = self.s
-        assert s.ropt is not None and s.keeper is not None
-        ropt, lay = s.ropt, s.layout
+        session = self.session
+        assert session.ropt is not None and session.keeper is not None
+        ropt, lay = session.ropt, session.layout
         # a recovery may have kept a snapshot that is now K steps back: take it first
-        s.snapshots.maybe_take(ropt.version)
+        session.snapshots.maybe_take(ropt.version)
         V = ropt.version + 1
         self.in_progress = V
-        r, W = s.rank, s.W
-        point = s.fault_points.point
+        r, W = session.rank, session.W
+        point = session.fault_points.point
 
         # 1. compute
-        s.check_float_mode()
-        s.ch.mark("forward", ropt.version)
+        session.check_float_mode()
+        session.ch.mark("forward", ropt.version)
         point("forward_start")
-        batch = shard(s.cursor.batch(V), r, W)
-        assert s.rng is not None
-        restore_rng(s.rng)
-        for prm in s.model.parameters():
+        batch = shard(session.cursor.batch(V), r, W)
+        assert session.rng is not None
+        restore_rng(session.rng)
+        for prm in session.model.parameters():
             prm.grad = None
-        assert s.step_fn is not None
+        assert session.step_fn is not None
         self._phase = "forward"
         with self._compute():  # a recovery runs beside it; it stops at a layer if it must
-            loss = s.step_fn(s.model, batch)
+            loss = session.step_fn(session.model, batch)
             point("forward")
-            s.ch.mark("backward")
+            session.ch.mark("backward")
             self._phase = "backward"
             loss.backward()
         point("backward")
@@ -333,7 +424,7 @@ class StepTransaction:
         # one buffer: the gradients, then a presence flag per parameter (small integers,
         # exact in floating point), so one collective is in flight, never two (a gloo
         # group torn down with a second operation pending waits for its timeout)
-        plan = s.full.plan if s.full is not None else None
+        plan = session.full.plan if session.full is not None else None
         if plan is None:
             n = lay.numel
             if self._red is None or self._red.numel() != n + len(lay.params) + 1:
@@ -357,11 +448,11 @@ class StepTransaction:
             if self._red is None or self._red.numel() != W * width:
                 self._red = torch.zeros(W * width, dtype=lay.dtype)
                 self._out = torch.zeros(width, dtype=lay.dtype)
-            plan.pack_grads(list(s.model.parameters()), self._red, [float(loss.detach())])
+            plan.pack_grads(list(session.model.parameters()), self._red, [float(loss.detach())])
             buf = self._out
             flat = buf[:n]
         # 2. reduce
-        s.ch.mark("allreduce")
+        session.ch.mark("allreduce")
         if plan is None:
             work = _coll(dist.all_reduce, buf, op=dist.ReduceOp.SUM, async_op=True)
         else:
@@ -370,9 +461,11 @@ class StepTransaction:
         # PREPARE's checksum pass over the chunks runs while the all-reduce is in
         # flight: it reads only the chunks, which nothing writes before APPLY, and a
         # rank mostly waits for the slowest one here (its CPU counts as "allreduce")
-        bad = prepare_pass(s)
+        bad = prepare_pass(session)
         try:
-            wait_or_abort(work, lambda: s.ch.aborted_since(s.gen), "the gradients were reduced")
+            wait_or_abort(
+                work, lambda: session.ch.aborted_since(session.gen), "the gradients were reduced"
+            )
         except Aborted:
             self._red = None  # the abandoned collective's: the next step takes fresh ones
             raise
@@ -381,14 +474,14 @@ class StepTransaction:
             float(buf[-1]) / W
         )  # a metric scheduler's (ReduceLROnPlateau), alike on every rank
         point("reduced")
-        s.keeper.check_writer()
-        m = s.lr
+        session.keeper.check_writer()
+        m = session.local_rank
         gdelta = None
-        if s.gparity is not None and not s.replica:
+        if session.gparity is not None and not session.replica:
             flat.div_(W)
             # this member's change of the gradient parity: new bytes - old bytes
             # (old: zeros if the parity never held this member's gradients)
-            comp = s.gparity.versions()[m]
+            comp = session.gparity.versions()[m]
             if self._gdelta is None or self._gdelta.numel() != flat.numel() * flat.element_size():
                 self._gdelta = torch.empty(flat.numel() * flat.element_size(), dtype=torch.uint8)
             gdelta = self._gdelta
@@ -406,7 +499,7 @@ class StepTransaction:
         if plan is None:
             present_mask = [bool(c > 0) for c in present.tolist()]
         else:
-            present_mask = plan.present_pieces(s.rank, present.tolist())
+            present_mask = plan.present_pieces(session.rank, present.tolist())
         return self.commit(
             V, bad, present_mask, gdelta, rng_after, float(loss.detach()), metric=mean_loss
         )
@@ -438,53 +531,53 @@ class StepTransaction:
         for a roll-forward's replay of its ``update()``; ``tail``: the user's loop runs
         its own code after the step, so the process state is not closed here: the
         agent keeps it only at the step boundary, :meth:`.step.UserLoop.next_batch`)."""
-        s = self.s
-        assert s.ropt is not None and s.keeper is not None
-        ropt, lay, r = s.ropt, s.layout, s.rank
-        m = s.lr
-        point = s.fault_points.point
+        session = self.session
+        assert session.ropt is not None and session.keeper is not None
+        ropt, lay, r = session.ropt, session.layout, session.rank
+        m = session.local_rank
+        point = session.fault_points.point
         # 3. prepare
-        s.ch.mark("prepare")
+        session.ch.mark("prepare")
         if bad:  # (the layout is marked suspect already: prepare_pass)
             raise IntegrityError(f"chunks {bad} fail their checksums at PREPARE of step {V}")
         lay.seal_grads(V, present_mask)
         point("prepare")
-        if s.gparity is not None:
-            if s.replica:  # the record that this member's gradients are of step V
-                s.gparity.record(m, V)
+        if session.gparity is not None:
+            if session.replica:  # the record that this member's gradients are of step V
+                session.gparity.record(m, V)
             else:
                 assert gdelta is not None
-                s.gparity.add_delta(m, gdelta, V)
+                session.gparity.add_delta(m, gdelta, V)
         n = lay.n_chunks
         pending = {
             "step": V,
             "rng": rng_after,
-            "sampler": s.cursor.state_after(V),
+            "sampler": session.cursor.state_after(V),
             "present": present_mask,
             "grad_checksums": lay.grads.checksums(),
             "metric": metric,  # a metric scheduler's, for a roll-forward
             "skipped": skipped,  # a GradScaler's skipped step, for a roll-forward
-            "buffers": capture_buffers(s.model),  # after this step's forward
+            "buffers": capture_buffers(session.model),  # after this step's forward
         }
         # the agent keeps the pending state (a recovery may need it) before it passes
         # the vote on: one message, one wakeup of the agent
-        s.ch.send(M.Vote(rank=r, step=V, gen=s.gen, pending=json.dumps(pending)))
+        session.ch.send(M.Vote(rank=r, step=V, gen=session.gen, pending=json.dumps(pending)))
         # 4. decide
-        s.ch.mark("decide")
+        session.ch.mark("decide")
         point("decide", where="before")
         # the undo copy of the first chunk to apply, while the COMMIT is on its way: into
         # a slot that stays free (a recovery ignores its bytes) until BeginChunk
         first = m % n
-        s.keeper.check_writer()
+        session.keeper.check_writer()
         staged = lay.undo.stage(first)
-        s.ch.wait_for("commit", (s.gen, V), s.gen)
+        session.ch.wait_for("commit", (session.gen, V), session.gen)
         point("decide", where="after")
         # 5. apply, chunk by chunk, each member of the node's parity group starting at
         # another chunk: the parity updates under each block's lock seldom collide
-        s.ch.mark("apply")
+        session.ch.mark("apply")
         ropt.begin(V)
         for c in [(m + i) % n for i in range(n)]:
-            s.keeper.check_writer()
+            session.keeper.check_writer()
             ropt.save_undo(c, staged=staged and c == first)
             point("apply", c, "undo_saved")
 
@@ -506,36 +599,42 @@ class StepTransaction:
         point("finish")
         ropt.end()
         if scheduler:
-            step_scheduler(s.scheduler, metric)
-        s.rng = rng_after
-        s.sampler_state = s.cursor.state_after(V)
+            step_scheduler(session.scheduler, metric)
+        session.rng = rng_after
+        session.sampler_state = session.cursor.state_after(V)
         if lval is not None:
-            s.losses[V] = lval
-        s.stats["steps_run"] += 1
+            session.losses[V] = lval
+        session.stats["steps_run"] += 1
         # with the process state after the step, which the agent keeps; in the user's
         # loop that state is not final until the loop's tail (its scheduler's step) ran:
         # a rank lost there rolls step V forward from the state of V - 1 (PROTOCOL.md)
-        ps = None if tail else s.ps.to_json(V)
-        replica = s.ps.replica_digest(V)
-        s.ch.send(M.Finished(rank=r, step=V, gen=s.gen, loss=lval, ps=ps, replica=replica))
+        ps = None if tail else session.ps.to_json(V)
+        replica = session.ps.replica_digest(V)
+        session.ch.send(
+            M.Finished(rank=r, step=V, gen=session.gen, loss=lval, ps=ps, replica=replica)
+        )
         if gather:
-            s.memory.gather_params()  # sharded: every rank's new shard into the model
-        s.ch.mark("idle", V)
-        s.snapshots.maybe_take(V)
+            session.memory.gather_params()  # sharded: every rank's new shard into the model
+        session.ch.mark("idle", V)
+        session.snapshots.maybe_take(V)
         if checkpoint:
-            s.checkpoints.maybe_write(V)
+            session.checkpoints.maybe_write(V)
         return lval if lval is not None else 0.0
 
     def tier1_chunk(self, c: int, step: int) -> None:
         """Chunk ``c``'s new bytes (its undo copy holds the old) into the node's tier 1:
         the parity's change, or for replicas only the record of its version."""
-        s = self.s
-        if not s.parity:
+        session = self.session
+        if not session.parity:
             return
-        lay = s.layout
-        if s.replica:
-            s.parity[c].record(s.lr, step, lay.stored_checksum(c))
+        lay = session.layout
+        if session.replica:
+            session.parity[c].record(session.local_rank, step, lay.stored_checksum(c))
         else:
-            s.parity[c].update(
-                s.lr, lay.undo_data(c), lay.chunk_data(c), step, lay.stored_checksum(c)
+            session.parity[c].update(
+                session.local_rank,
+                lay.undo_data(c),
+                lay.chunk_data(c),
+                step,
+                lay.stored_checksum(c),
             )
