@@ -41,7 +41,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from .worker import _Trainer
+from .worker_base import Trainer
 
 __all__ = ["FTTrainer"]
 
@@ -75,7 +75,7 @@ def _ddp_class() -> Any:
     return _FTDDP
 
 
-class FTTrainer(_Trainer):
+class FTTrainer(Trainer):
     def run(self) -> None:
         import torchft
         from torchft.checkpointing.pg_transport import PGTransport

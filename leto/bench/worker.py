@@ -42,33 +42,15 @@ import sys
 import time
 from typing import Any
 
+from .worker_base import Events, Trainer, on_usr1
+
 __all__ = ["main"]
-
-_fail_requested = False
-
-
-def _on_usr1(_sig: int, _frame: Any) -> None:
-    global _fail_requested
-    _fail_requested = True
-
-
-class Events:
-    """JSON lines on the agent's pipe (each line is one atomic write)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def emit(self, ev: str, t: float | None = None, **kw: Any) -> float:
-        t = time.monotonic() if t is None else t
-        line = json.dumps({"ev": ev, "t": t, **kw}) + "\n"
-        os.write(self.fd, line.encode())
-        return t
 
 
 def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
-    signal.signal(signal.SIGUSR1, _on_usr1)
+    signal.signal(signal.SIGUSR1, on_usr1)
     from leto.backends.gloo.procs import die_with_parent, steady_heap
 
     die_with_parent(spec.get("parent"))
@@ -95,87 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- common
-
-
-class _Trainer:
-    def __init__(self, spec: dict[str, Any], out: Events) -> None:
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
-        from .workload import Workload
-
-        self.spec, self.out = spec, out
-        self.torch, self.dist = torch, dist
-        self.rank, self.world = spec["rank"], spec["world"]
-        self.gen = spec["gen"]
-        self.wl = Workload.from_dict(spec["workload"])
-        self.store = dist.TCPStore(  # type: ignore[attr-defined] # (torch's stubs: c10d)
-            "127.0.0.1", spec["store_port"], is_master=False, timeout=timedelta(seconds=120)
-        )
-        self.x, self.y = self.wl.dataset()
-        self.step = 0
-        self.plan: dict[str, Any] = {}
-        self.step_times: list[float] = []
-        self.fwd_cpu = 0.0  # CPU seconds spent in forward passes
-
-    def get_plan(self, key: str) -> dict[str, Any]:
-        out: dict[str, Any] = json.loads(self.store.get(key))
-        return out
-
-    def init_pg(self) -> None:
-        from datetime import timedelta
-
-        self.dist.init_process_group(
-            "gloo",
-            store=self.dist.PrefixStore(f"pg/{self.gen}", self.store),  # type: ignore[attr-defined]
-            rank=self.rank,
-            world_size=self.world,
-            timeout=timedelta(seconds=60),
-        )
-
-    def should_fail(self, s: int, at: str = "forward") -> bool:
-        """Is this rank due to die at point ``at`` of step ``s`` (``forward``: after
-        its forward pass; ``update``: after its backward, the gradients reduced,
-        before ``optimizer.step()``; :mod:`leto.bench.interval`)? A signal's request
-        (``leto bench goodput``) is honoured after the forward."""
-        if _fail_requested and at == "forward":
-            return True
-        f = self.plan.get("fail")
-        return (
-            f is not None
-            and f.get("at", "forward") == at
-            and f["rank"] == self.rank
-            and f["step"] == s
-        )
-
-    def die(self, s: int) -> None:
-        self.out.emit("fail", step=s)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def loss(self, model: Any, s: int) -> Any:
-        import torch.nn.functional as F
-
-        idx = self.wl.batch_indices(s, self.rank)
-        return F.cross_entropy(model(self.x[idx]), self.y[idx])
-
-    def finish(self) -> None:
-        # Gemini's copy to the next rank overlaps the next step; after the last step
-        # there is none: finish the exchange before exiting, or a peer still posting
-        # its half finds this process gone and dies ("Connection closed by peer"),
-        # which the agent would count as an unscheduled failure
-        if isinstance(self, _DDPTrainer) and getattr(self, "peer_ops", None):
-            self._gemini_wait()
-        self.out.emit("done", step=self.step)
-        os._exit(0)
-
-
 # ------------------------------------------------------------------- DDP baselines
 
 
-class _DDPTrainer(_Trainer):
+class _DDPTrainer(Trainer):
     def run(self) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -369,6 +274,14 @@ class _DDPTrainer(_Trainer):
                 self.dist.irecv(gem.slot(2 + i), src=(r - 1) % W, group=self.side),
             ]
             self.peer_step = s
+
+    def before_exit(self) -> None:
+        # Gemini's copy to the next rank overlaps the next step; after the last step
+        # there is none: finish the exchange before exiting, or a peer still posting
+        # its half finds this process gone and dies ("Connection closed by peer"),
+        # which the agent would count as an unscheduled failure
+        if getattr(self, "peer_ops", None):
+            self._gemini_wait()
 
     def _gemini_wait(self) -> None:
         if self.peer_ops:

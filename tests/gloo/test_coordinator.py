@@ -548,7 +548,7 @@ def test_a_successor_rebuilds_the_model_from_etcd_and_fences_the_old_coordinator
     model_records = [r for r in records if r["event"] in ("core_init", "core")]
     assert model_records == fed[: len(fed) - len(rec.pending)]
     assert {r["event"] for r in records} == {"core_init", "core", "coordinator_info"}
-    assert taken.kept["k/tier2"] == {"step": 0, "meta": {str(r): h.c.t2_meta[r] for r in (0, 1)}}
+    assert taken.kept["k/tier2"] == {"step": 0, "meta": {str(r): h.c.tier2.meta[r] for r in (0, 1)}}
     _, state = rebuild(records)
     assert state == rebuild(fed[:-1])[1] and rebuild(fed)[1] == h.c.state
     assert state.committed == 3 and state.gen == 1
@@ -586,10 +586,10 @@ def test_a_successor_carries_on_exactly_as_its_predecessor_would(
     succ.c = Coordinator(1, 2, log=succ.log, record=new_rec)
     succ.c.node_up(0, spare=False, now=succ.now)
     succ.c.take_over(taken.records, taken.kept)
-    assert (succ.c.info, succ.c.t2_step, succ.c.t2_meta) == (
+    assert (succ.c.info, succ.c.tier2.step, succ.c.tier2.meta) == (
         ref.c.info,
-        ref.c.t2_step,
-        ref.c.t2_meta,
+        ref.c.tier2.step,
+        ref.c.tier2.meta,
     )
     msgs: list[dict[str, Any]] = [
         {"t": "failure", "kind": "crash", "rank": 1, "detected_by": "pidfd"},

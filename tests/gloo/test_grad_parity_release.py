@@ -68,7 +68,7 @@ def _first_rank(blocks: list[ParityBlock], sent: list[Any]) -> follow.Follower:
     nothing = lambda *a, **k: None  # noqa: E731
     s = SimpleNamespace(
         rank=0,
-        lr=0,
+        local_rank=0,
         node=0,
         nproc=2,
         gen=1,
@@ -133,7 +133,7 @@ def test_the_gradient_parity_waits_for_every_release(
     monkeypatch.setattr(follow, "TorchDistCollective", lambda group: None)
     monkeypatch.setattr(f, "_node_checksums", lambda: [[7, 7]])
     monkeypatch.setattr(rx, "check_resumable", lambda *a, **k: None)
-    lay = f.s.layout
+    lay = f.session.layout
 
     def settle(target: int) -> tuple[int, int]:
         assert target == STEP

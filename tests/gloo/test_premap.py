@@ -68,8 +68,8 @@ def test_a_promoted_rank_maps_the_segment_its_shadow_mapped_early() -> None:
     size = tier1_bytes(MEMBERS, 2 * 8 * 4, 3, 8 * 3 * 4)
     name = tier1_name(2 * 8 * 4, 3, 8 * 3 * 4)
     assert ch.asked == [(name, size)] and name == "tier1.3x64.96"
-    blocks = first.s.parity
-    assert [b.nbytes for b in blocks] == [64, 64, 64] and first.s.gparity.nbytes == 96
+    blocks = first.session.parity
+    assert [b.nbytes for b in blocks] == [64, 64, 64] and first.session.gparity.nbytes == 96
     blocks[1].parity().fill_(7)  # bytes written through one rank's mapping...
     mem.node_segment("other", 10)  # a segment that is no tier 1
     shadow = _rank(ch)
@@ -77,7 +77,7 @@ def test_a_promoted_rank_maps_the_segment_its_shadow_mapped_early() -> None:
     assert shadow.premap_node() == 1 and ch.asked == [(name, size)] * 2  # mapped once
     shadow.node_memory()
     assert ch.asked == [(name, size)] * 2  # the promotion asks for nothing
-    seen = shadow.s.parity[1].parity()
+    seen = shadow.session.parity[1].parity()
     assert torch.equal(seen, torch.full((64,), 7, dtype=torch.uint8))  # ...seen by another
     assert shadow.premapped is None  # taken: a later layout maps afresh
     mem.close()
@@ -102,9 +102,9 @@ def test_an_early_segment_of_another_geometry_is_not_used() -> None:
     before = _held(early_ino)  # the agent's, the first rank's and the shadow's
     shadow.node_memory()  # its own geometry's segment: never the other's blocks
     assert ch.asked[-1] == (tier1_name(64, 4, 128), tier1_bytes(MEMBERS, 64, 4, 128))
-    assert len(shadow.s.parity) == 4
-    assert shadow.s.gparity is not None
-    assert os.fstat(shadow.s.gparity.fd).st_ino != early_ino
+    assert len(shadow.session.parity) == 4
+    assert shadow.session.gparity is not None
+    assert os.fstat(shadow.session.gparity.fd).st_ino != early_ino
     assert _held(early_ino) < before  # the early mapping closed, with its descriptor
     mem.close()
 
@@ -139,7 +139,7 @@ def test_without_tier_1_nothing_is_mapped() -> None:
     shadow = _rank(ch, tier1=False)
     assert shadow.premap_node() == 0
     shadow.node_memory()
-    assert shadow.s.parity == [] and len(ch.asked) == 1
+    assert shadow.session.parity == [] and len(ch.asked) == 1
     mem.close()
 
 
@@ -147,7 +147,7 @@ def test_the_blocks_are_disjoint_and_each_locks_its_own_range() -> None:
     mem, ch = _node()
     r = _rank(ch)
     r.node_memory()
-    blocks = [*r.s.parity, r.s.gparity]
+    blocks = [*r.session.parity, r.session.gparity]
     for b in blocks:  # every byte of each block, header included
         b.t.fill_(0)
     blocks[1].t.fill_(255)

@@ -330,7 +330,7 @@ def test_a_successor_welcomes_live_nodes_back_then_loses_its_predecessors_node()
     ag = _agent(h)
     ag.node, ag.started, ag.joined = 1, True, {1}
     ag.lost_leader, ag.rejoin, ag.rejoin_by = 0, {2}, h.now + 60.0
-    h.c.set_tier2(1, dict.fromkeys(range(3)))  # kept by the predecessor: node 2 may not know
+    h.c.tier2.set(1, dict.fromkeys(range(3)))  # kept by the predecessor: node 2 may not know
     conns = []
     try:
         c, early = _node(ag, 0)  # node 0's replacement, before node 2 is back

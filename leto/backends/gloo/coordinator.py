@@ -55,11 +55,11 @@ from .model_feed import Fed, ModelFeeder
 from .recovery_driver import RecoveryDriver, failed_what
 from .replica_checks import ReplicaChecks
 from .spare_pool import SparePool
+from .tier2_record import Tier2Record
 
 __all__ = ["Coordinator", "CoordinatorOptions"]
 
 Out = tuple[int | None, M.Message]
-T2_KEY = "k/tier2"  # the tier-2 snapshot's metadata, kept in the commit record
 
 
 @dataclass
@@ -103,9 +103,8 @@ class Coordinator:
         self.finished: dict[int, set[int]] = {}
         self.snaps: dict[int, dict[int, Any]] = {}
         self.ckpts: dict[int, set[int]] = {}  # step -> ranks that wrote their part
-        self.t2_step = 0
-        self.t2_meta: dict[int, Any] = {}  # rank -> {checksums, ps} of the confirmed snapshot
-        self.t2_not_kept = False  # the commit record could not keep t2_meta (too large)
+        # the confirmed tier-2 snapshot (kept in the commit record, which a test swaps)
+        self.tier2 = Tier2Record(lambda k, v: self.record.keep(k, v), self.log)
         self.base_not_kept = False  # nor a compacted log (the state too large)
         self.core_init: dict[str, Any] | None = None  # the model's constants, as a record
         self.nodes_up: set[int] = set()
@@ -156,24 +155,16 @@ class Coordinator:
                 sorted({int(f["rank"]) for f in rec.failures if f.get("kind") == "diverged"})
             )
         )
-        narrow = Narrow(self.node_of, self.t2_step, self.t2_meta, diverged)
+        narrow = Narrow(self.topology.node_of, self.tier2.step, self.tier2.meta, diverged)
         out = commands(fed, narrow)
         for node, msg in out:
             self.send(node, msg)
             self.log.write("command", **logged(node, msg))
         return [msg for _, msg in out]
 
-    def node_of(self, rank: int) -> int:
-        return self.topology.node_of(rank)
-
     @property
     def generation(self) -> int:
         return self.state.gen if self.state is not None else 0
-
-    @property
-    def recoveries(self) -> list[dict[str, Any]]:
-        """The recoveries that ended, one record each (kept by the recovery driver)."""
-        return self.driver.recoveries
 
     def lost_node(self, node: int, now: float) -> None:
         """``node`` is lost since ``now`` (unless it was already): its replacement is due
@@ -213,20 +204,6 @@ class Coordinator:
         self.log.write(name, **fields)
         self.record.note({"event": name, **fields})
 
-    def set_tier2(self, step: int, meta: dict[int, Any]) -> None:
-        """The tier-2 snapshot of ``step`` is current (each rank's checksums and process
-        state in ``meta``): kept here, and noted for a successor (before the ranks hear)."""
-        self.t2_step = step
-        self.t2_meta = dict(meta)
-        kept = {"step": step, "meta": {str(r): m for r, m in meta.items()}}
-        if not self.record.keep(T2_KEY, kept) and not self.t2_not_kept:
-            self.t2_not_kept = True
-            self.log.write(
-                "warning",
-                what="the tier-2 snapshot's metadata is too large for the commit record: "
-                "a coordinator that takes over cannot restore tier 2",
-            )
-
     def take_over(self, records: list[dict[str, Any]], kept: dict[str, dict[str, Any]]) -> None:
         """A successor: the model rebuilt from its predecessor's records (the commit
         record's log, :meth:`.commit_record.EtcdRecord.take_over`), with the settings and
@@ -238,10 +215,7 @@ class Coordinator:
                 self.info = dict(rec["info"])
             elif rec.get("event") == "core_init":
                 self.core_init = dict(rec)
-        t2 = kept.get(T2_KEY)
-        if t2 is not None:
-            self.t2_step = int(t2["step"])
-            self.t2_meta = {int(r): m for r, m in t2["meta"].items()}
+        self.tier2.take_over(kept)
         self.ready = dict.fromkeys(range(self.W), {})  # training started long ago
         self.log.write(
             "coordinator_took_over",
@@ -255,9 +229,9 @@ class Coordinator:
     def tell_tier2(self, node: int) -> None:
         """The current tier-2 snapshot, told again to ``node``: a successor's own node and
         each that rejoins it may not have heard it from the predecessor, which kept it
-        (:meth:`set_tier2`) before the ranks heard; a keeper that did not hear it would
+        (:meth:`.tier2_record.Tier2Record.set`) before the ranks heard; a keeper that did not hear it would
         count its node's snapshot gone at the next tier-2 restore."""
-        self.send(node, M.Tier2(step=self.t2_step, gen=self.generation))
+        self.send(node, M.Tier2(step=self.tier2.step, gen=self.generation))
 
     def _compact(self) -> None:
         """The commit record's log so far replaced by what rebuilds the model as it is
@@ -481,7 +455,7 @@ class Coordinator:
         self.model_record("core_init", **setup.to_record())
         self.core_init = {"event": "core_init", **setup.to_record()}
         self.record.note({"event": "coordinator_info", "info": self.info})
-        self.set_tier2(setup.start, {r: i.get("snapshot") for r, i in self.ready.items()})
+        self.tier2.set(setup.start, {r: i.get("snapshot") for r, i in self.ready.items()})
         self.log.write(
             "training_started",
             n_chunks=setup.chunks,
@@ -495,7 +469,7 @@ class Coordinator:
             nodes=self.topology.nodes,
         )
         for r, st in self.shadow_pending:
-            self._shadow(r, st)
+            self.driver.shadow_state(r, st)
         self.shadow_pending.clear()
         self.send(None, M.Tier2(step=setup.start, gen=0))  # the start's snapshot is current
         self._all_done()
@@ -557,7 +531,7 @@ class Coordinator:
         fed = self.feeder.run(
             [Snapshot(step)], f"every rank took the tier-2 snapshot of step {step}"
         )
-        self.set_tier2(step, got)
+        self.tier2.set(step, got)
         self.carry_out(fed)  # Tier2
         self.log.write("tier2_snapshot", step=step)
 
@@ -611,7 +585,7 @@ class Coordinator:
             "training_done",
             step=steps.pop(),
             digests={str(r): m.digest for r, m in sorted(self.done.items())},
-            recoveries=len(self.recoveries),
+            recoveries=len(self.driver.recoveries),
             degraded=sorted(self.degraded),
             replica_checks=self.replicas.agreed,
             replica_repairs=self.replicas.repairs,
@@ -644,14 +618,7 @@ class Coordinator:
         if self.model is None:
             self.shadow_pending.append((r, st))
             return
-        self._shadow(r, st)
-
-    def _shadow(self, r: int, st: str) -> None:
-        if st == "warm":
-            if self.feeder.try_event(ev.ShadowWarm(r)):
-                self.driver.shadow_warm(r)
-        elif st == "cold":
-            self.feeder.try_event(ev.ShadowReclaim(r))
+        self.driver.shadow_state(r, st)
 
     # ------------------------------------------------------------------ queries
 
@@ -661,7 +628,7 @@ class Coordinator:
             "phase": None if s is None else s.phase.value,
             "committed": None if s is None else s.committed,
             "generation": self.generation,
-            "recoveries": len(self.recoveries),
+            "recoveries": len(self.driver.recoveries),
             "failed": self.failed,
             "complete": self.complete,
         }

@@ -43,6 +43,7 @@ from . import messages as M
 from .commit_record import CommitRecord
 from .eventlog import EventLog
 from .model_feed import Fed, ModelFeeder, ModelRefused
+from .tier2_record import Tier2Record
 
 __all__ = ["Recovery", "RecoveryDriver", "RecoveryHost", "Wait", "failed_what"]
 
@@ -105,7 +106,7 @@ class RecoveryHost(Protocol):
     def info(self) -> dict[str, Any]: ...
 
     @property
-    def t2_step(self) -> int: ...
+    def tier2(self) -> Tier2Record: ...
 
     @property
     def nodes_up(self) -> set[int]: ...
@@ -119,8 +120,6 @@ class RecoveryHost(Protocol):
     @property
     def complete(self) -> bool: ...
 
-    def node_of(self, rank: int) -> int: ...
-
     def send(self, node: int | None, msg: M.Message) -> None: ...
 
     def carry_out(self, fed: Fed) -> list[M.Message]: ...
@@ -132,8 +131,6 @@ class RecoveryHost(Protocol):
     def durable(self, write: Callable[[], None]) -> bool: ...
 
     def model_record(self, name: str, **fields: Any) -> None: ...
-
-    def set_tier2(self, step: int, meta: dict[int, Any]) -> None: ...
 
     def lost_node(self, node: int, now: float) -> None: ...
 
@@ -254,10 +251,15 @@ class RecoveryDriver:
         if self.ack("report", msg.rank, msg.gen):
             self.reports[msg.rank] = msg.to_wire()
 
-    def shadow_warm(self, rank: int) -> None:
-        """The model took ``rank``'s shadow as warm: a promotion waiting for it may go on."""
-        if self.wait is not None and self.wait.what == "shadow":
-            self.wait.pending.discard(rank)
+    def shadow_state(self, rank: int, state: str) -> None:
+        """``rank``'s shadow is ``state`` (its agent says): fed to the model; one it took
+        as warm lets a promotion waiting for it go on."""
+        if state == "warm":
+            if self.feeder.try_event(ev.ShadowWarm(rank)):
+                if self.wait is not None and self.wait.what == "shadow":
+                    self.wait.pending.discard(rank)
+        elif state == "cold":
+            self.feeder.try_event(ev.ShadowReclaim(rank))
 
     def on_promoted(self, msg: M.Promoted) -> None:
         """A shadow is its rank's trainer now: the new process replaces the old one (their
@@ -452,14 +454,14 @@ class RecoveryDriver:
         sent, needed = set(), set()
         for e in nxt:
             r = e.rank  # type: ignore[attr-defined]
-            if self.host.node_of(r) not in self.host.nodes_up:
+            if self.host.topology.node_of(r) not in self.host.nodes_up:
                 continue  # its node is being replaced
             if isinstance(e, ev.ShadowWarm):
                 # its replacement shadow must be warm first: make sure one is coming
                 # (the shadow's warm report feeds ShadowWarm)
                 if (r, s.gen) not in self.asked_shadow:
                     self.asked_shadow.add((r, s.gen))
-                    self.host.send(self.host.node_of(r), M.NeedShadow(rank=r))
+                    self.host.send(self.host.topology.node_of(r), M.NeedShadow(rank=r))
                 needed.add(r)
                 continue
             self.host.carry_out(self.feeder.feed_event(e))  # PromoteRank
@@ -571,7 +573,7 @@ class RecoveryDriver:
             grad=tuple(grad),
             par=tuple(par),
             gpar=tuple(gpar),
-            t2=self.host.t2_step,
+            t2=self.host.tier2.step,
             t2lost=t2lost,
         )
         try:
@@ -600,7 +602,7 @@ class RecoveryDriver:
             and len(snaps) == self.host.W
             and all(m is not None for m in snaps.values())
         ):
-            self.host.set_tier2(s.target, rec.snapshot)
+            self.host.tier2.set(s.target, rec.snapshot)
             self.host.send(None, M.Tier2(step=s.target, gen=s.gen))
         sums = rec.summaries
         total = {

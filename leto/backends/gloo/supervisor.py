@@ -931,7 +931,7 @@ class Supervisor:
                 a.log.write(
                     "job_end",
                     status="ok",
-                    recoveries=len(a.coord.recoveries) if a.coord else 0,
+                    recoveries=len(a.coord.driver.recoveries) if a.coord else 0,
                 )
             else:
                 status = "restarting" if a.restart else "failed"
