@@ -248,3 +248,16 @@ def test_compressed_plan_is_the_reference_on_random_survivors(data: st.DataObjec
         t2_intact=data.draw(st.booleans()),
     )
     assert _expanded(plan(surv)) == plan(surv, compress=False)
+
+
+def test_a_repair_goes_on_the_wire_in_one_shape_and_comes_back() -> None:
+    from leto.core.reconcile import Repair
+
+    for r in (Repair("forward", 1, 0, 2, 64), Repair("grad-tier1", 3, -1, 5)):
+        assert Repair.from_wire(r.wire()) == r
+        run = fx.RunRepair(r.what, r.rank, r.chunk, r.version, r.count)
+        assert run.repair() == r and run.repair().wire() == r.wire()
+    with pytest.raises(ValueError, match="has the fields"):
+        Repair.from_wire({"what": "forward", "rank": 1, "chunk": 0, "step": 2, "count": 1})
+    with pytest.raises(ValueError, match="version is an integer"):
+        Repair.from_wire({"what": "forward", "rank": 1, "chunk": 0, "version": True, "count": 1})

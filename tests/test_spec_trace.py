@@ -456,7 +456,7 @@ def _doctor_command(recs: list[dict[str, Any]], t: str, **fields: Any) -> int:
         ("promote_rank", {"warm": False}, "'warm': True"),
         (
             "reconcile",
-            {"repairs": [{"what": "tier1", "rank": 1, "chunk": 0, "step": 1}]},
+            {"repairs": [{"what": "tier1", "rank": 1, "chunk": 0, "version": 1, "count": 1}]},
             "'repairs': []",
         ),
         ("resume", {"step": 0}, "'step': 1"),

@@ -313,7 +313,7 @@ class RunRepair(Effect):
     what: RepairKind = attrs.field(converter=repair_kind)
     rank: int = attrs.field(validator=_int)
     chunk: int = attrs.field(validator=_int)  # -1: the rank's gradients, or the whole rank
-    step: int = attrs.field(validator=_int)
+    version: int = attrs.field(validator=_int)
     count: int = attrs.field(default=1, validator=_count)
 
     def expand(self) -> tuple[RunRepair, ...]:
@@ -321,13 +321,13 @@ class RunRepair(Effect):
         if self.count == 1:
             return (self,)
         return tuple(
-            RunRepair(self.what, self.rank, c, self.step)
+            RunRepair(self.what, self.rank, c, self.version)
             for c in range(self.chunk, self.chunk + self.count)
         )
 
     def repair(self) -> Repair:
-        """The plan's repair this effect carries (its ``step`` is the repair's ``version``)."""
-        return Repair(self.what, self.rank, self.chunk, self.step, self.count)
+        """The plan's repair this effect carries."""
+        return Repair(self.what, self.rank, self.chunk, self.version, self.count)
 
 
 @attrs.frozen

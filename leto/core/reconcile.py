@@ -15,7 +15,7 @@ chunk), and then picks, in order:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -83,6 +83,36 @@ class Repair:
         if self.count == 1:
             return (self,)
         return tuple(Repair(self.what, self.rank, c, self.version) for c in self.chunks)
+
+    def wire(self) -> dict[str, str | int]:
+        """This repair as a message carries it (JSON): the one shape on every wire and in
+        every record (:meth:`from_wire` reads it back)."""
+        return {
+            "what": self.what.value,
+            "rank": self.rank,
+            "chunk": self.chunk,
+            "version": self.version,
+            "count": self.count,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, object]) -> Repair:
+        """A repair from :meth:`wire`'s shape; ValueError, in one line, names what is
+        wrong with it."""
+        keys = ("what", "rank", "chunk", "version", "count")
+        if set(d) != set(keys):
+            raise ValueError(f"a repair has the fields {', '.join(keys)}, not {sorted(d)}")
+        what = d["what"]
+        if not isinstance(what, str):
+            raise ValueError(f"a repair's what is a name, not {what!r}")
+        nums: list[int] = []
+        for k in keys[1:]:
+            v = d[k]
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"a repair's {k} is an integer, not {v!r}")
+            nums.append(v)
+        rank, chunk, version, count = nums
+        return cls(what, rank, chunk, version, count)
 
 
 def expand_repairs(repairs: Iterable[Repair]) -> tuple[Repair, ...]:

@@ -238,11 +238,7 @@ def expected_commands(
     for, each as the fields of its wire message the protocol decides (``t``, its tag;
     the rest of a message, such as the tier-2 snapshot's metadata, is the backend's)."""
     out: list[dict[str, Any]] = []
-    repairs = [
-        {"what": x.what, "rank": x.rank, "chunk": x.chunk, "step": x.step, "count": x.count}
-        for x in effects
-        if isinstance(x, fx.RunRepair)
-    ]
+    repairs = [x.repair().wire() for x in effects if isinstance(x, fx.RunRepair)]
     for e in effects:
         match e:
             case fx.RecordCommit(step=step):

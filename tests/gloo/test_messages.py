@@ -82,7 +82,7 @@ GOOD: dict[str, Any] = {
     "keeper_pid": 8,
     "keeper_socket": "leto-keeper",
     "target": 3,
-    "repairs": [{"what": "tier1", "rank": 1, "chunk": 0, "step": 3, "count": 1}],
+    "repairs": [{"what": "tier1", "rank": 1, "chunk": 0, "version": 3, "count": 1}],
     "retake_t2": True,
     "t2": 0,
     "start": 2,
@@ -205,3 +205,25 @@ def test_the_grep_finds_a_planted_tagged_dict(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text('def f(conn):\n    conn.send({"t": "commit", "step": 1, "gen": 0})\n')
     assert _tagged_dicts(bad) == [2]
+
+
+@pytest.mark.parametrize(
+    "repair,why",
+    [
+        ({"what": "tier1", "rank": 1, "chunk": 0, "step": 3, "count": 1}, "has the fields"),
+        ({"what": "mend", "rank": 1, "chunk": 0, "version": 3, "count": 1}, "not a valid"),
+        ({"what": 4, "rank": 1, "chunk": 0, "version": 3, "count": 1}, "what is a name"),
+        ({"what": "tier1", "rank": "1", "chunk": 0, "version": 3, "count": 1}, "rank is an"),
+        ({"what": "tier1", "rank": 1, "chunk": 0, "version": 3, "count": 0}, "count"),
+        ("tier1", "a repair is a dict"),
+    ],
+)
+def test_a_reconcile_with_a_malformed_repair_is_refused_naming_it(repair: Any, why: str) -> None:
+    # a repair travels in one shape (Repair.wire); the receiver reads nothing else
+    good = {"what": "forward", "rank": 0, "chunk": 0, "version": 3, "count": 2}
+    wire = {"t": "reconcile", "gen": 1, "kind": "forward", "target": 3}
+    assert M.decode({**wire, "repairs": [good]}).repairs == [good]
+    with pytest.raises(WireError) as e:
+        M.decode({**wire, "repairs": [good, repair]})
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("reconcile: ") and why in line, line

@@ -97,11 +97,7 @@ def _reconcile(
 
 def _reconciled(e: fx.Reconciled, fed: Fed, n: Narrow) -> Out:
     # runs of chunks (count), expanded by each node (leto.core.reconcile.Repair.expand)
-    repairs = [
-        {"what": x.what, "rank": x.rank, "chunk": x.chunk, "step": x.step, "count": x.count}
-        for x in fed.effects
-        if isinstance(x, fx.RunRepair)
-    ]
+    repairs = [x.repair().wire() for x in fed.effects if isinstance(x, fx.RunRepair)]
     # the tier-2 snapshot is retaken only if it lost blocks (the model's rule)
     retake = bool(fed.before.t2lost)
     return _reconcile(Kind(e.kind), e.target, repairs, retake, fed, n)

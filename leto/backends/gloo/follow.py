@@ -297,10 +297,7 @@ class Follower:
 
     def _runs(self, msg: M.Reconcile) -> list[Repair]:
         """The plan's repairs as the coordinator sent them: runs of chunks (``count``)."""
-        return [
-            Repair(x["what"], int(x["rank"]), int(x["chunk"]), int(x["step"]), int(x["count"]))
-            for x in msg.repairs
-        ]
+        return [Repair.from_wire(x) for x in msg.repairs]
 
     def _check_deferred(self, gen: int, chunks: set[int] | None = None) -> None:
         """Read now the deferred chunks (``chunks`` of them; None: all) that this

@@ -48,6 +48,8 @@ from typing import Any, ClassVar
 
 import attrs
 
+from leto.core.reconcile import Repair
+
 from .wire import MAX_FRAME, WireError
 
 __all__ = ["TAGS", "End", "Message", "decode"]
@@ -119,6 +121,17 @@ def _of(*kinds: type) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
 def _ints(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
     if not isinstance(v, list) or any(type(x) is not int for x in v):
         raise TypeError(f"{a.name}: a list of ints")
+
+
+def _repairs(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
+    """A list of the plan's repairs, each in :meth:`leto.core.reconcile.Repair.wire`'s
+    shape."""
+    if not isinstance(v, list):
+        raise TypeError(f"{a.name}: a list, not {type(v).__name__}")
+    for x in v:
+        if not isinstance(x, dict):
+            raise TypeError(f"{a.name}: a repair is a dict, not {type(x).__name__}")
+        Repair.from_wire(x)  # ValueError: what is wrong with it
 
 
 def _opt(check: Callable[[Any, attrs.Attribute[Any], Any], None]) -> Any:
@@ -744,7 +757,7 @@ class Reconcile(Message):
     gen: int = _f(_nat)
     kind: str = _f(NAME)
     target: int = _f(_nat)
-    repairs: list[dict[str, Any]] = _f(_of(list), attrs.Factory(list))
+    repairs: list[dict[str, Any]] = _f(_repairs, attrs.Factory(list))
     retake_t2: bool = _f(_bool, True)
     snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
     # ranks discarded because they diverged: their tier-1 records describe the diverged
