@@ -742,3 +742,23 @@ def test_a_doctored_command_of_a_gloo_job_is_rejected(t: str, doctor: Any) -> No
     assert rep.divergence is not None, f"a doctored {t} replays"
     assert (rep.divergence.line, rep.divergence.event) == (n, "command"), rep.line()
     assert "the coordinator sent" in rep.divergence.why
+
+
+def test_each_kind_of_failure_is_one_core_event_and_an_unknown_kind_is_refused() -> None:
+    from leto.backends.gloo import messages as M
+    from leto.backends.gloo.recovery_driver import FAULT_OF, fault_of
+    from leto.core import events as ev
+
+    assert fault_of({"kind": "crash", "rank": 2}) == ev.Crash(2)
+    assert fault_of({"kind": "exception", "rank": 1}) == ev.Crash(1)
+    assert fault_of({"kind": "hang", "rank": 0}) == ev.Hang(0)
+    assert fault_of({"kind": "keeper_lost", "rank": 3}) == ev.LoseMemory(3)
+    assert fault_of({"kind": "diverged", "rank": 3}) == ev.LoseMemory(3)
+    assert fault_of({"kind": "node_lost", "node": 1, "rank": None}) == ev.LoseNode(1)
+    assert set(M.AGENT_FAILURES) <= set(FAULT_OF)
+    with pytest.raises(ValueError, match="unknown kind 'melted'"):
+        fault_of({"kind": "melted", "rank": 0})
+    with pytest.raises(ValueError, match="without its node"):
+        fault_of({"kind": "node_lost", "rank": 0})
+    with pytest.raises(ValueError, match="kind: 'melted' is not one of"):
+        M.Failure(kind="melted", rank=0, detected_by="x")

@@ -123,6 +123,14 @@ def _ints(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
         raise TypeError(f"{a.name}: a list of ints")
 
 
+def _one_of(*names: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
+        if v not in names:
+            raise ValueError(f"{a.name}: {str(v)[:40]!r} is not one of {', '.join(names)}")
+
+    return check
+
+
 def _repairs(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
     """A list of the plan's repairs, each in :meth:`leto.core.reconcile.Repair.wire`'s
     shape."""
@@ -139,6 +147,8 @@ def _opt(check: Callable[[Any, attrs.Attribute[Any], Any], None]) -> Any:
 
 
 NAME = _text(MAX_NAME)
+# the failures an agent reports (M.Failure); the coordinator's own never travel
+AGENT_FAILURES = ("crash", "exception", "hang", "keeper_lost")
 TEXT = _text(MAX_TEXT)
 LONG = _text(MAX_FRAME)  # composed of other texts (a reason and a traceback): the frame's bound
 
@@ -495,13 +505,13 @@ class Unprotected(Message):
 
 @attrs.frozen
 class Failure(Message):
-    """A failure the agent saw (``kind``: crash, exception, hang, keeper_lost), or the
-    coordinator (``diverged``: a replica check found the rank's state differs from the
-    majority's; its memory is discarded, :class:`Discard`)."""
+    """A failure the agent saw (``kind``: crash, exception, hang, keeper_lost; the
+    coordinator's own, such as ``diverged``, a replica check's, never travel: see
+    :data:`.recovery_driver.FAULT_OF`)."""
 
     TAG = "failure"
     ROUTE = (A, C)
-    kind: str = _f(NAME)
+    kind: str = _f(_one_of(*AGENT_FAILURES))
     rank: int = _f(_nat)
     detected_by: str = _f(NAME)
     detail: str | None = _f(_opt(LONG), None)

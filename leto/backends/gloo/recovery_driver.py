@@ -139,6 +139,31 @@ class RecoveryHost(Protocol):
     def forget_gathered(self) -> None: ...
 
 
+# What each kind of failure is to the core: the event fed for it, and whether it
+# struck a node (``node``) or a rank (``rank``)
+FAULT_OF: dict[str, tuple[Callable[[int], ev.Event], str]] = {
+    "crash": (ev.Crash, "rank"),  # the process exited (killed, or a signal)
+    "exception": (ev.Crash, "rank"),  # the script raised: its process ends
+    "collective_error": (ev.Crash, "rank"),  # its communicator broke, no failure reported
+    "hang": (ev.Hang, "rank"),  # no heartbeat within the hang timeout
+    "keeper_lost": (ev.LoseMemory, "rank"),  # its keeper died: its retained memory is gone
+    "diverged": (ev.LoseMemory, "rank"),  # a replica check found it apart: discarded
+    "node_lost": (ev.LoseNode, "node"),  # its agent is gone
+}
+
+
+def fault_of(record: dict[str, Any]) -> ev.Event:
+    """The core's event for a failure ``record`` (its ``kind`` and subject)."""
+    kind = record.get("kind")
+    if kind not in FAULT_OF:
+        raise ValueError(f"a failure of unknown kind {kind!r} (known: {', '.join(FAULT_OF)})")
+    event, subject = FAULT_OF[str(kind)]
+    who = record.get(subject)
+    if not isinstance(who, int) or isinstance(who, bool):
+        raise ValueError(f"a failure of kind {kind!r} without its {subject}: {record}")
+    return event(who)
+
+
 class RecoveryDriver:
     """Carries out a gloo job's recoveries for its coordinator (see the module docstring)."""
 
@@ -163,20 +188,13 @@ class RecoveryDriver:
         self.recoveries: list[dict[str, Any]] = []  # those that ended, one record each
 
     def failure(self, msg: dict[str, Any], now: float) -> None:
-        """A failure (``msg``: its record, as reported or as the coordinator saw it)."""
+        """A failure (``msg``: its record, as reported or as the coordinator saw it: its
+        ``kind``, one of :data:`FAULT_OF`, and the rank, or the node, it struck)."""
         s = self.host.state
         assert s is not None and self.host.model is not None
         kind = msg.get("kind")
         rank = msg.get("rank")
-        fault: ev.Event
-        if kind == "node_lost":
-            fault = ev.LoseNode(int(msg["node"]))
-        elif kind in ("keeper_lost", "diverged"):  # diverged: discarded by its agent
-            fault = ev.LoseMemory(int(rank))  # type: ignore[arg-type]
-        elif kind == "hang":
-            fault = ev.Hang(int(rank))  # type: ignore[arg-type]
-        else:
-            fault = ev.Crash(int(rank))  # type: ignore[arg-type]
+        fault = fault_of(msg)
         why = self.host.model.why_not(s, fault)
         record = dict(msg)
         record["step"] = s.committed
