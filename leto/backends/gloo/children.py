@@ -350,10 +350,13 @@ class Children:
             detected = (
                 "exception reported by the trainer" if p.error else f"process exit ({p.seen_by})"
             )
-            if code == 0 and p.status == "starting":
+            if code in (0, None) and p.status == "starting":
+                # (None: the zygote's status came too late, on a busy machine; the script
+                # ended all the same before it called leto.wrap)
                 how = (
-                    "the script ended (exit code 0) without calling leto.wrap with "
-                    "backend='gloo': `leto launch` runs scripts wrapped by leto"
+                    f"the script ended ({how if code is None else 'exit code 0'}) without "
+                    "calling leto.wrap with backend='gloo': `leto launch` runs scripts "
+                    "wrapped by leto"
                 )
             latency = None if p.dead_at is None else round((p.dead_at - p.hb) * 1e3, 1)
             where = {"idle": "between steps", "startup": "during startup"}.get(
