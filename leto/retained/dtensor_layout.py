@@ -167,16 +167,25 @@ def _check_module(name: str, module: FSDPModule, groups: Sequence[Any]) -> None:
                 )
 
 
-def _check_mesh(fqn: str, p: torch.Tensor) -> None:
-    if not isinstance(p, DTensor):
-        raise UnsupportedParallelismError(f"parameter {fqn!r} is not a DTensor")
-    mesh = p.device_mesh
-    root = private.root_mesh(mesh)
-    if root.size() != mesh.size():
-        unused = sorted(set(root.mesh_dim_names or ()) - set(mesh.mesh_dim_names or ()))
+def _check_meshes(params: Mapping[str, torch.Tensor]) -> None:
+    """Every dimension of the root mesh holds some parameter's placement: one that holds
+    none is a parallelism this layout knows nothing of (pipeline, context parallel)."""
+    meshes = {}
+    for fqn, p in params.items():
+        if not isinstance(p, DTensor):
+            raise UnsupportedParallelismError(f"parameter {fqn!r} is not a DTensor")
+        meshes[fqn] = p.device_mesh
+    roots = {id(private.root_mesh(m)): private.root_mesh(m) for m in meshes.values()}
+    if len(roots) != 1:
+        raise UnsupportedParallelismError("the parameters' meshes were cut from several meshes")
+    (root,) = roots.values()
+    used = {d for m in meshes.values() for d in m.mesh_dim_names or ()}
+    unused = [d for d in root.mesh_dim_names or () if d not in used]
+    widest = max(m.size() for m in meshes.values())
+    if unused or widest != root.size():
         raise UnsupportedParallelismError(
-            f"parameter {fqn!r} is on {mesh.size()} of the root mesh's {root.size()} ranks"
-            f" (unused dimensions {unused}): pipeline or another parallelism is not supported"
+            f"no parameter is placed over dimension(s) {unused} of the root mesh"
+            f" {root.mesh_dim_names}: pipeline or another parallelism is not supported"
         )
 
 
@@ -196,6 +205,7 @@ def plan_layout(model: nn.Module) -> DTensorLayout:
     dtypes: dict[torch.dtype, str] = {}
     regions: list[GroupRegion] = []
     seen: set[int] = set()
+    params: dict[str, torch.Tensor] = {}
     off = 0
     for name, _module, group in _walk(model):
         start = off
@@ -203,7 +213,7 @@ def plan_layout(model: nn.Module) -> DTensorLayout:
         for fp in private.fsdp_params(group):
             p = private.sharded_param(fp)
             fqn = names[id(p)]
-            _check_mesh(fqn, p)
+            params[fqn] = p
             dtypes.setdefault(p.dtype, fqn)
             seen.add(id(p))
             padded = tuple(private.padded_shard_size(fp))
@@ -222,6 +232,7 @@ def plan_layout(model: nn.Module) -> DTensorLayout:
     loose = [n for n, p in model.named_parameters() if id(p) not in seen]
     if loose:
         raise UnsupportedParallelismError(f"parameter {loose[0]!r} is not managed by fully_shard")
+    _check_meshes(params)
     return DTensorLayout(next(iter(dtypes)), off, tuple(regions))
 
 
