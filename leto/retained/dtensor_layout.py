@@ -142,7 +142,7 @@ def _part(name: str) -> str:
     return f"module {name!r}" if name else "the root module"
 
 
-def _check_module(name: str, module: FSDPModule, groups: Sequence[Any]) -> None:
+def _check_module(name: str, groups: Sequence[Any]) -> None:
     if len(groups) > 1:
         raise UnsupportedParallelismError(
             f"{_part(name)} has {len(groups)} FSDP param groups (a per-parameter mesh):"
@@ -195,16 +195,15 @@ def plan_layout(model: nn.Module) -> DTensorLayout:
     Raises :class:`UnsupportedParallelismError` naming the part it cannot bind.
     """
     names = {id(p): n for n, p in model.named_parameters()}
-    by_module: dict[str, tuple[FSDPModule, list[Any]]] = {}
-    for name, module, group in _walk(model):
-        by_module.setdefault(name, (module, []))[1].append(group)
+    by_module: dict[str, list[Any]] = {}
+    for name, _module, group in _walk(model):
+        by_module.setdefault(name, []).append(group)
     if not by_module:
-        raise UnsupportedParallelismError("no module of the model is fully_shard-ed")
-    for name, (module, groups) in by_module.items():
-        _check_module(name, module, groups)
+        raise UnsupportedParallelismError("no parameter of the model is managed by fully_shard")
+    for name, groups in by_module.items():
+        _check_module(name, groups)
     dtypes: dict[torch.dtype, str] = {}
     regions: list[GroupRegion] = []
-    seen: set[int] = set()
     params: dict[str, torch.Tensor] = {}
     off = 0
     for name, _module, group in _walk(model):
@@ -215,7 +214,6 @@ def plan_layout(model: nn.Module) -> DTensorLayout:
             fqn = names[id(p)]
             params[fqn] = p
             dtypes.setdefault(p.dtype, fqn)
-            seen.add(id(p))
             padded = tuple(private.padded_shard_size(fp))
             slots.append(
                 ShardSlot(fqn, off, padded, tuple(private.sharded_size(fp)), private.shard_dim(fp))
@@ -229,7 +227,7 @@ def plan_layout(model: nn.Module) -> DTensorLayout:
             )
         step = ALIGN_BYTES // next(iter(dtypes)).itemsize if dtypes else 1
         off = -(-off // step) * step
-    loose = [n for n, p in model.named_parameters() if id(p) not in seen]
+    loose = [n for n, _ in model.named_parameters() if n not in params]
     if loose:
         raise UnsupportedParallelismError(f"parameter {loose[0]!r} is not managed by fully_shard")
     _check_meshes(params)

@@ -70,6 +70,14 @@ PRIVATE: dict[str, tuple[str, ...]] = {
         "reset_sharded_param",
     ),
     "DTensor": ("_local_tensor",),
+    "HSDPMeshInfo": (
+        "mesh",
+        "shard_mesh_dim",
+        "replicate_mesh_dim",
+        "shard_process_group",
+        "reduce_scatter_process_group",
+        "replicate_process_group",
+    ),
     "DeviceMesh": ("_dim_group_names", "_get_root_mesh"),
 }
 """What :func:`check_torch` verifies, by kind; the functions below read only these."""
@@ -208,6 +216,7 @@ def check_torch(modules: Sequence[FSDPModule]) -> None:
                 for read in (padded_shard_size, sharded_size, shard_dim):
                     read(fp)
             for info in mesh_infos(group):
+                _get(info, "mesh")
                 if _get(info, "shard_mesh_dim") is not None:
                     _get(info, "shard_process_group")
                     _get(info, "reduce_scatter_process_group")

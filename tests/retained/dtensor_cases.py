@@ -25,8 +25,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from leto.backends.gloo import segments
 from leto.retained import dtensor_layout as dl
-from leto.retained.alloc import InMemorySegments
 
 IN, DIM, HID = 8, 16, 34
 STEPS = 3
@@ -88,6 +88,15 @@ def build(
     return model
 
 
+def memfd_segment(name: str, nbytes: int) -> torch.Tensor:
+    """A zeroed memfd segment mapped as a tensor, as a keeper's (no keeper process)."""
+    fd = segments.create(name, nbytes)
+    try:
+        return segments.as_tensor(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
 def batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
     return torch.randn(4, 6, IN, generator=g), torch.randn(4, 6, 1, generator=g)
@@ -132,7 +141,7 @@ def train(
 ) -> dict[str, Any]:
     model = build(cfg, mesh, mp=mp)
     opt = OPTIMIZERS[opt_name](model)
-    shards = dl.bind(model, opt, InMemorySegments()) if bound else None
+    shards = dl.bind(model, opt, memfd_segment) if bound else None
     dp_rank = mesh["dp"].get_local_rank() if cfg == "2d" else dist.get_rank()
     losses, grads, views = [], {}, True
     for s in range(STEPS):

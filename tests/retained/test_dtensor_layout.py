@@ -95,7 +95,13 @@ def test_what_cannot_be_bound_without_a_copy_is_refused_naming_the_part(
     loose = build("fsdp", mesh)
     loose.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
     assert refusal(loose) == "parameter 'extra' is not managed by fully_shard"
-    assert refusal(torch.nn.Linear(2, 2)) == "no module of the model is fully_shard-ed"
+    assert refusal(torch.nn.Linear(2, 2)) == "no parameter of the model is managed by fully_shard"
+    mixed = build("fsdp", mesh)
+    mixed.layers[1].double()  # FSDP2 re-pads the cast shards (its _apply hook)
+    assert refusal(mixed) == (
+        "parameters of two dtypes: 'inp.weight' is torch.float32, 'layers.1.w1.weight'"
+        " is torch.float64"
+    )
     real = private.fsdp_param_groups
     monkeypatch.setattr(private, "fsdp_param_groups", lambda m: real(m) * 2)
     assert refusal(build("fsdp", mesh)) == (

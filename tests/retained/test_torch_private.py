@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from dtensor_cases import build, one_rank_group
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from leto.retained import dtensor_layout as dl
@@ -29,6 +29,15 @@ from leto.retained import torch_private as private
 def model() -> Iterator[Any]:
     with one_rank_group() as mesh:
         yield build("fsdp", mesh)
+
+
+def hsdp_mesh_info() -> Any:
+    """The mesh info of a model given a (replicate, shard) mesh, here 1 x 1."""
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("rep", "shard"))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(2, 2)
+    fully_shard(lin, mesh=mesh)
+    return private.mesh_infos(private.fsdp_param_groups(lin)[0])[0]
 
 
 def live_objects(model: Any) -> dict[str, Any]:
@@ -42,6 +51,7 @@ def live_objects(model: Any) -> dict[str, Any]:
         "FSDPParam": fp,
         "DTensor": private.sharded_param(fp),
         "DeviceMesh": private.sharded_param(fp).device_mesh,
+        "HSDPMeshInfo": hsdp_mesh_info(),
     }
 
 
