@@ -32,10 +32,11 @@ another parallelism this layout knows nothing of), parameters FSDP2 does not man
 mixed dtypes. Private torch attributes are read only through
 :mod:`leto.retained.torch_private`.
 
-Known limit: gradients must be None when a backward starts (``zero_grad(set_to_none=
-True)``); an existing gradient is accumulated into by FSDP2 (``grad += new``), so the
-region is then not handed out and the new gradient costs one add. HSDP accumulation
-without all-reduce (``set_requires_all_reduce(False)``) is not supported yet.
+Gradients are bound when they are None as a backward starts (``zero_grad(set_to_none=
+True)``): FSDP2 accumulates into an existing gradient (``grad += new``), so the region
+is then not handed out and the new gradient costs one add; the same holds for HSDP's
+partial sums (``set_requires_all_reduce(False)``), kept in a tensor of their own until
+the microbatch that all-reduces.
 """
 
 from __future__ import annotations
@@ -302,14 +303,17 @@ class RegionReduceScatter(private.ReduceScatter):
 
     FSDP2 allocates the reduce-scatter input, then its output; the output is
     the region, unless a gradient already exists (FSDP2 then adds the new gradient to
-    it, and the new one must not alias it). ``hits`` counts the outputs handed over.
+    it, and the new one must not alias it) or HSDP keeps the output as a partial sum
+    (``set_requires_all_reduce(False)``: FSDP2 adds the next output to it). ``hits``
+    counts the outputs handed over.
     """
 
-    def __init__(self, region: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, region: torch.Tensor, group: Any) -> None:
         if region.storage_offset() != 0:
             raise LayoutError("a gradient region must start its own storage (offset 0)")
         self.region = region
-        self.params = list(params)
+        self.group = group
+        self.params = [private.sharded_param(fp) for fp in private.fsdp_params(group)]
         self.hits = 0
         self._input_given = False
 
@@ -324,6 +328,7 @@ class RegionReduceScatter(private.ReduceScatter):
             and dtype == self.region.dtype
             and torch.device(device) == self.region.device
             and all(p.grad is None for p in self.params)
+            and not private.keeps_partial_reduce(self.group)
         ):
             self.hits += 1
             return self.region
@@ -353,9 +358,7 @@ def bind_grads(
         own = from_dlpack(flat[region.offset : region.offset + region.numel])
         if own.data_ptr() != flat[region.offset :].data_ptr() or own.storage_offset() != 0:
             raise LayoutError("torch.from_dlpack did not give the region a storage of its own")
-        comm = RegionReduceScatter(
-            own, [private.sharded_param(fp) for fp in private.fsdp_params(group)]
-        )
+        comm = RegionReduceScatter(own, group)
         module.set_custom_reduce_scatter(comm)
         out.append(comm)
     return out

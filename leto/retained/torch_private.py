@@ -38,6 +38,7 @@ __all__ = [
     "dim_group_names",
     "fsdp_param_groups",
     "fsdp_params",
+    "keeps_partial_reduce",
     "mesh_infos",
     "mp_policy",
     "offloads_to_cpu",
@@ -58,7 +59,13 @@ PRIVATE: dict[str, tuple[str, ...]] = {
     # the kind of object -> the attributes leto reads or writes on it
     "FSDPModule": ("_get_fsdp_state",),
     "FSDPState": ("_fsdp_param_groups",),
-    "FSDPParamGroup": ("fsdp_params", "mp_policy", "mesh_info", "post_forward_mesh_info"),
+    "FSDPParamGroup": (
+        "fsdp_params",
+        "mp_policy",
+        "mesh_info",
+        "post_forward_mesh_info",
+        "all_reduce_grads",
+    ),
     "FSDPParam": (
         "sharded_param",
         "_sharded_param_data",
@@ -171,6 +178,14 @@ def set_local_shard(fp: Any, padded: torch.Tensor) -> None:
     _get(fp, "reset_sharded_param")()
     if _get(fp, "_sharded_param_data").data_ptr() != padded.data_ptr():
         raise TorchPrivateError("FSDPParam.reset_sharded_param replaced the bound shard")
+
+
+def keeps_partial_reduce(group: Any) -> bool:
+    """Whether the group's next reduce-scatter output is kept as a partial sum rather than
+    becoming gradients: HSDP with ``set_requires_all_reduce(False)`` (FSDP2 then adds
+    the next output to it, so the two must not be one tensor)."""
+    replicated = _get(_get(group, "mesh_info"), "replicate_mesh_dim") is not None
+    return replicated and not _get(group, "all_reduce_grads")
 
 
 def mesh_infos(group: Any) -> list[Any]:

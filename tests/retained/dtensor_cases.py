@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -139,12 +139,20 @@ OPTIMIZERS: dict[str, Opt] = {
 def train(
     cfg: str, mesh: DeviceMesh, opt_name: str, mp: MixedPrecisionPolicy | None, bound: bool
 ) -> dict[str, Any]:
-    model = build(cfg, mesh, mp=mp)
+    """``cfg`` "...+accum": each step two microbatches, the gradients of the second added
+    to the first's (FSDP2's ``grad += new``); "hsdp+accum": the first without all-reduce
+    (HSDP keeps its reduce-scatter output as a partial sum)."""
+    model = build(cfg.removesuffix("+accum"), mesh, mp=mp)
     opt = OPTIMIZERS[opt_name](model)
     shards = dl.bind(model, opt, memfd_segment) if bound else None
     dp_rank = mesh["dp"].get_local_rank() if cfg == "2d" else dist.get_rank()
     losses, grads, views = [], {}, True
     for s in range(STEPS):
+        if cfg.endswith("+accum"):
+            assert isinstance(model, FSDPModule)
+            model.set_requires_all_reduce(not cfg.startswith("hsdp"))
+            F.mse_loss(model(batch(s + 100, dp_rank)[0]), batch(s, dp_rank)[1]).backward()
+            model.set_requires_all_reduce(True)
         x, y = batch(s, dp_rank)
         loss = F.mse_loss(model(x).float(), y)
         loss.backward()
@@ -216,6 +224,8 @@ def refuse_pipeline() -> str:
 CASES = [
     ("fsdp", "adam", None),
     ("hsdp", "adam", None),
+    ("hsdp+accum", "adam", None),
+    ("fsdp+accum", "sgd", None),
     ("2d", "adam", None),
     ("2d", "sgd", None),
     ("fsdp", "adamw", None),
@@ -236,7 +246,7 @@ def worker(rank: int, world: int, port: int, q: Any, cases: int = len(CASES)) ->
     for cfg, opt_name, mp in CASES[:cases]:
         tag = f"{cfg}/{opt_name}/{'bf16' if mp else 'fp32'}"
         try:
-            out[tag] = compare(cfg, meshes[cfg], opt_name, mp)
+            out[tag] = compare(cfg, meshes[cfg.removesuffix("+accum")], opt_name, mp)
         except Exception:
             out[tag] = traceback.format_exc()
     try:
