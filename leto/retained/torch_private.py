@@ -9,6 +9,13 @@ each read goes through :func:`_get`, which turns a missing attribute into one
 :func:`check_torch` walks the whole list (``tests/retained/test_torch_private.py``
 runs it on a real FSDP2 model, so a torch upgrade that moves one fails there, by name).
 
+Behaviour relied on that no attribute shows, of FSDP2's ``foreach_reduce``: it allocates
+the reduce-scatter input, then the output, through the custom ``ReduceScatter``; it cuts
+each sharded gradient out of the output with ``as_strided`` counted from the output's
+storage start; it adds into an existing gradient; HSDP without all-reduce keeps the
+output as a partial sum. ``test_torch_private.py`` checks the first three on one rank,
+``test_dtensor_layout_ranks.py`` all of them on four.
+
 What is public and therefore not here: ``fully_shard``, ``FSDPModule``,
 ``FSDPModule.set_custom_reduce_scatter``, ``MixedPrecisionPolicy``,
 ``CPUOffloadPolicy``, ``DTensor.from_local``, ``DeviceMesh``'s documented methods.
