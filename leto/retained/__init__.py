@@ -12,6 +12,10 @@
   :mod:`~leto.retained.optim_chunked`) and the :class:`WholeStepOptimizer` fallback
   (:mod:`~leto.retained.optim_whole`), all with the same transaction API
   (:mod:`~leto.retained.optim_base`).
+* :mod:`leto.retained.dtensor_layout`: the mesh-aware layout for FSDP2 / TP / HSDP
+  models: each rank's padded DTensor shards of parameters, gradients and optimizer
+  state bound to flat buffers (no copy on the step's path); every private torch
+  attribute it needs is read through :mod:`~leto.retained.torch_private`.
 * :mod:`leto.retained.checksum`: salted Fletcher checksums over int32 words.
 * :mod:`leto.retained.parity`: sum-mod-256 parity (encode, update, decode) over
   a tiny :class:`Collective` protocol, with an in-process implementation.
