@@ -50,6 +50,23 @@ def test_a_done_trainer_of_a_complete_job_ended_whatever_its_status(code: int | 
 def test_an_unknown_status_before_the_end_is_a_death() -> None:
     a, p, sent = _agent(complete=True)
     p.phase, p.exited, p.dead_at, p.hb = "forward", None, 1.0, 0.9
+    p.status = "running"  # it called leto.wrap (its Ready): it trains
     Children(a).finalize_exit(p)  # type: ignore[arg-type]
     assert not p.done and [m.kind for m in sent] == ["crash"]
     assert sent[0].detail == "exit status unknown"
+
+
+@pytest.mark.parametrize("code", [0, None])
+def test_a_script_that_ended_before_leto_wrap_is_told_so_whatever_its_status(
+    code: int | None,
+) -> None:
+    # None: the zygote's status came too late (a busy machine); the script still ended
+    # while starting, before its Ready
+    a, p, sent = _agent(complete=False)
+    p.phase, p.exited, p.dead_at, p.hb = "startup", code, 1.0, 0.9
+    Children(a).finalize_exit(p)  # type: ignore[arg-type]
+    status = "exit code 0" if code == 0 else "exit status unknown"
+    assert [m.detail for m in sent] == [
+        f"the script ended ({status}) without calling leto.wrap with backend='gloo': "
+        "`leto launch` runs scripts wrapped by leto"
+    ]
