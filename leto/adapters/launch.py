@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, TextIO, cast
 
 from leto.adapters.console import ShownRanks
+from leto.adapters.slurm import apply_slurm
 from leto.adapters.torchrun_flags import (
     BY_NAME,
     MASTER_ADDR,
@@ -141,6 +142,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "default: this machine's address towards the first etcd member)",
     )
     g.add_argument("--standalone", action="store_true", help="one node, a free local port")
+    g.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run as a task of srun (srun --ntasks-per-node=1 leto launch --slurm ...): the "
+        "node count, node rank, rendezvous host (the step's first node, at --master-port), "
+        "job id and run directory come from SLURM_* (docs/launch.md)",
+    )
     r = parser.add_argument_group("recovery")
     r.add_argument(
         "--run-dir", default=None, help="event log and process logs (default: leto-runs/<time>)"
@@ -414,7 +422,10 @@ def _check(
 ) -> tuple[str, int, Any, tuple[str, int] | None, EtcdArgs | None] | int:
     """Every flag, before anything is imported or started: the rendezvous address and
     the fault plan; or an exit status when a refusal has been printed."""
+    apply_slurm(args)
     translate(args, BOUNDS)
+    if args.slurm and args.rdzv_backend != "etcd":
+        args.endpoint_flag = "--slurm (the first host of the step's node list)"
     if args.module:
         module_to_run(args.script)
     else:
