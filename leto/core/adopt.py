@@ -23,6 +23,14 @@ from leto.core.cluster import ClusterModel, ClusterState
 from leto.core.errors import ProtocolError
 from leto.core.properties import INVARIANTS, grad_parity_ok
 from leto.core.recovery import Phase
+from leto.core.runs import (
+    distinct,
+    distinct_zip,
+    records_from_runs,
+    records_runs_json,
+    row_from_runs,
+    runs_json,
+)
 from leto.core.trainer import TrainerState
 
 __all__ = ["Adopt", "Retained", "adopt", "adoption_refusal"]
@@ -46,11 +54,14 @@ class Retained:
     t2lost: frozenset[int]
 
     def to_record(self) -> dict[str, Any]:
+        """As JSON, every row as runs (``[[value, count], ...]``: O(runs), a row
+        shared by many ranks encoded once)."""
+        memo: dict[int, Any] = {}
         return {
-            "data": [list(d) for d in self.data],
-            "undo": [list(u) for u in self.undo],
+            "data_runs": [runs_json(d, memo) for d in self.data],
+            "undo_runs": [runs_json(u, memo) for u in self.undo],
             "grad": list(self.grad),
-            "par": [None if p is None else [list(row) for row in p] for p in self.par],
+            "par_runs": [None if p is None else records_runs_json(p) for p in self.par],
             "gpar": [None if g is None else list(g) for g in self.gpar],
             "t2": self.t2,
             "t2lost": sorted(self.t2lost),
@@ -58,20 +69,35 @@ class Retained:
 
     @classmethod
     def from_record(cls, rec: Any) -> Retained:
+        """From :meth:`to_record`'s JSON (or the former one, every chunk's value
+        listed); rows alike decode to one shared tuple."""
         if not isinstance(rec, dict):
             raise ValueError(f"adopt must be an object, got {rec!r}")
         try:
+            if "data_runs" in rec:
+                data = tuple(row_from_runs(x) for x in _list(rec["data_runs"]))
+                undo = tuple(row_from_runs(x) for x in _list(rec["undo_runs"]))
+                par = tuple(None if p is None else records_from_runs(p) for p in rec["par_runs"])
+            else:
+                data, undo = _ints2(rec["data"]), _ints2(rec["undo"])
+                par = tuple(None if p is None else _ints2(p) for p in rec["par"])
             return cls(
-                data=_ints2(rec["data"]),
-                undo=_ints2(rec["undo"]),
+                data=data,
+                undo=undo,
                 grad=_ints(rec["grad"]),
-                par=tuple(None if p is None else _ints2(p) for p in rec["par"]),
+                par=par,
                 gpar=tuple(None if g is None else _ints(g) for g in rec["gpar"]),
                 t2=_int(rec["t2"]),
                 t2lost=frozenset(_ints(rec["t2lost"])),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"adopt: malformed retained state ({type(e).__name__}: {e})") from None
+
+
+def _list(v: Any) -> list[Any]:
+    if not isinstance(v, list):
+        raise TypeError(f"not a list: {v!r}"[:120])
+    return v
 
 
 def _int(v: Any) -> int:
@@ -121,8 +147,9 @@ def adoption_refusal(model: ClusterModel, s: ClusterState, r: Retained) -> str |
             return f"rank {q}'s trainer is {t.value}"
     if len(r.data) != R or len(r.undo) != R or len(r.grad) != R:
         return f"{R} ranks expected, got data {len(r.data)}, undo {len(r.undo)}, grad {len(r.grad)}"
-    # each distinct (report, model) row once (few: the rows of a step are alike)
-    rows = set(zip(r.data, r.undo, s.data, strict=True))
+    # each distinct (report, model) row once (few: the rows of a step are alike, and
+    # shared by identity: only distinct objects are hashed)
+    rows = distinct_zip(r.data, r.undo, s.data)
     rows_ok = all(len(d) == len(u) == C and _row_ok(d, u, m) for d, u, m in rows)
     for q in range(R):
         if len(r.data[q]) != C or len(r.undo[q]) != C:
@@ -142,11 +169,12 @@ def adoption_refusal(model: ClusterModel, s: ClusterState, r: Retained) -> str |
         return f"{len(groups)} nodes expected, got par {len(r.par)}, gpar {len(r.gpar)}"
     for n, members in enumerate(groups):
         p, gp = r.par[n], r.gpar[n]
-        if p is not None and (len(p) != C or set(map(len, p)) - {len(members)}):
+        records = distinct(p or ())  # a chunk's record per chunk: few distinct, shared
+        if p is not None and (len(p) != C or {len(x) for x in records} - {len(members)}):
             return f"node {n}: parity of {C} chunks x {len(members)} members expected, got {p}"
         if gp is not None and len(gp) != len(members):
             return f"node {n}: gradient parity of {len(members)} members expected, got {gp}"
-        versions = {*itertools.chain.from_iterable(set(p or ())), *(gp or ())}
+        versions = {*itertools.chain.from_iterable(records), *(gp or ())}
         if any(v < 0 and v != NONE for v in versions):
             return f"node {n}: no parity version in {p} / {gp}"
     if r.t2 < 0 or not r.t2lost <= set(range(len(groups))):

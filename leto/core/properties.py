@@ -15,6 +15,7 @@ from leto.core import events as ev
 from leto.core.chunk import GARBAGE, LOST, NONE, TORN, ChunkState, classify, producible
 from leto.core.cluster import ClusterModel, ClusterState
 from leto.core.recovery import Kind, Phase
+from leto.core.runs import distinct
 from leto.core.shadow import ShadowState
 from leto.core.trainer import TrainerState
 from leto.core.txn import TxnState
@@ -53,8 +54,8 @@ def _type_ok(m: ClusterModel, s: ClusterState) -> bool:
     # hashes and sets), in Python only per distinct row and value
     values_ok = all(
         all(d in (TORN, LOST, GARBAGE) or 0 <= d <= cfg.max_step for d in set(dr))
-        for dr in set(s.data)
-    ) and all(all(u == NONE or 0 <= u <= cfg.max_step for u in set(ur)) for ur in set(s.undo))
+        for dr in distinct(s.data)
+    ) and all(all(u == NONE or 0 <= u <= cfg.max_step for u in set(ur)) for ur in distinct(s.undo))
     ckpt_ok = 0 <= s.ckpt <= cfg.max_step and (s.cpend == NONE or s.ckpt < s.cpend <= cfg.max_step)
     return values_ok and ckpt_ok and 0 <= s.committed <= cfg.max_step and s.faults <= cfg.max_faults
 

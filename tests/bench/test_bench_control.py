@@ -30,6 +30,11 @@ def test_bench_control_reports_both_paths_that_agree(capsys: pytest.CaptureFixtu
         assert (fwd["kind"], fwd["target"], fwd["runs"]) == ("forward", 4, row["ranks"])
         assert fwd["repairs"] == row["ranks"] * row["chunks"]
         assert agg["adopt"]["runs"] == row["ranks"] and agg["adopt"]["ms"] >= 0
+        # the reports as runs adopt to what the reports listing every chunk adopt to, and
+        # their record smaller from a few chunks on: one run per row against every value
+        assert agg["same_adoption"] and agg["adopt_listed"]["runs"] == row["ranks"]
+        if row["chunks"] >= 8:
+            assert agg["adopt"]["record_bytes"] < agg["adopt_listed"]["record_bytes"] / 2
     for row in res["rows"][:2]:
         assert row["same_state"] and row["same_plans"]
         ref = row["chunk_level"]["plan"]["roll_forward"]
@@ -37,7 +42,7 @@ def test_bench_control_reports_both_paths_that_agree(capsys: pytest.CaptureFixtu
         assert "adopt" not in row["chunk_level"]
         assert row["step_ratio"] > 0 and all(x > 0 for x in row["plan_ratio"].values())
     assert "chunk_level" not in res["rows"][2]
-    assert set(res["met"]) == {"step", "plan"}
+    assert set(res["met"]) == {"step", "plan", "adopt", "record"}
 
 
 def test_bench_control_table_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,6 +50,7 @@ def test_bench_control_table_and_bad_input(capsys: pytest.CaptureFixture[str]) -
                  "--steps", "2", "--reference-sizes", "2x2", "--no-progress"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "chunk-level" in out and "aggregated" in out and "same model state" in out
+    assert "same adoption" in out and "its record <= 1.0 MiB" in out
     assert main(["bench", "control", "--reference-sizes", "8by4"]) == 2
     assert "--reference-sizes" in capsys.readouterr().err
     assert main(["bench", "control", "--ranks", "0"]) == 2

@@ -17,6 +17,7 @@ from leto.backends.gloo.messages import Fail, decode
 from leto.core.chunk import LOST, NONE, TORN
 from leto.core.cluster import ClusterState
 from leto.core.recovery import Phase
+from leto.core.runs import records_runs_json, runs_json
 from leto.spec.state_record import DECODE, StateRecordError, state_from_record, state_to_record
 from leto.spec.trace import rebuild, replay
 
@@ -94,12 +95,12 @@ def report(r: int, gen: int, step: int, node_par: Any = "auto") -> dict[str, Any
         "t": "report",
         "rank": r,
         "gen": gen,
-        "data": [step] * CHUNKS,
-        "undo": [NONE] * CHUNKS,
+        "data": runs_json([step] * CHUNKS),  # runs, as a trainer reports them
+        "undo": runs_json([NONE] * CHUNKS),
         "grad": NONE,
     }
     if node_par == "auto":
-        msg["node_par"] = [[step, step] for _ in range(CHUNKS)]
+        msg["node_par"] = records_runs_json([[step, step] for _ in range(CHUNKS)])
         msg["node_gpar"] = [NONE, NONE]
     else:
         msg["node_par"] = node_par
@@ -168,8 +169,9 @@ def test_torn_chunk_with_commit_rolls_forward_from_the_retained_truth() -> None:
     h.send(0, {"t": "promoted", "rank": 0, "gen": 1, "warm": True, "ms": 1.0})
     # rank 0 died mid-chunk: chunk 0 torn (undo at 1), sealed gradients of step 2; rank 1
     # finished step 2, so the node's parity records it at 2 (ParityChunk before Finish)
-    r0 = {"t": "report", "rank": 0, "gen": 1, "data": [TORN, 1], "undo": [1, NONE], "grad": 2,
-          "node_par": [[1, 2], [1, 2]], "node_gpar": [2, 2]}  # fmt: skip
+    r0 = {"t": "report", "rank": 0, "gen": 1, "data": runs_json([TORN, 1]),
+          "undo": runs_json([1, NONE]), "grad": 2,
+          "node_par": records_runs_json([[1, 2], [1, 2]]), "node_gpar": [2, 2]}  # fmt: skip
     h.send(0, r0)
     out = h.send(0, {**report(1, 1, 2, node_par=None), "grad": 2})
     cmd = out[0][1]
@@ -198,7 +200,7 @@ def test_failure_during_recovery_restarts_at_the_next_generation() -> None:
     assert (None, {"t": "fence", "gen": 2, "kill": []}) in out
     assert h.events("recovery_restart")
     h.send(
-        0, {"t": "report", "rank": 1, "gen": 1, "data": [1, 1], "undo": [NONE, NONE], "grad": NONE}
+        0, {"t": "report", "rank": 1, "gen": 1, "data": [[1, 2]], "undo": [[NONE, 2]], "grad": NONE}
     )
     assert (
         h.c.driver.wait is not None and h.c.driver.wait.what == "fence"
@@ -224,8 +226,8 @@ def test_beyond_both_tiers_without_checkpoint_stops_with_the_reason() -> None:
     h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     for r in range(2):
         h.send(0, {"t": "promoted", "rank": r, "gen": 1, "warm": True, "ms": 1.0})
-    lost = {"t": "report", "gen": 1, "data": [LOST, LOST], "undo": [NONE, NONE], "grad": LOST}
-    h.send(0, {**lost, "rank": 0, "node_par": [[1, 1], [1, 1]], "node_gpar": None})
+    lost = {"t": "report", "gen": 1, "data": [[LOST, 2]], "undo": [[NONE, 2]], "grad": LOST}
+    h.send(0, {**lost, "rank": 0, "node_par": [[[1, 1], 2]], "node_gpar": None})
     h.send(0, {**lost, "rank": 1})
     # two ranks of one node lost: not tier 1; the tier-2 snapshot (step 0) survives
     assert h.c.failed is None
@@ -250,7 +252,7 @@ def test_no_tier2_no_checkpoint_is_unrecoverable(tier2: bool) -> None:
     h.send(0, {"t": "fenced", "node": 0, "gen": 1})
     for r in range(2):
         h.send(0, {"t": "promoted", "rank": r, "gen": 1, "warm": True, "ms": 1.0})
-    lost = {"t": "report", "gen": 1, "data": [LOST, LOST], "undo": [NONE, NONE], "grad": LOST}
+    lost = {"t": "report", "gen": 1, "data": [[LOST, 2]], "undo": [[NONE, 2]], "grad": LOST}
     h.send(0, {**lost, "rank": 0, "node_par": None, "node_gpar": None})
     out = h.send(0, {**lost, "rank": 1})
     assert h.c.failed is not None and "No checkpoint is configured" in h.c.failed
@@ -271,8 +273,8 @@ def test_a_recovery_replays_through_the_model_from_its_log() -> None:
         "t": "report",
         "rank": 1,
         "gen": 1,
-        "data": [LOST, LOST],
-        "undo": [NONE, NONE],
+        "data": [[LOST, 2]],
+        "undo": [[NONE, 2]],
         "grad": LOST,
     }
     out = h.send(0, lost)
@@ -289,7 +291,7 @@ def test_a_recovery_replays_through_the_model_from_its_log() -> None:
     assert [["CommitStep", 1]] in feeds and [["ApplyStep", 1, [0, 1]]] in feeds
     assert [["LoseMemory", 1]] in feeds
     (adopted,) = [e["adopt"] for e in h.events("core") if "adopt" in e]
-    assert adopted["data"] == [[1, 1], [LOST, LOST]] and adopted["grad"] == [NONE, LOST]
+    assert adopted["data_runs"] == [[[1, 2]], [[LOST, 2]]] and adopted["grad"] == [NONE, LOST]
     rep = replay(enumerate(h.log.records, 1))
     assert rep.ok and rep.checked >= 8, rep.line()
 
@@ -691,7 +693,7 @@ def _hang_and_lost_memory_recovered() -> Harness:
     for r in range(2):
         h.send(0, {"t": "promoted", "rank": r, "gen": 1, "warm": True, "ms": 1.0})
     h.send(0, report(0, 1, 1))
-    lost = {"t": "report", "rank": 1, "gen": 1, "data": [LOST, LOST], "undo": [NONE, NONE]}
+    lost = {"t": "report", "rank": 1, "gen": 1, "data": [[LOST, 2]], "undo": [[NONE, 2]]}
     h.send(0, {**lost, "grad": LOST})
     for r in range(2):
         h.send(0, {"t": "reconciled", "rank": r, "gen": 1, "snapshot": None})

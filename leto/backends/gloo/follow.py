@@ -27,6 +27,7 @@ from torch import nn
 from leto.core.chunk import LOST, NONE
 from leto.core.reconcile import Plan, Repair, writes_no_chunk
 from leto.core.recovery import Kind
+from leto.core.runs import records_runs_json, runs_json
 from leto.retained import recovery as rx
 from leto.retained.optim import RetainedOptimizer
 from leto.retained.parity import (
@@ -230,15 +231,15 @@ class Follower:
                 and self.session.parity
                 and all(b.valid for b in self.session.parity)
             ):
-                node_par = [b.versions() for b in self.session.parity]
+                node_par = records_runs_json([b.versions() for b in self.session.parity])
                 assert self.session.gparity is not None
                 node_gpar = self.session.gparity.versions() if self.session.gparity.valid else None
         self.session.ch.send(
             M.Report(
                 rank=self.session.rank,
                 gen=gen,
-                data=data,
-                undo=undo,
+                data=runs_json(data),
+                undo=runs_json(undo),
                 grad=grad,
                 lost=lost,
                 pg_ms=pg_ms,

@@ -123,6 +123,14 @@ def _ints(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
         raise TypeError(f"{a.name}: a list of ints")
 
 
+def _runs(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
+    if not isinstance(v, list) or not all(
+        isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p) and p[1] >= 1
+        for p in v
+    ):
+        raise TypeError(f"{a.name}: runs [[value, count], ...], each count 1 or more")
+
+
 def _one_of(*names: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     def check(_inst: Any, a: attrs.Attribute[Any], v: Any) -> None:
         if v not in names:
@@ -420,18 +428,19 @@ class Kept(Message):
 class Report(Message):
     """A trainer's answer to :class:`CallReports`: the truth of its retained state
     (chunk versions, undo copies, sealed gradients, and from a node's first rank its
-    node's parity records)."""
+    node's parity records), each row of chunks as runs ``[[value, count], ...]``
+    (:mod:`leto.core.runs`: O(runs), not O(chunks), at every one of a thousand ranks)."""
 
     TAG = "report"
     ROUTE = (T, A, C)
     gen: int = _f(_nat)
     rank: int = _f(_nat)
-    data: list[int] | None = _f(_opt(_ints), None)
-    undo: list[int] | None = _f(_opt(_ints), None)
+    data: list[list[int]] | None = _f(_opt(_runs), None)
+    undo: list[list[int]] | None = _f(_opt(_runs), None)
     grad: int | None = _f(_opt(_int), None)
     lost: bool | None = _f(_opt(_bool), None)
     pg_ms: float | None = _f(_opt(_number), None)
-    node_par: list[list[int]] | None = _f(_opt(_of(list)), None)
+    node_par: list[list[Any]] | None = _f(_opt(_of(list)), None)  # runs of records
     node_gpar: list[int] | None = _f(_opt(_ints), None)
 
 

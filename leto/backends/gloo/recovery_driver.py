@@ -37,6 +37,7 @@ from leto.core.cluster import ClusterModel, ClusterState
 from leto.core.erasure import Topology
 from leto.core.errors import ProtocolError
 from leto.core.recovery import Phase
+from leto.core.runs import records_from_runs, row_from_runs
 from leto.spec.trace import encode
 
 from . import messages as M
@@ -559,8 +560,9 @@ class RecoveryDriver:
         notes = []
         for r in range(self.host.W):
             rep = self.reports[r]
-            d = tuple(map(int, rep["data"]))
-            u = tuple(map(int, rep["undo"]))
+            # rows alike decode to one shared tuple; a row of the wrong length is
+            # refused by the adoption, naming the rank
+            d, u = row_from_runs(rep["data"]), row_from_runs(rep["undo"])
             g = int(rep["grad"])
             if (d, u, g) != (s.data[r], s.undo[r], s.grad[r]):
                 notes.append(
@@ -574,7 +576,7 @@ class RecoveryDriver:
             head = self.reports[self.host.topology.ranks_of(n)[0]]
             p = head.get("node_par")
             gp = head.get("node_gpar")
-            newp = None if p is None else tuple(tuple(int(v) for v in row) for row in p)
+            newp = None if p is None else records_from_runs(p)
             newg = None if gp is None else tuple(int(v) for v in gp)
             if newp != s.par[n] or newg != s.gpar[n]:
                 notes.append(
