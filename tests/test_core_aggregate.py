@@ -57,6 +57,7 @@ def test_refinement_check_rejects_a_broken_plan_aggregation() -> None:
     [
         (Aggregation.NO_PARITY_FOLD, "differs in ['par']"),
         (Aggregation.UNCOMMITTED, "BeginChunk(rank=0, chunk=0) refused"),
+        (Aggregation.OPEN_TAIL, "differs in ['tail']"),
     ],
 )
 def test_refinement_check_rejects_a_broken_aggregation(broken: Aggregation, why: str) -> None:
@@ -73,6 +74,26 @@ def test_expansion_is_the_old_feed() -> None:
         ev.Finish(1),
     )  # fmt: skip
     assert expand(m, ev.CommitStep(1))[-1] == ev.Decide()
+    assert expand(m, ev.CloseRanks([0, 1])) == (ev.Close(0), ev.Close(1))
+
+
+def test_close_ranks_is_every_close_in_one_state_change_and_refuses_as_they_do() -> None:
+    m = ClusterModel(ClusterConfig(topology=Topology((2,)), chunks=2), aggregation=Aggregation.ON)
+    s = m.initial()
+    for e in (ev.CommitStep(1), ev.ApplyStep(1, (0, 1))):
+        s, _ = m.step(s, e)
+    one, eff = m.step(s, ev.CloseRanks((0, 1)))
+    each = s
+    for r in (0, 1):
+        each, _ = m.step(each, ev.Close(r))
+    assert one == each and one.tail == (1, 1)
+    assert eff == (fx.KeepProcessState(0, 1), fx.KeepProcessState(1, 1))
+    half, _ = m.step(s, ev.Close(0))
+    err = m.why_not(half, ev.CloseRanks((0, 1)))  # rank 0 closed already
+    assert err is not None and "rank 0 is not in its loop tail" in str(err)
+    assert m.why_not(s, ev.CloseRanks((0, 2))) is not None  # no rank 2
+    with pytest.raises(ValueError):
+        ev.CloseRanks((1, 0))
 
 
 def test_apply_step_validates() -> None:

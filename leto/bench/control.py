@@ -4,15 +4,14 @@ In process, no training: a :class:`~leto.core.cluster.ClusterModel` as the gloo
 coordinator builds it (:class:`~leto.spec.trace.CoreSetup`), fed one step at a time
 the way the coordinator feeds it, and timed in CPU seconds (``time.process_time``):
 
-* aggregated (today): every rank's ``Close`` of its loop tail, then ``CommitStep(V)``
-  once every rank voted; each rank's
-  ``finished(V)`` judged on arrival by the guard of ``ApplyStep(V, [rank])``; one
+* aggregated (today): every rank's ``Close`` of its loop tail as one ``CloseRanks``,
+  then ``CommitStep(V)`` once every rank voted; each rank's ``finished(V)`` judged on arrival by the guard of ``ApplyStep(V, [rank])``; one
   ``ApplyStep(V, ranks)``. Then the reconcile plan after a loss
   (``ClusterModel.plan``: a rank's memory lost -> tier 1; a node lost -> tier 2; a
   rank crashed after COMMIT of the next step, before any rank applied it -> every
   rank rolls every chunk forward, one run of chunks per rank).
 * chunk-level (the reference semantics, what the coordinator fed before): every
-  rank's Compute, Reduce, Prepare, Decide, then every chunk's BeginChunk, EndChunk,
+  rank's Close, Compute, Reduce, Prepare, Decide, then every chunk's BeginChunk, EndChunk,
   ParityChunk and Finish of every rank (:func:`leto.core.aggregate.expand`); the plan
   read chunk by chunk, one repair per chunk (``plan(..., compress=False)``). Only at
   the sizes it can still do.
@@ -20,9 +19,10 @@ the way the coordinator feeds it, and timed in CPU seconds (``time.process_time`
 Both paths must end in the same model state (checked; ``same_state``) and plan the
 same repairs (the runs expanded; ``same_plans``); the ratios are measured side by side
 in one run. ``adopt``: the roll-forward recovery's adoption of the trainers' reports
-(:func:`leto.core.adopt.adopt`, every rank's retained headers as fresh tuples, as the
-gloo coordinator builds them) and the plan computed from the adopted state; the same
-code on both paths, timed on the aggregated one.
+(:func:`leto.core.adopt.adopt`), the reports as runs of chunk states through JSON, as
+the gloo coordinator decodes them, beside reports listing every chunk (the former
+report: a fresh tuple per rank), both adopting to the same state and plan (checked,
+``same_adoption``); and the adoption's record (its JSON size).
 """
 
 from __future__ import annotations
@@ -76,12 +76,14 @@ def _setup(ranks: int, chunks: int, per_node: int) -> tuple[ClusterModel, Cluste
     return model, setup.initial(model)
 
 
-def _closed(m: ClusterModel, s: ClusterState) -> ClusterState:
+def _closed(m: ClusterModel, s: ClusterState, aggregated: bool = True) -> ClusterState:
     """Every rank's loop tail of the step before closed, as the coordinator feeds it
-    before the next step's votes (``leto.backends.gloo.model_feed.closes``)."""
-    for r in range(m.config.ranks):
-        if s.pc[r] is TxnState.TAIL:
-            s, _ = m.step(s, ev.Close(r))
+    before the next step's votes (``leto.backends.gloo.model_feed.closes``: one
+    ``CloseRanks``), or chunk-level: each rank's ``Close``."""
+    tail = [r for r in range(m.config.ranks) if s.pc[r] is TxnState.TAIL]
+    if tail:
+        for e in [ev.CloseRanks(tail)] if aggregated else expand(m, ev.CloseRanks(tail)):
+            s, _ = m.step(s, e)
     return s
 
 
@@ -95,7 +97,7 @@ def _aggregated_step(m: ClusterModel, s: ClusterState, v: int) -> ClusterState:
 
 
 def _chunk_level_step(m: ClusterModel, s: ClusterState, v: int) -> ClusterState:
-    s = _closed(m, s)
+    s = _closed(m, s, aggregated=False)
     events = [*expand(m, ev.CommitStep(v)), *expand(m, ev.ApplyStep(v, range(m.config.ranks)))]
     for e in events:
         s, _ = m.step(s, e)
@@ -106,7 +108,7 @@ def _roll_forward(m: ClusterModel, s: ClusterState, v: int, aggregated: bool) ->
     """COMMIT(v) recorded, then rank 0 crashes before any rank applied it: the recovery
     up to its plan (every rank rolls forward)."""
     commit = [ev.CommitStep(v)] if aggregated else list(expand(m, ev.CommitStep(v)))
-    s = _closed(m, s)
+    s = _closed(m, s, aggregated)
     for e in (*commit, ev.Crash(0), ev.Detect(), ev.Fence(), ev.Promote(0), ev.EndPromote()):
         s, _ = m.step(s, e)
     return s

@@ -21,6 +21,9 @@ A broken aggregation (:class:`~leto.core.cluster.Aggregation` ``NO_PARITY_FOLD``
 ``UNCOMMITTED``) must be rejected by this check. The effects of an aggregated event are
 a summary (``CommitStep``: ``RecordCommit``; ``ApplyStep``: none), not its
 expansion's per-chunk effects: a coordinator feeds it once the ranks did the work.
+``CloseRanks`` (every rank's ``Close`` of its loop tail, O(ranks) in one state change
+rather than O(ranks) changes of O(ranks) each) returns its expansion's effects, one
+``KeepProcessState`` per rank.
 
 The recovery path is aggregated the same way: the reconcile plan writes consecutive
 chunks' repairs as one run (:class:`~leto.core.reconcile.Repair` and
@@ -76,6 +79,8 @@ def expand(model: ClusterModel, e: ev.Aggregated) -> tuple[ev.Event, ...]:
                 out += [ev.BeginChunk(r, c), ev.EndChunk(r, c), ev.ParityChunk(r, c)]
             out.append(ev.Finish(r))
         return tuple(out)
+    if isinstance(e, ev.CloseRanks):
+        return tuple(ev.Close(r) for r in e.ranks)
     raise TypeError(f"{e!r} is not an aggregated event")
 
 

@@ -1,4 +1,4 @@
-"""The commit path, aggregated: CommitStep and ApplyStep.
+"""The commit path, aggregated: CommitStep, ApplyStep and CloseRanks.
 
 Each stands for a sequence of the chunk-level events (:mod:`leto.core.commit_handlers`;
 leto.core.aggregate.expand) and must leave the state that sequence leaves, accepted
@@ -158,3 +158,42 @@ def _u_apply_step(
         )
     # no effect: the ranks did the work before the coordinator heard of it
     return attrs.evolve(s, data=data, step=step, pc=pc, par=par), ()
+
+
+def _g_close_ranks(m: ModelView, s: ClusterState, e: ev.CloseRanks) -> ProtocolError | None:
+    if e.ranks[-1] >= m.config.ranks:
+        return _err(
+            "cluster", s.phase, e, f"rank {e.ranks[-1]} out of range 0..{m.config.ranks - 1}"
+        )
+    if s.phase is not Phase.RUNNING:
+        return _err("recovery", s.phase, e, "training is paused during recovery")
+    R = m.config.ranks
+    if (
+        len(e.ranks) == R
+        and s.pc.count(TxnState.TAIL) == R
+        and s.trainer.count(TrainerState.ALIVE) == R
+        and s.tgen.count(s.gen) == R
+    ):
+        return None  # every rank, each in its tail: the checks below, counted in C
+    for r in e.ranks:
+        if s.trainer[r] is not TrainerState.ALIVE:
+            return _err("trainer", s.trainer[r], e, f"rank {r}'s trainer is not alive")
+        if s.tgen[r] != s.gen:
+            return _err("keeper", s.phase, e, f"generation {s.tgen[r]} is fenced (current {s.gen})")
+        if s.pc[r] is not TxnState.TAIL:
+            return _err("txn", s.pc[r], e, f"rank {r} is not in its loop tail")
+    return None
+
+
+@_handler(ev.CloseRanks)(_g_close_ranks)
+def _u_close_ranks(
+    m: ModelView, s: ClusterState, e: ev.CloseRanks
+) -> tuple[ClusterState, tuple[Effect, ...]]:
+    pc, tail = list(s.pc), list(s.tail)
+    for r in e.ranks:
+        pc[r] = TxnState.IDLE
+        if m.aggregation is not Aggregation.OPEN_TAIL:
+            tail[r] = s.step[r]
+    return attrs.evolve(s, pc=tuple(pc), tail=tuple(tail)), tuple(
+        fx.KeepProcessState(r, s.step[r]) for r in e.ranks
+    )

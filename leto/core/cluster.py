@@ -215,6 +215,10 @@ class ClusterModel:
 
     def _aggregated_candidates(self, s: ClusterState) -> Iterator[ev.Event]:
         yield ev.CommitStep(s.committed + 1)
+        tail = [r for r in range(self.config.ranks) if s.pc[r] is TxnState.TAIL]
+        for n in range(1, len(tail) + 1):
+            for subset in itertools.combinations(tail, n):
+                yield ev.CloseRanks(subset)
         by_step: dict[int, list[int]] = {}
         for r in range(self.config.ranks):
             if s.pc[r] is TxnState.PREPARED:

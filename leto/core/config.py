@@ -31,7 +31,8 @@ class Mutant(enum.Enum):
 
 class Aggregation(enum.Enum):
     """Whether the checker tries the commit path's aggregated events
-    (:class:`~leto.core.events.CommitStep`, :class:`~leto.core.events.ApplyStep`), and
+    (:class:`~leto.core.events.CommitStep`, :class:`~leto.core.events.ApplyStep`,
+    :class:`~leto.core.events.CloseRanks`), and
     deliberately broken aggregations the refinement check must reject. ``step`` accepts
     aggregated events in every mode: this only says which ones ``candidates`` offers,
     how ``ApplyStep`` behaves and how the plan summarizes its repairs in runs."""
@@ -40,6 +41,7 @@ class Aggregation(enum.Enum):
     ON = "on"
     NO_PARITY_FOLD = "no_parity_fold"  # broken: ApplyStep leaves tier-1 parity behind
     UNCOMMITTED = "uncommitted"  # broken: ApplyStep does not wait for COMMIT
+    OPEN_TAIL = "open_tail"  # broken: CloseRanks keeps no rank's closed state (tail)
     # broken: the plan reads each rank's roll forward from its first chunk, as if every
     # rank's chunks were alike (one run of all of them, or none)
     ROW_HEAD = "row_head"

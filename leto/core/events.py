@@ -291,9 +291,17 @@ class ApplyStep(Aggregated):
     ranks: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_ranks)
 
 
+@attrs.frozen
+class CloseRanks(Aggregated):
+    """Ranks ``ranks`` closed their loop tails (the coordinator's feed when a step's
+    votes show them past it): each rank's ``Close``, in order."""
+
+    ranks: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_ranks)
+
+
 FAULTS: tuple[type[Fault], ...] = (Crash, Hang, LoseMemory, LoseNode)
 
-AGGREGATED: tuple[type[Aggregated], ...] = (CommitStep, ApplyStep)
+AGGREGATED: tuple[type[Aggregated], ...] = (CommitStep, ApplyStep, CloseRanks)
 
 ALL: tuple[type[Event], ...] = (
     Compute, Reduce, Prepare, Decide, BeginChunk, EndChunk, ParityChunk, Finish, Close,

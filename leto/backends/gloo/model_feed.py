@@ -112,9 +112,9 @@ class ModelFeeder:
         assert self.host.model is not None and self.host.state is not None
         self.flush_applied()
         due = closes(self.host.model, self.host.state, items)
-        if due:
+        if due:  # one aggregated CloseRanks: O(ranks), not O(ranks) state changes
             ranks = [c.rank for c in due]
-            self._feed([*due], f"rank(s) {ranks} acted past their loop tail")
+            self._feed([ev.CloseRanks(ranks)], f"rank(s) {ranks} acted past their loop tail")
         return self._feed(items, source)
 
     def _feed(self, items: list[Item], source: str) -> Fed:
