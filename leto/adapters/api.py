@@ -129,6 +129,37 @@ def _checkpointer(config: Config) -> Checkpointer | None:
     return DCPCheckpointer(config.checkpoint_dir)
 
 
+def check_wrapped(model: Any, optimizer: Any, scheduler: Any) -> None:
+    """ValueError in one line naming the argument of ``leto.wrap`` that is not what it
+    takes, before anything is retained (a data loader given as the scheduler, the
+    third positional argument, would otherwise fail at the first step's state)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"leto.wrap: model is a {type(model).__name__}, not a torch.nn.Module")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"leto.wrap: optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer"
+        )
+    if scheduler is None:
+        return
+    if not (
+        callable(getattr(scheduler, "step", None))
+        and callable(getattr(scheduler, "state_dict", None))
+    ):
+        what = type(scheduler).__name__
+        hint = (
+            "; a data loader or sampler is the fourth argument (leto.wrap(model, optimizer, "
+            "scheduler, loader), or sampler=...)"
+            if hasattr(scheduler, "__iter__")
+            else ""
+        )
+        raise ValueError(
+            f"leto.wrap: scheduler (the third argument) is a {what}, with no step() and "
+            f"state_dict() of an LR scheduler{hint}"
+        )
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("leto.wrap: scheduler is bound to another optimizer than the one wrapped")
+
+
 def refuse_fsdp(model: nn.Module) -> None:
     """An FSDP-wrapped model (``fully_shard``: DTensor parameters in FSDP's own storage)
     cannot be retained: refused in one line naming ``shard = true``, leto's sharding."""
@@ -200,6 +231,7 @@ def wrap(
     indices, tuples or dicts of them).
     """
     cfg = Config.load(config)
+    check_wrapped(model, optimizer, scheduler)
     refuse_fsdp(model)
     launched = bool(os.environ.get("LETO_ROLE"))
     resume = os.environ.get("LETO_RESUME") if launched else None
@@ -230,8 +262,6 @@ def wrap(
             "the user's own loop (scaler, per-rank data) runs on gloo (`leto launch`); "
             "on the fake backend use session.train(step_fn)",
         )
-    if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
-        raise ValueError("scheduler: it is bound to another optimizer than the one wrapped")
     attach = backend is not None
     if backend is None:
         backend = make_backend(cfg)

@@ -126,10 +126,30 @@ def test_unsupported_optimizer_backend_and_scheduler_are_refused() -> None:
         "--nproc-per-node N [--nnodes M ...] script.py` (or use backend='fake')"
     )
     other = torch.optim.SGD(j["model"].parameters(), lr=1.0)
-    with pytest.raises(ValueError, match="scheduler: it is bound to another optimizer"):
+    with pytest.raises(ValueError, match="scheduler is bound to another optimizer"):
         leto.wrap(j["model"], other, j["scheduler"], config=CFG)
     with pytest.raises(ConfigError, match="chunk_size: must be positive"):
         leto.wrap(j["model"], j["optimizer"], config={"chunk_size": -4})
+
+
+def test_arguments_in_the_wrong_place_are_refused_in_one_line_naming_them() -> None:
+    """A data loader given as the scheduler (the third positional argument) is refused at
+    wrap, naming where it goes, on the fake backend and before a gloo trainer connects
+    (the check comes first); so are a model or an optimizer that are not one."""
+    j = job()
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    for cfg in (CFG, {"backend": "gloo"}):
+        with pytest.raises(ValueError) as e:
+            leto.wrap(j["model"], j["optimizer"], loader, config=cfg)
+        line = str(e.value)
+        assert line.startswith("leto.wrap: scheduler (the third argument) is a DataLoader")
+        assert "the fourth argument" in line and "\n" not in line
+    with pytest.raises(ValueError, match="^leto.wrap: scheduler .* is a int, with no step"):
+        leto.wrap(j["model"], j["optimizer"], 3, config=CFG)
+    with pytest.raises(ValueError, match="^leto.wrap: model is a dict, not a torch.nn.Module"):
+        leto.wrap({}, j["optimizer"], config=CFG)
+    with pytest.raises(ValueError, match="^leto.wrap: optimizer is a list, not a torch.optim"):
+        leto.wrap(j["model"], [], config=CFG)
 
 
 def test_wrap_reads_a_toml_config(tmp_path: Path) -> None:

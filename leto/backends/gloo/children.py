@@ -359,9 +359,11 @@ class Children:
                     "wrapped by leto"
                 )
             latency = None if p.dead_at is None else round((p.dead_at - p.hb) * 1e3, 1)
-            where = {"idle": "between steps", "startup": "during startup"}.get(
-                p.phase, f"in {p.phase} of step {p.step + 1}"
-            )
+            where = {
+                "idle": "between steps",
+                "startup": "during startup",
+                "done": "after its training loop",
+            }.get(p.phase, f"in {p.phase} of step {p.step + 1}")
             a.say(f"rank {p.rank} {'raised an exception' if p.error else 'died'} ({how}) {where}")
             a.shadows.ensure(lr)
             a.recovering = True  # (the abort follows) no re-warming on the freed memory

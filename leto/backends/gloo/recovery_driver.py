@@ -231,9 +231,29 @@ class RecoveryDriver:
                 traceback=tb or None,
             )
             return
+        if self.host.complete:
+            self._after_training(msg)
+            return
         record = msg.to_wire()
         del record["t"]
         self.failure(record, now)
+
+    def _after_training(self, msg: M.Failure) -> None:
+        """A trainer that ended other than by exit code 0 after the whole job completed
+        training: the script's own code after its loop failed, or was killed, on that
+        rank. Nothing of training is lost (every rank reported the final step), but that
+        code did not finish, and the job must not say it succeeded: it stops with one
+        line (no restart: training is done, and the script's exception would repeat)."""
+        tb = (msg.traceback or "").strip()
+        last = tb.splitlines()[-1] if tb else ""
+        how = "raised an exception" if msg.kind == "exception" else "died"
+        self.host.fail(
+            f"rank {msg.rank} {how} ({msg.detail or msg.kind}) after training completed, in "
+            "the script's code after its loop: "
+            + (last or f"that code did not finish on rank {msg.rank}"),
+            rank=msg.rank,
+            traceback=tb or None,
+        )
 
     def on_stopped(self, msg: M.Stopped, now: float) -> None:
         s = self.host.state
