@@ -1,0 +1,108 @@
+"""2 nodes x 2 ranks on test hosts of their own (``netns.py``): each node's ``leto launch``
+in its own network namespace, node 0's endpoint its address. Failure-free; node 1's link
+cut mid-step with a spare on a third host (the spare takes its place); the same with the
+link mended once the node was declared lost (the cut-off node's processes end, nothing
+of theirs counts); and a cut with no spare (one line, within the timeouts). Each run that
+completes is bitwise equal to the failure-free run on 127.0.0.1 (``jobs.job``); detection
+(the cut to the coordinator's ``failure``) and recovery (that to ``recovery_end``) are
+printed (``-s``) and held to the timeouts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from jobs import STEPS_2x2, digests_equal, explain, job, story
+from netjobs import NetJob
+from netns import Hosts
+
+from leto.backends.gloo.harness import JobResult
+
+HANG = 3.0  # NetJob's --hang-timeout: a link silent this long is cut
+# slow steps, so that the cut falls in a step; a short collective timeout bounds how long
+# a survivor may wait in a collective with a peer cut off# (a survivor is stopped sooner); a node lost with no spare waits 2 s for one
+SLOW = {"STEP_SLEEP": "0.3"}
+TIMEOUTS = ["--collective-timeout", "10", "--recovery-timeout", "30", "--spare-timeout", "2"]
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+    res = job(tmp_path_factory.mktemp("ref") / "ref-2x2", nnodes=2, nproc=2, steps=STEPS_2x2)
+    assert res.ok and res.digests, explain(res)
+    return res
+
+
+def _run(hosts: Hosts, run_dir: Path, spares: int, mend: bool = False) -> tuple[JobResult, float]:
+    """The job with node 1's link cut as step 3 commits; the result and the cut's time."""
+    j = NetJob(
+        hosts, run_dir, nnodes=2, nproc=2, steps=STEPS_2x2, spares=spares, env=SLOW, extra=TIMEOUTS
+    )
+    try:
+        j.wait_for(lambda e: e["event"] == "step" and e["step"] >= 3)
+        hosts.cut(1)
+        cut = time.time()
+        if mend:
+            j.wait_for(lambda e: e["event"] == "failure")
+            hosts.mend(1)  # the node was declared lost: its link comes back
+        return j.finish(90.0), cut
+    finally:
+        j.kill()
+
+
+def _lost(res: JobResult, cut: float) -> float:
+    (f,) = res.of("failure")
+    assert (f["kind"], f["node"], f["detected_by"]) == ("node_lost", 1, "agent link closed"), f
+    detect = f["t"] - cut
+    print(f"\ncut link: node 1 declared lost {detect:.2f} s after the cut")
+    assert 0 < detect <= HANG + 1.5, (
+        f"detected {detect:.2f} s after the cut (hang timeout {HANG} s)"
+    )
+    assert "lost the coordinator (node 0's agent)" in res.text(1), res.text(1)
+    return float(f["t"])
+
+
+def test_2x2_on_test_hosts_is_bitwise_equal(
+    tag: str, make_hosts: Callable[[int], Hosts], ref: JobResult
+) -> None:
+    hosts = make_hosts(2)
+    j = NetJob(hosts, Path(tag) / "hosts-2x2", nnodes=2, nproc=2, steps=STEPS_2x2)
+    try:
+        res = j.finish(90.0)
+    finally:
+        j.kill()
+    assert res.ok and res.codes == {0: [0], 1: [0]}, explain(res)
+    (start,) = res.of("job_start")
+    assert start["rdzv"] == f"{hosts.addrs[0]}:29400", start
+    assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
+
+
+@pytest.mark.parametrize("mend", [False, True], ids=["cut", "cut-then-mended"])
+def test_a_cut_link_loses_the_node_and_a_spare_takes_its_place_bitwise(
+    tag: str, make_hosts: Callable[[int], Hosts], ref: JobResult, mend: bool
+) -> None:
+    res, cut = _run(make_hosts(3), Path(tag) / "cut", spares=1, mend=mend)
+    assert res.ok, explain(res)
+    assert res.codes == {0: [0], 1: [1], 2: [0]}, explain(res)  # node 1 cut off: ended
+    lost = _lost(res, cut)
+    assert [(e["spare"], e["node"]) for e in res.of("spare_assigned")] == [(0, 1)], story(res)
+    (rec,) = res.recoveries
+    recovered = rec["t"] - lost
+    print(f"recovered {recovered:.2f} s after the detection ({rec['seconds']:.2f} s in recovery)")
+    assert recovered <= 10.0, story(res)  # within the collective timeout, far from 30 s
+    assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
+
+
+def test_a_cut_link_with_no_spare_ends_in_one_line_within_the_timeouts(
+    tag: str, make_hosts: Callable[[int], Hosts]
+) -> None:
+    res, cut = _run(make_hosts(2), Path(tag) / "cut-alone", spares=0)
+    assert res.codes == {0: [1], 1: [1]}, explain(res)
+    lost = _lost(res, cut)
+    (end,) = res.of("job_failed")
+    assert end["t"] - lost <= 2.0 + 1.0, end  # --spare-timeout 2
+    line = "node 1 was lost and no replacement joined within 2 s (the spare pool was empty)"
+    assert line in str(end["error"]), end
+    said = [x for x in res.text(0).splitlines() if "job failed" in x]
+    assert len(said) == 1 and line in said[0], res.text(0)
