@@ -17,9 +17,10 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent / "gloo"))  # jobs.py, scripts/
-from jobs import assert_trace  # noqa: E402
+from jobs import STEPS_2x2, assert_trace, explain, job  # noqa: E402
 from netns import Hosts, namespaces, unavailable  # noqa: E402
 
+from leto.backends.gloo.harness import JobResult  # noqa: E402
 from leto.backends.gloo.procs import processes_with  # noqa: E402
 
 
@@ -77,3 +78,11 @@ def tag(tmp_path: Path) -> Iterator[str]:
     assert not leaked, f"/dev/shm entries leaked by the test: {leaked}"
     for log in sorted(tmp_path.rglob("events.jsonl")):
         assert_trace(log.parent)
+
+
+@pytest.fixture(scope="session")
+def ref(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+    """The failure-free 2 x 2 job on 127.0.0.1 that the jobs on test hosts are compared with."""
+    res = job(tmp_path_factory.mktemp("ref") / "ref-2x2", nnodes=2, nproc=2, steps=STEPS_2x2)
+    assert res.ok and res.digests, explain(res)
+    return res

@@ -41,6 +41,7 @@ class NetJob:
         spares: int = 0,
         env: dict[str, str] | None = None,
         extra: list[str] | None = None,
+        rdzv: list[str] | None = None,
     ) -> None:
         assert len(hosts.names) >= nnodes + spares, "a host per node and per spare"
         self.run_dir = run_dir.resolve()
@@ -50,7 +51,8 @@ class NetJob:
         self.env = tie_to_parent({**os.environ, "GLOO_SOCKET_IFNAME": "eth0", **e})
         self.base = [
             sys.executable, "-m", "leto.cli", "launch", "--nnodes", str(nnodes),
-            "--nproc-per-node", str(nproc), "--rdzv-endpoint", f"{hosts.addrs[0]}:{PORT}",
+            "--nproc-per-node", str(nproc),
+            *(rdzv or ["--rdzv-endpoint", f"{hosts.addrs[0]}:{PORT}"]),
             "--run-dir", str(self.run_dir), "--quiet", "--hang-timeout", "3",
             "--heartbeat", "0.25", *(extra or []),
         ]  # fmt: skip

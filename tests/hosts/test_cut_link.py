@@ -1,11 +1,11 @@
 """2 nodes x 2 ranks on test hosts of their own (``netns.py``): each node's ``leto launch``
 in its own network namespace, node 0's endpoint its address. Failure-free; node 1's link
-cut mid-step with a spare on a third host (the spare takes its place); the same with the
-link mended once the node was declared lost (the cut-off node's processes end, nothing
-of theirs counts); and a cut with no spare (one line, within the timeouts). Each run that
-completes is bitwise equal to the failure-free run on 127.0.0.1 (``jobs.job``); detection
-(the cut to the coordinator's ``failure``) and recovery (that to ``recovery_end``) are
-printed (``-s``) and held to the timeouts."""
+cut mid-step with a spare on a third host (the spare takes its place), the link mended
+once the node was declared lost (the cut-off node's processes end, nothing of theirs
+counts); and a cut with no spare (one line, within the timeouts). Each run that
+completes is bitwise equal to the failure-free run on 127.0.0.1 (conftest's ``ref``);
+detection (the cut to the coordinator's ``failure``) and recovery (that to
+``recovery_end``) are printed (``-s``) and held to the timeouts."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-from jobs import STEPS_2x2, digests_equal, explain, job, story
+from jobs import STEPS_2x2, digests_equal, explain, story
 from netjobs import NetJob
 from netns import Hosts
 
@@ -25,13 +24,6 @@ HANG = 3.0  # NetJob's --hang-timeout: a link silent this long is cut
 # a survivor may wait in a collective with a peer cut off# (a survivor is stopped sooner); a node lost with no spare waits 2 s for one
 SLOW = {"STEP_SLEEP": "0.3"}
 TIMEOUTS = ["--collective-timeout", "10", "--recovery-timeout", "30", "--spare-timeout", "2"]
-
-
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
-    res = job(tmp_path_factory.mktemp("ref") / "ref-2x2", nnodes=2, nproc=2, steps=STEPS_2x2)
-    assert res.ok and res.digests, explain(res)
-    return res
 
 
 def _run(hosts: Hosts, run_dir: Path, spares: int, mend: bool = False) -> tuple[JobResult, float]:
@@ -78,11 +70,12 @@ def test_2x2_on_test_hosts_is_bitwise_equal(
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
 
 
-@pytest.mark.parametrize("mend", [False, True], ids=["cut", "cut-then-mended"])
-def test_a_cut_link_loses_the_node_and_a_spare_takes_its_place_bitwise(
-    tag: str, make_hosts: Callable[[int], Hosts], ref: JobResult, mend: bool
+def test_a_cut_link_loses_the_node_a_spare_takes_its_place_and_the_link_comes_back(
+    tag: str, make_hosts: Callable[[int], Hosts], ref: JobResult
 ) -> None:
-    res, cut = _run(make_hosts(3), Path(tag) / "cut", spares=1, mend=mend)
+    """The link is mended as soon as the node is declared lost: its agent ends all the
+    same (its coordinator dropped the link), and nothing it did counts."""
+    res, cut = _run(make_hosts(3), Path(tag) / "cut", spares=1, mend=True)
     assert res.ok, explain(res)
     assert res.codes == {0: [0], 1: [1], 2: [0]}, explain(res)  # node 1 cut off: ended
     lost = _lost(res, cut)
