@@ -16,6 +16,7 @@ from jobs import STEPS_2x2, digests_equal, explain, story
 from netjobs import NetJob
 from netns import Hosts
 
+from leto.adapters.report import summarize
 from leto.backends.gloo.harness import JobResult
 
 HANG = 3.0
@@ -61,3 +62,17 @@ def test_a_partition_of_the_coordinator_s_node_fails_over_bitwise(
     said = [x for x in res.text(0).splitlines() if "error:" in x]
     assert len(said) == 1 and "lost the job's id in etcd" in said[0], res.text(0)
     assert "lease/revoke" not in res.text(0), res.text(0)  # the lease was over: nothing asked
+    # the cut-off agent logs its own end in the job's log (after its successor's, as a
+    # rule): the job still completed
+    summary = summarize(res.events)
+    assert (summary["status"], summary["error"]) == ("ok", None), (summary, res.of("job_end"))
+
+
+def test_a_job_that_completed_stays_completed_in_its_summary() -> None:
+    done = [{"event": "training_done", "step": 10}, {"event": "job_end", "status": "ok"}]
+    late = [{"event": "job_failed", "error": "lost the job's id in etcd"}]
+    late_end = [{"event": "job_end", "status": "failed", "error": "lost the job's id in etcd"}]
+    s = summarize([*done, *late, *late_end])
+    assert (s["status"], s["error"]) == ("ok", None), s
+    s = summarize([*late, *late_end])  # a job that failed: its end, and its error
+    assert (s["status"], s["error"]) == ("failed", "lost the job's id in etcd"), s
