@@ -9,6 +9,7 @@ detection (the cut to the coordinator's ``failure``) and recovery (that to
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,23 +21,35 @@ from netns import Hosts
 from leto.backends.gloo.harness import JobResult
 
 HANG = 3.0  # NetJob's --hang-timeout: a link silent this long is cut
-# slow steps, so that the cut falls in a step; a short collective timeout bounds how long
-# a survivor may wait in a collective with a peer cut off# (a survivor is stopped sooner); a node lost with no spare waits 2 s for one
+# slow steps, so that a cut falls in a step; a short collective timeout bounds how long a
+# survivor may wait in a collective with a peer cut off; a lost node waits 2 s for a spare
 SLOW = {"STEP_SLEEP": "0.3"}
 TIMEOUTS = ["--collective-timeout", "10", "--recovery-timeout", "30", "--spare-timeout", "2"]
+# a crash of rank 0 (node 0) in step 3, and rank 2 (node 1) hung while it carries out that
+# recovery's Reconcile: the recovery lasts until node 1 is seen lost, so a cut at its
+# start falls in it
+IN_RECOVERY = [
+    {"kind": "crash", "rank": 0, "step": 3, "phase": "backward"},
+    {"kind": "hang", "rank": 2, "step": 3, "phase": "recovery", "where": "Reconcile"},
+]
 
 
-def _run(hosts: Hosts, run_dir: Path, spares: int, mend: bool = False) -> tuple[JobResult, float]:
-    """The job with node 1's link cut as step 3 commits; the result and the cut's time."""
+def _run(
+    hosts: Hosts, run_dir: Path, spares: int, at: str, faults: list[dict[str, object]] | None = None
+) -> tuple[JobResult, float]:
+    """The job with node 1's link cut at the first event ``at`` (``step``: as step 3
+    commits), mended once the node is declared lost if there is a spare; the result and
+    the cut's time."""
+    extra = [*TIMEOUTS, *(["--faults", json.dumps(faults)] if faults else [])]
     j = NetJob(
-        hosts, run_dir, nnodes=2, nproc=2, steps=STEPS_2x2, spares=spares, env=SLOW, extra=TIMEOUTS
+        hosts, run_dir, nnodes=2, nproc=2, steps=STEPS_2x2, spares=spares, env=SLOW, extra=extra
     )
     try:
-        j.wait_for(lambda e: e["event"] == "step" and e["step"] >= 3)
+        j.wait_for(lambda e: e["event"] == at and (at != "step" or e["step"] >= 3))
         hosts.cut(1)
         cut = time.time()
-        if mend:
-            j.wait_for(lambda e: e["event"] == "failure")
+        if spares:
+            j.wait_for(lambda e: e["event"] == "failure" and e["kind"] == "node_lost")
             hosts.mend(1)  # the node was declared lost: its link comes back
         return j.finish(90.0), cut
     finally:
@@ -44,7 +57,7 @@ def _run(hosts: Hosts, run_dir: Path, spares: int, mend: bool = False) -> tuple[
 
 
 def _lost(res: JobResult, cut: float) -> float:
-    (f,) = res.of("failure")
+    (f,) = [f for f in res.of("failure") if f["kind"] == "node_lost"]
     assert (f["kind"], f["node"], f["detected_by"]) == ("node_lost", 1, "agent link closed"), f
     detect = f["t"] - cut
     print(f"\ncut link: node 1 declared lost {detect:.2f} s after the cut")
@@ -70,27 +83,30 @@ def test_2x2_on_test_hosts_is_bitwise_equal(
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
 
 
-def test_a_cut_link_loses_the_node_a_spare_takes_its_place_and_the_link_comes_back(
+def test_a_link_cut_in_a_recovery_loses_the_node_and_a_spare_takes_its_place_bitwise(
     tag: str, make_hosts: Callable[[int], Hosts], ref: JobResult
 ) -> None:
     """The link is mended as soon as the node is declared lost: its agent ends all the
     same (its coordinator dropped the link), and nothing it did counts."""
-    res, cut = _run(make_hosts(3), Path(tag) / "cut", spares=1, mend=True)
+    res, cut = _run(make_hosts(3), Path(tag) / "cut", 1, "recovery_start", IN_RECOVERY)
     assert res.ok, explain(res)
     assert res.codes == {0: [0], 1: [1], 2: [0]}, explain(res)  # node 1 cut off: ended
+    (start,) = res.of("recovery_start")
     lost = _lost(res, cut)
+    (restart,) = res.of("recovery_restart")  # node 1's loss joined the recovery under way
+    assert [(c["kind"], c["node"]) for c in restart["cause"]] == [("node_lost", 1)], restart
+    assert start["t"] <= cut < lost, (start, cut, lost)
     assert [(e["spare"], e["node"]) for e in res.of("spare_assigned")] == [(0, 1)], story(res)
     (rec,) = res.recoveries
-    recovered = rec["t"] - lost
-    print(f"recovered {recovered:.2f} s after the detection ({rec['seconds']:.2f} s in recovery)")
-    assert recovered <= 10.0, story(res)  # within the collective timeout, far from 30 s
+    print(f"recovered {rec['t'] - lost:.2f} s after the detection ({rec['seconds']:.2f} s in all)")
+    assert rec["t"] - lost <= 10.0, story(res)  # within the collective timeout, far from 30 s
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
 
 
 def test_a_cut_link_with_no_spare_ends_in_one_line_within_the_timeouts(
     tag: str, make_hosts: Callable[[int], Hosts]
 ) -> None:
-    res, cut = _run(make_hosts(2), Path(tag) / "cut-alone", spares=0)
+    res, cut = _run(make_hosts(2), Path(tag) / "cut-alone", 0, "step")
     assert res.codes == {0: [1], 1: [1]}, explain(res)
     lost = _lost(res, cut)
     (end,) = res.of("job_failed")
