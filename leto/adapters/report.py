@@ -304,7 +304,12 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     fails = [e for e in events if e["event"] == "failure"]
     steps = [e for e in events if e["event"] == "step"]
     done = next((e for e in events if e["event"] == "training_done"), None)
-    end = next((e for e in reversed(events) if e["event"] == "job_end"), None)
+    # a job that completed stays completed: with etcd, an agent cut off from the majority
+    # (the coordinator before a failover) logs its own end after its successor's, not
+    # knowing the job went on without it
+    ends = [e for e in events if e["event"] == "job_end"]
+    end = next((e for e in ends if e.get("status") == "ok"), ends[-1] if ends else None)
+    ok = end is not None and end.get("status") == "ok"
     by_kind: dict[str, int] = {}
     for r in recs:
         by_kind[str(r.get("kind"))] = by_kind.get(str(r.get("kind")), 0) + 1
@@ -334,7 +339,9 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "final_step": None if done is None else done.get("step"),
         "steps_logged": len(steps),
         "digests": None if done is None else done.get("digests"),
-        "error": next((e.get("error") for e in events if e["event"] == "job_failed"), None),
+        "error": None
+        if ok
+        else next((e.get("error") for e in events if e["event"] == "job_failed"), None),
     }
 
 

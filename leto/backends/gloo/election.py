@@ -63,8 +63,15 @@ class Election:
         return None if entry is None else entry.value
 
     def keep(self) -> None:
-        """Keep this agent's lease alive (StoreError once etcd let it expire)."""
-        self.store.refresh(self.lease)
+        """Keep this agent's lease alive (StoreError once etcd let it expire). A keep that
+        fails found the lease expired, or no member answering for the store's patience:
+        :meth:`resign` then asks nothing, and the lease ends by its TTL if it has not (an
+        agent cut off from etcd waited as long again for a revoke that could not come)."""
+        try:
+            self.store.refresh(self.lease)
+        except StoreError:
+            self.lease = 0
+            raise
 
     def depose(self, leader: dict[str, Any]) -> bool:
         """End the lease of the leader whose record is ``leader`` (its link closed);

@@ -27,7 +27,7 @@ from .deathwatch import DeathWatch
 from .eventlog import EventLog
 from .host_memory import HostMemory
 from .records import AgentOptions, LaunchError, Link, Proc, ProcConn, note
-from .wire import MAX_FRAME, Conn, WireError, check_peer
+from .wire import MAX_FRAME, Conn, WireError, check_peer, keep_alive
 
 __all__ = ["Routing", "RoutingHost"]
 
@@ -453,6 +453,7 @@ class Routing:
             return
         sock, addr = got
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keep_alive(sock, a.o.hang_timeout)  # a node cut off is lost, not silent for ever
         conn = Conn(sock, send_timeout=1.0, max_frame=UNPROVEN_FRAME)
         link = Link(conn, f"{addr[0]}:{addr[1]}", auth.new_nonce(), time.monotonic())
         if len(a.unproven) >= UNPROVEN_MAX:

@@ -38,7 +38,7 @@ from .host_memory import HostMemory
 from .keeper import KeeperHandle
 from .records import JOB_ENV, AgentOptions, LaunchError, Link, Proc, ProcConn, look
 from .watch import Watchers
-from .wire import Conn, WireError, abstract_name, listen_unix
+from .wire import Conn, WireError, abstract_name, keep_alive, listen_unix
 
 __all__ = ["Supervisor", "SupervisorHost"]
 
@@ -582,6 +582,7 @@ class Supervisor:
         except OSError as e:
             raise LaunchError(f"cannot reach the coordinator at {host}:{port}: {e}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keep_alive(sock, o.hang_timeout)  # a coordinator cut off is lost, as one that died
         a.coord_conn = Conn(sock, send_timeout=30.0)
         nonce = auth.new_nonce()
         hello: M.Message

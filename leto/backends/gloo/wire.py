@@ -47,6 +47,7 @@ __all__ = [
     "abstract_name",
     "check_peer",
     "connect_unix",
+    "keep_alive",
     "listen_unix",
     "too_deep",
 ]
@@ -66,6 +67,21 @@ class WireError(ConnectionError):
 
 class PeerError(PermissionError):
     """A peer of another user tried to connect."""
+
+
+def keep_alive(sock: socket.socket, seconds: float) -> None:
+    """Have the kernel close a TCP link whose peer has not acknowledged anything for
+    about ``seconds``: a keepalive probe each second of silence, and data or probes left
+    unacknowledged for ``seconds`` end it (``TCP_USER_TIMEOUT``). A peer that dies closes
+    its link at once; a cut cable, a host that froze or a partition closes nothing, and
+    without this its link would look alive for ever (the peer's reads get ``ETIMEDOUT``,
+    which :meth:`Conn.feed` takes as the link's end)."""
+    whole = max(1, round(seconds))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, whole)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000)))
 
 
 def abstract_name(tag: str) -> str:
