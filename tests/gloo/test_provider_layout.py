@@ -161,6 +161,12 @@ class Talk:
             return msg
 
 
+def sync(provider: MemoryProvider) -> None:
+    """The keeper's writes are done before it tells another process to read them."""
+    if provider.device.type == "cuda":
+        torch.cuda.synchronize(provider.device)
+
+
 def reference_digest(device: torch.device) -> str:
     from torch import nn
 
@@ -218,10 +224,12 @@ def test_shadow_attaches_to_what_a_sigkilled_trainer_left(kind: str) -> None:
 
         seg = provider.view(keeper.handles["leto.param"])
         seg[100] ^= 4  # a flipped bit in the keeper's memory
+        sync(provider)
         talk.conn.send({"op": "flipped"})
         caught = talk.until("checked")["bad"]
         assert isinstance(caught, list) and len(caught) == 1
         seg[100] ^= 4
+        sync(provider)
         talk.conn.send({"op": "restored"})
         assert talk.until("checked")["bad"] == []
         assert shadow.wait(timeout=60) == 0
