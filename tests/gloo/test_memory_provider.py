@@ -187,3 +187,48 @@ def test_memory_outlives_a_sigkilled_opener(provider: MemoryProvider) -> None:
             child.wait(timeout=30)
         mine.close()
     provider.release(h)
+
+
+# --- the CUDA handle's serialisation, checked without a GPU ------------------------------
+
+
+class FakeCudaStorage:
+    """What ``_share_cuda_`` returns, as torch.multiprocessing's reduce_tensor reads it."""
+
+    share = (0, b"\x01\xfe" * 32, 4096, 512, b"/torch_7_123_0", 3, b"\x09" * 64, True)
+
+    def _share_cuda_(self) -> tuple[object, ...]:
+        return self.share
+
+
+def test_cuda_handle_fields_reach_new_shared_cuda_as_torch_sent_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from leto.backends.gloo import cuda_memory
+
+    fields = cuda_memory.cuda_ipc_fields(FakeCudaStorage())  # type: ignore[arg-type]
+    h = Handle("cuda-ipc", "w", 4096, fields)
+    msg, fds = h.to_wire()
+    got = Handle.from_wire(json.loads(json.dumps(msg)), fds)
+    seen: list[tuple[object, ...]] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.UntypedStorage, "_new_shared_cuda", classmethod(lambda cls, *a: seen.append(a))
+    )
+    cuda_memory.open_cuda_ipc(got.fields)
+    assert seen == [FakeCudaStorage.share]  # same order, same bytes, same types
+    no_event = dict(got.fields, event="")
+    cuda_memory.open_cuda_ipc(no_event)
+    assert seen[1][6] is None
+
+
+def test_cuda_provider_and_handles_refused_without_what_they_need() -> None:
+    from leto.backends.gloo import cuda_memory
+
+    with pytest.raises(ProviderError, match="without device, handle"):
+        cuda_memory.open_cuda_ipc({"offset": 0})
+    with pytest.raises(ProviderError, match="not a memfd handle"):
+        HostMemfdProvider().open(Handle("cuda-ipc", "x", 8, {}))
+    why = "on a CUDA device, not cpu" if torch.cuda.is_available() else "no CUDA here"
+    with pytest.raises(ProviderError, match=why):
+        cuda_memory.CudaIpcProvider("cpu")

@@ -1,6 +1,6 @@
 """Run test files without pytest (a lent machine may lack it): a stand-in ``pytest``
 module with the few parts these files use (``mark.skipif``/``parametrize``, ``param``,
-``fixture(params=...)``, ``raises``, ``FixtureRequest``, the ``tmp_path`` argument),
+``fixture(params=...)``, ``raises``, ``FixtureRequest``, the ``tmp_path`` and ``monkeypatch`` arguments),
 and a junit XML of the results as pytest writes it, for :mod:`run_parts`.
 
     python tests/gpu/plain_runner.py JUNIT.xml FILE...
@@ -69,6 +69,31 @@ class FixtureRequest:
         self.param = param
 
 
+_ABSENT = object()
+
+
+class MonkeyPatch:
+    """``setattr`` undone after the test (the one method of pytest's these files use)."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def setattr(self, target: Any, name: str, value: Any) -> None:
+        # the attribute as the target itself holds it (a class's own dict: no descriptor
+        # unwrapped, an inherited one absent and deleted again afterwards)
+        own = vars(target) if isinstance(target, type) else {name: getattr(target, name)}
+        self._undo.append((target, name, own.get(name, _ABSENT)))
+        setattr(target, name, value)
+
+    def undo(self) -> None:
+        for target, name, old in reversed(self._undo):
+            if old is _ABSENT:
+                delattr(target, name)
+            else:
+                setattr(target, name, old)
+        self._undo.clear()
+
+
 @contextlib.contextmanager
 def raises(exc: type[BaseException], match: str | None = None) -> Iterator[None]:
     try:
@@ -87,7 +112,7 @@ def skip(reason: str = "") -> None:
 def stand_in() -> types.ModuleType:
     m = types.ModuleType("pytest")
     m.__dict__.update(mark=_Marks(), param=param, fixture=fixture, raises=raises)
-    m.__dict__.update(FixtureRequest=FixtureRequest, skip=skip)
+    m.__dict__.update(FixtureRequest=FixtureRequest, MonkeyPatch=MonkeyPatch, skip=skip)
     return m
 
 
@@ -137,6 +162,7 @@ def run_case(fn: Any, args: dict[str, Any], fixtures: dict[str, Any]) -> None:
     call: dict[str, Any] = {}
     gens = []
     tmp: list[str] = []
+    patches = MonkeyPatch()
     try:
         for name in inspect.signature(fn).parameters:
             if name in args and isinstance(args[name], tuple) and args[name][:1] == ("fixture",):
@@ -147,6 +173,8 @@ def run_case(fn: Any, args: dict[str, Any], fixtures: dict[str, Any]) -> None:
                 call[name] = got
             elif name in args:
                 call[name] = args[name]
+            elif name == "monkeypatch":
+                call[name] = patches
             elif name == "tmp_path":
                 tmp.append(tempfile.mkdtemp(prefix="leto-plain-"))
                 call[name] = Path(tmp[-1])
@@ -156,6 +184,7 @@ def run_case(fn: Any, args: dict[str, Any], fixtures: dict[str, Any]) -> None:
         for g in gens:
             next(g, None)  # the fixture's teardown (its checks) runs
     finally:
+        patches.undo()
         for d in tmp:
             shutil.rmtree(d, ignore_errors=True)
 

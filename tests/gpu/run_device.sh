@@ -13,4 +13,4 @@ set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=.
 PY="${LETO_PYTHON:-python3}"
-exec timeout -k 10 350 "$PY" tests/gpu/run_parts.py
+exec timeout -k 5 355 "$PY" tests/gpu/run_parts.py

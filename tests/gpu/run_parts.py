@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PARTS: list[tuple[str, list[str], int]] = [
     # name, test files, seconds allowed (all together well under 6 minutes)
-    ("tensor layer on CUDA", ["tests/retained/test_retained_cuda.py"], 90),
+    ("tensor layer on CUDA", ["tests/retained/test_retained_cuda.py"], 80),
     ("memory provider contract", ["tests/gloo/test_memory_provider.py"], 60),
-    ("retained layout in provider memory", ["tests/gloo/test_provider_layout.py"], 60),
-    ("tests/gpu", ["tests/gpu"], 120),
+    ("retained layout in provider memory", ["tests/gloo/test_provider_layout.py"], 90),
+    ("tests/gpu", ["tests/gpu"], 110),
 ]
 
 NOT_YET = [
