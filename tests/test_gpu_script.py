@@ -38,6 +38,7 @@ def run_script(out: Path, **env: str) -> tuple[int, dict[str, object], str]:
     return done.returncode, summary, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_run_device_script_on_cpu_skips_cuda_parts_with_reasons(tmp_path: Path) -> None:
     rc, s, log = run_script(tmp_path)
     assert rc == 0, log
