@@ -232,3 +232,27 @@ def test_cuda_provider_and_handles_refused_without_what_they_need() -> None:
     why = "on a CUDA device, not cpu" if torch.cuda.is_available() else "no CUDA here"
     with pytest.raises(ProviderError, match=why):
         cuda_memory.CudaIpcProvider("cpu")
+
+
+def test_cuda_provider_opens_a_foreign_handle_as_a_view_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the glue around _new_shared_cuda, with a host storage standing in for the GPU's
+    from leto.backends.gloo import cuda_memory
+
+    shared = torch.UntypedStorage(64)
+    opened: list[dict[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_memory, "open_cuda_ipc", lambda f: opened.append(f) or shared)
+    p = cuda_memory.CudaIpcProvider("cuda")
+    assert p.device == torch.device("cuda", 0)
+    fields = {"handle": "ab", "offset": 0, "pid": os.getpid() + 1}
+    t = p.open(Handle("cuda-ipc", "w", 64, fields))
+    t[3] = 77
+    assert shared[3] == 77 and t.data_ptr() == shared.data_ptr()  # a view, no copy
+    assert p.open(Handle("cuda-ipc", "w", 64, fields)) is t and len(opened) == 1
+    with pytest.raises(ProviderError, match="has 64 bytes, 32 expected"):
+        p.open(Handle("cuda-ipc", "v", 32, dict(fields, offset=64)))
+    with pytest.raises(ProviderError, match="not held here any more"):
+        p.open(Handle("cuda-ipc", "u", 64, dict(fields, pid=os.getpid())))
