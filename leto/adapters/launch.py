@@ -166,7 +166,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         metavar="S",
         help="a trainer silent this long (no heartbeat, no step) is hung: it is killed and its "
-        "rank recovered in place (default %(default)g)",
+        "rank recovered in place; a node's link to the coordinator that acknowledges nothing "
+        "this long (a cut cable, a partition) is closed, and that node (or the coordinator) "
+        "is lost (default %(default)g)",
     )
     r.add_argument(
         "--collective-timeout",
