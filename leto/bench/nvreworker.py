@@ -22,7 +22,7 @@ preinitialized (its AdamW state made) before the wrapper started.
 
 Events, JSON lines appended to ``spec["events"]`` (``time.monotonic()``, shared by
 the machine's processes), each with this process's ``proc`` (its initial rank),
-``pid`` and the restart ``iteration``: ``main``, ``torch``, ``model``; per iteration
+``pid`` and restart iteration ``it``: ``main``, ``torch``, ``model``; per iteration
 ``abort`` (the wrapper's monitor thread starting its abort: the fault is known
 here), ``enter`` (the wrapped function entered, with its ``rank``), ``pg`` (process
 group and DDP built), ``loaded`` (the state restored, ``step``), ``step``, ``fail``
