@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -177,20 +178,19 @@ def run_job(
                 )
             )
     deadline = time.monotonic() + timeout
-    codes: list[int | None] = []
+    codes: list[int | None] = [None] * n
     try:
-        for p in procs:
-            try:
-                codes.append(p.wait(max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
+        while any(c is None for c in codes) and time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0, -9) for c in codes) or codes.count(-9) > len(schedule):
+                break  # a process failed: the others would wait for it until their timeouts
+            time.sleep(0.05)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    killed = sum(1 for c in codes if c == -9)
-    if killed != len(schedule) or any(c not in (0, -9) for c in codes):
+    if codes.count(-9) != len(schedule) or any(c != 0 for c in codes if c != -9):
         raise BenchError(
             f"nvre: exit codes {codes} for {len(schedule)} scheduled deaths (logs in {d})"
         )
@@ -199,6 +199,7 @@ def run_job(
         with open(d / f"events-{r}.jsonl", encoding="utf-8") as f:
             events += [json.loads(line) for line in f]
     events.sort(key=lambda e: e["t"])
+    shutil.rmtree(d, ignore_errors=True)  # kept, with its logs, where the job failed
     return events
 
 

@@ -55,17 +55,34 @@ def _digests(events: list[dict[str, Any]], it: int) -> dict[int, str]:
     return {e["rank"]: e["sha256"] for e in events if e["ev"] == "trained" and e["it"] == it}
 
 
-@pytest.mark.skipif(missing() is not None, reason=str(missing()))
-def test_a_killed_rank_is_replaced_in_place_and_training_matches_an_undisturbed_run() -> None:
-    wl = Workload(width=64, layers=2, world=2, batch=8)
-    events = run_job(wl, [{"rank": 1, "step": 6}], 9, timeout=150)
+_WL = Workload(width=64, layers=2, world=2, batch=8)
+needs_nvre = pytest.mark.skipif(missing() is not None, reason=str(missing()))
+
+
+@pytest.fixture(scope="module")
+def undisturbed() -> str:
+    """The state's digest of a job that never failed, at step 9."""
+    clean = _digests(run_job(_WL, [], 9, timeout=150), 0)
+    assert sorted(clean) == [0, 1] and len(set(clean.values())) == 1
+    return clean[0]
+
+
+@needs_nvre
+@pytest.mark.parametrize(
+    ("fail", "restored"),
+    [({"rank": 1, "step": 6}, 5), ({"rank": 0, "step": 6, "at": "update"}, 6)],
+    ids=["forward", "update-rank0"],
+)
+def test_a_killed_rank_is_replaced_in_place_and_training_matches_an_undisturbed_run(
+    fail: dict[str, Any], restored: int, undisturbed: str
+) -> None:
+    events = run_job(_WL, [fail], 9, timeout=150)
     b = nvre_breakdown(events, 0, world=2)
     assert sum(b[p] for p in PHASES) == pytest.approx(b["total"])
     assert all(b[p] >= 0 for p in PHASES) and b["total"] < 60
     d = b["detail"]
-    assert (d["failed_step"], d["restored_to"], d["reserve"], d["reserve_rank"]) == (6, 5, [2], [1])
-    got = _digests(events, 1)
-    assert sorted(got) == [0, 1] and len(set(got.values())) == 1
-    # the same state, bit for bit, as a job that never failed
-    clean = _digests(run_job(wl, [], 9, timeout=150), 0)
-    assert sorted(clean) == [0, 1] and set(clean.values()) == set(got.values())
+    # a death after the update's all-reduce: the survivor applied the step
+    assert (d["failed_step"], d["restored_to"]) == (6, restored)
+    assert (d["reserve"], d["reserve_rank"]) == ([2], [fail["rank"]])
+    # the same state, bit for bit, on both ranks and as a job that never failed
+    assert _digests(events, 1) == {0: undisturbed, 1: undisturbed}
