@@ -15,7 +15,10 @@ to local disk, restart), ``ckpt-disk-async`` (DCP ``async_save``), ``gemini`` (a
 checkpoint of every step in host memory, restart), ``torchft`` (PyTorch's
 fault-tolerance library: the other replica groups train on while the failed one
 restarts and heals from a live peer; recovery and scaling only, and by default only
-where ``import torchft`` works), ``leto`` (in place, through ``leto launch`` on the
+where ``import torchft`` works), ``nvre`` (nvidia-resiliency-ext's in-process restart:
+the wrapped training function restarted in each surviving process, a reserve process
+in the dead rank's place; likewise recovery and scaling only, where it imports, with
+at most 8 recoveries), ``leto`` (in place, through ``leto launch`` on the
 gloo backend). Each
 benchmark prints a table, and writes its JSON and a PNG plot to ``--out``
 (default ``bench-results``); ``--json`` prints the JSON instead of the table.
@@ -49,6 +52,8 @@ from leto.argcheck import (
 
 from .ftjob import missing
 from .interval import FAIL_AT
+from .nvrejob import MAX_RESERVES
+from .nvrejob import missing as nvre_missing
 from .workload import (
     LAYERS,
     BenchError,
@@ -62,9 +67,13 @@ MAX_LAYERS = 256
 
 __all__ = ["configure", "run"]
 
-SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "leto")
-# the benchmarks torchft is measured by (goodput's failures come from a clock, not steps)
+SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto")
+# the benchmarks torchft and nvre are measured by (goodput's failures come from a clock,
+# not steps)
 TORCHFT_BENCHES = ("recovery", "scaling")
+# the systems of other projects, each measured where it imports (else: why not)
+OPTIONAL = ("torchft", "nvre")
+
 # Rows per rank per step. Recovery and scaling use short steps (512 rows, ~0.1 s),
 # so a recovery is mostly the machinery under test, not the recomputed step. The
 # failure-free overhead and goodput use the per-replica batch of real training
@@ -95,8 +104,8 @@ def _common(
         p.add_argument(
             "--systems",
             default=None,
-            help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all; torchft where "
-            "it is installed, for recovery and scaling)",
+            help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all; torchft and "
+            "nvre where they are installed, for recovery and scaling)",
         )
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
@@ -259,30 +268,39 @@ BOUNDS: dict[str, Bound] = {
 MAX_SIZES = 16
 
 
+def _why_not(name: str) -> str | None:
+    """Why optional system ``name`` cannot run here (None: it can)."""
+    return missing() if name == "torchft" else nvre_missing()
+
+
 def _systems(text: str | None, bench: str) -> list[str]:
-    """``--systems``; its default: every system, torchft where this benchmark measures it
-    and it imports (else left out, with one line saying why)."""
+    """``--systems``; its default: every system, torchft and nvre where this benchmark
+    measures them and they import (else left out, with one line saying why)."""
     if text is None:
-        names = [s for s in SYSTEMS if s != "torchft"]
+        names = [s for s in SYSTEMS if s not in OPTIONAL]
         if bench in TORCHFT_BENCHES:
-            why = missing()
-            if why is None:
-                names = list(SYSTEMS)
-            else:
-                print(f"leto bench: torchft left out: {why}", file=sys.stderr)
-        return names
+            for name in OPTIONAL:
+                why = _why_not(name)
+                if why is None:
+                    names.append(name)
+                else:
+                    print(f"leto bench: {name} left out: {why}", file=sys.stderr)
+        return [s for s in SYSTEMS if s in names]
     names = [s.strip() for s in text.split(",") if s.strip()]
     if not names:
         raise BenchError("--systems names no system")
     for n in names:
         if n not in SYSTEMS:
             raise BenchError(f"unknown system {n!r} (choose from {', '.join(SYSTEMS)})")
-    if "torchft" in names:
-        if bench not in TORCHFT_BENCHES:
-            raise BenchError(f"--systems torchft: measured by {' and '.join(TORCHFT_BENCHES)} only")
-        why = missing()
-        if why is not None:
-            raise BenchError(f"--systems torchft: {why}")
+    for name in OPTIONAL:
+        if name in names:
+            if bench not in TORCHFT_BENCHES:
+                raise BenchError(
+                    f"--systems {name}: measured by {' and '.join(TORCHFT_BENCHES)} only"
+                )
+            why = _why_not(name)
+            if why is not None:
+                raise BenchError(f"--systems {name}: {why}")
     return names
 
 
@@ -339,6 +357,11 @@ def check_memory(
 
 def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
     systems = _systems(args.systems, args.bench) if hasattr(args, "systems") else ["leto"]
+    if "nvre" in systems and getattr(args, "repeats", 0) > MAX_RESERVES:
+        raise BenchError(
+            f"--repeats {args.repeats}: nvre needs a reserve process per recovery, "
+            f"at most {MAX_RESERVES}"
+        )
     try:
         check_args(args, BOUNDS)
         dir_to_create("--out", args.out)

@@ -4,7 +4,8 @@ Each system runs as a real job on the same workload, four processes on gloo over
 127.0.0.1: the checkpoint/restart baselines under the benchmark's torchrun-style
 agent (:class:`leto.bench.agent.Job`), torchft's replica groups under the same
 agent with a lighthouse (:mod:`leto.bench.ftjob`: a death restarts its group only),
-leto under ``leto launch``
+nvidia-resiliency-ext's in-process restart with a reserve process per failure
+(:mod:`leto.bench.nvrejob`), leto under ``leto launch``
 (:class:`leto.bench.gloojob.GlooJob`, two nodes of two ranks). A baseline job
 first calibrates (a few steps, then three saves of its own kind, timed in place);
 the checkpoint interval follows (:mod:`leto.bench.interval`), and so does the
@@ -14,7 +15,8 @@ the update: :mod:`leto.bench.interval`), the system recovers, and
 training goes on to the next failure. Every recovery is broken down into the
 phases of :mod:`leto.bench.timeline` (leto's from its coordinator's record,
 :func:`leto.bench.gloojob.leto_breakdown`; torchft's from its restarted group's
-stamps, :func:`leto.bench.ftjob.torchft_breakdown`); the figures are medians over
+stamps, :func:`leto.bench.ftjob.torchft_breakdown`; nvre's from its processes' stamps,
+:func:`leto.bench.nvrejob.nvre_breakdown`); the figures are medians over
 the repeats, and ``ratio_vs_best_baseline`` is the best other system's median total
 over leto's (torchft counts as one).
 """
@@ -29,12 +31,13 @@ from typing import Any
 from .agent import RESTART_SYSTEMS, Job
 from .ftjob import measure_torchft
 from .interval import check_fail_at, checkpoint_interval_steps, failure_schedule
+from .nvrejob import measure_nvre
 from .timeline import PHASES, restart_breakdown
 from .workload import BenchError, Workload
 
 __all__ = ["CAL_STEPS", "ORDER", "measure_leto", "measure_system", "run_recovery", "summarize"]
 
-ORDER = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "leto")
+ORDER = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto")
 CAL_STEPS = 5
 CAL_SAVES = 3
 _TIMEOUT_S = 300.0
@@ -233,9 +236,11 @@ def run_recovery(
             res = measure_leto(wl, tier2=tier2, **common)
         elif system == "torchft":
             res = measure_torchft(wl, cal_steps=CAL_STEPS, **common)
+        elif system == "nvre":
+            res = measure_nvre(wl, cal_steps=CAL_STEPS, **common)
         else:
             res = measure_system(system, wl, mtbf_s=mtbf_s, **common)
-        if system in ("leto", "torchft") and bar is not None:
+        if system in ("leto", "torchft", "nvre") and bar is not None:
             bar.advance(f"{system} done")
         schedule = res["schedule"]
         res["phases"] = summarize(res["runs"])

@@ -53,6 +53,8 @@ def recovery_table(res: dict[str, Any]) -> str:
             note = (
                 f"torchft {s['version']}, {s['backend'].split(', ', 2)[2]}; survivors kept {kept}"
             )
+        elif name == "nvre":
+            note = s["backend"]
         lines.append(
             f"{name:<16}"
             + "".join(f"{ph[p]:>9.3f}s" for p in PHASES)

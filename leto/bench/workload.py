@@ -144,6 +144,8 @@ class Workload:
         replica = 20 * P + data
         if system == "torchft":  # + a peer's state staged to send (or received) in a heal
             return W * (proc + replica + 12 * P)
+        if system == "nvre":  # + its reserve processes (at most 8), each a replica
+            return (W + 8) * (proc + replica + 12 * P)
         if system in ("plain", "ckpt-disk"):
             return W * (proc + replica + 12 * P)  # DCP write buffers
         if system == "ckpt-disk-async":

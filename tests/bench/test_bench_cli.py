@@ -17,6 +17,7 @@ from leto.cli import main
     [
         (["recovery", "--systems", "ckpt-disk,torchrun"], "unknown system 'torchrun'"),
         (["goodput", "--systems", "torchft"], "--systems torchft: measured by recovery and"),
+        (["goodput", "--systems", "nvre"], "--systems nvre: measured by recovery and"),
         (["goodput", "--systems", ""], "names no system"),
         (["goodput", "--mtbf", "0"], "--mtbf must be positive, got 0"),
         (["recovery", "--mtbf", "-5"], "--mtbf must be positive, got -5"),
@@ -40,7 +41,13 @@ def test_bad_input_is_one_line_and_exit_2(
     message: str,
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import leto.bench.cli as cli
+
+    # as where torchft and nvre are installed: no line saying one is left out
+    monkeypatch.setattr(cli, "missing", lambda: None)
+    monkeypatch.setattr(cli, "nvre_missing", lambda: None)
     t = time.monotonic()
     code = main(["bench", *argv, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
@@ -58,6 +65,7 @@ def test_torchft_not_installed(
 
     why = "torchft is not importable (ModuleNotFoundError: No module named 'torchft')"
     monkeypatch.setattr(cli, "missing", lambda: why)
+    monkeypatch.setattr(cli, "nvre_missing", lambda: "nvre: not here")
     # asked for: one line naming it, exit 2, nothing started
     code = main(["bench", "recovery", "--systems", "torchft", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
@@ -65,10 +73,15 @@ def test_torchft_not_installed(
     assert not (tmp_path / "o").exists()
     # the default: left out, in one line
     assert cli._systems(None, "recovery") == ["ckpt-disk", "ckpt-disk-async", "gemini", "leto"]
-    assert capsys.readouterr().err == f"leto bench: torchft left out: {why}\n"
+    err = capsys.readouterr().err
+    assert (
+        err == f"leto bench: torchft left out: {why}\nleto bench: nvre left out: nvre: not here\n"
+    )
     monkeypatch.setattr(cli, "missing", lambda: None)
-    assert "torchft" in cli._systems(None, "recovery")
+    monkeypatch.setattr(cli, "nvre_missing", lambda: None)
+    assert cli._systems(None, "recovery") == list(cli.SYSTEMS)
     assert "torchft" not in cli._systems(None, "goodput")  # goodput does not measure it
+    assert "nvre" not in cli._systems(None, "goodput")
     assert capsys.readouterr().err == ""
 
 
@@ -151,3 +164,28 @@ def test_torchft_missing_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -
     why = missing()
     assert why is not None and why.startswith("torchft is not importable (ModuleNotFoundError")
     assert "\n" not in why and "torchft==0.2.0" in why
+
+
+def test_nvre_missing_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from leto.bench.nvrejob import missing
+
+    monkeypatch.setitem(sys.modules, "nvidia_resiliency_ext", None)  # its import: ImportError
+    why = missing()
+    assert why is not None and why.startswith("nvidia_resiliency_ext.inprocess is not importable")
+    assert "\n" not in why and "nvidia-resiliency-ext==0.4.1" in why
+
+
+def test_nvre_refuses_more_recoveries_than_reserves(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import leto.bench.cli as cli
+
+    monkeypatch.setattr(cli, "nvre_missing", lambda: None)
+    argv = ["bench", "recovery", "--systems", "nvre", "--repeats", "9", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "leto bench: error: --repeats 9: nvre needs a reserve process per recovery, at most 8\n"
+    )
