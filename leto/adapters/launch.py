@@ -203,6 +203,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "restarts with --max-restarts (default %(default)g)",
     )
     r.add_argument(
+        "--exclude-after",
+        type=int,
+        default=3,
+        metavar="K",
+        help="a host whose nodes failed K times within --exclude-window is not taken back: "
+        "a replacement started there is refused and a spare from another host takes its "
+        "place (0: never; hosts are the agents' addresses, so nodes on one machine's "
+        "loopback are never excluded; default %(default)s)",
+    )
+    r.add_argument(
+        "--exclude-window",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="the window of --exclude-after, in seconds (default %(default)g)",
+    )
+    r.add_argument(
         "--spare",
         action="store_true",
         help="start a spare agent, not a node (no --node-rank): it joins the job's spare "
@@ -345,6 +362,8 @@ BOUNDS: dict[str, Bound] = {
     "rdzv_timeout": seconds(),
     "spare_timeout": seconds(),
     "recovery_timeout": seconds(),
+    "exclude_after": Bound(lo=0, hi=1000, integer=True, why_hi="failures of one host"),
+    "exclude_window": seconds(),
     "shadow_memory_budget": Bound(lo=0, hi=float(1 << 30), unit="MB", why_hi="a petabyte"),
     "threads": positive_int(1024),
     "progress_every": seconds(),
@@ -680,6 +699,7 @@ def spare_command(args: argparse.Namespace, host: str, port: int, run_dir: str) 
         "--collective-timeout", repr(args.collective_timeout),
         "--rdzv-timeout", repr(args.rdzv_timeout), "--spare-timeout", repr(args.spare_timeout),
         "--recovery-timeout", repr(args.recovery_timeout), "--threads", str(args.threads),
+        "--exclude-after", str(args.exclude_after), "--exclude-window", repr(args.exclude_window),
     ]  # fmt: skip
     if args.shadow_memory_budget is not None:
         cmd += ["--shadow-memory-budget", repr(args.shadow_memory_budget)]
@@ -807,6 +827,8 @@ def run(args: argparse.Namespace) -> int:
         rdzv_id=etcd.job if etcd is not None else "",
         spare_timeout=args.spare_timeout,
         recovery_timeout=args.recovery_timeout,
+        exclude_after=args.exclude_after,
+        exclude_window=args.exclude_window,
         shadow_memory_budget=None
         if args.shadow_memory_budget is None
         else int(args.shadow_memory_budget * (1 << 20)),

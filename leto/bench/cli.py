@@ -273,9 +273,10 @@ def _why_not(name: str) -> str | None:
     return missing() if name == "torchft" else nvre_missing()
 
 
-def _systems(text: str | None, bench: str) -> list[str]:
+def _systems(text: str | None, bench: str, notes: list[str] | None = None) -> list[str]:
     """``--systems``; its default: every system, torchft and nvre where this benchmark
-    measures them and they import (else left out, with one line saying why)."""
+    measures them and they import (else left out, with one line saying why in
+    ``notes``, printed once every argument was found good)."""
     if text is None:
         names = [s for s in SYSTEMS if s not in OPTIONAL]
         if bench in TORCHFT_BENCHES:
@@ -283,8 +284,8 @@ def _systems(text: str | None, bench: str) -> list[str]:
                 why = _why_not(name)
                 if why is None:
                     names.append(name)
-                else:
-                    print(f"leto bench: {name} left out: {why}", file=sys.stderr)
+                elif notes is not None:
+                    notes.append(f"leto bench: {name} left out: {why}")
         return [s for s in SYSTEMS if s in names]
     names = [s.strip() for s in text.split(",") if s.strip()]
     if not names:
@@ -356,7 +357,8 @@ def check_memory(
 
 
 def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
-    systems = _systems(args.systems, args.bench) if hasattr(args, "systems") else ["leto"]
+    notes: list[str] = []
+    systems = _systems(args.systems, args.bench, notes) if hasattr(args, "systems") else ["leto"]
     if "nvre" in systems and getattr(args, "repeats", 0) > MAX_RESERVES:
         raise BenchError(
             f"--repeats {args.repeats}: nvre needs a reserve process per recovery, "
@@ -392,6 +394,8 @@ def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
     tier2 = not getattr(args, "no_tier2", False)
     for wl in wls:
         check_memory(wl, mem_systems, tier2=tier2)
+    for line in notes:  # a refusal above is its one line alone
+        print(line, file=sys.stderr)
     return wls, systems
 
 

@@ -71,12 +71,19 @@ def test_torchft_not_installed(
     err = capsys.readouterr().err
     assert code == 2 and err == f"leto bench: error: --systems torchft: {why}\n"
     assert not (tmp_path / "o").exists()
-    # the default: left out, in one line
-    assert cli._systems(None, "recovery") == ["ckpt-disk", "ckpt-disk-async", "gemini", "leto"]
+    # the default: left out, each in one line, said once the arguments were found good
+    notes: list[str] = []
+    assert cli._systems(None, "recovery", notes) == [
+        "ckpt-disk", "ckpt-disk-async", "gemini", "leto",
+    ]  # fmt: skip
+    assert notes == [
+        f"leto bench: torchft left out: {why}",
+        "leto bench: nvre left out: nvre: not here",
+    ]
+    # a bad argument beside it: its refusal alone, one line
+    code = main(["bench", "recovery", "--world", "1", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
-    assert (
-        err == f"leto bench: torchft left out: {why}\nleto bench: nvre left out: nvre: not here\n"
-    )
+    assert code == 2 and err.count("\n") == 1 and "--world" in err, err
     monkeypatch.setattr(cli, "missing", lambda: None)
     monkeypatch.setattr(cli, "nvre_missing", lambda: None)
     assert cli._systems(None, "recovery") == list(cli.SYSTEMS)

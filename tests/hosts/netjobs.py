@@ -66,11 +66,14 @@ class NetJob:
         for k in range(spares):
             self.start(nnodes + k, ["--spare"])
 
-    def start(self, host: int, role: list[str]) -> None:
-        self.logs[host] = open(self.run_dir / f"host{host}.out", "w+")  # noqa: SIM115
+    def start(self, host: int, role: list[str], key: int | None = None) -> None:
+        """An agent on test host ``host``, kept as ``key`` (default: the host's index;
+        another key for a second agent on one host)."""
+        k = host if key is None else key
+        self.logs[k] = open(self.run_dir / f"host{k}.out", "w+")  # noqa: SIM115
         cmd = [*self.base[:4], *role, *self.base[4:], TRAIN]
-        self.procs[host] = self.hosts.popen(
-            host, cmd, stdout=self.logs[host], stderr=subprocess.STDOUT, env=self.env
+        self.procs[k] = self.hosts.popen(
+            host, cmd, stdout=self.logs[k], stderr=subprocess.STDOUT, env=self.env
         )
 
     def events(self) -> list[dict[str, Any]]:

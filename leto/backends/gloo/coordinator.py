@@ -51,6 +51,7 @@ from . import messages as M
 from .commands import Narrow, commands, logged
 from .commit_record import CommitRecord, Embedded, RecordError
 from .eventlog import EventLog
+from .exclusion import Exclusions
 from .model_feed import Fed, ModelFeeder
 from .recovery_driver import RecoveryDriver, failed_what
 from .replica_checks import ReplicaChecks
@@ -75,6 +76,10 @@ class CoordinatorOptions:
     # --max-restarts: how many whole-job restarts the job may make, and has made
     max_restarts: int = 0
     restarts: int = 0
+    # --exclude-after / --exclude-window: a host whose nodes failed that often within
+    # that many seconds is not taken back (0: never)
+    exclude_after: int = 3
+    exclude_window: float = 600.0
 
 
 class Coordinator:
@@ -111,7 +116,12 @@ class Coordinator:
         self.nodes_lost_at: dict[int, float] = {}
         self.node_back_at = 0.0  # when the last lost node's replacement joined
         # the pooled spare agents: a lost node's rank goes to the lowest id
-        self.spares = SparePool(log, lambda: self.failed is None and not self.complete)
+        self.exclusions = Exclusions(log, self.opt.exclude_after, self.opt.exclude_window)
+        self.spares = SparePool(
+            log,
+            lambda: self.failed is None and not self.complete,
+            usable=lambda peer: self.exclusions.refusal(peer) is None,
+        )
         self.degraded: dict[int, str] = {}  # ranks whose shadow could not be built: why
         self.shadow_pending: list[tuple[int, str]] = []
         self.done: dict[int, M.Done] = {}

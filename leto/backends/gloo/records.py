@@ -51,6 +51,8 @@ class AgentOptions:
     rdzv_id: str = ""
     spare_timeout: float = 60.0
     recovery_timeout: float = 180.0
+    exclude_after: int = 3
+    exclude_window: float = 600.0
     shadow_memory_budget: int | None = None  # bytes of trainer RSS on this node
     shadows: bool = True
     threads: int = 1

@@ -43,6 +43,7 @@ from leto.spec.trace import encode
 from . import messages as M
 from .commit_record import CommitRecord
 from .eventlog import EventLog
+from .exclusion import Exclusions
 from .model_feed import Fed, ModelFeeder, ModelRefused
 from .tier2_record import Tier2Record
 
@@ -135,6 +136,9 @@ class RecoveryHost(Protocol):
 
     def lost_node(self, node: int, now: float) -> None: ...
 
+    @property
+    def exclusions(self) -> Exclusions: ...
+
     def forget_done(self) -> None: ...
 
     def forget_gathered(self) -> None: ...
@@ -206,6 +210,11 @@ class RecoveryDriver:
             return
         self.feeder.run([fault], "a failure report")
         self.log.write("failure", **record, generation=s.gen)
+        node = msg.get("node") if kind == "node_lost" else None
+        if node is None and isinstance(rank, int) and 0 <= rank < self.host.W:
+            node = self.host.topology.node_of(rank)
+        if isinstance(node, int):
+            self.host.exclusions.failed(node, now)
         if isinstance(fault, ev.LoseNode):
             self.host.lost_node(fault.node, now)
         if self.rec is None:

@@ -519,6 +519,8 @@ class Routing:
             why = "the job is starting up; cannot take a spare node yet"
         elif a.coord.failed is not None:
             why = "the job has ended" + (" and restarts: join it again" if a.coord.restart else "")
+        elif a.started and a.coord.exclusions.refusal(link.peer) is not None:
+            why = f"node {n}'s replacement is refused: {a.coord.exclusions.refusal(link.peer)}"
         if why is not None:
             self.refuse(link, why, tell=why)
             return False
@@ -531,6 +533,7 @@ class Routing:
         link.node = n
         a.links[n] = conn
         a.joined.add(n)
+        a.coord.exclusions.joined(n, link.peer)
         proof = auth.proof(a.secret, "coordinator", n, link.challenge, nonce)
         _send_link(conn, M.Welcome(spare=spare, gen=a.coord.generation, proof=proof))
         a.coord.node_up(n, spare=spare, now=now)
@@ -606,6 +609,7 @@ class Routing:
         link.spare, link.node = None, n
         a.links[n] = link.conn
         a.joined.add(n)
+        a.coord.exclusions.joined(n, link.peer)
         a.say(f"spare {sid} {'is' if start else 'takes the place of'} node {n}")
         msg = M.Assign(node=n, gen=a.coord.generation, nnodes=a.o.nnodes, at_start=start)
         _send_link(link.conn, msg)

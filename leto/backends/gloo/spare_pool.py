@@ -14,10 +14,18 @@ __all__ = ["SparePool"]
 class SparePool:
     """The pooled spares' ids, lowest first; ``active()``: the job still runs."""
 
-    def __init__(self, log: EventLog, active: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        log: EventLog,
+        active: Callable[[], bool],
+        usable: Callable[[str], bool] = lambda _peer: True,
+    ) -> None:
         self.log = log
         self.active = active
+        self.usable = usable  # a spare from this peer may take a place (its host not excluded)
         self.ids: list[int] = []  # ids only grow: the pool stays sorted
+        self.peers: dict[int, str] = {}
+        self.passed: set[int] = set()  # spares passed over, each said once
         self.joined_count = 0  # ids are given in the order the spares joined
 
     def joined(self, peer: str) -> int:
@@ -25,6 +33,7 @@ class SparePool:
         sid = self.joined_count
         self.joined_count += 1
         self.ids.append(sid)
+        self.peers[sid] = peer
         self.log.write("spare_joined", spare=sid, peer=peer, pool=len(self.ids))
         return sid
 
@@ -39,7 +48,8 @@ class SparePool:
         """Which pooled spare takes which lost node, decided here only: each lost node
         still awaiting its replacement (``lost_at``: when each was lost; ``up``: the
         nodes whose agent is linked), the one lost first first (then the lowest node
-        rank), takes the lowest spare id in the pool. ``(spare id, node)`` pairs; the
+        rank), takes the lowest spare id in the pool whose host is not excluded
+        (:mod:`.exclusion`; a spare passed over is logged once and stays). ``(spare id, node)`` pairs; the
         agent tells each spare, and the spare joins as that node
         (:meth:`.Coordinator.node_up`). A node lost while the pool is empty waits
         ``spare_timeout`` for a replacement started by hand, or for a spare that joins
@@ -48,11 +58,17 @@ class SparePool:
             return []
         out = []
         for node in sorted(lost_at, key=lambda n: (lost_at[n], n)):
-            if not self.ids:
-                break
             if node in up:
                 continue
-            sid = self.ids.pop(0)
+            for s in self.ids:
+                if not self.usable(self.peers[s]) and s not in self.passed:
+                    self.passed.add(s)
+                    self.log.write("spare_passed_over", spare=s, peer=self.peers[s])
+            usable = [s for s in self.ids if self.usable(self.peers[s])]
+            if not usable:
+                break
+            sid = usable[0]
+            self.ids.remove(sid)
             self.log.write("spare_assigned", spare=sid, node=node, pool=len(self.ids))
             out.append((sid, node))
         return out

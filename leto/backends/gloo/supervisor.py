@@ -438,6 +438,8 @@ class Supervisor:
             options=CoordinatorOptions(
                 spare_timeout=o.spare_timeout,
                 recovery_timeout=o.recovery_timeout,
+                exclude_after=o.exclude_after,
+                exclude_window=o.exclude_window,
                 max_restarts=o.max_restarts,
                 restarts=o.restarts,
             ),
