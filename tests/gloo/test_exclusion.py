@@ -1,6 +1,6 @@
 """Hosts that failed too often are not taken back (leto.backends.gloo.exclusion): the
 count within the window, loopback never excluded, and the spare pool passing over a
-spare of an excluded host (tests/hosts/test_exclusion.py runs it on test hosts)."""
+spare of an excluded host (tests/hosts/test_host_exclusion.py runs it on test hosts)."""
 
 from __future__ import annotations
 
