@@ -179,3 +179,18 @@ def test_a_console_whose_reader_goes_away_does_not_end_the_job(tmp_path: Path) -
     ends = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert [e["status"] for e in ends if e["event"] == "job_end"] == ["ok"]
     assert sum(e["event"] == "step" for e in ends) == 8
+
+
+def test_a_node_lost_after_a_snapshot_restores_the_closed_state_bitwise(tmp_path: Path) -> None:
+    """A new user's trial: 2 nodes x 1 rank, node 1 lost after the tier-2 snapshot of
+    step 10 (tier2_interval's default): the restore from that snapshot resumed with the
+    scheduler one step behind on every rank (replicas agreeing, the job exiting 0) while
+    the snapshot was taken inside ``optimizer.step()``, before the loop's tail stepped
+    the scheduler; it is taken at the step boundary now."""
+    ref2 = job(tmp_path / "ref2", nnodes=2, nproc=1, steps=13, script=TAIL)
+    lose = [{"kind": "lose_node", "rank": 1, "step": 12, "phase": "forward"}]
+    res = job(tmp_path / "lose", nnodes=2, nproc=1, steps=13, script=TAIL, faults=lose)
+    assert res.ok and ref2.ok, explain(res)
+    (rec,) = res.recoveries
+    assert rec["kind"] == "tier2" and rec["resumed_at"] == 10, rec
+    assert res.digests == ref2.digests, explain(res)  # the scheduler's state included

@@ -616,7 +616,8 @@ class StepTransaction:
         if gather:
             session.memory.gather_params()  # sharded: every rank's new shard into the model
         session.ch.mark("idle", V)
-        session.snapshots.maybe_take(V)
+        if not tail:  # the user's loop takes it at the step boundary, after its tail ran
+            session.snapshots.maybe_take(V)
         if checkpoint:
             session.checkpoints.maybe_write(V)
         return lval if lval is not None else 0.0
