@@ -98,7 +98,7 @@ def test_without_step_variables_the_job_list_and_torchrun_defaults_serve(
         (["--master-addr", "localhost"], {}, "--slurm and --master-addr: "),
         ([], {"SLURM_JOB_ID": None}, "SLURM_JOB_ID is not set"),
         ([], {"SLURM_NODEID": None}, "SLURM_NODEID is not set"),
-        ([], {"SLURM_STEP_NUM_TASKS": "8"}, "srun started 8 tasks on 4 nodes"),
+        ([], {"SLURM_STEP_NUM_TASKS": "8"}, "srun started 8 tasks on 4 node(s)"),
         ([], {"SLURM_NODEID": "4"}, "SLURM_NODEID=4 is not in 0..3"),
         ([], {"SLURM_STEP_NUM_NODES": "four"}, "SLURM_STEP_NUM_NODES='four' is not a number"),
         ([], {"SLURM_STEP_NODELIST": "gpu[x]"}, "SLURM_STEP_NODELIST 'gpu[x]'"),

@@ -120,7 +120,7 @@ def apply_slurm(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
     tasks = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
     if tasks is not None and tasks[1] != nodes[1]:
         raise BadInput(
-            f"--slurm: srun started {tasks[1]} tasks on {nodes[1]} nodes ({tasks[0]}); leto "
+            f"--slurm: srun started {tasks[1]} tasks on {nodes[1]} node(s) ({tasks[0]}); leto "
             "launch is one agent per node and starts the node's ranks itself: give srun "
             "--ntasks-per-node=1"
         )

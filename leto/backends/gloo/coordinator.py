@@ -380,9 +380,16 @@ class Coordinator:
             return
         for node, since in list(self.nodes_lost_at.items()):
             if now - since > self.opt.spare_timeout and node not in self.nodes_up:
+                passed = len(self.spares.ids)  # pooled, every one on an excluded host
+                pool = (
+                    f"the spare pool's {passed} spare(s) are on excluded hosts: "
+                    + "; ".join(sorted(set(self.exclusions.excluded.values())))
+                    if passed
+                    else "the spare pool was empty"
+                )
                 self.driver.give_up(
                     f"node {node} was lost and no replacement joined within "
-                    f"{self.opt.spare_timeout:g} s (the spare pool was empty): start "
+                    f"{self.opt.spare_timeout:g} s ({pool}): start "
                     f"`leto launch` with --node-rank {node} on a spare node (same arguments), "
                     "or keep spare agents in the pool (--spare, --spares N), to recover in place"
                 )

@@ -593,8 +593,12 @@ class Routing:
         assert c is not None
         if c.model is None:
             return
+        said = set(c.spares.passed)
         for sid, n in c.spares.assign(c.nodes_lost_at, c.nodes_up):
             self.place(sid, n, now)
+        for sid in sorted(c.spares.passed - said):  # each said once, here as in the log
+            peer = c.spares.peers[sid]
+            a.say(f"spare {sid} ({peer}) passed over: {c.exclusions.refusal(peer)}")
 
     def send_go(self, node: int) -> None:
         """The job starts: node ``node`` starts its trainers."""
