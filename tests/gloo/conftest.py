@@ -12,45 +12,17 @@ spec trace``): :func:`jobs.job` checks its own job at once, this catches the oth
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from leto.backends.gloo.procs import processes_with as tagged_pids
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # jobs.py
 from etcd import EtcdCluster  # noqa: E402
-from jobs import STEPS_2x2, assert_trace, explain, job  # noqa: E402
+from jobs import STEPS_2x2, assert_trace, explain, guard, job, shm_entries  # noqa: E402
 
 from leto.backends.gloo.harness import JobResult  # noqa: E402
-
-
-def shm_entries() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
-
-
-def _guard(t: str, before: set[str]) -> None:
-    deadline = time.monotonic() + 5.0
-    left = tagged_pids(t)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = tagged_pids(t)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    leaked = sorted(shm_entries() - before)
-    assert not left, f"processes left running after the test: {left}"
-    assert not leaked, f"/dev/shm entries leaked by the test: {leaked}"
 
 
 @pytest.fixture
@@ -59,7 +31,7 @@ def tag(tmp_path: Path) -> Iterator[str]:
     before = shm_entries()
     t = str(tmp_path)
     yield t
-    _guard(t, before)
+    guard(t, before)
     for log in sorted(tmp_path.rglob("events.jsonl")):
         assert_trace(log.parent)
 
@@ -70,7 +42,7 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     before = shm_entries()
     d = tmp_path_factory.mktemp("shared-jobs")
     yield d
-    _guard(str(d), before)
+    guard(str(d), before)
 
 
 @pytest.fixture(scope="session")

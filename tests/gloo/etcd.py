@@ -48,6 +48,23 @@ def etcd_executable() -> str:
     )
 
 
+def member_command(
+    exe: str, name: str, data_dir: Path, client: str, peer: str, initial: str, token: str
+) -> list[str]:
+    """One member of a new test cluster: serving clients at ``client`` and peers at
+    ``peer`` (URLs), in the cluster ``initial`` (``name=peer-url,...``) of ``token``, with
+    short heartbeats and elections (a test's failover in well under a second)."""
+    return [
+        exe, "--name", name, "--data-dir", str(data_dir),
+        "--listen-client-urls", client, "--advertise-client-urls", client,
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", initial, "--initial-cluster-state", "new",
+        "--initial-cluster-token", token,
+        "--heartbeat-interval", "50", "--election-timeout", "500",
+        "--logger", "zap", "--log-outputs", "stderr",
+    ]  # fmt: skip
+
+
 class EtcdCluster:
     def __init__(
         self, root: Path, members: int = MEMBERS, client_ports: list[int] | None = None
@@ -68,17 +85,10 @@ class EtcdCluster:
         for i, name in enumerate(names):
             c, p = self.client_ports[i], self.peer_ports[i]
             log = open(root / f"{name}.log", "wb")  # noqa: SIM115
-            cmd = [
-                exe, "--name", name, "--data-dir", str(root / name),
-                "--listen-client-urls", f"http://127.0.0.1:{c}",
-                "--advertise-client-urls", f"http://127.0.0.1:{c}",
-                "--listen-peer-urls", f"http://127.0.0.1:{p}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{p}",
-                "--initial-cluster", initial, "--initial-cluster-state", "new",
-                "--initial-cluster-token", token,
-                "--heartbeat-interval", "50", "--election-timeout", "500",
-                "--logger", "zap", "--log-outputs", "stderr",
-            ]  # fmt: skip
+            cmd = member_command(
+                exe, name, root / name, f"http://127.0.0.1:{c}", f"http://127.0.0.1:{p}",
+                initial, token,
+            )  # fmt: skip
             self.procs.append(
                 subprocess.Popen(
                     cmd,

@@ -4,6 +4,7 @@ and that its event log replays through the core's model (``leto spec trace``).""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,31 @@ def job(
     assert not res.leftovers, f"processes left running after the job: {res.leftovers}"
     assert_trace(res.run_dir)
     return res
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def guard(tag: str, before: set[str]) -> None:
+    """No process of ``tag`` left (waited for briefly, then killed, so one failure does
+    not cascade) and no ``/dev/shm`` entry beyond ``before``; else the test fails."""
+    deadline = time.monotonic() + 5.0
+    left = processes_with(tag)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = processes_with(tag)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    leaked = sorted(shm_entries() - before)
+    assert not left, f"processes left running after the test: {left}"
+    assert not leaked, f"/dev/shm entries leaked by the test: {leaked}"
 
 
 def kills(points: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -5,10 +5,7 @@ real-process guard of ``tests/gloo``: no process of the test's tag and no new
 from __future__ import annotations
 
 import functools
-import os
-import signal
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,23 +14,15 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent / "gloo"))  # jobs.py, scripts/
-from jobs import STEPS_2x2, assert_trace, explain, job  # noqa: E402
+from jobs import STEPS_2x2, assert_trace, explain, guard, job, shm_entries  # noqa: E402
 from netns import Hosts, namespaces, unavailable  # noqa: E402
 
 from leto.backends.gloo.harness import JobResult  # noqa: E402
-from leto.backends.gloo.procs import processes_with  # noqa: E402
 
 
 @functools.cache
 def _why_not() -> str | None:
     return unavailable()
-
-
-def _shm() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
 
 
 @pytest.fixture
@@ -60,22 +49,10 @@ def make_hosts() -> Iterator[Callable[[int], Hosts]]:
 @pytest.fixture
 def tag(tmp_path: Path) -> Iterator[str]:
     """A string in the command line of every process the test starts (its tmp path)."""
-    before = _shm()
+    before = shm_entries()
     t = str(tmp_path)
     yield t
-    deadline = time.monotonic() + 5.0
-    left = processes_with(t)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = processes_with(t)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    leaked = sorted(_shm() - before)
-    assert not left, f"processes left running after the test: {left}"
-    assert not leaked, f"/dev/shm entries leaked by the test: {leaked}"
+    guard(t, before)
     for log in sorted(tmp_path.rglob("events.jsonl")):
         assert_trace(log.parent)
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from etcd import etcd_executable
+from etcd import etcd_executable, member_command
 from netns import Hosts
 
 from leto.backends.gloo.procs import die_with_parent
@@ -44,17 +44,10 @@ class EtcdOnHosts:
         self.procs: list[subprocess.Popen[str]] = []
         for i, a in enumerate(self.addrs):
             with open(root / f"m{i}.log", "w") as log:
-                cmd = [
-                    exe, "--name", f"m{i}", "--data-dir", str(root / f"m{i}"),
-                    "--listen-client-urls", f"http://{a}:2379",
-                    "--advertise-client-urls", f"http://{a}:2379",
-                    "--listen-peer-urls", f"http://{a}:2380",
-                    "--initial-advertise-peer-urls", f"http://{a}:2380",
-                    "--initial-cluster", initial, "--initial-cluster-state", "new",
-                    "--initial-cluster-token", token,
-                    "--heartbeat-interval", "50", "--election-timeout", "500",
-                    "--logger", "zap", "--log-outputs", "stderr",
-                ]  # fmt: skip
+                cmd = member_command(
+                    exe, f"m{i}", root / f"m{i}", f"http://{a}:2379", f"http://{a}:2380",
+                    initial, token,
+                )  # fmt: skip
                 self.procs.append(
                     hosts.popen(
                         on[i], cmd, stdout=log, stderr=subprocess.STDOUT,
