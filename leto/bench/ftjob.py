@@ -37,7 +37,7 @@ import statistics
 from typing import Any
 
 from .agent import Job
-from .interval import failure_schedule
+from .interval import failure_schedule, without_checkpoints
 from .workload import BenchError, Workload
 
 __all__ = ["missing", "measure_torchft", "torchft_breakdown", "version"]
@@ -265,13 +265,9 @@ def measure_torchft(
         lh.close()
     surv = [r["detail"]["survivors"] for r in runs]
     frac = [s["fraction_of_steady"] for s in surv if s["fraction_of_steady"] is not None]
+    backend = f"torchft {version()}, gloo, {wl.world} replica groups x 1 rank"
     return {
-        "calibration": {"step_s": step_s, "save_s": 0.0, "write_s": 0.0},
-        "interval_steps": None,
-        "interval_s": None,
-        "runs": runs,
-        "schedule": schedule,
-        "backend": f"torchft {version()}, gloo, {wl.world} replica groups x 1 rank",
+        **without_checkpoints(step_s, runs, schedule, backend),
         "version": version(),
         "lighthouse": LIGHTHOUSE,
         "survivor_throughput": {

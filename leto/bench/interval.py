@@ -32,6 +32,7 @@ from leto.sim.theory import daly_interval, young_interval
 from .workload import BenchError
 
 __all__ = [
+    "without_checkpoints",
     "FAIL_AT",
     "check_fail_at",
     "checkpoint_interval_steps",
@@ -91,3 +92,18 @@ def failure_schedule(
             f["at"] = at
         out.append(f)
     return out
+
+
+def without_checkpoints(
+    step_s: float, runs: list[dict[str, Any]], schedule: list[dict[str, Any]], backend: str
+) -> dict[str, Any]:
+    """A system's result that writes no checkpoint (leto, torchft, nvre): its steady step
+    time, no save or interval, its recoveries and the failure schedule they followed."""
+    return {
+        "calibration": {"step_s": step_s, "save_s": 0.0, "write_s": 0.0},
+        "interval_steps": None,
+        "interval_s": None,
+        "runs": runs,
+        "schedule": schedule,
+        "backend": backend,
+    }

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .interval import failure_schedule
+from .interval import failure_schedule, without_checkpoints
 from .workload import BenchError, Workload
 
 __all__ = ["MAX_RESERVES", "PACKAGE", "measure_nvre", "missing", "nvre_breakdown", "version"]
@@ -233,15 +233,9 @@ def measure_nvre(
             raise BenchError(f"nvre: recovery {j + 1}: {e}") from None
         if progress is not None:
             progress.advance(f"nvre recovery {j + 1}")
-    return {
-        "calibration": {"step_s": _steady_step_s(events, wl.world), "save_s": 0.0, "write_s": 0.0},
-        "interval_steps": None,
-        "interval_s": None,
-        "runs": runs,
-        "schedule": schedule,
-        "backend": (
-            f"{PACKAGE} {version()} inprocess.Wrapper, gloo, {wl.world} ranks"
-            f" + {len(schedule)} reserve processes"
-        ),
-        "version": version(),
-    }
+    backend = (
+        f"{PACKAGE} {version()} inprocess.Wrapper, gloo, {wl.world} ranks"
+        f" + {len(schedule)} reserve processes"
+    )
+    step_s = _steady_step_s(events, wl.world)
+    return {**without_checkpoints(step_s, runs, schedule, backend), "version": version()}

@@ -30,7 +30,12 @@ from typing import Any
 
 from .agent import RESTART_SYSTEMS, Job
 from .ftjob import measure_torchft
-from .interval import check_fail_at, checkpoint_interval_steps, failure_schedule
+from .interval import (
+    check_fail_at,
+    checkpoint_interval_steps,
+    failure_schedule,
+    without_checkpoints,
+)
 from .nvrejob import measure_nvre
 from .timeline import PHASES, restart_breakdown
 from .workload import BenchError, Workload
@@ -190,15 +195,8 @@ def measure_leto(
             )
         runs = [leto_breakdown(job.events, st) for st in stamps]
         step_s = step_time(job.events, 2, schedule[0]["step"] - 1)
-    return {
-        "calibration": {"step_s": step_s, "save_s": 0.0, "write_s": 0.0},
-        "interval_steps": None,
-        "interval_s": None,
-        "runs": runs,
-        "schedule": schedule,
-        "backend": f"leto launch, gloo, {job.nodes} nodes x {wl.world // job.nodes} ranks",
-        "tier2": tier2,
-    }
+    backend = f"leto launch, gloo, {job.nodes} nodes x {wl.world // job.nodes} ranks"
+    return {**without_checkpoints(step_s, runs, schedule, backend), "tier2": tier2}
 
 
 def run_recovery(
