@@ -56,8 +56,11 @@ def test_a_partition_of_the_coordinator_s_node_fails_over_bitwise(
     (record,) = res.of("commit_record")
     assert record["backend"] == "etcd" and took["committed"] >= 3, (took["committed"], record)
     assert record["commits"] == STEPS_2x2 - rec["resumed_at"], (record, rec)
+    # the first end is the successor's, ok, at the end of training: the deposed leader's
+    # own end comes about 10 s later (its lease lapsing); 1 s was too tight (1.08 s seen
+    # in a fresh-clone CI run, the spares' and agents' goodbyes on a busy machine)
     ends = res.of("job_end")
-    assert ends[0]["status"] == "ok" and ends[0]["t"] < res.of("training_done")[0]["t"] + 1, ends
+    assert ends[0]["status"] == "ok" and ends[0]["t"] < res.of("training_done")[0]["t"] + 5, ends
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"
     said = [x for x in res.text(0).splitlines() if "error:" in x]
     assert len(said) == 1 and "lost the job's id in etcd" in said[0], res.text(0)
