@@ -37,4 +37,6 @@ def test_code_after_the_loop_that_fails_fails_the_job(
     line = failed["error"]
     assert line.startswith("rank 1 ") and "after training completed" in line, line
     assert "in the script's code after its loop" in line and says in line, line
-    assert wrote == ["after-rank0"]  # rank 0's ran; rank 1's did not finish
+    # rank 1's did not finish; rank 0's may or may not have, before the job's end
+    # stopped it (a fresh-clone CI run saw it stopped first)
+    assert "after-rank1" not in wrote
