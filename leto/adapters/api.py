@@ -181,15 +181,10 @@ def make_backend(config: Config) -> Backend:
         from leto.backends.fake import FakeBackend
 
         return FakeBackend(config.topology)
-    if config.backend == "gloo":
-        raise ConfigError(
-            "backend",
-            "'gloo' has no in-process backend object: call leto.wrap in a script started "
-            "by `leto launch`",
-        )
-    raise NotImplementedError(
-        f"backend: the {config.backend!r} backend is not built yet; use backend='fake' "
-        "(simulated ranks in one process)"
+    raise ConfigError(  # gloo and nccl run one process per rank
+        "backend",
+        f"{config.backend!r} has no in-process backend object: call leto.wrap in a script "
+        "started by `leto launch`",
     )
 
 
@@ -240,7 +235,7 @@ def wrap(
         cfg = attrs.evolve(cfg, resume=cfg.checkpoint_dir)
     elif resume and cfg.resume is None:  # `leto launch --resume DIR`, whatever the config
         cfg = attrs.evolve(cfg, resume=resume)
-    if cfg.backend == "gloo":
+    if cfg.backend in ("gloo", "nccl"):  # nccl: the gloo backend's processes, NCCL's data plane
         from leto.backends.gloo.runtime import wrap_gloo
 
         return wrap_gloo(

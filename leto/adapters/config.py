@@ -63,6 +63,13 @@ shard                false     ZeRO-style sharded state: each rank retains only 
                                SGD, Adam, AdamW; each rank writes its own shard of a
                                disk checkpoint, which resumes at the world size and
                                chunk_size it was written at
+device               "auto"    where the retained state and the model live: ``cpu``,
+                               ``cuda`` or ``cuda:N`` (refused without CUDA); ``auto`` is
+                               ``cuda`` with the nccl backend, else ``cpu``. On a GPU the
+                               keepers hold GPU memory (docs/gpu.md); gloo and nccl only
+checksum             "auto"    the chunk checksum's algorithm: ``xxh3`` (host memory
+                               only) or ``fletcher`` (torch ops, any device); ``auto`` is
+                               xxh3 on ``cpu``, fletcher on a GPU
 ===================  ========  ==========================================================
 
 ``LETO_CONFIG=path.toml`` makes :meth:`Config.from_env` read that file first; the
@@ -86,7 +93,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -94,10 +101,17 @@ from leto.argcheck import BadInput, Bound, dir_to_create, show
 from leto.core.erasure import Topology
 from leto.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["BACKENDS", "TIER1_CODES", "Config", "ConfigError", "check_count"]
 
 BACKENDS = ("fake", "gloo", "nccl")
+# one process per rank under `leto launch` (the gloo backend's processes; nccl: its
+# collectives on CUDA tensors over NCCL)
+PROCESS_BACKENDS = ("gloo", "nccl")
 TIER1_CODES = ("auto", "parity", "replica")
+CHECKSUMS = ("auto", "xxh3", "fletcher")
 _ENV_PREFIX = "LETO_"
 # LETO_* variables that are not settings: set by `leto launch`'s agent for its
 # trainers (leto.backends.gloo.agent), or read by other parts of leto.
@@ -112,6 +126,7 @@ NOT_SETTINGS = frozenset(
         "LETO_DUMP_FINAL",
         "LETO_TLA2TOOLS",
         "LETO_BENCH_TEST_MARK",
+        "LETO_STAGE_COLLECTIVES",
     }
 )
 MAX_RANKS = 1 << 20
@@ -179,6 +194,35 @@ def _v_tier1_code(_inst: Any, _attr: Any, value: Any) -> None:
         )
 
 
+def _v_device(_inst: Any, _attr: Any, value: Any) -> None:
+    if value in ("auto", "cpu"):
+        return
+    kind, _, index = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ConfigError(
+            "device", f"unknown device {show(value)} (choose auto, cpu, cuda or cuda:N)"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "device",
+            f"{value!r} needs CUDA, but torch.cuda.is_available() is False on this machine "
+            f"(torch {torch.__version__}); use 'cpu'",
+        )
+    if index and int(index) >= torch.cuda.device_count():
+        raise ConfigError(
+            "device", f"{value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+
+
+def _v_checksum(_inst: Any, _attr: Any, value: Any) -> None:
+    if value not in CHECKSUMS:
+        raise ConfigError(
+            "checksum", f"unknown algorithm {show(value)} (choose one of {', '.join(CHECKSUMS)})"
+        )
+
+
 def _v_world(_inst: Any, _attr: Any, value: Any) -> None:
     if value is not None:
         _int("world_size", value)
@@ -235,6 +279,8 @@ class Config:
     replica_check: int = attrs.field(default=1, validator=_v_count)
     master_weights: bool = attrs.field(default=False, validator=_v_bool)
     shard: bool = attrs.field(default=False, validator=_v_bool)
+    device: str = attrs.field(default="auto", validator=_v_device)
+    checksum: str = attrs.field(default="auto", validator=_v_checksum)
 
     def __attrs_post_init__(self) -> None:
         n = self.nodes * self.ranks_per_node
@@ -258,13 +304,14 @@ class Config:
             )
         if self.shard:
             self._check_shard()
+        self._check_device()
         if self.tier1_code == "replica":
             if not self.tier1:
                 raise ConfigError("tier1_code", "'replica' is a tier-1 code, but tier1 is off")
-            if self.backend != "gloo":
+            if self.backend not in PROCESS_BACKENDS:
                 raise ConfigError(
                     "tier1_code",
-                    f"'replica' is built for the gloo backend only, not {self.backend!r} "
+                    f"'replica' is built for the gloo and nccl backends only, not {self.backend!r} "
                     "(use 'parity' or 'auto')",
                 )
             if self.ranks_per_node < 2:
@@ -274,8 +321,27 @@ class Config:
                     "here has one rank (use 'parity' or 'auto')",
                 )
 
+    def _check_device(self) -> None:
+        dev = self.torch_device
+        if dev.type == "cpu":
+            if self.backend == "nccl":
+                raise ConfigError("device", "the nccl backend runs on CUDA tensors, not 'cpu'")
+            return
+        if self.backend == "fake":
+            raise ConfigError(
+                "device", f"the fake backend keeps its state in host memory, not on {dev}"
+            )
+        if self.shard:
+            raise ConfigError(
+                "shard", f"sharded state (shard = true) runs on the CPU only, not on {dev}"
+            )
+        if self.checksum == "xxh3":
+            raise ConfigError(
+                "checksum", f"xxh3 reads host memory; the state is on {dev} (use 'fletcher')"
+            )
+
     def _check_shard(self) -> None:
-        if self.backend != "gloo":
+        if self.backend not in PROCESS_BACKENDS:
             raise ConfigError(
                 "shard", f"sharded state runs on the gloo backend only, not {self.backend!r}"
             )
@@ -291,6 +357,22 @@ class Config:
     @property
     def topology(self) -> Topology:
         return Topology.uniform(self.nodes, self.ranks_per_node)
+
+    @property
+    def torch_device(self) -> torch.device:
+        """Where the retained state lives (``device``, ``auto`` resolved)."""
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if self.backend == "nccl" else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def checksum_algorithm(self) -> str:
+        """The chunk checksum's algorithm (``checksum``, ``auto`` resolved)."""
+        if self.checksum != "auto":
+            return self.checksum
+        return "xxh3" if self.torch_device.type == "cpu" else "fletcher"
 
     @property
     def ranks(self) -> int:
@@ -309,7 +391,9 @@ class Config:
         if not self.tier1:
             return None
         if self.tier1_code == "auto":
-            replica = self.backend == "gloo" and self.ranks_per_node >= 2 and not self.shard
+            replica = (
+                self.backend in PROCESS_BACKENDS and self.ranks_per_node >= 2 and not self.shard
+            )
             return "replica" if replica else "parity"
         return self.tier1_code
 
@@ -528,7 +612,7 @@ def _parse_env(key: str, raw: str, source: str) -> Any:
     text = raw.strip()
     if key in ("checkpoint_dir", "resume"):
         return None if text.lower() in ("", "none") else text
-    if key in ("backend", "tier1_code"):
+    if key in ("backend", "tier1_code", "device", "checksum"):
         return text
     if a.validator is _v_bool:
         low = text.lower()

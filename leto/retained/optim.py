@@ -192,6 +192,7 @@ def retain(
     align_bytes: int = 256,
     verify: bool = False,
     master_weights: bool = False,
+    checksum_algorithm: str | None = None,
 ) -> RetainedOptimizer:
     """Create (or ``attach`` to) the retained layout of ``model`` and retain ``optimizer``.
 
@@ -212,5 +213,6 @@ def retain(
         chunk_numel=chunk_numel,
         align_bytes=align_bytes,
         master_weights=master_weights,
+        checksum_algorithm=checksum_algorithm,
     )
     return to_retained(optimizer, layout, alloc=alloc, adopt=not attach, verify=verify)

@@ -51,6 +51,7 @@ __all__ = [
     "InProcessGroup",
     "InProcessCollective",
     "TorchDistCollective",
+    "HostStaged",
     "run_spmd",
     "as_bytes",
     "encode",
@@ -626,3 +627,63 @@ class TorchDistCollective:
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         self._dist.recv(tensor, src=self._global(src), group=self._group)
+
+
+class HostStaged:
+    """A :class:`TorchDistCollective` for tensors the backend cannot reduce where they
+    are: each operation runs on a host copy, copied back in place afterwards.
+
+    gloo reduces only host tensors (``reduce`` with a CUDA tensor is refused), so a
+    layout in GPU memory stages every parity collective through host memory. A tensor
+    already on the host goes straight through unless ``always`` (the device path,
+    exercised on a CPU: the same copies, out and back). Results are bitwise those of the
+    unstaged operation: the copies move bytes, the reduction runs on the same values.
+    """
+
+    def __init__(self, inner: TorchDistCollective, *, always: bool = False) -> None:
+        self.inner = inner
+        self.always = always
+        self.staged = 0  # operations staged, for the tests
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def _run(self, op: Callable[..., None], tensor: torch.Tensor, *args: Any) -> None:
+        if tensor.device.type == "cpu" and not self.always:
+            op(tensor, *args)
+            return
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        host.copy_(tensor)
+        op(host, *args)
+        tensor.copy_(host)
+        self.staged += 1
+
+    def reduce_sum(self, tensor: torch.Tensor, dst: int) -> None:
+        self._run(self.inner.reduce_sum, tensor, dst)
+
+    def reduce_xor(self, tensor: torch.Tensor, dst: int) -> None:
+        self._run(self.inner.reduce_xor, tensor, dst)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        self._run(self.inner.all_reduce_sum, tensor)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self._run(self.inner.broadcast, tensor, src)
+
+    def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        return self.inner.gather_ints(values)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        if tensor.device.type == "cpu" and not self.always:
+            self.inner.send(tensor, dst)
+            return
+        self.inner.send(tensor.to("cpu", copy=True), dst)
+        self.staged += 1
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self._run(self.inner.recv, tensor, src)

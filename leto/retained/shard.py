@@ -240,6 +240,7 @@ def retain_shard(
     attach: bool,
     verify: bool = False,
     prefix: str = "leto",
+    checksum_algorithm: str | None = None,
 ) -> RetainedOptimizer:
     """Rank ``rank``'s retained shard of ``model`` and ``optimizer``: create (or
     ``attach`` to) the layout of its pieces, and the chunked optimizer over them.
@@ -273,6 +274,7 @@ def retain_shard(
         chunk_numel=plan.chunk_numel,
         offsets=plan.local_offsets(rank),
         numel=plan.shard_numel,
+        checksum_algorithm=checksum_algorithm,
     )
     by_param = {id(p): i for i, (_, p) in enumerate(named)}
     piece_of: dict[int, list[nn.Parameter]] = {}

@@ -84,7 +84,7 @@ def test_from_dict_with_topology_string() -> None:
         (
             {"tier1_code": "replica"},
             "tier1_code",
-            "'replica' is built for the gloo backend only, not 'fake' (use 'parity' or 'auto')",
+            "'replica' is built for the gloo and nccl backends only, not 'fake' (use 'parity' or 'auto')",
         ),
         (
             {"backend": "gloo", "topology": "2x1", "tier1_code": "replica"},
@@ -104,6 +104,10 @@ def test_from_dict_with_topology_string() -> None:
             "'replica' cannot protect sharded state (shard = true)",
         ),
         ({"colour": "blue"}, "colour", "unknown setting"),
+        ({"backend": "gloo", "device": "tpu"}, "device", "unknown device 'tpu' (choose auto, cpu"),
+        ({"backend": "gloo", "device": "cuda:x"}, "device", "unknown device 'cuda:x'"),
+        ({"backend": "gloo", "device": 0}, "device", "unknown device 0"),
+        ({"backend": "gloo", "checksum": "md5"}, "checksum", "unknown algorithm 'md5' (choose"),
         ({"checkpoint_dir": ""}, "checkpoint_dir", "must be a directory path"),
     ],
 )
@@ -138,6 +142,25 @@ def test_nccl_without_cuda_fails_at_load() -> None:
     e = err(Config.from_dict, {"backend": "nccl"})
     assert e.field == "backend"
     assert "'nccl' needs CUDA" in str(e) and "torch.cuda.is_available() is False" in str(e)
+
+
+def test_device_and_checksum_resolve_and_cuda_is_refused_without_it() -> None:
+    c = Config.from_dict({"backend": "gloo"})
+    assert (str(c.torch_device), c.checksum_algorithm) == ("cpu", "xxh3")
+    c = Config.from_dict({"backend": "gloo", "device": "cpu", "checksum": "fletcher"})
+    assert (str(c.torch_device), c.checksum_algorithm) == ("cpu", "fletcher")
+    assert (
+        Config.from_env({"LETO_BACKEND": "gloo", "LETO_CHECKSUM": "fletcher"}).checksum
+        == "fletcher"
+    )
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without CUDA")
+    e = err(Config.from_dict, {"backend": "gloo", "device": "cuda"})
+    assert (
+        e.field == "device"
+        and "'cuda' needs CUDA, but torch.cuda.is_available() is False" in str(e)
+    )
+    assert "\n" not in str(e)
 
 
 def test_toml_with_and_without_a_leto_table(tmp_path: Path) -> None:

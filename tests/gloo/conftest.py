@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # jobs.py
 from etcd import EtcdCluster  # noqa: E402
-from jobs import STEPS_2x2, assert_trace, explain, guard, job, shm_entries  # noqa: E402
+from jobs import STEPS_1x2, STEPS_2x2, assert_trace, explain, guard, job, shm_entries  # noqa: E402
 
 from leto.backends.gloo.harness import JobResult  # noqa: E402
 
@@ -49,6 +49,14 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def ref_2x2(session_dir: Path) -> JobResult:
     """The failure-free 2 nodes x 2 ranks job (c10d) that 2 x 2 jobs are compared with."""
     res = job(session_dir / "ref-2x2", nnodes=2, nproc=2, steps=STEPS_2x2)
+    assert res.ok and res.digests, explain(res)
+    return res
+
+
+@pytest.fixture(scope="session")
+def ref_1x2(session_dir: Path) -> JobResult:
+    """The failure-free 1 node x 2 ranks job that 1 x 2 jobs are compared with."""
+    res = job(session_dir / "ref-1x2", steps=STEPS_1x2)
     assert res.ok and res.digests, explain(res)
     return res
 

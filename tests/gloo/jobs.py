@@ -29,6 +29,7 @@ LOOP_POINTS: list[dict[str, Any]] = [
     {"phase": "tail"},  # after optimizer.step() and the user's code after it, before the next batch
 ]
 STEPS_2x2 = 10  # the steps of the 2 x 2 jobs compared with conftest's ref_2x2
+STEPS_1x2 = 13  # the steps of the 1 x 2 jobs compared with conftest's ref_1x2
 
 
 def job(

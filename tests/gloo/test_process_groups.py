@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,3 +123,56 @@ def test_a_failed_formation_leaves_the_group_names_of_a_fresh_process() -> None:
     assert distributed_c10d._world.group_count == before + 1  # what torch does today
     reset_group_count()
     assert distributed_c10d._world.group_count == 0
+
+
+def test_nccl_groups_are_made_for_both_devices_and_only_nccl_is_aborted(tmp_path: Path) -> None:
+    """``backend = "nccl"`` makes every group for host tensors over gloo and CUDA tensors
+    over NCCL; a recovery aborts the NCCL communicators only, found through torch's
+    private ``ProcessGroup._get_backend`` (fails when torch changes it): a gloo group,
+    which serves CUDA tensors itself where NCCL is absent, is not aborted and still works."""
+    from leto.backends.gloo.process_groups import abort_nccl, group_backend
+
+    assert group_backend("nccl") == "cpu:gloo,cuda:nccl" and group_backend("gloo") == "gloo"
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        world = dist.group.WORLD
+        assert world is not None and world._get_backend(torch.device("cuda")).name() == "gloo"
+        assert abort_nccl([world, dist.new_group([0])]) == 0
+        t = torch.ones(3)
+        dist.all_reduce(t)  # not aborted
+        assert t.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parity_collectives_are_staged_on_a_device_or_when_asked(monkeypatch: Any) -> None:
+    from types import SimpleNamespace
+
+    from leto.retained.parity import HostStaged, TorchDistCollective
+
+    def groups(device: str, backend: str = "gloo") -> ProcessGroups:
+        cfg = SimpleNamespace(backend=backend, torch_device=torch.device(device))
+        return ProcessGroups(SimpleNamespace(cfg=cfg))  # type: ignore[arg-type]
+
+    monkeypatch.delenv("LETO_STAGE_COLLECTIVES", raising=False)
+    assert not groups("cpu").stage
+    assert groups("meta").stage  # any device but the host's: gloo reduces host tensors only
+    assert not groups("meta", "nccl").stage  # NCCL reduces CUDA tensors where they are
+    monkeypatch.setenv("LETO_STAGE_COLLECTIVES", "1")
+    g = groups("cpu")
+    assert g.stage and g.stage_always
+    dist.init_process_group(
+        "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,  # type: ignore[attr-defined]
+    )
+    try:
+        coll = g.parity(None)
+        assert isinstance(coll, HostStaged) and isinstance(coll.inner, TorchDistCollective)
+        t = torch.arange(4.0)
+        coll.all_reduce_sum(t)
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0] and coll.staged == 1
+    finally:
+        dist.destroy_process_group()

@@ -15,20 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import STEPS_2x2, digests_equal, explain, job, story
+from jobs import STEPS_1x2, STEPS_2x2, digests_equal, explain, job, story
 
 from leto.backends.gloo.harness import JobResult
 from leto.backends.gloo.procs import Backseat
 
-STEPS_1x2 = 13
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-
-
-@pytest.fixture(scope="session")
-def ref_1x2(session_dir: Path) -> JobResult:
-    res = job(session_dir / "ref-1x2", steps=STEPS_1x2)
-    assert res.ok and res.digests, explain(res)
-    return res
 
 
 # every point of a step, one SIGKILL per step (1 node x 2 ranks, 5 chunks per rank)

@@ -390,7 +390,7 @@ def test_other_users_are_refused_on_both_sides(tag: str) -> None:
 
 def test_an_alloc_reply_with_other_than_one_descriptor_closes_them_all() -> None:
     c = object.__new__(KeeperClient)  # no keeper: the reply is given
-    c._opened = {}
+    c._opened, c._handles, c.device = {}, {}, "cpu"
     r1, w1 = os.pipe()
     c._call = lambda msg: ({"ok": True}, [r1, w1])  # type: ignore[method-assign]
     with pytest.raises(KeeperError, match="sent 2 descriptors for 'x'"):

@@ -602,6 +602,7 @@ class Coordinator:
             "training_done",
             step=steps.pop(),
             digests={str(r): m.digest for r, m in sorted(self.done.items())},
+            memory={str(r): m.memory for r, m in sorted(self.done.items())},
             recoveries=len(self.driver.recoveries),
             degraded=sorted(self.degraded),
             replica_checks=self.replicas.agreed,

@@ -31,7 +31,7 @@ from leto.core.runs import records_runs_json, runs_json
 from leto.retained import recovery as rx
 from leto.retained.optim import RetainedOptimizer
 from leto.retained.parity import (
-    TorchDistCollective,
+    Collective,
     encode,
 )
 from leto.retained.process_state import BatchCursor, restore_buffers
@@ -471,7 +471,7 @@ class Follower:
             restore_buffers(self.session.model, done.buffers)
         return done.forward, done.back
 
-    def _check_kept_parity(self, coll: TorchDistCollective, target: int, kept: list[int]) -> None:
+    def _check_kept_parity(self, coll: Collective, target: int, kept: list[int]) -> None:
         """Test aid (``LETO_CHECK_KEPT_PARITY=1``): the node's kept parity of chunks
         ``kept``, byte for byte, against a fresh encoding of every member's chunks at
         ``target``."""
@@ -489,9 +489,7 @@ class Follower:
                     f"of its members at step {target}"
                 )
 
-    def _encode_chunks(
-        self, coll: TorchDistCollective, chunks: list[int]
-    ) -> list[torch.Tensor] | None:
+    def _encode_chunks(self, coll: Collective, chunks: list[int]) -> list[torch.Tensor] | None:
         """Tier-1 parity of ``chunks`` (every member calls it): one reduce of their bytes,
         in order; on the node's first rank each chunk's parity, else None."""
         lay = self.session.layout
@@ -538,7 +536,7 @@ class Follower:
         if self.session.cfg.tier1:
             if not self.session.parity:
                 self.session.memory.node_memory()
-            coll = TorchDistCollective(self.session.groups.node_group)
+            coll = self.session.groups.parity(self.session.groups.node_group)
             want, self._sums_at_start = self._sums_at_start, None
             if want is None:
                 want = self._node_checksums()

@@ -1,11 +1,16 @@
 """The keeper: one small process per rank that owns the rank's retained memory.
 
-It holds the rank's memfd segments (see :mod:`.segments`) and hands out
-descriptors to the rank's trainer over an abstract Unix socket; the trainer maps
-them. A keeper imports no torch and does no tensor work: it only owns memory,
-so a trainer's death leaves the state intact, and a keeper's death (the
-protocol's ``LoseMemory``: the agent then also kills the rank's trainer, the
-only other holder) really frees it.
+It holds the rank's segments and hands them to the rank's trainer over an abstract
+Unix socket; the trainer maps them. A segment is in host memory (a memfd segment,
+:mod:`.segments`, handed over as its descriptor) or, where the trainer asks for it
+on a GPU, in GPU memory the keeper allocates through
+:class:`~leto.backends.gloo.cuda_memory.CudaIpcProvider` (handed over as a CUDA IPC
+handle); either way the reply carries a :class:`~.memory_provider.Handle`'s wire form
+(:meth:`Handle.to_wire`). A keeper of host memory imports no torch and does no tensor
+work: it only owns memory, so a trainer's death leaves the state intact, and a
+keeper's death (the protocol's ``LoseMemory``: the agent then also kills the rank's
+trainer, the only other holder) really frees it. GPU memory makes the keeper import
+torch and CUDA at the first GPU segment.
 
 **Fencing.** The keeper knows the current generation and which process may
 write in it: the agent ``fence``\\ s it to generation g+1 during recovery and
@@ -29,8 +34,8 @@ that client's connection or is refused; the keeper itself carries on.
 
 Protocol (JSON, :mod:`.wire`): from the agent over the control socket
 ``fence``, ``admit``, ``list``, ``digest``, ``stop``; from a trainer ``hello``
-(first), ``alloc`` (create-or-attach by name: returns the fd), ``list``,
-``digest``. Every reply has ``ok`` and, on refusal, ``error`` and ``why``.
+(first), ``alloc`` (create-or-attach by name and device: returns the handle, and
+the fd of a host segment), ``open`` (every segment's handle), ``list``, ``digest``. Every reply has ``ok`` and, on refusal, ``error`` and ``why``.
 """
 
 from __future__ import annotations
@@ -62,7 +67,9 @@ class Keeper:
         self.rank = rank
         self.generation = 0
         self.writer: dict[int, int] = {}  # generation -> admitted pid
-        self.segments: dict[str, tuple[int, int]] = {}  # name -> (fd, nbytes)
+        self.segments: dict[str, tuple[int, int]] = {}  # name -> (fd, nbytes); GPU: fd -1
+        self.handles: dict[str, dict[str, Any]] = {}  # GPU segments: name -> handle's wire form
+        self._provider: Any = None  # CudaIpcProvider, at the first GPU segment
         self.fence_fd = segments.create(f"leto-{job}-r{rank}-fence", 8)
         self._fence_map = segments.Mapping(self.fence_fd, 8)
         segments.seal_writes(self.fence_fd)  # from now on only this mapping writes it
@@ -106,26 +113,73 @@ class Keeper:
             )
         return None
 
-    def alloc(self, name: str, nbytes: int) -> tuple[int, bool]:
+    def alloc(self, name: str, nbytes: int, device: str = "cpu") -> tuple[dict[str, Any], bool]:
+        """Segment ``name`` of ``nbytes`` on ``device`` (made on first ask): its
+        handle's wire form (:meth:`wire`) and whether it was made now."""
         if not isinstance(name, str) or not name or len(name) > _NAME_MAX:
             raise ValueError(f"bad segment name {name!r}")
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise ValueError(f"bad size {nbytes!r} for segment {name!r}")
+        if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+            raise ValueError(f"bad device {device!r} for segment {name!r}")
         have = self.segments.get(name)
         if have is not None:
             if have[1] != nbytes:
                 raise ValueError(f"segment {name!r} has {have[1]} bytes, {nbytes} requested")
-            return have[0], False
-        fd = segments.create(f"leto-{self.job}-r{self.rank}-{name}", nbytes)
-        self.segments[name] = (fd, nbytes)
-        return fd, True
+            if self.device_of(name) != device:
+                raise ValueError(
+                    f"segment {name!r} is in {self.device_of(name)} memory, {device} requested"
+                )
+            return self.wire(name), False
+        if device == "cpu":
+            fd = segments.create(f"leto-{self.job}-r{self.rank}-{name}", nbytes)
+            self.segments[name] = (fd, nbytes)
+        else:
+            self.handles[name] = self._gpu(device).allocate(name, nbytes).to_wire()[0]
+            self.segments[name] = (-1, nbytes)
+        return self.wire(name), True
+
+    def _gpu(self, device: str) -> Any:
+        """The GPU memory provider (CUDA IPC), made at the first GPU segment."""
+        if self._provider is None:
+            from .cuda_memory import CudaIpcProvider
+
+            self._provider = CudaIpcProvider(device)
+        elif str(self._provider.device) != device and device != "cuda":
+            raise ValueError(f"this keeper holds {self._provider.device} memory, not {device}")
+        return self._provider
+
+    def device_of(self, name: str) -> str:
+        handle = self.handles.get(name)
+        return "cpu" if handle is None else str(self._provider.device)
+
+    def wire(self, name: str) -> dict[str, Any]:
+        """Segment ``name``'s handle as sent (a host segment's descriptor travels beside)."""
+        handle = self.handles.get(name)
+        if handle is not None:
+            return handle
+        return {"kind": "memfd", "name": name, "nbytes": self.segments[name][1], "fields": {}}
 
     def listing(self) -> dict[str, int]:
         return {n: b for n, (_, b) in sorted(self.segments.items())}
 
     def digests(self, names: list[str] | None) -> dict[str, str]:
         want = sorted(self.segments) if names is None else names
-        return {n: segments.digest(self.segments[n][0]) for n in want if n in self.segments}
+        return {n: self._digest(n) for n in want if n in self.segments}
+
+    def _digest(self, name: str) -> str:
+        """SHA-256 of segment ``name``'s bytes (a GPU segment's through a host copy)."""
+        if name not in self.handles:
+            return segments.digest(self.segments[name][0])
+        import hashlib
+
+        view = self._provider.view(self._provider_handle(name))
+        return hashlib.sha256(view.cpu().numpy().tobytes()).hexdigest()
+
+    def _provider_handle(self, name: str) -> Any:
+        from .memory_provider import Handle
+
+        return Handle.from_wire(self.handles[name], [])
 
     def nbytes(self) -> int:
         return sum(b for _, b in self.segments.values())
@@ -245,15 +299,21 @@ def _request(keeper: Keeper, c: _Client, msg: dict[str, Any]) -> None:
                 keeper.refused += 1
                 _reply(c.conn, {"ok": False, "op": op, "error": "fenced", "why": why})
             elif op == "alloc":
-                fd, created = keeper.alloc(msg["name"], msg["nbytes"])
-                _reply(c.conn, {"ok": True, "op": op, "created": created}, [fd])
+                handle, created = keeper.alloc(msg["name"], msg["nbytes"], msg.get("device", "cpu"))
+                fd = keeper.segments[msg["name"]][0]
+                reply = {"ok": True, "op": op, "created": created, "handle": handle}
+                _reply(c.conn, reply, [fd] if fd >= 0 else [])
             else:
-                # every segment with its descriptor (up to MAX_FDS, in name order): a
-                # trainer attaching to the retained state maps them after one round trip
+                # every segment with its handle (host segments with their descriptors, up
+                # to MAX_FDS, in name order): a trainer attaching to the retained state
+                # maps them after one round trip
                 have = keeper.listing()
-                sent = sorted(have)[:MAX_FDS]
+                hosts = [n for n in sorted(have) if n not in keeper.handles]
+                sent = hosts[:MAX_FDS]
                 fds = [keeper.segments[n][0] for n in sent]
-                _reply(c.conn, {"ok": True, "op": op, "segments": have, "sent": sent}, fds)
+                reply = {"ok": True, "op": op, "segments": have, "sent": sent}
+                reply["handles"] = dict(keeper.handles)
+                _reply(c.conn, reply, fds)
         elif op == "list":
             _reply(c.conn, {"ok": True, "op": op, "segments": keeper.listing()})
         elif op == "digest":

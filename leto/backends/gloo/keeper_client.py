@@ -1,11 +1,16 @@
-"""A trainer's connection to its rank's keeper: map retained segments, read the fence."""
+"""A trainer's connection to its rank's keeper: map retained segments, read the fence.
+
+A segment comes as a :class:`~.memory_provider.Handle`'s wire form: a host segment's
+descriptor is mapped (:func:`.segments.as_tensor`), a GPU segment's CUDA IPC handle is
+opened (:class:`~.cuda_memory.CudaIpcProvider`); either way the trainer gets a uint8
+tensor over the keeper's memory, no copy."""
 
 from __future__ import annotations
 
 import mmap
 import os
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import segments
 from .wire import Conn, WireError, connect_unix
@@ -27,6 +32,10 @@ class FencedError(KeeperError):
 class KeeperClient:
     """``alloc(name, nbytes)`` is a :data:`leto.retained.layout.Allocator` backed by a keeper.
 
+    ``device``: where the segments it asks for live (``"cpu"``: memfd segments; a CUDA
+    device: GPU memory of the keeper). Small segments of flags (:meth:`alloc` with
+    ``device="cpu"``) stay in host memory whatever the device.
+
     ``role="writer"`` is the rank's admitted trainer; ``role="shadow"`` connects
     ahead of promotion and may not map retained memory. The keeper must run as this
     user, and be ``keeper_pid`` where it is given (the kernel's credentials of the
@@ -41,8 +50,11 @@ class KeeperClient:
         role: str = "writer",
         patience: float = 5.0,
         keeper_pid: int | None = None,
+        device: str = "cpu",
     ) -> None:
         self.socket_name = socket_name
+        self.device = device
+        self._gpu: Any = None  # CudaIpcProvider opening the keeper's GPU handles
         self.generation = generation
         self.role = role
         try:
@@ -52,6 +64,7 @@ class KeeperClient:
             raise KeeperError(f"cannot reach the keeper: {e}") from None
         self._fence: mmap.mmap | None = None
         self._opened: dict[str, tuple[int, int]] = {}  # name -> (descriptor, bytes): open()
+        self._handles: dict[str, dict[str, Any]] = {}  # name -> GPU handle's wire form: open()
         self._hello(patience)
 
     def _call(self, msg: dict[str, object]) -> tuple[dict[str, object], list[int]]:
@@ -113,16 +126,27 @@ class KeeperClient:
                 f"this trainer's generation {self.generation} is fenced (the keeper is at {cur})"
             )
 
-    def alloc(self, name: str, nbytes: int) -> torch.Tensor:
+    def alloc(self, name: str, nbytes: int, device: str | None = None) -> torch.Tensor:
+        """Segment ``name`` of ``nbytes`` (made by the keeper on first ask) on ``device``
+        (this client's by default), mapped here."""
+        device = self.device if device is None else device
+        handle = self._handles.pop(name, None)
+        if handle is not None and handle.get("nbytes") == nbytes and device != "cpu":
+            return self._open_gpu(handle)
         have = self._opened.pop(name, None)
         if have is not None:
             fd, size = have
             try:
-                if size == nbytes:  # else asked for as below: the keeper says what is wrong
-                    return segments.as_tensor(fd, nbytes)
+                if size == nbytes and device == "cpu":  # else asked for as below: the
+                    return segments.as_tensor(fd, nbytes)  # keeper says what is wrong
             finally:
                 os.close(fd)
-        reply, fds = self._call({"op": "alloc", "name": name, "nbytes": nbytes})
+        reply, fds = self._call({"op": "alloc", "name": name, "nbytes": nbytes, "device": device})
+        wire = reply.get("handle")
+        if isinstance(wire, dict) and wire.get("kind") == "cuda-ipc":
+            for fd in fds:
+                os.close(fd)
+            return self._open_gpu(wire)
         if len(fds) != 1:
             for fd in fds:  # none is kept: a reply to another request, say
                 os.close(fd)
@@ -131,6 +155,18 @@ class KeeperClient:
             return segments.as_tensor(fds[0], nbytes)
         finally:
             os.close(fds[0])
+
+    def _open_gpu(self, wire: dict[str, Any]) -> torch.Tensor:
+        """The keeper's GPU segment ``wire`` describes, opened in this process."""
+        from .cuda_memory import CudaIpcProvider
+        from .memory_provider import Handle, ProviderError
+
+        try:
+            if self._gpu is None:
+                self._gpu = CudaIpcProvider(self.device)
+            return self._gpu.open(Handle.from_wire(wire, []))  # type: ignore[no-any-return]
+        except ProviderError as e:
+            raise KeeperError(f"cannot open the keeper's GPU segment: {e}") from None
 
     def open(self) -> dict[str, int]:
         """Every retained segment's size by name (:meth:`listing`), and their descriptors
@@ -151,11 +187,14 @@ class KeeperClient:
                 os.close(fd)
             raise
         self._opened = {str(n): (fd, have[str(n)]) for n, fd in zip(sent, fds, strict=True)}
+        handles = reply.get("handles")
+        self._handles = dict(handles) if isinstance(handles, dict) else {}
         return have
 
     def close_opened(self) -> None:
         """Close the descriptors :meth:`open` kept that no :meth:`alloc` took."""
         opened, self._opened = self._opened, {}
+        self._handles = {}
         for fd, _ in opened.values():
             os.close(fd)
 

@@ -464,7 +464,9 @@ class Rebuilt(Message):
 
 @attrs.frozen
 class Done(Message):
-    """The rank ran every step: its final digest."""
+    """The rank ran every step: its final digest; ``memory``: where its retained state
+    lived (``device``, the chunks' ``checksum``, whether parity collectives were
+    ``staged`` through host copies)."""
 
     TAG = "done"
     ROUTE = (T, A, C)
@@ -472,6 +474,7 @@ class Done(Message):
     step: int = _f(_nat)
     gen: int = _f(_nat)
     digest: dict[str, Any] | str | None = _f(_opt(_of(dict, str)), None)
+    memory: dict[str, Any] | None = _f(_opt(_of(dict)), None)
 
 
 @attrs.frozen

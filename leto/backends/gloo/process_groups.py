@@ -6,20 +6,41 @@ across nodes (tier 2: the snapshot's cross-node code). A recovery tears them dow
 broken gloo group cannot be reused) and the next generation forms them anew, behind an
 abortable barrier so that a recovery restarting meanwhile is not stuck in gloo's own
 rendezvous.
+
+**Devices.** With ``backend = "nccl"`` every group is made for two backends at once
+(``"cpu:gloo,cuda:nccl"``): collectives on CUDA tensors run over NCCL, those on host
+tensors (the protocol's small exchanges) over gloo, on the same group objects, so
+nothing else of the executor changes. A recovery aborts the NCCL communicators first
+(:func:`abort_nccl`: a collective hung on a dead peer returns; NCCL has no timeout of
+its own that frees a stuck kernel), then destroys the groups as for gloo. With gloo and
+state on a GPU, gloo reduces only host tensors: tier 1's and tier 2's collectives run
+through host copies (:meth:`ProcessGroups.parity`, :class:`~leto.retained.parity.HostStaged`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
+
+from leto.retained.parity import HostStaged, TorchDistCollective
 
 from .channel import Aborted, AgentChannel
 
-__all__ = ["FORM_TIMEOUT_S", "GroupsHost", "ProcessGroups", "reset_group_count", "set_timeout"]
+__all__ = [
+    "FORM_TIMEOUT_S",
+    "GroupsHost",
+    "ProcessGroups",
+    "abort_nccl",
+    "group_backend",
+    "reset_group_count",
+    "set_timeout",
+]
 
 FORM_TIMEOUT_S = 5.0  # the most a generation's communicator may take to form
 
@@ -45,6 +66,28 @@ def set_timeout(timeout: timedelta, group: Any) -> None:
     distributed_c10d._set_pg_timeout(timeout, group)
 
 
+def group_backend(backend: str) -> str:
+    """The backend string of a generation's groups for leto's ``backend`` setting."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+
+
+def abort_nccl(groups: list[Any]) -> int:
+    """Abort the NCCL communicators of ``groups`` (a collective blocked on a dead peer
+    returns with an error), before they are destroyed; the number aborted. torch's
+    per-device backend of a group (``ProcessGroup._get_backend``) has no public API:
+    kept here alone (tests/gloo/test_process_groups.py fails when torch changes it)."""
+    n = 0
+    for g in groups:
+        try:
+            backend = g._get_backend(torch.device("cuda"))
+        except (RuntimeError, ValueError):
+            continue  # no backend for CUDA tensors in this group
+        if backend.name() == "nccl":  # gloo serves CUDA tensors too where NCCL is absent
+            backend.abort()
+            n += 1
+    return n
+
+
 class GroupsHost(Protocol):
     """What :class:`ProcessGroups` reads of its rank's session."""
 
@@ -66,6 +109,8 @@ class GroupsHost(Protocol):
     def nproc(self) -> int: ...
     @property
     def nnodes(self) -> int: ...
+    @property
+    def cfg(self) -> Any: ...
     def _log(self, event: str, **kw: Any) -> None: ...
 
 
@@ -78,6 +123,18 @@ class ProcessGroups:
         self.node_group: Any = None
         self.cross_group: Any = None
         self.teardown: threading.Thread | None = None  # the last generation's (destroy)
+        cfg = getattr(session, "cfg", None)  # None: a test of destroy alone
+        self.backend = group_backend(str(getattr(cfg, "backend", "gloo")))
+        device = getattr(cfg, "torch_device", torch.device("cpu"))
+        # gloo reduces host tensors only: a layout on a GPU stages its parity collectives
+        # (LETO_STAGE_COLLECTIVES=1: the same copies on a CPU, as the tests run them)
+        self.stage_always = os.environ.get("LETO_STAGE_COLLECTIVES") == "1"
+        self.stage = self.backend == "gloo" and (device.type != "cpu" or self.stage_always)
+
+    def parity(self, group: Any) -> TorchDistCollective | HostStaged:
+        """The collective that tier 1's and tier 2's codes run over ``group``."""
+        coll = TorchDistCollective(group)
+        return HostStaged(coll, always=self.stage_always) if self.stage else coll
 
     def init(self, gen: int) -> None:
         """Form generation ``gen``'s communicators (nothing if they are formed already)."""
@@ -111,7 +168,7 @@ class ProcessGroups:
         collective = timedelta(seconds=float(session.spec["collective_timeout"]))
         form = min(collective, timedelta(seconds=FORM_TIMEOUT_S))
         dist.init_process_group(
-            "gloo", store=prefix, rank=session.rank, world_size=session.W, timeout=form
+            self.backend, store=prefix, rank=session.rank, world_size=session.W, timeout=form
         )
         # new_group's stubs say ProcessGroup; a rank outside a group gets NON_GROUP_MEMBER
         groups: list[dist.ProcessGroup | int | None] = [dist.group.WORLD]
@@ -140,6 +197,8 @@ class ProcessGroups:
         session._log(
             "process_group",
             generation=gen,
+            backend=self.backend,
+            staged=self.stage,
             ms=round((time.perf_counter() - t) * 1e3, 3),
             barrier_ms=round((t_barrier - t) * 1e3, 3),
         )
@@ -158,6 +217,8 @@ class ProcessGroups:
         old = [g for g in (self.node_group, self.cross_group) if g is not None]
         if dist.is_initialized():
             old.append(dist.group.WORLD)
+            if self.backend != "gloo":
+                abort_nccl(old)
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group is torn down regardless

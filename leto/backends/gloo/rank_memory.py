@@ -29,7 +29,7 @@ from .collective import ALL_GATHER, coll
 from .keeper_client import KeeperClient
 from .parity_block import TIER1, ParityBlock, node_blocks, tier1_bytes, tier1_name
 
-__all__ = ["MemoryHost", "RankMemory", "materialize", "to_meta"]
+__all__ = ["MemoryHost", "RankMemory", "buffers_to", "materialize", "to_meta"]
 
 _STATUS = "gloo.status"  # keeper segment: int64 [lost flag]
 
@@ -58,6 +58,15 @@ def to_meta(model: nn.Module) -> None:
 def _is_placeholder(p: torch.Tensor) -> bool:
     """A skeleton parameter of :func:`to_meta` that kept its device (no storage of its own)."""
     return p.numel() > 1 and p.untyped_storage().nbytes() < p.numel() * p.element_size()
+
+
+def buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Move the model's buffers (running statistics, ...) to ``device``; its parameters
+    are left alone (binding them to the retained memory puts them on its device)."""
+    for m in model.modules():
+        for k, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[k] = b.to(device)
 
 
 def materialize(model: nn.Module) -> None:
@@ -118,7 +127,7 @@ class RankMemory:
     def _status_seg(self) -> torch.Tensor:
         if self.status is None:
             assert self.session.keeper is not None
-            self.status = self.session.keeper.alloc(_STATUS, 8).view(torch.int64)
+            self.status = self.session.keeper.alloc(_STATUS, 8, "cpu").view(torch.int64)
         return self.status
 
     def status_lost(self, lost: bool) -> None:
@@ -130,6 +139,8 @@ class RankMemory:
         assert session.keeper is not None
         if not attach:
             materialize(session.model)  # a skeleton has no values: garbage until repaired
+        device = getattr(session.cfg, "torch_device", torch.device("cpu"))
+        buffers_to(session.model, device)  # the parameters: bound to the retained memory
         if session.cfg.shard:
             self._bind_shard(attach=attach)
             return
@@ -145,6 +156,7 @@ class RankMemory:
             # read the whole state a second time for nothing
             verify=False,
             master_weights=bool(session.cfg.master_weights),
+            checksum_algorithm=getattr(session.cfg, "checksum_algorithm", None),
         )
 
     def _bind_shard(self, *, attach: bool) -> None:
@@ -172,6 +184,7 @@ class RankMemory:
             session.rank,
             alloc=session.keeper.alloc,
             attach=attach,
+            checksum_algorithm=getattr(session.cfg, "checksum_algorithm", None),
         )
 
     def gather_params(self) -> None:

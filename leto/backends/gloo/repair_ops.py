@@ -23,7 +23,7 @@ from leto.retained import replicas as rpl
 from leto.retained import rs
 from leto.retained.checkpoint import CheckpointError
 from leto.retained.layout import RetainedLayout
-from leto.retained.parity import TorchDistCollective, decode_rotated, encode_rotated_alike
+from leto.retained.parity import decode_rotated, encode_rotated_alike
 from leto.retained.recovery import IntegrityError, Settled
 
 from . import messages as M
@@ -141,7 +141,7 @@ class ParityOps:
             block = session.parity[x.chunk]
             mi = x.rank - session.node * session.nproc
             rx.decode_chunk(
-                TorchDistCollective(session.groups.node_group),
+                session.groups.parity(session.groups.node_group),
                 session.layout,
                 x.chunk,
                 lost=mi,
@@ -159,7 +159,7 @@ class ParityOps:
         for x in repairs:
             assert session.gparity is not None
             rx.decode_grads(
-                TorchDistCollective(session.groups.node_group),
+                session.groups.parity(session.groups.node_group),
                 session.layout,
                 lost=x.rank - session.node * session.nproc,
                 step=x.version,
@@ -197,7 +197,7 @@ class ReplicaOps(ParityOps):
         if not repairs:
             return 0
         session = self.session
-        ex = TorchDistCollective(session.groups.node_group)
+        ex = session.groups.parity(session.groups.node_group)
         base = session.node * session.nproc
         n = 0
         for x in repairs:
@@ -216,7 +216,7 @@ class ReplicaOps(ParityOps):
         """Every lost chunk copied from a member that lost none, if there is one, then the
         gradients a member whose chunks are still behind lacks."""
         session = self.session
-        ex = TorchDistCollective(session.groups.node_group)
+        ex = session.groups.parity(session.groups.node_group)
         base = session.node * session.nproc
         chunks = [(x.rank - base, x.chunk, x.version) for x in repairs]
         lost = {x.rank for x in repairs}
@@ -311,7 +311,7 @@ def restore_snapshot(session: RepairHost, step: int, snap: dict[str, Any]) -> No
         data = torch.zeros(nb, dtype=torch.uint8)
         sh = None
     if missing_nodes:
-        coll = TorchDistCollective(session.groups.cross_group)
+        coll = session.groups.parity(session.groups.cross_group)
         if session.snapshots.alike and sh is not None:  # not stored: every rank's bytes alike
             sh = encode_rotated_alike(data, session.nnodes, session.node)
         if m == 1:

@@ -267,6 +267,11 @@ class GlooSession:
         return self._store
 
     @property
+    def device_name(self) -> str:
+        """Where the retained state lives (the config's ``device``), as the keeper names it."""
+        return str(getattr(self.cfg, "torch_device", "cpu"))
+
+    @property
     def layout(self) -> RetainedLayout:
         return rx.layout_of(self.ropt, f"rank {self.rank}")
 
@@ -325,7 +330,9 @@ class GlooSession:
         if self.role == "shadow":
             self._as_shadow()
             return
-        self.keeper = KeeperClient(self.spec["keeper_socket"], generation=self.gen)
+        self.keeper = KeeperClient(
+            self.spec["keeper_socket"], generation=self.gen, device=self.device_name
+        )
         self.groups.init(self.gen)
         self.memory.bind(attach=False)
         self.rng = capture_rng()
@@ -381,7 +388,9 @@ class GlooSession:
         """
         if self.spec.get("skeleton", True):
             to_meta(self.model)
-        self.keeper = KeeperClient(self.spec["keeper_socket"], generation=self.gen, role="shadow")
+        self.keeper = KeeperClient(
+            self.spec["keeper_socket"], generation=self.gen, role="shadow", device=self.device_name
+        )
         self.ch.mark("shadow", 0)
         self.ch.send(M.Warm())
         while True:
@@ -401,7 +410,7 @@ class GlooSession:
         set_title(f"trainer rank {self.rank}", str(self.spec.get("job", "")))
         # the keeper may have been replaced (its memory lost) since this shadow connected
         self.keeper.close()
-        self.keeper = KeeperClient(msg.keeper_socket, generation=self.gen)
+        self.keeper = KeeperClient(msg.keeper_socket, generation=self.gen, device=self.device_name)
         self.ch.send(M.Promoted(rank=self.rank, gen=self.gen))
         self._log("promoted", generation=self.gen)
         self.follower._follow()
@@ -470,7 +479,15 @@ class GlooSession:
             os.makedirs(d, exist_ok=True)
             with open(os.path.join(d, f"rank{self.rank}.process_state.json"), "w") as f:
                 f.write(self.ps.to_json(self.step))
-        self.ch.send(M.Done(rank=self.rank, step=self.step, gen=self.gen, digest=digest))
+        lay = self.layout
+        memory = {
+            "device": str(lay.device),
+            "checksum": lay.checksum_algorithm,
+            "staged": self.groups.stage,
+        }
+        self.ch.send(
+            M.Done(rank=self.rank, step=self.step, gen=self.gen, digest=digest, memory=memory)
+        )
         self.ch.mark("done")
         while True:
             msg = self.ch.next_command()
@@ -487,7 +504,7 @@ class GlooSession:
         """SHA-256 of every retained buffer (params, optimizer states) and of the process
         state (optimizer scalars, LR scheduler, sampler position, RNG)."""
         out = {
-            name: hashlib.sha256(as_bytes(buf).numpy().tobytes()).hexdigest()
+            name: hashlib.sha256(as_bytes(buf).cpu().numpy().tobytes()).hexdigest()
             for name, buf in rx.named_buffers(self.layout)
         }
         out["process_state"] = hashlib.sha256(self.ps.to_json(self.step).encode()).hexdigest()

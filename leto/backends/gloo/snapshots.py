@@ -20,7 +20,6 @@ import torch
 from leto.retained import rs
 from leto.retained.layout import RetainedLayout
 from leto.retained.parity import (
-    TorchDistCollective,
     as_bytes,
     encode_rotated,
     rotated_share_nbytes,
@@ -154,7 +153,7 @@ class Tier2Snapshots:
         if session.nnodes >= 2 and not self.alike:
             base = session.nproc * nb
             out = seg[base + session.local_rank * share : base + (session.local_rank + 1) * share]
-            coll = TorchDistCollective(session.groups.cross_group)
+            coll = session.groups.parity(session.groups.cross_group)
             if self.t2_parity == 1:
                 encode_rotated(coll, own, out=out)
             else:

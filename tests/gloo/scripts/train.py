@@ -1,7 +1,7 @@
 """The real-process tests' training script: a tiny MLP, every RNG seeded.
 
 Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
-("1"/"0"), OPT (a torch.optim class name, AdamW by default), SHARD ("1": shard = true;
+("1"/"0"), OPT (a torch.optim class name, AdamW by default), DEVICE and CHECKSUM (the settings), SHARD ("1": shard = true;
 the model's parameters' SHA-256 is then written to RUN_DIR/params-rank<r> at the end, as without it), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's), STEP_SLEEP (seconds per step), SLOW_BACKWARD ("rank:step:seconds": that rank's backward of
 that step waits that long before the model's last layer, so a peer's death finds it inside
 its compute; the number of computes each rank ran is written to RUN_DIR/computes-rank<r>, and
@@ -38,12 +38,15 @@ settings = {
 }
 if os.environ.get("SHARD"):
     settings["shard"] = os.environ["SHARD"] == "1"
+for key in ("device", "checksum"):  # DEVICE ("cpu", "cuda"), CHECKSUM ("xxh3", "fletcher")
+    if os.environ.get(key.upper()):
+        settings[key] = os.environ[key.upper()]
 if os.environ.get("CKPT"):
     settings["checkpoint_dir"] = os.environ["CKPT"]
     settings["checkpoint_interval"] = int(os.environ.get("CKPT_EVERY", "0"))
     settings["checkpoint_mtbf"] = int(os.environ.get("CKPT_MTBF", "0"))
 cfg = leto.Config.from_dict(settings)
-X, Y = torch.randn(64, 8), torch.randn(64, 2)
+X, Y = torch.randn(64, 8).to(cfg.torch_device), torch.randn(64, 2).to(cfg.torch_device)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 2))
 if os.environ.get("DIVERGE"):  # each rank's model its own (not data-parallel training)
     with torch.no_grad():
