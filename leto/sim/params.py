@@ -269,11 +269,16 @@ class SimParams:
         return self.state_per_gpu / (gb_s * 1e9)
 
     @property
+    def torchft_replicas(self) -> int:
+        """torchft's replica groups in this job: whole nodes each, so at most the nodes."""
+        return min(self.torchft_groups, self.nodes)
+
+    @property
     def torchft_survivor_fraction(self) -> float:
         """The job's throughput while a group heals, as a fraction of nominal."""
         if self.torchft_survivors is not None:
             return self.torchft_survivors
-        return (self.torchft_groups - 1) / self.torchft_groups
+        return (self.torchft_replicas - 1) / self.torchft_replicas
 
     @property
     def leto_overhead_fraction(self) -> float:

@@ -22,7 +22,8 @@ event loop (:mod:`leto.sim.engine`) does the rest. The strategies:
     replicas write a checkpoint, the job restarts, loads it and replays one minibatch.
     No replica survives a node loss on a one-node job: disk fallback.
 ``torchft``
-    Replica groups (``torchft_groups``): the failed group restarts its processes, joins
+    Replica groups of whole nodes (``torchft_groups``, at most the job's nodes): the
+    failed group restarts its processes, joins
     a quorum and heals from a live peer while the other groups train on, at
     ``(G - 1) / G`` of the job's throughput (or the fraction measured by ``leto bench
     recovery``). One group alone has no peer: the disk checkpoint.
@@ -364,7 +365,8 @@ def torchft(p: SimParams, trace: Trace) -> Plan:
     """torchft: the failed replica group restarts and heals from a live peer while the
     other groups train on. A heal of ``D`` wall seconds at a throughput ``f`` of nominal
     costs ``D (1 - f)`` of training: each phase is charged at that share. The step in
-    flight is lost (the survivors drop it). One group has no peer: disk fallback."""
+    flight is lost (the survivors drop it). One group (a one-node job) has no peer:
+    disk fallback."""
     import numpy as np
 
     n = len(trace)
@@ -380,7 +382,7 @@ def torchft(p: SimParams, trace: Trace) -> Plan:
     costs.add("heal", [0], p.torchft_heal_s * stalled)
     _restart_costs(costs, p, trace, [FALLBACK])
     costs.rework[0] = trace.phase * p.step_time_s
-    tier = 0 if p.torchft_groups >= 2 else FALLBACK
+    tier = 0 if p.torchft_replicas >= 2 else FALLBACK
     tier_of_class = [tier] * len(FailureClass)
     base = np.full(n, tier, dtype=np.int8)
     return _in_memory_plan("torchft", p, trace, costs, tier_of_class, base=base, overhead=0.0)

@@ -59,8 +59,12 @@ def test_a_heal_is_charged_at_the_share_the_survivors_do_not_train() -> None:
     assert slow.phases["heal"][0][0] == pytest.approx(0.98 * p.torchft_heal_s)
 
 
-def test_one_group_has_no_peer_to_heal_from() -> None:
-    out, tr = _run(attrs.evolve(BASE, torchft_groups=1))
+@pytest.mark.parametrize("job", [{"torchft_groups": 1}, {"gpus": 8, "mtbf_hours": 0.5}])
+def test_one_group_has_no_peer_to_heal_from(job: dict[str, int]) -> None:
+    p = attrs.evolve(BASE, **job)
+    assert p.torchft_replicas == 1  # a one-node job holds one group, whatever is asked
+    out, tr = _run(p)
+    assert len(tr) > 10
     assert out.tiers[strategies.FALLBACK] == len(tr) and out.tiers[0] == 0
     assert "restart" in out.lost_s and "heal" not in out.lost_s
 
