@@ -209,3 +209,23 @@ def test_the_report_marks_measured_and_assumed(
     data = json.loads(capsys.readouterr().out)
     assert data["params"]["detect_s"] == 7.0 and "detect_s" not in data["measured"]["leto"]
     assert math.isclose(data["params"]["promote_s"], 0.01)
+
+
+def test_the_committed_bench_files_calibrate_the_documented_run() -> None:
+    bench = Path(__file__).resolve().parents[2] / "docs" / "bench"
+    names = [
+        "recovery-2473b2b-nvre-busy-machine.json",
+        "recovery-f5acfc2.json",
+        "scaling.json",
+        "tier2-c0b3bda.json",
+        "control-d41b045.json",
+    ]
+    cal = calibrate([str(bench / n) for n in names], SimParams())
+    yes, no = cal.measured("leto")
+    assert no == ["spare_join_s", "gpu_reset_s"] and len(yes) == 8
+    assert cal.measured("torchft")[1] == ["spare_join_s", "gpu_reset_s"]
+    # the later file wins: leto's figures are f5acfc2's, torchft's the earlier file's
+    assert cal.figure("detect_s").source.startswith("recovery-f5acfc2.json")
+    assert cal.figure("torchft_heal_gb_s").source.startswith("recovery-2473b2b")
+    p = SimParams(gpus=131_072, **cal.values)
+    assert 0.5 < p.rebuild_s < 2.0 and p.torchft_survivor_fraction < 0.05
