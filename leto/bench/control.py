@@ -264,6 +264,7 @@ def run_control(
     main = rows[-1]["aggregated"]
     plan_ms = max(p["ms"] for p in main["plan"].values())
     return {
+        "benchmark": "control",
         "ranks": ranks,
         "chunks": chunks,
         "per_node": per_node,

@@ -73,12 +73,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="set any model parameter (repeatable)",
     )
     parser.add_argument(
-        "--bench", metavar="FILE", help="phase costs from `leto bench recovery` JSON"
+        "--bench",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="measured figures from `leto bench` JSON (recovery, scaling, tier2, control); "
+        "repeatable, later files win",
     )
     parser.add_argument(
         "--strategies",
         default=None,
-        help="comma-separated subset of ckpt-sync,ckpt-async,gemini,jit,leto",
+        help="comma-separated subset of ckpt-sync,ckpt-async,gemini,jit,torchft,leto",
     )
     parser.add_argument(
         "--sweep",
@@ -118,21 +123,22 @@ def _coerce(name: str, text: str, current: Any, kind: str) -> Any:
         raise ValueError(f"expected a number, got {show(text)}") from None
 
 
-def build_params(args: argparse.Namespace) -> Any:
+def build_params(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The parameters (defaults, then the bench files, then flags and ``--set``) and
+    the provenance of every measurable figure."""
     import attrs
 
-    from leto.sim.params import SimInputError, SimParams, load_bench
+    from leto.sim.measured import calibrate, with_flags
+    from leto.sim.params import SimInputError, SimParams
 
     fields = {f.name: f for f in attrs.fields(SimParams)}
-    kwargs: dict[str, Any] = {}
-    if args.bench:
-        kwargs.update(load_bench(args.bench))
+    explicit: dict[str, Any] = {}
     for _, dest, _, _ in FLAGS:
         if getattr(args, dest) is not None:
-            kwargs[dest] = getattr(args, dest)
+            explicit[dest] = getattr(args, dest)
     for dest in ("calibration", "tier1", "tier2"):
         if getattr(args, dest) is not None:
-            kwargs[dest] = getattr(args, dest)
+            explicit[dest] = getattr(args, dest)
     defaults = SimParams()
     for item in args.overrides:
         name, sep, text = item.partition("=")
@@ -142,12 +148,13 @@ def build_params(args: argparse.Namespace) -> Any:
                 f"--set {show(item)}: expected NAME=VALUE with NAME one of SimParams' fields"
             )
         try:
-            kwargs[name] = _coerce(
+            explicit[name] = _coerce(
                 name, text.strip(), getattr(defaults, name), str(fields[name].type)
             )
         except ValueError as exc:
             raise SimInputError(f"--set {show(item)}: {exc}") from None
-    return SimParams(**kwargs)
+    cal = with_flags(calibrate(args.bench, SimParams(**explicit)), explicit)
+    return SimParams(**cal.values, **explicit), cal
 
 
 def _names(args: argparse.Namespace) -> tuple[str, ...]:
@@ -234,7 +241,7 @@ def _run(args: argparse.Namespace) -> int:
     from leto.sim import experiment, report
     from leto.sim.sweep import SWEEPS, run_sweep
 
-    params = build_params(args)
+    params, cal = build_params(args)
     names = _names(args)
     values = _values(args)
     if args.plot is not None:
@@ -245,11 +252,15 @@ def _run(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
         if args.json:
             out = result.as_dict()
+            out["calibration"] = [f.as_dict() for f in cal.figures]
+            out["measured"] = {n: cal.measured(n)[0] for n in names if n in ("leto", "torchft")}
             out["elapsed_s"] = elapsed
             print(json.dumps(out, indent=2, sort_keys=False))
         else:
             print(report.header(result))
             print(report.table(result))
+            print(report.inputs(result, cal))
+            print(report.headline(result, cal))
             print(f"({elapsed:.2f} s)")
         return 0
 

@@ -105,10 +105,32 @@ class SimParams:
     detect_s: float = attrs.field(default=10.0, validator=_non_negative)  # [A] every strategy
     restart_s: float = attrs.field(default=300.0, validator=_non_negative)  # [A] job restart
     ckpt_fixed_s: float = attrs.field(default=1.0, validator=_non_negative)  # [A] per checkpoint
-    promote_s: float = attrs.field(default=2.0, validator=_non_negative)  # [A] leto shadow
+    promote_s: float = attrs.field(default=1.0, validator=_non_negative)  # [A] leto shadow
+    # leto's reconcile: reconcile_s at reconcile_ref_gib of state per GPU, plus
+    # reconcile_s_per_gib for each GiB beyond it (None: one pass over the state in HBM).
+    reconcile_s: float = attrs.field(default=1.0, validator=_non_negative)  # [A]
+    reconcile_ref_gib: float = attrs.field(default=0.0, validator=_non_negative)
+    reconcile_s_per_gib: float | None = attrs.field(default=None, validator=_non_negative)
+    # The communicator rebuild: rebuild_comm_s at rebuild_ref_ranks ranks, scaled by
+    # log2(ranks) / log2(rebuild_ref_ranks); None: rebuild_comm_s at every scale.
     rebuild_comm_s: float = attrs.field(default=20.0, validator=_non_negative)  # [A] leto
+    rebuild_ref_ranks: int | None = attrs.field(default=None, validator=_int_at_least(2))
+    # The coordinator's plan and adoption: coordinator_s at coordinator_ref_ranks ranks,
+    # linear in ranks (`leto bench control`); 0 by default: inside rebuild_comm_s.
+    coordinator_s: float = attrs.field(default=0.0, validator=_non_negative)  # [A]
+    coordinator_ref_ranks: int = attrs.field(default=1, validator=_int_at_least(1))
+    # Tier-2 restore throughput per node (GB/s); None: the NIC's, net_node_gb_s.
+    tier2_gb_s: float | None = attrs.field(default=None, validator=_positive)  # [A]
     gpu_reset_s: float = attrs.field(default=30.0, validator=_non_negative)  # [A]
     spare_join_s: float = attrs.field(default=30.0, validator=_non_negative)  # [A] warm spare
+    # -- torchft: replica groups heal from a live peer while the others train on -----------
+    torchft_groups: int = attrs.field(default=16, validator=_int_at_least(1, 1_000_000))  # [A]
+    torchft_restart_s: float = attrs.field(default=60.0, validator=_non_negative)  # [A]
+    torchft_quorum_s: float = attrs.field(default=5.0, validator=_non_negative)  # [A]
+    # Heal throughput per rank (GB/s); None: the node's NIC shared by its ranks.
+    torchft_heal_gb_s: float | None = attrs.field(default=None, validator=_positive)  # [A]
+    # The job's throughput during a heal, of nominal; None: (G - 1) / G.
+    torchft_survivors: float | None = attrs.field(default=None, validator=_fraction)  # [A]
     # -- strategies ------------------------------------------------------------------------
     fallback_max_interval_h: float = attrs.field(default=3.0, validator=_positive)  # [GEM]
     gemini_replicas: int = attrs.field(default=2, validator=_int_at_least(1, 1024))  # [GEM]
@@ -216,6 +238,49 @@ class SimParams:
         return calibration.with_hof_fraction(shares, self.hof_fraction)
 
     @property
+    def rebuild_s(self) -> float:
+        """leto's communicator rebuild (and the coordinator's work) at this scale."""
+        comm = self.rebuild_comm_s
+        if self.rebuild_ref_ranks is not None and self.gpus > 1:
+            comm *= math.log2(self.gpus) / math.log2(self.rebuild_ref_ranks)
+        return comm + self.coordinator_s * self.gpus / self.coordinator_ref_ranks
+
+    @property
+    def reconcile_at_scale_s(self) -> float:
+        """leto's reconcile: its fixed part, plus the state per GPU beyond the reference."""
+        per_gib = self.reconcile_s_per_gib
+        if per_gib is None:
+            per_gib = 2**30 / (self.hbm_gb_s * 1e9)
+        extra = max(0.0, self.state_per_gpu / 2**30 - self.reconcile_ref_gib)
+        return self.reconcile_s + per_gib * extra
+
+    @property
+    def tier2_restore_s(self) -> float:
+        """Seconds to rebuild a lost node's state from the tier-2 snapshot."""
+        gb_s = self.net_node_gb_s if self.tier2_gb_s is None else self.tier2_gb_s
+        return self.state_per_node / (gb_s * 1e9)
+
+    @property
+    def torchft_heal_s(self) -> float:
+        """Seconds for a replica group's rank to copy its state from a live peer."""
+        gb_s = self.torchft_heal_gb_s
+        if gb_s is None:
+            gb_s = self.net_node_gb_s / self.ranks_per_node
+        return self.state_per_gpu / (gb_s * 1e9)
+
+    @property
+    def torchft_replicas(self) -> int:
+        """torchft's replica groups in this job: whole nodes each, so at most the nodes."""
+        return min(self.torchft_groups, self.nodes)
+
+    @property
+    def torchft_survivor_fraction(self) -> float:
+        """The job's throughput while a group heals, as a fraction of nominal."""
+        if self.torchft_survivors is not None:
+            return self.torchft_survivors
+        return (self.torchft_replicas - 1) / self.torchft_replicas
+
+    @property
     def leto_overhead_fraction(self) -> float:
         """Fraction of each step leto adds to the critical path.
 
@@ -260,6 +325,11 @@ class SimParams:
             "ckpt_read_s": self.ckpt_read_s,
             "snapshot_s": self.snapshot_s,
             "leto_overhead": self.leto_overhead_fraction,
+            "rebuild_s": self.rebuild_s,
+            "reconcile_s": self.reconcile_at_scale_s,
+            "tier2_restore_s": self.tier2_restore_s,
+            "torchft_heal_s": self.torchft_heal_s,
+            "torchft_survivor_fraction": self.torchft_survivor_fraction,
         }
         return out
 
@@ -269,18 +339,23 @@ BENCH_REQUIRED = ("detect_s", "restart_s", "promote_s", "rebuild_comm_s")
 BENCH_OPTIONAL = ("ckpt_fixed_s", "gpu_reset_s", "spare_join_s", "leto_overhead")
 
 
+def read_bench_json(path: str | Path) -> Any:
+    """A bench file's JSON; a file that cannot be read or parsed is one line naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise SimInputError(f"bench JSON {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise SimInputError(f"bench JSON {path}: not JSON ({exc.msg}, line {exc.lineno})") from exc
+
+
 def load_bench(path: str | Path) -> dict[str, float]:
     """Per-phase costs from the JSON of ``leto bench recovery``.
 
     The object holds the fields of :data:`BENCH_REQUIRED` (and any of
     :data:`BENCH_OPTIONAL`), in seconds, at its top level or under ``"phases"``.
     """
-    try:
-        obj = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise SimInputError(f"bench JSON {path}: {exc.strerror or exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise SimInputError(f"bench JSON {path}: not JSON ({exc.msg}, line {exc.lineno})") from exc
+    obj = read_bench_json(path)
     if isinstance(obj, dict) and isinstance(obj.get("phases"), dict):
         obj = obj["phases"]
     if not isinstance(obj, dict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from leto.sim.calibration import FailureClass
 from leto.sim.experiment import Result
+from leto.sim.measured import INPUTS, LAWS, Calibration, at_scale
 from leto.sim.sweep import SweepResult
 
 
@@ -62,4 +63,36 @@ def sweep_table(sweep: SweepResult) -> str:
         cells = " ".join(f"{r.strategies[n].ettr:>10.2%}" for n in names)
         lines.append(f"{v:>12g} {cells}")
     lines.append(f"({len(sweep.values)} points in {sweep.elapsed_s:.1f} s)")
+    return "\n".join(lines)
+
+
+def inputs(result: Result, cal: Calibration) -> str:
+    """Every measurable figure: its value in this job, measured (from where) or assumed."""
+    used = {n for s in result.strategies for n in INPUTS.get(s, ())}
+    used.update(("restart_s", "ckpt_fixed_s", "storage_node_gb_s"))
+    rows = [f"{'input':<18} {'in this job':>18}  {'':<8}  source; law"]
+    for f in cal.figures:
+        if f.param not in used:
+            continue
+        mark = "measured" if f.measured else "assumed"
+        law = LAWS[f.param].text if f.measured else ""
+        rows.append(
+            f"{f.param:<18} {at_scale(f.param, result.params):>18}  {mark:<8}  {f.source}"
+            + (f"; {law}" if law else "")
+        )
+    return "\n".join(rows)
+
+
+def headline(result: Result, cal: Calibration) -> str:
+    """Each in-place strategy's ETTR, and which of its inputs were measured."""
+    lines = []
+    for name in ("leto", "torchft"):
+        r = result.strategies.get(name)
+        if r is None:
+            continue
+        yes, no = cal.measured(name)
+        lines.append(
+            f"{name} at {result.params.gpus:,} GPUs: ETTR {r.ettr:.2%}; "
+            f"measured: {', '.join(yes) or 'none'}; assumed: {', '.join(no) or 'none'}"
+        )
     return "\n".join(lines)

@@ -21,6 +21,12 @@ event loop (:mod:`leto.sim.engine`) does the rest. The strategies:
     Just-in-time checkpointing (EuroSys'24): after a failure, healthy data-parallel
     replicas write a checkpoint, the job restarts, loads it and replays one minibatch.
     No replica survives a node loss on a one-node job: disk fallback.
+``torchft``
+    Replica groups of whole nodes (``torchft_groups``, at most the job's nodes): the
+    failed group restarts its processes, joins
+    a quorum and heals from a live peer while the other groups train on, at
+    ``(G - 1) / G`` of the job's throughput (or the fraction measured by ``leto bench
+    recovery``). One group alone has no peer: the disk checkpoint.
 ``leto``
     In place: survivors keep their processes and retained state, a shadow takes the
     failed rank, the communicator is rebuilt. Memory losses go to tier 1 or tier 2 as
@@ -51,7 +57,7 @@ if TYPE_CHECKING:
 
 TIERS = 4
 FALLBACK = 3
-STRATEGIES = ("ckpt-sync", "ckpt-async", "gemini", "jit", "leto")
+STRATEGIES = ("ckpt-sync", "ckpt-async", "gemini", "jit", "torchft", "leto")
 BASELINES = ("ckpt-sync", "ckpt-async")
 
 Escalate = Callable[[Sequence[Element]], int]
@@ -298,14 +304,15 @@ def leto(p: SimParams, trace: Trace) -> Plan:
     in_memory = [0, 1, 2]
     costs.add("detect", in_memory, p.detect_s)
     costs.add("promote", in_memory, p.promote_s)
-    costs.add("rebuild", in_memory, p.rebuild_comm_s)
+    costs.add("reconcile", in_memory, p.reconcile_at_scale_s)
+    costs.add("rebuild", in_memory, p.rebuild_s)
     reset = _reset(p, trace)
     costs.add("reset", [1, 2], reset)
     costs.add("decode", [1], p.state_per_node / (p.host_gb_s * 1e9))
     takes = trace.loses_node
     costs.add("spare wait", [2], np.where(takes, trace.spare_wait_s, 0.0))
     costs.add("join", [2], np.where(takes, p.spare_join_s, 0.0))
-    costs.add("decode", [2], p.state_per_node / (p.net_node_gb_s * 1e9))
+    costs.add("decode", [2], p.tier2_restore_s)
     _restart_costs(costs, p, trace, [FALLBACK])
     partial = trace.phase * p.step_time_s
     costs.rework[0] = costs.rework[1] = partial
@@ -354,6 +361,33 @@ def leto(p: SimParams, trace: Trace) -> Plan:
     )
 
 
+def torchft(p: SimParams, trace: Trace) -> Plan:
+    """torchft: the failed replica group restarts and heals from a live peer while the
+    other groups train on. A heal of ``D`` wall seconds at a throughput ``f`` of nominal
+    costs ``D (1 - f)`` of training: each phase is charged at that share. The step in
+    flight is lost (the survivors drop it). One group (a one-node job) has no peer:
+    disk fallback."""
+    import numpy as np
+
+    n = len(trace)
+    costs = _Costs(n)
+    stalled = 1.0 - p.torchft_survivor_fraction
+    takes = trace.loses_node
+    costs.add("detect", [0], p.detect_s * stalled)
+    costs.add("reset", [0], _reset(p, trace) * stalled)
+    costs.add("spare wait", [0], np.where(takes, trace.spare_wait_s, 0.0) * stalled)
+    costs.add("join", [0], np.where(takes, p.spare_join_s, 0.0) * stalled)
+    costs.add("group restart", [0], p.torchft_restart_s * stalled)
+    costs.add("quorum", [0], p.torchft_quorum_s * stalled)
+    costs.add("heal", [0], p.torchft_heal_s * stalled)
+    _restart_costs(costs, p, trace, [FALLBACK])
+    costs.rework[0] = trace.phase * p.step_time_s
+    tier = 0 if p.torchft_replicas >= 2 else FALLBACK
+    tier_of_class = [tier] * len(FailureClass)
+    base = np.full(n, tier, dtype=np.int8)
+    return _in_memory_plan("torchft", p, trace, costs, tier_of_class, base=base, overhead=0.0)
+
+
 def plan(name: str, params: SimParams, trace: Trace) -> Plan:
     if name == "ckpt-sync":
         return checkpoint_restart(params, trace, asynchronous=False)
@@ -365,4 +399,6 @@ def plan(name: str, params: SimParams, trace: Trace) -> Plan:
         return jit(params, trace)
     if name == "leto":
         return leto(params, trace)
+    if name == "torchft":
+        return torchft(params, trace)
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
