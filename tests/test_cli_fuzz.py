@@ -553,6 +553,11 @@ def bad_setting(key: str) -> st.SearchStrategy[Any]:
         return st.one_of(_text.filter(lambda t: t not in good), _ints, st.booleans())
     if key in ("tier1", "tier2", "verify_chunks", "master_weights", "shard"):
         return _non_bool
+    if key == "device":  # the fake backend keeps host memory: any GPU is refused too
+        return st.one_of(_text.filter(lambda t: t not in ("auto", "cpu")), _ints, st.booleans())
+    if key == "checksum":
+        good = ("auto", "xxh3", "fletcher")
+        return st.one_of(_text.filter(lambda t: t not in good), _ints, st.booleans())
     if key == "topology":
         return st.one_of(
             st.sampled_from(["0x1", "1x0", "99999x1", "1x99999", "2x", "x", "1x1x1", "²x1", ""]),

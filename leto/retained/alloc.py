@@ -8,7 +8,7 @@ import torch
 
 from .errors import LayoutError
 
-__all__ = ["Allocator", "default_allocator", "InMemorySegments"]
+__all__ = ["Allocator", "default_allocator", "InMemorySegments", "settle"]
 
 Allocator = Callable[[str, int], torch.Tensor]
 """``alloc(name, nbytes) -> 1-D uint8 tensor`` of exactly ``nbytes`` bytes.
@@ -45,3 +45,12 @@ class InMemorySegments:
         elif seg.numel() != nbytes:
             raise LayoutError(f"segment {name!r} has {seg.numel()} bytes, {nbytes} requested")
         return seg
+
+
+def settle(device: torch.device) -> None:
+    """Wait until ``device`` has carried out every write queued on it (a no-op on the
+    host). Called before a message says that retained bytes are written (a vote, a
+    step's finish, a recovery's report): a process killed after it says so has no
+    queued kernel left to lose."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -29,6 +29,7 @@ from leto.core.reconcile import Plan, Repair, writes_no_chunk
 from leto.core.recovery import Kind
 from leto.core.runs import records_runs_json, runs_json
 from leto.retained import recovery as rx
+from leto.retained.alloc import settle
 from leto.retained.optim import RetainedOptimizer
 from leto.retained.parity import (
     Collective,
@@ -280,6 +281,7 @@ class Follower:
         summary["parity_reencoded"] = int(self.reencoded > 0)
         summary["parity_chunks_reencoded"] = self.reencoded
         summary["parity_checked"] = int(self.parity_checked)
+        settle(self.session.layout.device)  # the repaired bytes on a GPU are written
         self.session.memory.status_lost(False)
         self._reconciled = gen
         self.session.ch.send(
@@ -294,6 +296,7 @@ class Follower:
         self.session.ch.mark("rebuild")
         if self._reconciled == gen:
             self._renew_grad_parity()
+        settle(self.session.layout.device)  # the rebuilt bytes on a GPU are written
         self.session.ch.send(M.Rebuilt(rank=self.session.rank, gen=gen))
 
     def _runs(self, msg: M.Reconcile) -> list[Repair]:

@@ -44,6 +44,7 @@ from torch import nn
 
 from leto.core.chunk import NONE
 from leto.core.reconcile import keeps_compute
+from leto.retained.alloc import settle
 from leto.retained.layout import RetainedLayout
 from leto.retained.optim import RetainedOptimizer
 from leto.retained.parity import as_bytes
@@ -561,6 +562,7 @@ class StepTransaction:
         }
         # the agent keeps the pending state (a recovery may need it) before it passes
         # the vote on: one message, one wakeup of the agent
+        settle(lay.device)  # the checksums and gradients on a GPU are written
         session.ch.send(M.Vote(rank=r, step=V, gen=session.gen, pending=json.dumps(pending)))
         # 4. decide
         session.ch.mark("decide")
@@ -610,6 +612,7 @@ class StepTransaction:
         # a rank lost there rolls step V forward from the state of V - 1 (PROTOCOL.md)
         ps = None if tail else session.ps.to_json(V)
         replica = session.ps.replica_digest(V)
+        settle(session.layout.device)  # the step's chunks and seals on a GPU are written
         session.ch.send(
             M.Finished(rank=r, step=V, gen=session.gen, loss=lval, ps=ps, replica=replica)
         )
