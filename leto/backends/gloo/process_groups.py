@@ -12,7 +12,9 @@ rendezvous.
 tensors (the protocol's small exchanges) over gloo, on the same group objects, so
 nothing else of the executor changes. A recovery aborts the NCCL communicators first
 (:func:`abort_nccl`: a collective hung on a dead peer returns; NCCL has no timeout of
-its own that frees a stuck kernel), then destroys the groups as for gloo. With gloo and
+its own that frees a stuck kernel), then destroys the groups as for gloo. NCCL's own
+error handling is set to abort a failed communicator and raise, never to end the
+process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``). With gloo and
 state on a GPU, gloo reduces only host tensors: tier 1's and tier 2's collectives run
 through host copies (:meth:`ProcessGroups.parity`, :class:`~leto.retained.parity.HostStaged`).
 """
@@ -167,6 +169,10 @@ class ProcessGroups:
         reset_group_count()  # every rank names this generation's groups alike
         collective = timedelta(seconds=float(session.spec["collective_timeout"]))
         form = min(collective, timedelta(seconds=FORM_TIMEOUT_S))
+        if self.backend != "gloo":
+            # a failed or timed-out NCCL collective aborts its communicator and raises in
+            # the caller (the recovery takes over), never tears the process down
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         dist.init_process_group(
             self.backend, store=prefix, rank=session.rank, world_size=session.W, timeout=form
         )
