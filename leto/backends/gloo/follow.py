@@ -126,6 +126,7 @@ class Follower:
         self.plans = []
         self._before_writes = before_writes
         self._beside = beside
+        self.session.checkpoints.cancel()  # an asynchronous save in flight never reports
         self.session.groups.destroy()
         while True:
             msg = self.session.ch.next_command()

@@ -1,8 +1,11 @@
 """One rank's gloo communicators: formed per generation, torn down at every recovery.
 
 A generation's communicator is the whole job's process group plus, on every rank and in
-the same order, one group per node (tier 1: the node's parity) and one per local rank
-across nodes (tier 2: the snapshot's cross-node code). A recovery tears them down (a
+the same order, one group per node (tier 1: the node's parity), one per local rank
+across nodes (tier 2: the snapshot's cross-node code) and, with ``checkpoint_async``,
+one more of every rank for the checkpoint's background writer (its DCP collectives run
+on a thread of their own, and must never interleave with training's on a group they
+share). A recovery tears them down (a
 broken gloo group cannot be reused) and the next generation forms them anew, behind an
 abortable barrier so that a recovery restarting meanwhile is not stuck in gloo's own
 rendezvous.
@@ -96,6 +99,8 @@ class GroupsHost(Protocol):
     @property
     def spec(self) -> dict[str, Any]: ...
     @property
+    def cfg(self) -> Any: ...
+    @property
     def store(self) -> Any: ...
     @property
     def ch(self) -> AgentChannel: ...
@@ -124,6 +129,7 @@ class ProcessGroups:
         self.pg_gen: int | None = None
         self.node_group: Any = None
         self.cross_group: Any = None
+        self.ckpt_group: Any = None  # the asynchronous checkpoint's writer's (or None)
         self.teardown: threading.Thread | None = None  # the last generation's (destroy)
         cfg = getattr(session, "cfg", None)  # None: a test of destroy alone
         self.backend = group_backend(str(getattr(cfg, "backend", "gloo")))
@@ -196,6 +202,10 @@ class ProcessGroups:
                 groups.append(g)
                 if lr == session.local_rank:
                     self.cross_group = g
+        self.ckpt_group = None
+        if getattr(session.cfg, "checkpoint_async", False) and session.cfg.checkpoint_dir:
+            self.ckpt_group = dist.new_group(list(range(session.W)), timeout=form)
+            groups.append(self.ckpt_group)
         for g in groups:
             if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
                 set_timeout(collective, g)
@@ -220,7 +230,7 @@ class ProcessGroups:
         method still holds them, and the thread then drops them (the destructors release
         the GIL). The thread is not a daemon: a process that exits meanwhile waits for
         it, since a group destroyed during interpreter exit aborts the process."""
-        old = [g for g in (self.node_group, self.cross_group) if g is not None]
+        old = [g for g in (self.node_group, self.cross_group, self.ckpt_group) if g is not None]
         if dist.is_initialized():
             old.append(dist.group.WORLD)
             if self.backend != "gloo":
@@ -232,6 +242,7 @@ class ProcessGroups:
         self.pg_gen = None
         self.node_group = None
         self.cross_group = None
+        self.ckpt_group = None
         if old:
             self.teardown = threading.Thread(
                 target=old.clear, name="leto-pg-teardown", daemon=False
