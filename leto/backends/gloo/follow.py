@@ -485,7 +485,7 @@ class Follower:
             bad = [
                 c
                 for c, p in zip(kept, par, strict=True)
-                if not torch.equal(p, self.session.parity[c].parity())
+                if not torch.equal(p.cpu(), self.session.parity[c].parity())
             ]
             if bad:
                 raise IntegrityError(
