@@ -70,8 +70,8 @@ __all__ = ["configure", "run"]
 
 SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto")
 # the benchmarks torchft and nvre are measured by (goodput's failures come from a clock,
-# not steps)
-TORCHFT_BENCHES = ("recovery", "scaling")
+# not steps: torchft takes them as a signal, nvre's in-process restart has no such hook)
+BENCHES_OF = {"torchft": ("recovery", "scaling", "goodput"), "nvre": ("recovery", "scaling")}
 # the systems of other projects, each measured where it imports (else: why not)
 OPTIONAL = ("torchft", "nvre")
 
@@ -106,7 +106,8 @@ def _common(
             "--systems",
             default=None,
             help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all; torchft and "
-            "nvre where they are installed, for recovery and scaling)",
+            "nvre where they are installed: torchft for recovery, scaling and goodput, nvre for "
+            "recovery and scaling)",
         )
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
@@ -292,8 +293,8 @@ def _systems(text: str | None, bench: str, notes: list[str] | None = None) -> li
     ``notes``, printed once every argument was found good)."""
     if text is None:
         names = [s for s in SYSTEMS if s not in OPTIONAL]
-        if bench in TORCHFT_BENCHES:
-            for name in OPTIONAL:
+        for name in OPTIONAL:
+            if bench in BENCHES_OF[name]:
                 why = _why_not(name)
                 if why is None:
                     names.append(name)
@@ -308,9 +309,9 @@ def _systems(text: str | None, bench: str, notes: list[str] | None = None) -> li
             raise BenchError(f"unknown system {n!r} (choose from {', '.join(SYSTEMS)})")
     for name in OPTIONAL:
         if name in names:
-            if bench not in TORCHFT_BENCHES:
+            if bench not in BENCHES_OF[name]:
                 raise BenchError(
-                    f"--systems {name}: measured by {' and '.join(TORCHFT_BENCHES)} only"
+                    f"--systems {name}: measured by {', '.join(BENCHES_OF[name])} only"
                 )
             why = _why_not(name)
             if why is not None:
