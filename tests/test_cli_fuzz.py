@@ -474,7 +474,7 @@ WORDY: list[tuple[list[str], tuple[str, ...]]] = [
     ],
     *[
         (bench("goodput").argv(f"--systems={s}"), ("system",))
-        for s in ("torchft", "", ",", "leto,x")
+        for s in ("nvre", "", ",", "leto,x")
     ],
     (bench("overhead").argv("--systems=leto"), ("--systems",)),  # overhead takes no systems
     (["bench", "nosuch"], ("nosuch",)),

@@ -60,6 +60,7 @@ GOOD: dict[str, Any] = {
     "node_gpar": [1, 1],
     "summary": {"chunks_rolled_back": 0},
     "digest": {"params": "ab"},
+    "memory": {"device": "cpu", "checksum": "xxh3", "staged": False},
     "error": "it broke",
     "restart": 1,
     "warm": True,
