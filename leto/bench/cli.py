@@ -67,7 +67,8 @@ MAX_LAYERS = 256
 
 __all__ = ["configure", "run"]
 
-SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto")
+SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto-serial", "leto")
+# not in the default list: leto with parallel_replay = false, beside leto with --accum
 # the benchmarks torchft and nvre are measured by (goodput's failures come from a clock,
 # not steps)
 TORCHFT_BENCHES = ("recovery", "scaling")
@@ -213,6 +214,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     _no_tier2(p)
     _fail_at(p)
+    p.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="leto's steps in this many micro-batches (micro_batches; default 1): a death "
+        "before the vote then has the lost share's micro-batches computed by every rank "
+        "(parallel_replay); --systems leto-serial,leto measures it without and with",
+    )
     p = sub.add_parser(
         "control",
         help="the coordinator's protocol-model CPU per step, per recovery plan and per "
@@ -264,6 +273,7 @@ BOUNDS: dict[str, Bound] = {
     "steps": Bound(lo=2, hi=1000, integer=True),
     "nodes": Bound(lo=2, hi=64, integer=True, unit="nodes", why_hi="one process each"),
     "mib": Bound(lo=1 / 1024, hi=4096.0, unit="MiB", why_hi="memory of this machine"),
+    "accum": Bound(lo=1, hi=64, integer=True, unit="micro-batches"),
 }
 MAX_SIZES = 16
 
@@ -278,7 +288,7 @@ def _systems(text: str | None, bench: str, notes: list[str] | None = None) -> li
     measures them and they import (else left out, with one line saying why in
     ``notes``, printed once every argument was found good)."""
     if text is None:
-        names = [s for s in SYSTEMS if s not in OPTIONAL]
+        names = [s for s in SYSTEMS if s not in OPTIONAL and s != "leto-serial"]
         if bench in TORCHFT_BENCHES:
             for name in OPTIONAL:
                 why = _why_not(name)
@@ -376,6 +386,8 @@ def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
     if not wls:
         raise BenchError("--sizes names no model size")
     wls.sort(key=lambda w: w.params)
+    if getattr(args, "accum", 1) > min(w.batch for w in wls):
+        raise BenchError(f"--accum {args.accum}: more micro-batches than rows per rank")
     if args.bench == "scaling" and len({w.params for w in wls}) < 2:
         raise BenchError("--sizes must name at least two different model sizes to show growth")
     if getattr(args, "batches", None) is not None:
@@ -554,5 +566,6 @@ def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], prog
         progress=progress,
         tier2=not args.no_tier2,
         fail_at=args.fail_at,
+        accum=args.accum,
     )
     return res, report.scaling_table, plots.plot_scaling

@@ -146,6 +146,8 @@ def main() -> None:
         tier2=spec.get("tier2", True),
         tier2_interval=spec.get("tier2_interval", 10),
         replica_check=spec.get("replica_check", 1),
+        micro_batches=spec.get("micro_batches", 1),
+        parallel_replay=spec.get("parallel_replay", True),
     )
     worker_torch()
     model = wl.build_model()

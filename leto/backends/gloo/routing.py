@@ -403,6 +403,7 @@ class Routing:
                 | M.CheckpointWritten()
                 | M.Stopped()
                 | M.Kept()
+                | M.Replayed()
                 | M.Report()
                 | M.Reconciled()
                 | M.Rebuilt()
