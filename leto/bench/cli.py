@@ -6,7 +6,7 @@
     leto bench overhead [--params 1M] [--batch 16384] [--rounds 5] [--json]
     leto bench overhead --batches 1024,4096,16384 [--rounds 3] [--json]   # against step time
     leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 30] [--rounds 3] [--json]
-    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--layers 4] [--no-tier2] [--fail-at forward] [--json]
+    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--layers 4] [--no-tier2] [--fail-at forward] [--accum 1] [--json]
     leto bench control  [--ranks 1024] [--chunks 4096] [--per-node 8] [--json]
     leto bench tier2    [--nodes 4] [--mib 64] [--parities 2] [--rounds 5] [--json]
 
@@ -19,7 +19,9 @@ where ``import torchft`` works), ``nvre`` (nvidia-resiliency-ext's in-process re
 the wrapped training function restarted in each surviving process, a reserve process
 in the dead rank's place; likewise recovery and scaling only, where it imports, with
 at most 8 recoveries), ``leto`` (in place, through ``leto launch`` on the
-gloo backend). Each
+gloo backend), ``leto-serial`` (not in the default list: leto with ``parallel_replay =
+false``, beside ``leto`` with ``--accum K``, whose steps are K micro-batches: the step in
+flight's lost share computed by its replacement alone, against by every rank). Each
 benchmark prints a table, and writes its JSON and a PNG plot to ``--out``
 (default ``bench-results``); ``--json`` prints the JSON instead of the table.
 Bad input (an unknown system, a non-positive MTBF or budget, a model too large
