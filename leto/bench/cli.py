@@ -61,6 +61,7 @@ from .workload import (
     BenchError,
     Workload,
     available_memory,
+    device_error,
     format_count,
     parse_count,
 )
@@ -72,8 +73,8 @@ __all__ = ["configure", "run"]
 SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto-serial", "leto")
 # not in the default list: leto with parallel_replay = false, beside leto with --accum
 # the benchmarks torchft and nvre are measured by (goodput's failures come from a clock,
-# not steps)
-TORCHFT_BENCHES = ("recovery", "scaling")
+# not steps: torchft takes them as a signal, nvre's in-process restart has no such hook)
+BENCHES_OF = {"torchft": ("recovery", "scaling", "goodput"), "nvre": ("recovery", "scaling")}
 # the systems of other projects, each measured where it imports (else: why not)
 OPTIONAL = ("torchft", "nvre")
 
@@ -108,7 +109,8 @@ def _common(
             "--systems",
             default=None,
             help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all; torchft and "
-            "nvre where they are installed, for recovery and scaling)",
+            "nvre where they are installed: torchft for recovery, scaling and goodput, nvre for "
+            "recovery and scaling)",
         )
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
@@ -121,6 +123,16 @@ def _no_tier2(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leto's job without its tier-2 snapshot (about 4x the state per rank in host "
         "memory), which an in-place recovery does not read",
+    )
+
+
+def _device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where every system keeps the model, its gradients and optimizer state: cpu "
+        "(default), cuda or cuda:N (the ranks share that one device; leto's keepers hold "
+        "its retained state there)",
     )
 
 
@@ -153,6 +165,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     _no_tier2(p)
     _fail_at(p)
+    _device(p)
     p = sub.add_parser(
         "overhead",
         help="failure-free step time: plain DDP vs leto (its defaults: tier 1 as replicas on gloo), "
@@ -224,6 +237,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "before the vote then has the lost share's micro-batches computed by every rank "
         "(parallel_replay); --systems leto-serial,leto measures it without and with",
     )
+    _device(p)
     p = sub.add_parser(
         "control",
         help="the coordinator's protocol-model CPU per step, per recovery plan and per "
@@ -291,8 +305,8 @@ def _systems(text: str | None, bench: str, notes: list[str] | None = None) -> li
     ``notes``, printed once every argument was found good)."""
     if text is None:
         names = [s for s in SYSTEMS if s not in OPTIONAL and s != "leto-serial"]
-        if bench in TORCHFT_BENCHES:
-            for name in OPTIONAL:
+        for name in OPTIONAL:
+            if bench in BENCHES_OF[name]:
                 why = _why_not(name)
                 if why is None:
                     names.append(name)
@@ -307,9 +321,9 @@ def _systems(text: str | None, bench: str, notes: list[str] | None = None) -> li
             raise BenchError(f"unknown system {n!r} (choose from {', '.join(SYSTEMS)})")
     for name in OPTIONAL:
         if name in names:
-            if bench not in TORCHFT_BENCHES:
+            if bench not in BENCHES_OF[name]:
                 raise BenchError(
-                    f"--systems {name}: measured by {' and '.join(TORCHFT_BENCHES)} only"
+                    f"--systems {name}: measured by {', '.join(BENCHES_OF[name])} only"
                 )
             why = _why_not(name)
             if why is not None:
@@ -345,8 +359,12 @@ def _workload(args: argparse.Namespace, params: str) -> Workload:
     layers = getattr(args, "layers", LAYERS)
     if not 1 <= layers <= MAX_LAYERS:
         raise BenchError(f"--layers {layers}: choose 1 to {MAX_LAYERS} hidden layers")
+    device = getattr(args, "device", "cpu")
+    why = device_error(device)
+    if why:
+        raise BenchError(f"--device {show(device)}: {why}")
     return Workload.for_params(
-        count, batch=args.batch, world=args.world, seed=args.seed, layers=layers
+        count, batch=args.batch, world=args.world, seed=args.seed, layers=layers, device=device
     )
 
 

@@ -149,6 +149,7 @@ def main() -> None:
         replica_check=spec.get("replica_check", 1),
         micro_batches=spec.get("micro_batches", 1),
         parallel_replay=spec.get("parallel_replay", True),
+        device=wl.device,
     )
     worker_torch()
     model = wl.build_model()

@@ -151,6 +151,11 @@ def goodput_table(res: dict[str, Any]) -> str:
             f"{name:<16}{100 * s['ettr']:>7.1f}%{s['steps']:>8.0f}{s['failures']:>10.1f}"
             f"{s['step_s']:>11.3f}s{s['step_overhead_vs_plain_pct']:>+9.0f}%"
         )
+    if "torchft" in res["systems"]:
+        lines.append(
+            "torchft's steps: each committed step counted by the share of the replica groups "
+            "in its quorum (a group healing trains nothing)"
+        )
     if "gain_pp_vs_best_baseline" in res:
         rounds = res.get("rounds", 1)
         ci = res.get("gain_pp_ci95")

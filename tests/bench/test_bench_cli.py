@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from leto.bench.cli import check_memory
 from leto.bench.workload import BenchError, Workload
@@ -16,8 +17,7 @@ from leto.cli import main
     ("argv", "message"),
     [
         (["recovery", "--systems", "ckpt-disk,torchrun"], "unknown system 'torchrun'"),
-        (["goodput", "--systems", "torchft"], "--systems torchft: measured by recovery and"),
-        (["goodput", "--systems", "nvre"], "--systems nvre: measured by recovery and"),
+        (["goodput", "--systems", "nvre"], "--systems nvre: measured by recovery, scaling only"),
         (["goodput", "--systems", ""], "names no system"),
         (["goodput", "--mtbf", "0"], "--mtbf must be positive, got 0"),
         (["recovery", "--mtbf", "-5"], "--mtbf must be positive, got -5"),
@@ -37,7 +37,14 @@ from leto.cli import main
         (["scaling", "--sizes", "1M,2M", "--accum", "0"], "--accum must be at least 1"),
         (["scaling", "--sizes", "1M,2M", "--accum", "65"], "--accum"),
         (["scaling", "--sizes", "1M,2M", "--batch", "2", "--accum", "4"], "more micro-batches"),
-    ],
+        (["recovery", "--device", "tpu"], "--device 'tpu': choose cpu, cuda or cuda:N"),
+        (["scaling", "--device", "cuda:x"], "--device 'cuda:x': choose cpu, cuda or cuda:N"),
+    ]
+    + (
+        []
+        if torch.cuda.is_available()
+        else [(["recovery", "--device", "cuda"], "--device 'cuda': this machine has no CUDA")]
+    ),
 )
 def test_bad_input_is_one_line_and_exit_2(
     argv: list[str],
@@ -94,6 +101,9 @@ def test_torchft_not_installed(
     assert cli._systems("leto-serial,leto", "scaling") == ["leto-serial", "leto"]
     assert "torchft" not in cli._systems(None, "goodput")  # goodput does not measure it
     assert "nvre" not in cli._systems(None, "goodput")
+    assert cli._systems(None, "recovery") == list(cli.SYSTEMS)
+    assert "torchft" in cli._systems(None, "goodput")  # a signal strikes it on the clock
+    assert "nvre" not in cli._systems(None, "goodput")  # its restart has no such hook
     assert capsys.readouterr().err == ""
 
 
@@ -201,3 +211,13 @@ def test_nvre_refuses_more_recoveries_than_reserves(
     assert err == (
         "leto bench: error: --repeats 9: nvre needs a reserve process per recovery, at most 8\n"
     )
+
+
+def test_the_device_travels_with_the_workload_and_moves_the_host_estimate() -> None:
+    wl = Workload.for_params(10**6, device="cuda:0")
+    assert Workload.from_dict(wl.as_dict()) == wl and wl.as_dict()["device"] == "cuda:0"
+    host = Workload.for_params(10**6)
+    assert host.device == "cpu"
+    # on a device the state is there: host memory holds the processes and the data only
+    assert wl.memory_estimate("leto") < host.memory_estimate("leto")
+    assert wl.memory_estimate("gemini") == wl.memory_estimate("leto")
