@@ -80,3 +80,21 @@ def test_a_model_that_draws_random_numbers_is_refused_with_the_setting_named(tag
     res = _job(Path(tag) / "run", DROPOUT="1", STEPS="2")
     assert not res.ok
     assert "set parallel_replay = false" in explain(res), explain(res)
+
+
+def test_a_second_death_after_the_replay_recovers_serially_and_stays_bitwise(
+    tag: str, ref_replay: JobResult
+) -> None:
+    # the replacement of rank 1 dies too, once the micro-batches were gathered and added
+    # (at its all-reduce of step 5): the survivors were past their computes, so every
+    # rank computes step 5 afresh and nothing is replayed the second time
+    faults = [*DEATH, {"kind": "crash", "rank": 1, "step": 5, "phase": "allreduce"}]
+    res = _job(Path(tag) / "run", faults, **SLOW)
+    assert res.ok, explain(res)
+    assert len(res.recoveries) == 2, res.recoveries
+    assert sorted((e["rank"], e["micro_batches"]) for e in res.of("replayed")) == [
+        (0, [2]),
+        (1, [0, 3]),
+        (2, [1]),
+    ]
+    assert digests_equal(res, ref_replay), "not bitwise equal to the failure-free run"
