@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from leto.core.replay import ReplayPlan, replay_plan
 
@@ -45,3 +47,21 @@ def test_a_plan_is_validated() -> None:
         ReplayPlan(owner=0, world=2, micro_batches=2, computers=(0, 2))
     with pytest.raises(ValueError, match="owner 5"):
         ReplayPlan(owner=5, world=2, micro_batches=2, computers=(0, 1))
+
+
+@given(
+    world=st.integers(2, 64),
+    k=st.integers(2, 256),
+    data=st.data(),
+)
+def test_every_micro_batch_is_computed_once_and_the_work_is_balanced(
+    world: int, k: int, data: st.DataObject
+) -> None:
+    owner = data.draw(st.integers(0, world - 1))
+    plan = replay_plan([r == owner for r in range(world)], True, k)
+    assert plan is not None
+    mine = [plan.of(r) for r in range(world)]
+    assert sorted(i for m in mine for i in m) == list(range(k))
+    assert max(map(len, mine)) - min(map(len, mine)) <= 1
+    assert plan.computers[0] == owner  # the owner, idle, takes the first
+    assert len(mine[owner]) == max(map(len, mine))
