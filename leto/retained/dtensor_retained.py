@@ -42,10 +42,10 @@ from .alloc import Allocator
 from .layout import RetainedLayout
 from .optim import (
     RetainedOptimizer,
-    UnsupportedOptimizerError,
-    _chunked_class,
     bind_layout,
+    chunked_for_pieces,
     required_states,
+    step_pieces,
 )
 
 __all__ = ["RetainedShards", "retain_shards"]
@@ -115,16 +115,7 @@ def retain_shards(
 ) -> RetainedShards:
     """Create (or ``attach`` to) the retained layout of ``model``'s shards (``fully_shard``
     and ``parallelize_module`` already called) and the chunked optimizer over them."""
-    cls = _chunked_class(optimizer)
-    if cls is None:
-        raise UnsupportedOptimizerError(
-            f"FSDP2 state: {type(optimizer).__name__} has no chunked step; leto steps each "
-            "rank's shards in place, which needs SGD, Adam or AdamW"
-        )
-    if optimizer.state and not attach:
-        raise UnsupportedOptimizerError(
-            "FSDP2 state: the optimizer already has state; retain it before its first step"
-        )
+    cls = chunked_for_pieces(optimizer, attach=attach, what="FSDP2 state")
     plan = dl.plan_layout(model)
     pieces = _pieces(model, plan, values=not attach)
     n_chunks = max(1, -(-plan.numel // chunk_numel))
@@ -148,10 +139,6 @@ def retain_shards(
     groups = [
         {**g, "params": [piece_of[fqn[id(p)]] for p in g["params"]]} for g in optimizer.param_groups
     ]
-    defaults = dict(optimizer.defaults)
-    if cls.__name__ == "ChunkedAdamW":
-        defaults.pop("decoupled_weight_decay", None)
-    new: RetainedOptimizer = cls(layout, groups, verify=verify, **defaults)
-    optimizer.param_groups = new.param_groups
+    new = step_pieces(cls, optimizer, layout, groups, verify=verify)
     named = dict(model.named_parameters())
     return RetainedShards(new, plan, tuple(comms), tuple(named[s.fqn] for s in plan.slots()))

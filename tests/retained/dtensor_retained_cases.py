@@ -16,16 +16,13 @@ Per mesh ("fsdp": 4-way FSDP2; "2d": dp x tp, as torchtitan parallelizes), each 
 
 from __future__ import annotations
 
-import datetime
-import os
 import traceback
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dtensor_cases import batch, build, inside, make_mesh, same_bytes
+from dtensor_cases import batch, build, inside, join, make_mesh, same_bytes
 
 from leto.retained.alloc import InMemorySegments
 from leto.retained.dtensor_retained import RetainedShards, retain_shards
@@ -156,13 +153,7 @@ def case(cfg: str, mesh: Any) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, port: int, q: Any) -> None:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
+    join(rank, world, port)
     out: dict[str, Any] = {}
     for cfg in ("fsdp", "2d"):
         try:

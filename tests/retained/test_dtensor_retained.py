@@ -38,7 +38,7 @@ def test_an_optimizer_that_stepped_already_is_refused(mesh: Any) -> None:
     x, y = batch(0, 0)
     F.mse_loss(model(x), y).backward()
     opt.step()
-    with pytest.raises(UnsupportedOptimizerError, match="already has state; retain it before"):
+    with pytest.raises(UnsupportedOptimizerError, match="already has state; wrap it before"):
         retain_shards(model, opt, chunk_numel=64, alloc=InMemorySegments())
 
 
