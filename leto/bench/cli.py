@@ -6,7 +6,7 @@
     leto bench overhead [--params 1M] [--batch 16384] [--rounds 5] [--json]
     leto bench overhead --batches 1024,4096,16384 [--rounds 3] [--json]   # against step time
     leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 30] [--rounds 3] [--json]
-    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--layers 4] [--no-tier2] [--fail-at forward] [--json]
+    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--layers 4] [--no-tier2] [--fail-at forward] [--accum 1] [--json]
     leto bench control  [--ranks 1024] [--chunks 4096] [--per-node 8] [--json]
     leto bench tier2    [--nodes 4] [--mib 64] [--parities 2] [--rounds 5] [--json]
 
@@ -19,7 +19,9 @@ where ``import torchft`` works), ``nvre`` (nvidia-resiliency-ext's in-process re
 the wrapped training function restarted in each surviving process, a reserve process
 in the dead rank's place; likewise recovery and scaling only, where it imports, with
 at most 8 recoveries), ``leto`` (in place, through ``leto launch`` on the
-gloo backend). Each
+gloo backend), ``leto-serial`` (not in the default list: leto with ``parallel_replay =
+false``, beside ``leto`` with ``--accum K``, whose steps are K micro-batches: the step in
+flight's lost share computed by its replacement alone, against by every rank). Each
 benchmark prints a table, and writes its JSON and a PNG plot to ``--out``
 (default ``bench-results``); ``--json`` prints the JSON instead of the table.
 Bad input (an unknown system, a non-positive MTBF or budget, a model too large
@@ -68,7 +70,8 @@ MAX_LAYERS = 256
 
 __all__ = ["configure", "run"]
 
-SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto")
+SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto-serial", "leto")
+# not in the default list: leto with parallel_replay = false, beside leto with --accum
 # the benchmarks torchft and nvre are measured by (goodput's failures come from a clock,
 # not steps: torchft takes them as a signal, nvre's in-process restart has no such hook)
 BENCHES_OF = {"torchft": ("recovery", "scaling", "goodput"), "nvre": ("recovery", "scaling")}
@@ -226,6 +229,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     _no_tier2(p)
     _fail_at(p)
+    p.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="leto's steps in this many micro-batches (micro_batches; default 1): a death "
+        "before the vote then has the lost share's micro-batches computed by every rank "
+        "(parallel_replay); --systems leto-serial,leto measures it without and with",
+    )
     _device(p)
     p = sub.add_parser(
         "control",
@@ -278,6 +289,7 @@ BOUNDS: dict[str, Bound] = {
     "steps": Bound(lo=2, hi=1000, integer=True),
     "nodes": Bound(lo=2, hi=64, integer=True, unit="nodes", why_hi="one process each"),
     "mib": Bound(lo=1 / 1024, hi=4096.0, unit="MiB", why_hi="memory of this machine"),
+    "accum": Bound(lo=1, hi=64, integer=True, unit="micro-batches"),
 }
 MAX_SIZES = 16
 
@@ -292,7 +304,7 @@ def _systems(text: str | None, bench: str, notes: list[str] | None = None) -> li
     measures them and they import (else left out, with one line saying why in
     ``notes``, printed once every argument was found good)."""
     if text is None:
-        names = [s for s in SYSTEMS if s not in OPTIONAL]
+        names = [s for s in SYSTEMS if s not in OPTIONAL and s != "leto-serial"]
         for name in OPTIONAL:
             if bench in BENCHES_OF[name]:
                 why = _why_not(name)
@@ -394,6 +406,8 @@ def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
     if not wls:
         raise BenchError("--sizes names no model size")
     wls.sort(key=lambda w: w.params)
+    if getattr(args, "accum", 1) > min(w.batch for w in wls):
+        raise BenchError(f"--accum {args.accum}: more micro-batches than rows per rank")
     if args.bench == "scaling" and len({w.params for w in wls}) < 2:
         raise BenchError("--sizes must name at least two different model sizes to show growth")
     if getattr(args, "batches", None) is not None:
@@ -572,5 +586,6 @@ def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], prog
         progress=progress,
         tier2=not args.no_tier2,
         fail_at=args.fail_at,
+        accum=args.accum,
     )
     return res, report.scaling_table, plots.plot_scaling

@@ -47,6 +47,8 @@ def recovery_table(res: dict[str, Any]) -> str:
             note = "in-memory ckpt every step"
         elif name == "leto":
             note = "in place (leto launch, gloo)"
+        elif name == "leto-serial":
+            note = "in place, the lost share computed by its replacement alone"
         elif name == "torchft":
             frac = s["survivor_throughput"]["fraction_of_steady"]
             kept = f"{frac:.0%} of steady" if frac is not None else "unmeasured"

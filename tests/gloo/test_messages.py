@@ -92,6 +92,8 @@ GOOD: dict[str, Any] = {
     "port": 29400,
     "nnodes": 2,
     "at_start": True,
+    "owner": 1,
+    "micro_batches": [0, 3],
 }
 # for each field: a value its validator must refuse
 BAD: dict[str, Any] = {
