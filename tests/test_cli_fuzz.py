@@ -472,10 +472,7 @@ WORDY: list[tuple[list[str], tuple[str, ...]]] = [
         (bench("scaling").argv(f"--sizes=1M,{p}" if p else "--sizes=1M"), ("--sizes", "model size"))
         for p in BAD_PARAMS
     ],
-    *[
-        (bench("goodput").argv(f"--systems={s}"), ("system",))
-        for s in ("nvre", "", ",", "leto,x")
-    ],
+    *[(bench("goodput").argv(f"--systems={s}"), ("system",)) for s in ("nvre", "", ",", "leto,x")],
     (bench("overhead").argv("--systems=leto"), ("--systems",)),  # overhead takes no systems
     (["bench", "nosuch"], ("nosuch",)),
     *[(SPEC.argv(f"--spec-dir={d}"), ("--spec-dir",)) for d in ("afile", "nothere")],
