@@ -117,9 +117,12 @@ def test_a_config_without_topology_takes_the_launched_one(here: Path) -> None:
     # a topology the file names is its own (and the gloo runtime refuses a mismatch)
     (here / "t.toml").write_text('[leto]\nbackend = "gloo"\ntopology = "1x4"\n')
     assert Config.load("t.toml", env).ranks_per_node == 4
-    # outside leto launch: the file alone
+    # outside leto launch: the file, under the LETO_* variables (a typo refused)
     cfg = Config.load("t.toml", {})
     assert (cfg.nodes, cfg.ranks_per_node) == (1, 4)
+    assert Config.load("t.toml", {"LETO_CHUNK_SIZE": "128"}).chunk_size == 128
+    with pytest.raises(ConfigError, match="did you mean LETO_CHUNK_SIZE"):
+        Config.load("t.toml", {"LETO_CHUNK_SIZ": "128"})
     with pytest.raises(ConfigError, match="'replica' is built for the gloo and nccl backends only"):
         Config.load("c.toml", {})
 

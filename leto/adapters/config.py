@@ -94,7 +94,8 @@ other variables override it. The variables ``leto launch`` sets for its trainers
 ``LETO_RESTART`` in a restart of the job) and the few
 other ``LETO_*`` variables leto reads elsewhere are not settings and are left
 alone; any other ``LETO_*`` variable is refused (a typo is not ignored, and the
-closest setting is named). Under ``leto launch`` the defaults are the job's:
+closest setting is named). A file given to ``leto.wrap(config=...)`` is read as
+``LETO_CONFIG`` is, the variables over it. Under ``leto launch`` the defaults are the job's:
 ``backend = "gloo"`` and the topology the launcher started, for a file or a dict
 given to ``leto.wrap(config=...)`` as for ``LETO_CONFIG``.
 
@@ -528,10 +529,10 @@ class Config:
     ) -> Config:
         """A Config from a Config, a dict, a TOML path, or (None) the environment.
 
-        Under ``leto launch`` a file is read as ``LETO_CONFIG`` is (over the job's
-        defaults, the gloo backend and the launched topology, and under the ``LETO_*``
-        variables), and a dict over the job's defaults: a file or a dict that names no
-        topology takes the launched one."""
+        A file is read as ``LETO_CONFIG`` is: under the ``LETO_*`` variables (in a
+        script run with plain ``python`` too) and, under ``leto launch``, over the job's
+        defaults (the gloo backend and the launched topology); a dict over the job's
+        defaults: a file or a dict that names no topology takes the launched one."""
         env = os.environ if environ is None else environ
         if isinstance(source, Config):
             return source
@@ -541,9 +542,7 @@ class Config:
         if isinstance(source, Mapping):
             return cls.from_dict(_over(launched, source))
         if isinstance(source, (str, os.PathLike)):
-            if launched:
-                return cls.from_env({**env, "LETO_CONFIG": os.fspath(source)})
-            return cls.from_toml(source)
+            return cls.from_env({**env, "LETO_CONFIG": os.fspath(source)})
         raise ConfigError("config", f"cannot load settings from {type(source).__name__}")
 
 
