@@ -38,5 +38,7 @@ def test_user_loop_with_grad_scaler_and_parity_is_bitwise(session_dir: Path) -> 
     ]
     res = _run(session_dir / "scaler-kills", "parity", faults, ["--scaler"])
     assert res.ok, explain(res)
+    # each death placed where it happened (a backward's is not "in forward")
+    assert [f.get("in_phase") for f in res.of("failure")] == ["backward", "apply", "prepare"]
     assert len(res.recoveries) == len(faults), res.recoveries
     assert digests_equal(res, ref), "not bitwise equal to the failure-free run"

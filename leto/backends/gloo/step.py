@@ -373,6 +373,7 @@ class UserLoop:
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.queued and self.open:
             self.queued = True
+            self.session.ch.mark("backward")  # the first gradient: the backward is running
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
