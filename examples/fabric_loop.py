@@ -65,4 +65,6 @@ for x, y in session.batches(args.steps):
     sched.step()
 
 if rank == 0:
-    print(f"step {session.step}, loss {loss.item():.6f}, recoveries {session.stats['recoveries']}")
+    print(
+        f"step {session.step}, loss {loss.item():.6f}, recoveries {session.stats['recoveries']} (this process's)"
+    )

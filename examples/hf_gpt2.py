@@ -120,5 +120,5 @@ for (x,) in session.batches(args.steps):
 
 if rank == 0:
     print(
-        f"step {session.step}, loss {loss.item() * args.accum:.4f}, recoveries {session.stats['recoveries']}"
+        f"step {session.step}, loss {loss.item() * args.accum:.4f}, recoveries {session.stats['recoveries']} (this process's)"
     )

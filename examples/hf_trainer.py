@@ -113,4 +113,6 @@ out = trainer.train()
 
 if trainer.is_world_process_zero():
     s = trainer.session
-    print(f"step {s.step}, loss {out.training_loss:.4f}, recoveries {s.stats['recoveries']}")
+    print(
+        f"step {s.step}, loss {out.training_loss:.4f}, recoveries {s.stats['recoveries']} (this process's)"
+    )

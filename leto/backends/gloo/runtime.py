@@ -213,6 +213,8 @@ class GlooSession:
         self.t0 = time.perf_counter()
         self.timeline: list[dict[str, Any]] = []
         self.losses: dict[int, float] = {}
+        # this process's counters: a replacement process counts from its own start
+        # (the job's recoveries are in the event log and `leto report`)
         self.stats: dict[str, int] = {
             "steps_run": 0,
             "recoveries": 0,
