@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import time
 import warnings
 from typing import Any
 
@@ -68,10 +69,20 @@ def make_mesh(shape: str) -> DeviceMesh:
 class Run:
     """The model, its AdamW and scheduler on ``mesh``; retained by leto unless ``plain``."""
 
-    def __init__(self, mesh: DeviceMesh, *, plain: bool, bf16: bool = False, tag: str = "llama"):
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        *,
+        plain: bool,
+        bf16: bool = False,
+        tag: str = "llama",
+        cfg: LlamaConfig = CFG,
+        chunk_numel: int = CHUNK_NUMEL,
+    ):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self.mesh = mesh
-        self.model = parallelize_llama(Llama(CFG), mesh, mp=mp if bf16 else None)
+        self.cfg = cfg
+        self.model = parallelize_llama(Llama(cfg), mesh, mp=mp if bf16 else None)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: min(1.0, (s + 1) / WARMUP)
@@ -79,19 +90,22 @@ class Run:
         self.rs: RetainedShards | None = None
         if not plain:
             self.rs = retain_shards(
-                self.model, self.opt, chunk_numel=CHUNK_NUMEL, alloc=keeper_memory(tag)
+                self.model, self.opt, chunk_numel=chunk_numel, alloc=keeper_memory(tag)
             )
         self.step = 0
+        self.opt_seconds = 0.0  # time in the optimizer step (benchmarks/llama_retained.py)
 
     def train_step(self) -> torch.Tensor:
-        loss = loss_of(self.model, CFG, self.step, dp_rank(self.mesh))
+        loss = loss_of(self.model, self.cfg, self.step, dp_rank(self.mesh))
         loss.backward()
+        t0 = time.perf_counter()
         if self.rs is not None:
             self.rs.step()
             self.rs.zero_grad()
         else:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+        self.opt_seconds += time.perf_counter() - t0
         self.sched.step()
         self.step += 1
         return loss.detach()
