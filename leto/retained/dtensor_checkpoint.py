@@ -105,8 +105,10 @@ def load(
     parameter). ``extra``: further entries to load (their values
     give the structure, as ``dcp.load`` wants); returns the loaded ``extra``."""
     ropt = rs.optimizer
-    if ropt.version != rs.layout.base_version():
-        raise LayoutError("load: a step is under way; load between steps")
+    if rs.layout.prepared_step > ropt.version or ropt.version != rs.layout.base_version():
+        raise LayoutError(
+            f"load: step {rs.layout.prepared_step} is prepared or under way; load between steps"
+        )
     stand = _stand_in(rs, optimizer)
     sd = {**_state_dict_of(model, stand), **extra}
     dcp_load(sd, checkpoint_id=checkpoint_id)
