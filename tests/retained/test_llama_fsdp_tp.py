@@ -8,6 +8,7 @@ without leto."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 import subprocess
 import sys
@@ -55,6 +56,7 @@ def run_example(*extra: str) -> list[str]:
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *args, *extra],
         cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's leto
         capture_output=True,
         text=True,
         timeout=120,
