@@ -143,14 +143,40 @@ def resumed(root: Path, shape: str, saved: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
+def _first(root: str) -> dict[str, torch.Tensor]:
+    """3 steps retained on 2 x 2, saved at ``root/leto``; the state gathered to full tensors."""
+    run = ex.Run(ex.make_mesh("2x2"), plain=False, tag="first")
+    _train(run, STEPS)
+    run.save(str(Path(root) / "leto"))
+    return run.full_state()
+
+
 def resume_worker(rank: int, world: int, port: int, q: Any, root: str) -> None:
     def cases() -> dict[str, Any]:
-        mesh = ex.make_mesh("2x2")
-        run = ex.Run(mesh, plain=False, tag="first")
-        _train(run, STEPS)
-        run.save(str(Path(root) / "leto"))
-        saved = run.full_state()
+        saved = _first(root)
         return {shape: resumed(Path(root), shape, saved) for shape in ("4x1", "1x4")}
+
+    _run_cases(rank, world, port, q, cases)
+
+
+def first_worker(rank: int, world: int, port: int, q: Any, root: str) -> None:
+    """Writes the 2 x 2 checkpoint and, from rank 0, its full state (``full.pt``)."""
+
+    def cases() -> dict[str, Any]:
+        saved = _first(root)
+        if dist.get_rank() == 0:
+            torch.save(saved, Path(root) / "full.pt")
+        return {"saved": {"keys": len(saved) > 0}}
+
+    _run_cases(rank, world, port, q, cases)
+
+
+def two_ranks_worker(rank: int, world: int, port: int, q: Any, root: str) -> None:
+    """On 2 processes: the 4-process checkpoint resumed on 2 x 1 and 1 x 2."""
+
+    def cases() -> dict[str, Any]:
+        saved = torch.load(Path(root) / "full.pt")
+        return {shape: resumed(Path(root), shape, saved) for shape in ("2x1", "1x2")}
 
     _run_cases(rank, world, port, q, cases)
 

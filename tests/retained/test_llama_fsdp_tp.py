@@ -1,7 +1,7 @@
 """The torchtitan-shaped Llama of ``examples/llama_fsdp_tp.py`` on FSDP2 + TP (a 2 x 2
 ``("dp", "tp")`` mesh, 4 processes over gloo): retained by leto it trains bitwise as
 without leto (fp32 and bf16 mixed precision), its DCP checkpoint has torch's keys and
-bytes, and it resumes on 4 x 1 and 1 x 4 meshes bitwise as plain FSDP2 resuming from the
+bytes, and it resumes on 4 x 1 and 1 x 4 meshes and on 2 processes (2 x 1, 1 x 2) bitwise as plain FSDP2 resuming from the
 same checkpoint; the example's command prints the same losses and state with and
 without leto."""
 
@@ -17,13 +17,19 @@ from typing import Any
 
 import pytest
 from dtensor_cases import spawn_ranks
-from llama_cases import bitwise_worker, resume_worker, save_worker
+from llama_cases import (
+    bitwise_worker,
+    first_worker,
+    resume_worker,
+    save_worker,
+    two_ranks_worker,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _all_true(res: dict[int, dict[str, Any]]) -> None:
-    assert sorted(res) == [0, 1, 2, 3]
+def _all_true(res: dict[int, dict[str, Any]], world: int = 4) -> None:
+    assert sorted(res) == list(range(world))
     for rank, out in sorted(res.items()):
         assert "error" not in out, f"rank {rank}: {out['error']}"
         for case, checks in out.items():
@@ -45,6 +51,14 @@ def test_a_2x2_checkpoint_resumes_retained_on_4x1_and_1x4_bitwise(tmp_path: Path
     res = spawn_ranks(functools.partial(resume_worker, root=str(tmp_path)))
     _all_true(res)
     assert all(sorted(out) == ["1x4", "4x1"] for out in res.values())
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_4_processes_resumes_retained_on_2_bitwise(tmp_path: Path) -> None:
+    _all_true(spawn_ranks(functools.partial(first_worker, root=str(tmp_path))))
+    res = spawn_ranks(functools.partial(two_ranks_worker, root=str(tmp_path)), world=2)
+    _all_true(res, world=2)
+    assert all(sorted(out) == ["1x2", "2x1"] for out in res.values())
 
 
 COMMAND = "torchrun --nproc-per-node 4 examples/llama_fsdp_tp.py --steps 3"
