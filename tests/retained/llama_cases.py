@@ -6,6 +6,7 @@ by the processes it spawns (which import ``examples/llama_fsdp_tp.py`` as a modu
 from __future__ import annotations
 
 import logging
+import random
 import sys
 import traceback
 from collections.abc import Callable
@@ -90,6 +91,67 @@ def bitwise_worker(rank: int, world: int, port: int, q: Any) -> None:
             "bf16": as_without_leto(ex.make_mesh("2x2"), bf16=True),
         },
     )
+
+
+def phases(n_chunks: int) -> list[tuple[str, int]]:
+    """The points of a retained step, in order: gradients prepared, step begun, then per
+    chunk its undo copy saved, its new bytes applied, its undo copy released."""
+    per_chunk = [(e, c) for c in range(n_chunks) for e in ("save_undo", "apply", "finish")]
+    return [("prepare", -1), ("begin", -1), *per_chunk]
+
+
+def cut_step(run: ex.Run, point: int, how: str) -> None:
+    """Step ``run`` as a process stopped after ``point`` phases would leave it, then
+    recovered: rolled back and stepped again, or rolled forward."""
+    assert run.rs is not None
+    rs, ropt = run.rs, run.rs.optimizer
+    loss = ex.loss_of(run.model, run.cfg, run.step, ex.dp_rank(run.mesh))
+    loss.backward()
+    v = ropt.version + 1
+    rs.present()
+    act = {
+        "prepare": lambda c: ropt.prepare(v),
+        "begin": lambda c: ropt.begin(v),
+        "save_undo": ropt.save_undo,
+        "apply": ropt.apply_chunk,
+        "finish": ropt.finish_chunk,
+    }
+    for name, c in phases(rs.layout.n_chunks)[:point]:
+        act[name](c)
+    if how == "forward" and point > 0:
+        ropt.roll_forward()
+    else:
+        ropt.roll_back()
+        rs.step()
+    rs.zero_grad()
+    run.sched.step()
+    run.step += 1
+
+
+def cut_everywhere(mesh: Any) -> dict[str, Any]:
+    """A step cut at every phase (rolled back, then forward), then at random phases (a
+    different one on each rank): bitwise the uninterrupted plain run."""
+    leto = ex.Run(mesh, plain=False, tag="cut", chunk_numel=24576)
+    assert leto.rs is not None
+    n = len(phases(leto.rs.layout.n_chunks))
+    rng = random.Random(dist.get_rank())
+    cuts = [(p, how) for how in ("back", "forward") for p in range(n + 1)]
+    cuts += [(rng.randrange(n + 1), rng.choice(["back", "forward"])) for _ in range(4)]
+    for point, how in cuts:
+        cut_step(leto, point, how)
+        assert leto.rs.layout.verify() == [], (point, how)
+    plain = ex.Run(mesh, plain=True)
+    _train(plain, len(cuts))
+    return {
+        "several chunks": leto.rs.layout.n_chunks > 1,
+        "every phase, both ways": len(cuts) == 2 * (n + 1) + 4,
+        "shards and states": _same(_local_state(plain), _local_state(leto)),
+        "version": leto.rs.optimizer.version == len(cuts),
+    }
+
+
+def cut_worker(rank: int, world: int, port: int, q: Any) -> None:
+    _run_cases(rank, world, port, q, lambda: {"2x2": cut_everywhere(ex.make_mesh("2x2"))})
 
 
 def saved_as_torch(root: Path) -> dict[str, Any]:

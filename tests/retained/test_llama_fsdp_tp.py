@@ -19,6 +19,7 @@ import pytest
 from dtensor_cases import spawn_ranks
 from llama_cases import (
     bitwise_worker,
+    cut_worker,
     first_worker,
     resume_worker,
     save_worker,
@@ -39,6 +40,11 @@ def _all_true(res: dict[int, dict[str, Any]], world: int = 4) -> None:
 @pytest.mark.slow
 def test_retained_llama_trains_bitwise_as_plain_fsdp2_tp_in_fp32_and_bf16() -> None:
     _all_true(spawn_ranks(bitwise_worker))
+
+
+@pytest.mark.slow
+def test_steps_cut_at_every_phase_and_at_random_phases_end_bitwise_as_plain() -> None:
+    _all_true(spawn_ranks(cut_worker))
 
 
 @pytest.mark.slow
