@@ -38,6 +38,7 @@ def test_every_script_here_is_run_by_this_file() -> None:
         [
             *WRAPPERS,
             "checkpoint_stall",
+            "llama_retained",
             "reduce_wait",
             "replica_check",
             "retained_step",
@@ -64,6 +65,24 @@ def test_retained_step_prints_every_configuration_and_its_extra() -> None:
     for name, extra in extras.items():  # each extra is its total less plain's
         assert float(extra) == pytest.approx(float(totals[name]) - float(totals["plain"]), abs=0.02)
     assert len(extras) == 4, text
+
+
+def test_llama_retained_prints_bytes_and_step_ratio_side_by_side() -> None:
+    args = ["--rounds", "3", "--steps", "1", "--dim", "64", "--layers", "2", "--json"]
+    got = json.loads(run("llama_retained.py", *args, timeout=240))
+    assert got["rounds"] == 3 and len(got["plain_step_ms"]) == len(got["leto_step_ms"]) == 3
+    ratios = sorted(a / b for a, b in zip(got["leto_step_ms"], got["plain_step_ms"], strict=True))
+    assert got["ratio_median"] == pytest.approx(ratios[1])
+    assert (got["ratio_min"], got["ratio_max"]) == pytest.approx((ratios[0], ratios[-1]))
+    assert all(0 < o < s for o, s in zip(got["leto_opt_ms"], got["leto_step_ms"], strict=True))
+    fsdp, leto = got["fsdp_bytes"], got["leto_bytes"]
+    assert got["fsdp_total"] == sum(fsdp.values()) and got["leto_total"] == sum(leto.values())
+    # leto's shards are FSDP2's padded into whole chunks; AdamW's two moments each
+    for k in ("params", "grads", "optimizer_states"):
+        assert leto[k] >= fsdp[k] > 0, k
+    assert fsdp["optimizer_states"] == 2 * fsdp["params"]
+    assert leto["params"] == got["chunks"] * got["chunk_numel"] * 4
+    assert leto["undo"] == 3 * got["chunk_numel"] * 4  # one slot: params and two moments
 
 
 def test_replica_check_prints_the_digest_beside_the_step() -> None:

@@ -70,6 +70,7 @@ __all__ = [
     "bind_grads",
     "bind_optimizer_state",
     "bind_params",
+    "like",
     "optimizer_states",
     "plan_layout",
     "shard_view",
@@ -381,6 +382,14 @@ def optimizer_states(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     )
 
 
+def like(p: DTensor, local: torch.Tensor) -> DTensor:
+    """``local`` (this rank's shard of something shaped as ``p``) as a DTensor placed as
+    ``p`` is: no copy, no collective (``DTensor.from_local`` without its check)."""
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+
+
 def _scalar_step(group: Mapping[str, Any], device: torch.device) -> torch.Tensor:
     """Adam's ``step`` as torch creates it lazily (``torch.optim.adam``'s ``_init_group``)."""
     fused = bool(group.get("fused"))
@@ -431,14 +440,7 @@ def bind_optimizer_state(
                     padded.zero_()
                     if n == "momentum_buffer":
                         local.fill_(-0.0)
-                state[n] = DTensor.from_local(
-                    local,
-                    p.device_mesh,
-                    p.placements,
-                    run_check=False,
-                    shape=p.shape,
-                    stride=p.stride(),
-                )
+                state[n] = like(p, local)
             if state:
                 optimizer.state[p] = state
 
