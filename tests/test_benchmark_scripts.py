@@ -43,6 +43,7 @@ def test_every_script_here_is_run_by_this_file() -> None:
             "retained_step",
             "shard_bytes",
             "simulate_speed",
+            "state_passes",
         ]
     )
 
@@ -64,6 +65,23 @@ def test_retained_step_prints_every_configuration_and_its_extra() -> None:
     for name, extra in extras.items():  # each extra is its total less plain's
         assert float(extra) == pytest.approx(float(totals[name]) - float(totals["plain"]), abs=0.02)
     assert len(extras) == 4, text
+
+
+def test_state_passes_counts_the_bytes_each_way() -> None:
+    # S: params + AdamW's two states, G = S / 3, 2 chunks. Apart: the check reads S, the
+    # undo copy reads and writes S, the seals read S and G: 4.33 S. Fused: the first
+    # chunk's copy and check share one read of S / 2 (its re-read in cache)
+    text = run("state_passes.py", "--steps", "2", "--warmup", "0")
+    got = re.findall(
+        r"^  protocol .*: ([\d.]+) x S from memory \(([\d.]+) x S touched\)", text, re.M
+    )
+    assert got == [("4.33", "4.33"), ("3.83", "4.33")], text
+    assert re.search(r"^fused / apart: bytes from memory 0.88, protocol CPU [\d.]+ ", text, re.M), (
+        text
+    )
+    assert re.search(r"^  check \+ undo copy, first chunk +0.50 +0.50 +0.50 +0.00 ", text, re.M), (
+        text
+    )
 
 
 def test_replica_check_prints_the_digest_beside_the_step() -> None:
