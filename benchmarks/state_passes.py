@@ -11,15 +11,20 @@ replicas: no parity bytes), the same gradients into both:
   by chunk the undo copy, the chunked AdamW, the seal of the new bytes;
 * fused: the first chunk's undo copy made by PREPARE's pass, each block hashed just
   after it is copied (``UndoSlots.stage_checked``), the other chunks checked by the pass
-  alone; the rest as apart.
+  alone; the gradients' checksums computed as their mean is written into retained
+  memory, each block hashed just after it is written (``GradBuffer.write_mean``), so
+  their seal only records them; the rest as apart.
 
 Both ranks end every step bitwise equal (checked). Caches are flushed before every step
 (a forward and backward pass ran in between in a real job). The byte table counts, per
 step, what each pass reads and writes of the state S (parameters and optimizer states:
 what a chunk holds) and of the gradients G, and gives the protocol's total (every pass
 but the optimizer's own) over S; "in cache" counts a block read again just after it was
-written (the fused check's), which costs no trip to memory. CPU time is
-``time.thread_time`` around each pass, median over the steps. Run:
+written (the fused checks'), which costs no trip to memory. Rows in brackets are work
+both ranks do that is not a pass of the protocol's (the gradients' division, which DDP
+does too; header writes): no bytes of theirs are counted, their CPU time is, in the
+protocol's total. CPU time is ``time.thread_time`` around each pass, median over the
+steps. Run:
 python benchmarks/state_passes.py [--steps 40]
 """
 
@@ -37,6 +42,7 @@ from leto.bench.workload import Workload
 from leto.retained import RetainedLayout
 from leto.retained.optim import RetainedOptimizer, required_states, to_retained
 
+WORLD = 4  # the gradients' sum over 4 ranks, divided into retained memory
 Mark = Callable[..., None]  # mark(pass, read=..., written=..., cached=...) ends a pass
 
 
@@ -57,13 +63,18 @@ class Rank:
         self.G = lay.numel * lay.dtype.itemsize  # gradient bytes
         self.C = self.S // lay.n_chunks  # one chunk's state bytes
 
-    def step(self, V: int, grads: torch.Tensor, mark: Mark) -> None:
+    def step(self, V: int, summed: torch.Tensor, mark: Mark) -> None:
         lay, ropt, C = self.lay, self.ropt, self.C
         n = lay.n_chunks
         first = 0  # local rank 0's
         lay.clear_prepared()
-        lay.grad_buffer.copy_(grads)
-        mark("(gradients in)")
+        sums = None
+        if self.fused:
+            sums = lay.grads.write_mean(summed, WORLD, V)
+            mark("(mean gradients in) + their checksums", cached=self.G)
+        else:
+            torch.div(summed, WORLD, out=lay.grad_buffer)
+            mark("(mean gradients in)")
         if self.fused:
             ok = lay.undo.stage_checked(first)
             mark("check + undo copy, first chunk", read=C, written=C, cached=C)
@@ -74,8 +85,8 @@ class Rank:
             mark("check, every chunk", read=self.S)
         if bad:
             raise RuntimeError(f"chunks {bad} fail their checksums")
-        lay.seal_grads(V, [True] * len(lay.params))
-        mark("seal of the gradients", grads=self.G)
+        lay.seal_grads(V, [True] * len(lay.params), sums)
+        mark("seal of the gradients", grads=0 if self.fused else self.G)
         if not self.fused:
             lay.undo.stage(first)
             mark("undo copy, first chunk (DECIDE)", read=C, written=C)
@@ -133,14 +144,14 @@ def table(rank: Rank, ledger: Ledger) -> tuple[float, float]:
     for name, (r, w, c, g) in ledger.bytes.items():
         ms = statistics.median(ledger.cpu[name]) * 1e3
         print(f"  {name:34} {r / S:7.2f} {w / S:8.2f} {c / S:9.2f} {g / G:8.2f} {ms:7.2f}")
-        if name != "optimizer (AdamW)" and not name.startswith("("):
+        if name != "optimizer (AdamW)":
             mem += (r + w + g) / S
             touched += (r + w + c + g) / S
     proto = sum(
         statistics.median(v) for k, v in ledger.cpu.items()
-        if k != "optimizer (AdamW)" and not k.startswith("(")
+        if k != "optimizer (AdamW)"
     )  # fmt: skip
-    print(f"  protocol (every pass but the optimizer's): {mem:.2f} x S from memory "
+    print(f"  protocol (every row but the optimizer's): {mem:.2f} x S from memory "
           f"({touched:.2f} x S touched), {proto * 1e3:.2f} ms CPU")  # fmt: skip
     return mem, proto
 
@@ -159,11 +170,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     flush = torch.empty(64 << 20, dtype=torch.uint8)
     for V in range(1, args.warmup + args.steps + 1):
-        grads = torch.randn(ranks[0].lay.numel, generator=gen) * 1e-2
+        summed = torch.randn(ranks[0].lay.numel, generator=gen) * 1e-2
         for rank, ledger in zip(ranks, ledgers, strict=True):
             flush.add_(1)
             ledger.t0 = time.thread_time()
-            rank.step(V, grads, ledger.mark)
+            rank.step(V, summed, ledger.mark)
             ledger.end_step(V > args.warmup)
         a, b = (r.lay for r in ranks)
         if not torch.equal(a.records.stored_checksums(), b.records.stored_checksums()):

@@ -71,6 +71,7 @@ __all__ = [
     "checksum",
     "checksum_chunks",
     "copy_checksum",
+    "div_checksums",
     "default_algorithm",
     "int32_words",
     "unpack",
@@ -362,6 +363,53 @@ def copy_checksum(
             numpy.copyto(block, sb[a : a + block_bytes])
             h.update(block)
     return torch.tensor(_signed(h.intdigest()), dtype=torch.int64)
+
+
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+
+
+def div_checksums(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    divisor: int,
+    n_chunks: int,
+    version: int,
+    *,
+    domain: int = DOMAIN_DATA,
+    algorithm: str | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> torch.Tensor:
+    """``torch.div(src, divisor, out=dst)`` (flat tensors of a size ``n_chunks`` divides)
+    and :func:`checksum_chunks` of ``dst`` after it, at ``version``, in one pass.
+
+    xxh3, a float type numpy has: each block of ``dst`` hashed just after it is
+    written, while it is in cache. numpy divides the blocks (a microsecond a block, a
+    torch op ten): IEEE division, correctly rounded either way, on the same thread
+    (so under the same flush-to-zero mode), so the bytes are ``torch.div``'s
+    (tests/retained/test_fused_passes.py checks it, subnormals included). Else
+    (Fletcher, bfloat16): the two passes apart."""
+    if dst.shape != src.shape or dst.dim() != 1 or n_chunks <= 0 or dst.numel() % n_chunks:
+        raise ValueError("div_checksums needs flat tensors of one size, a multiple of n_chunks")
+    if _algorithm(algorithm, [dst]) != "xxh3" or dst.dtype not in _NUMPY_FLOATS:
+        with torch.no_grad():
+            torch.div(src, divisor, out=dst)
+        return checksum_chunks(
+            [dst], n_chunks, [version] * n_chunks, domain=domain, algorithm=algorithm
+        )
+    _host_bytes(dst), _host_bytes(src)  # contiguous, in host memory (else: one clear line)
+    d: Any = dst.detach().numpy()  # a buffer xxhash reads without a copy
+    s: Any = src.detach().numpy()
+    m = dst.numel() // n_chunks
+    step = max(1, block_bytes // dst.element_size())
+    values = []
+    for i in range(n_chunks):
+        h = xxhash.xxh3_64(seed=_mix(domain, i, version))
+        for a in range(i * m, (i + 1) * m, step):
+            b = min(a + step, (i + 1) * m)
+            numpy.divide(s[a:b], divisor, out=d[a:b])
+            h.update(d[a:b])
+        values.append(_signed(h.intdigest()))
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def unpack(value: int) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """The undo copy fused with the checksum that checks it (``copy_checksum``,
-``UndoSlots.stage_checked``): the same bytes, the same values, the same undo contents
-as the two passes apart, and a flipped bit still caught."""
+``UndoSlots.stage_checked``), the gradients' mean fused with their seal's checksums
+(``div_checksums``, ``GradBuffer.write_mean``): the same bytes, the same values, the
+same undo contents as the passes apart, and a flipped bit still caught."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import torch
 from torch import nn
 
 from leto.retained import RetainedLayout
-from leto.retained.checksum import ALGORITHMS, checksum, copy_checksum
+from leto.retained.checksum import (
+    ALGORITHMS,
+    DOMAIN_GRAD,
+    checksum,
+    checksum_chunks,
+    copy_checksum,
+    div_checksums,
+)
 from leto.retained.optim import to_retained
 
 
@@ -52,8 +60,12 @@ def _step(lay: RetainedLayout, ropt: torch.optim.Optimizer, V: int, fused: bool)
     """One step as the gloo transaction runs it, the first chunk staged fused with its
     check or apart; the undo copy of every chunk, as saved."""
     g = torch.Generator().manual_seed(V)
-    with torch.no_grad():
-        lay.grad_buffer.copy_(torch.randn(lay.numel, generator=g))
+    summed = torch.randn(lay.numel, generator=g)
+    sums = None
+    if fused:
+        sums = lay.grads.write_mean(summed, 3, V)
+    else:
+        torch.div(summed, 3, out=lay.grad_buffer)
     first = V % lay.n_chunks
     if fused:
         assert lay.undo.stage_checked(first) is True
@@ -62,7 +74,7 @@ def _step(lay: RetainedLayout, ropt: torch.optim.Optimizer, V: int, fused: bool)
         assert lay.verify() == []
         assert lay.undo.stage(first)
     assert lay.undo.holds_staged(first)
-    ropt.prepare(V)  # type: ignore[attr-defined]
+    lay.seal_grads(V, [True] * len(lay.params), sums)
     ropt.begin(V)  # type: ignore[attr-defined]
     undo = []
     for c in [(first + i) % lay.n_chunks for i in range(lay.n_chunks)]:
@@ -83,6 +95,7 @@ def test_fused_steps_are_bitwise_the_passes_apart() -> None:
         for xa, xb in zip(ua, ub, strict=True):  # the same undo contents
             assert all(torch.equal(s, t) for s, t in zip(xa, xb, strict=True))
         assert torch.equal(a.records.stored_checksums(), b.records.stored_checksums())
+        assert a.grads.checksums() == b.grads.checksums() and a.grads.verify(V) == []
         for i in range(a.n_chunks):
             assert all(
                 torch.equal(s, t) for s, t in zip(a.chunk_data(i), b.chunk_data(i), strict=True)
@@ -111,3 +124,40 @@ def test_nothing_is_staged_without_a_free_slot_or_a_clean_chunk() -> None:
     lay.save_undo(0)  # the only slot taken, chunk 0 TORN
     assert lay.undo.stage_checked(1) is None and lay.undo.stage_checked(0) is None
     assert not lay.undo.holds_staged(1)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("flush", [False, True])
+@pytest.mark.parametrize("block", [4, 20, 1 << 18])
+def test_the_mean_and_its_checksums_are_torchs_division_and_the_pass(
+    algorithm: str, flush: bool, block: int
+) -> None:
+    # subnormal sums and quotients among them, read as zero when the process flushes them
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(6 * 35, generator=g)
+    src[::5] *= 1e-39
+    dst, want = torch.empty_like(src), torch.empty_like(src)
+    torch.set_flush_denormal(flush)
+    try:
+        got = div_checksums(
+            dst, src, 7, 6, 11, domain=DOMAIN_GRAD, algorithm=algorithm, block_bytes=block
+        )
+        torch.div(src, 7, out=want)
+    finally:
+        torch.set_flush_denormal(False)  # the default, as every other test has it
+    assert torch.equal(dst.view(torch.int32), want.view(torch.int32))
+    assert (want == 0).any() == flush  # the mode was in force
+    ref = checksum_chunks([want], 6, [11] * 6, domain=DOMAIN_GRAD, algorithm=algorithm)
+    assert got.tolist() == ref.tolist()
+
+
+def test_div_checksums_without_numpy_floats_and_bad_input() -> None:
+    src = torch.randn(64).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    got = div_checksums(dst, src, 3, 4, 2, algorithm="xxh3")
+    assert torch.equal(dst, torch.div(src, 3))
+    assert got.tolist() == checksum_chunks([dst], 4, [2] * 4, algorithm="xxh3").tolist()
+    with pytest.raises(ValueError, match="a multiple of n_chunks"):
+        div_checksums(torch.empty(10), torch.empty(10), 3, 4, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        div_checksums(torch.empty(8), torch.empty(16)[::2], 3, 4, 0, algorithm="xxh3")

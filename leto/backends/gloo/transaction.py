@@ -600,9 +600,10 @@ class StepTransaction:
             else:
                 gdelta.copy_(as_bytes(flat))
         lay.clear_prepared()
+        sums = None  # the seal's checksums, computed as the mean is written
         with torch.no_grad():
             if gdelta is None:  # the mean written straight into retained memory: one pass
-                torch.div(flat, W, out=lay.grad_buffer)
+                sums = lay.grads.write_mean(flat, W, V)
             else:
                 lay.grad_buffer.copy_(flat)
         lay.grads.mark_reduced(V)
@@ -611,7 +612,14 @@ class StepTransaction:
         else:
             present_mask = plan.present_pieces(session.rank, present.tolist())
         return self.commit(
-            V, bad, present_mask, gdelta, rng_after, float(loss.detach()), metric=mean_loss
+            V,
+            bad,
+            present_mask,
+            gdelta,
+            rng_after,
+            float(loss.detach()),
+            metric=mean_loss,
+            grad_sums=sums,
         )
 
     def commit(
@@ -629,6 +637,7 @@ class StepTransaction:
         checkpoint: bool = True,
         skipped: bool = False,
         tail: bool = False,
+        grad_sums: torch.Tensor | None = None,
     ) -> float:
         """Steps 3-6 of step ``V``, its gradients in retained memory: prepare (seal, the
         gradient parity's ``gdelta``, the vote), decide, apply chunk by chunk, finish
@@ -640,7 +649,9 @@ class StepTransaction:
         skipped ``optimizer.step()``, as a ``GradScaler`` does on an inf/NaN: recorded
         for a roll-forward's replay of its ``update()``; ``tail``: the user's loop runs
         its own code after the step, so the process state is not closed here: the
-        agent keeps it only at the step boundary, :meth:`.step.UserLoop.next_batch`)."""
+        agent keeps it only at the step boundary, :meth:`.step.UserLoop.next_batch`;
+        ``grad_sums``: the gradients' checksums as ``GradBuffer.write_mean`` computed
+        them while it wrote them, else the seal reads the gradients again)."""
         session = self.session
         assert session.ropt is not None and session.keeper is not None
         ropt, lay, r = session.ropt, session.layout, session.rank
@@ -650,7 +661,7 @@ class StepTransaction:
         session.ch.mark("prepare")
         if bad:  # (the layout is marked suspect already: prepare_pass)
             raise IntegrityError(f"chunks {bad} fail their checksums at PREPARE of step {V}")
-        lay.seal_grads(V, present_mask)
+        lay.seal_grads(V, present_mask, grad_sums)
         point("prepare")
         if session.gparity is not None:
             if session.replica:  # the record that this member's gradients are of step V
