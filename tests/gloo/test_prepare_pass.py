@@ -56,3 +56,15 @@ def test_the_pass_with_the_first_chunk_staged_finds_the_same_chunks() -> None:
         # a check that failed keeps no copy; one that passed keeps it (in a free slot,
         # which a recovery ignores: the step raises before BeginChunk)
         assert lay.undo.holds_staged(1) == (changed != 1)
+
+
+def test_a_fletcher_layout_keeps_the_passes_apart() -> None:
+    # torch ops cannot share a pass: every chunk checked in one batch, nothing staged
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    lay = RetainedLayout.create(model, chunk_numel=16, states=[], checksum_algorithm="fletcher")
+    s = SimpleNamespace(layout=lay, cfg=SimpleNamespace(verify_chunks=True))
+    assert prepare_pass(s, first=1) == [] and not lay.undo.holds_staged(1)
+    with torch.no_grad():
+        lay.param_buffer[16] += 1
+    assert prepare_pass(s, first=1) == [1] and lay.suspect

@@ -169,10 +169,13 @@ def prepare_pass(session: PrepareHost, first: int | None = None) -> list[int]:
     free slot, and checked as it is made (``UndoSlots.stage_checked``): one pass over
     its bytes serves the check and the copy, which the step then keeps (or drops, if
     the step ends before its apply). None: every chunk read by the check alone, and the
-    copy left to the step (the passes apart, as before they were fused)."""
+    copy left to the step (the passes apart, as before they were fused), as with a
+    Fletcher layout (a device's)."""
     if not session.cfg.verify_chunks:
         return []
     lay = session.layout
+    if lay.checksum_algorithm != "xxh3":  # Fletcher: torch ops share no pass; batched
+        first = None  # over every chunk, with one read of the result, not one a chunk
     staged = None if first is None else lay.undo.stage_checked(first)
     if first is None or staged is None:
         bad = lay.verify()
