@@ -138,12 +138,12 @@ def table(rank: Rank, ledger: Ledger) -> tuple[float, float]:
     S, G = rank.S, rank.G
     print(f"{rank.name}: S = {S / 1e6:.2f} MB of state, G = {G / 1e6:.2f} MB of gradients")
     print(
-        f"  {'pass':34} {'read/S':>7} {'write/S':>8} {'in cache':>9} {'grads/G':>8} {'ms CPU':>7}"
+        f"  {'pass':38} {'read/S':>7} {'write/S':>8} {'in cache':>9} {'grads/G':>8} {'ms CPU':>7}"
     )
     mem = touched = 0.0
     for name, (r, w, c, g) in ledger.bytes.items():
         ms = statistics.median(ledger.cpu[name]) * 1e3
-        print(f"  {name:34} {r / S:7.2f} {w / S:8.2f} {c / S:9.2f} {g / G:8.2f} {ms:7.2f}")
+        print(f"  {name:38} {r / S:7.2f} {w / S:8.2f} {c / S:9.2f} {g / G:8.2f} {ms:7.2f}")
         if name != "optimizer (AdamW)":
             mem += (r + w + g) / S
             touched += (r + w + c + g) / S
