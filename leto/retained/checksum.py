@@ -365,7 +365,7 @@ def copy_checksum(
     return torch.tensor(_signed(h.intdigest()), dtype=torch.int64)
 
 
-_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+_NUMPY_FLOATS = (torch.float32, torch.float64)  # numpy divides them as torch does
 
 
 def div_checksums(
@@ -382,12 +382,12 @@ def div_checksums(
     """``torch.div(src, divisor, out=dst)`` (flat tensors of a size ``n_chunks`` divides)
     and :func:`checksum_chunks` of ``dst`` after it, at ``version``, in one pass.
 
-    xxh3, a float type numpy has: each block of ``dst`` hashed just after it is
+    xxh3, float32 or float64: each block of ``dst`` hashed just after it is
     written, while it is in cache. numpy divides the blocks (a microsecond a block, a
     torch op ten): IEEE division, correctly rounded either way, on the same thread
     (so under the same flush-to-zero mode), so the bytes are ``torch.div``'s
     (tests/retained/test_fused_passes.py checks it, subnormals included). Else
-    (Fletcher, bfloat16): the two passes apart."""
+    (Fletcher, 16-bit floats): the two passes apart."""
     if dst.shape != src.shape or dst.dim() != 1 or n_chunks <= 0 or dst.numel() % n_chunks:
         raise ValueError("div_checksums needs flat tensors of one size, a multiple of n_chunks")
     if _algorithm(algorithm, [dst]) != "xxh3" or dst.dtype not in _NUMPY_FLOATS:

@@ -11,8 +11,9 @@ One step ``V`` (the protocol's events in brackets):
    node agent, the vote sent [Prepare];
 4. wait for ``commit(V)`` from the coordinator [Decide]. The first chunk to apply is
    already copied into a free undo slot by step 3's checksum pass, one pass over its
-   bytes for both (with ``verify_chunks`` off: copied here, during the wait); the slot
-   stays free: BeginChunk is still step 5's, which then writes only its header;
+   bytes for both (with ``verify_chunks`` off, or Fletcher checksums: copied here,
+   during the wait); the slot stays free: BeginChunk is still step 5's, which then
+   writes only its header;
 5. per chunk: undo copy [BeginChunk], new bytes written and sealed [EndChunk],
    the node's chunk parity (with replicas: its record) updated [ParityChunk],
    undo released;
