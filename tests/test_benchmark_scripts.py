@@ -44,6 +44,7 @@ def test_every_script_here_is_run_by_this_file() -> None:
             "retained_step",
             "shard_bytes",
             "simulate_speed",
+            "state_passes",
         ]
     )
 
@@ -83,6 +84,21 @@ def test_llama_retained_prints_bytes_and_step_ratio_side_by_side() -> None:
     assert fsdp["optimizer_states"] == 2 * fsdp["params"]
     assert leto["params"] == got["chunks"] * got["chunk_numel"] * 4
     assert leto["undo"] == 3 * got["chunk_numel"] * 4  # one slot: params and two moments
+
+
+def test_state_passes_counts_the_bytes_each_way() -> None:
+    # S: params + AdamW's two states, G = S / 3, 2 chunks. Apart: the check reads S, the
+    # undo copy reads and writes S, the seals read S and G: 4.33 S. Fused: the first
+    # chunk's copy and check share one read of S / 2 (its re-read in cache), and the
+    # gradients' checksums are taken as they are written (read in cache, G = 0.33 S)
+    text = run("state_passes.py", "--steps", "2", "--warmup", "0")
+    got = re.findall(
+        r"^  protocol .*: ([\d.]+) x S from memory \(([\d.]+) x S touched\)", text, re.M
+    )
+    assert got == [("4.33", "4.33"), ("3.50", "4.33")], text
+    assert re.search(r"^fused / apart: bytes from memory 0.81, protocol CPU [\d.]+ ", text, re.M)
+    assert re.search(r"^  check \+ undo copy, first chunk +0.50 +0.50 +0.50 +0.00 ", text, re.M)
+    assert re.search(r"^  seal of the gradients +0.00 +0.00 +0.00 +0.00 ", text, re.M), text
 
 
 def test_replica_check_prints_the_digest_beside_the_step() -> None:

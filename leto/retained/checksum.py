@@ -58,6 +58,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+import numpy
 import torch
 import xxhash
 
@@ -69,6 +70,8 @@ __all__ = [
     "DOMAIN_GRAD",
     "checksum",
     "checksum_chunks",
+    "copy_checksum",
+    "div_checksums",
     "default_algorithm",
     "int32_words",
     "unpack",
@@ -313,6 +316,100 @@ def checksum_chunks(
     a.add_(salt_a).bitwise_and_(_MASK32)
     b.add_(salt_b).bitwise_and_(_MASK32)
     return _combine(a, b)
+
+
+BLOCK_BYTES = 1 << 18
+"""The bytes :func:`copy_checksum` copies before it hashes them: a block small enough
+that its source and copy are still in a core's L2 cache when the hash reads it."""
+
+
+def copy_checksum(
+    dst: Sequence[torch.Tensor],
+    src: Sequence[torch.Tensor],
+    *,
+    index: int,
+    version: int,
+    domain: int = DOMAIN_DATA,
+    algorithm: str | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> torch.Tensor:
+    """Copy ``src`` into ``dst`` (part by part, equal shapes) and return the checksum of
+    the copy, equal to :func:`checksum` of ``dst`` after it.
+
+    xxh3: one pass over the bytes instead of two. Each part is copied ``block_bytes`` at
+    a time and the block just written is hashed while it is still in cache (XXH3's
+    streaming digest is the one-shot digest of the bytes fed in order, so the value is
+    the chunk's checksum as any other pass computes it). Fletcher (any device): the copy,
+    then :func:`checksum` of it (torch ops cannot share a pass).
+    """
+    if len(dst) != len(src) or not dst:
+        raise ValueError("copy_checksum needs as many destination parts as source parts")
+    if not 0 <= index < _MASK32:
+        raise ValueError(f"chunk index out of range: {index}")
+    if _algorithm(algorithm, dst) != "xxh3":
+        with torch.no_grad():
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
+        return checksum(list(dst), index=index, version=version, domain=domain, algorithm=algorithm)
+    h = xxhash.xxh3_64(seed=_mix(domain, index, version))
+    for d, s in zip(dst, src, strict=True):
+        # numpy views of the bytes: slicing and copying a block costs a microsecond
+        # there, against ten for a tensor's, and a chunk is copied in tens of blocks
+        db, sb = _host_bytes(d), _host_bytes(s)
+        if db.shape != sb.shape:
+            raise ValueError(f"copy_checksum: a part of {sb.size} bytes into {db.size}")
+        for a in range(0, db.size, block_bytes):
+            block = db[a : a + block_bytes]
+            numpy.copyto(block, sb[a : a + block_bytes])
+            h.update(block)
+    return torch.tensor(_signed(h.intdigest()), dtype=torch.int64)
+
+
+_NUMPY_FLOATS = (torch.float32, torch.float64)  # numpy divides them as torch does
+
+
+def div_checksums(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    divisor: int,
+    n_chunks: int,
+    version: int,
+    *,
+    domain: int = DOMAIN_DATA,
+    algorithm: str | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> torch.Tensor:
+    """``torch.div(src, divisor, out=dst)`` (flat tensors of a size ``n_chunks`` divides)
+    and :func:`checksum_chunks` of ``dst`` after it, at ``version``, in one pass.
+
+    xxh3, float32 or float64: each block of ``dst`` hashed just after it is
+    written, while it is in cache. numpy divides the blocks (a microsecond a block, a
+    torch op ten): IEEE division, correctly rounded either way, on the same thread
+    (so under the same flush-to-zero mode), so the bytes are ``torch.div``'s
+    (tests/retained/test_fused_passes.py checks it, subnormals included). Else
+    (Fletcher, 16-bit floats): the two passes apart."""
+    if dst.shape != src.shape or dst.dim() != 1 or n_chunks <= 0 or dst.numel() % n_chunks:
+        raise ValueError("div_checksums needs flat tensors of one size, a multiple of n_chunks")
+    if _algorithm(algorithm, [dst]) != "xxh3" or dst.dtype not in _NUMPY_FLOATS:
+        with torch.no_grad():
+            torch.div(src, divisor, out=dst)
+        return checksum_chunks(
+            [dst], n_chunks, [version] * n_chunks, domain=domain, algorithm=algorithm
+        )
+    _host_bytes(dst), _host_bytes(src)  # contiguous, in host memory (else: one clear line)
+    d: Any = dst.detach().numpy()  # a buffer xxhash reads without a copy
+    s: Any = src.detach().numpy()
+    m = dst.numel() // n_chunks
+    step = max(1, block_bytes // dst.element_size())
+    values = []
+    for i in range(n_chunks):
+        h = xxhash.xxh3_64(seed=_mix(domain, i, version))
+        for a in range(i * m, (i + 1) * m, step):
+            b = min(a + step, (i + 1) * m)
+            numpy.divide(s[a:b], divisor, out=d[a:b])
+            h.update(d[a:b])
+        values.append(_signed(h.intdigest()))
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def unpack(value: int) -> tuple[int, int]:

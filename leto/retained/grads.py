@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checksum import DOMAIN_GRAD, checksum_chunks
+from .checksum import DOMAIN_GRAD, checksum_chunks, div_checksums
 from .errors import LayoutError
 from .geometry import ChunkGeometry
 from .header import GRAD_CHECKSUM, GRAD_VERSION, PREPARED, REDUCED, Header
@@ -168,11 +168,24 @@ class GradBuffer:
             [self.buffer], n, [step] * n, domain=DOMAIN_GRAD, algorithm=self._algorithm
         )
 
-    def seal(self, step: int, present: Sequence[bool]) -> None:
+    def write_mean(self, summed: torch.Tensor, world: int, step: int) -> torch.Tensor:
+        """``summed / world`` into the buffer, and the checksums :meth:`seal` records for
+        those bytes as ``step``'s, computed as each block is written (one pass over the
+        gradients, not two: :func:`~leto.retained.checksum.div_checksums`). The caller
+        hands them to :meth:`seal` and writes nothing into the buffer in between."""
+        n = self._geometry.n_chunks
+        return div_checksums(
+            self.buffer, summed, world, n, step, domain=DOMAIN_GRAD, algorithm=self._algorithm
+        )
+
+    def seal(
+        self, step: int, present: Sequence[bool], checksums: torch.Tensor | None = None
+    ) -> None:
         """PREPARE: record the gradients in retained memory as those of ``step``.
 
         Writes the present mask and a per-chunk gradient checksum; ``prepared``
-        is written last.
+        is written last. ``checksums``: those :meth:`write_mean` computed for ``step``
+        (else computed here).
         """
         if len(present) != len(self._params):
             raise LayoutError(f"present mask has {len(present)} entries, want {len(self._params)}")
@@ -182,7 +195,9 @@ class GradBuffer:
         h.words[h.mask_base : h.mask_base + len(present)] = torch.tensor(
             [int(bool(x)) for x in present], dtype=torch.int64
         ).to(h.words.device)
-        self._table[:, GRAD_CHECKSUM] = self.checksums_at(step)
+        self._table[:, GRAD_CHECKSUM] = (
+            self.checksums_at(step) if checksums is None else checksums.to(self._table.device)
+        )
         self._table[:, GRAD_VERSION] = step
         self._gver = [step] * self._geometry.n_chunks
         h.write(PREPARED, step)

@@ -423,9 +423,11 @@ class RetainedLayout:
     def stored_checksum(self, i: int) -> int:
         return self.records.stored_checksum(i)
 
-    def seal_grads(self, step: int, present: Sequence[bool]) -> None:
+    def seal_grads(
+        self, step: int, present: Sequence[bool], checksums: torch.Tensor | None = None
+    ) -> None:
         """PREPARE: :meth:`GradBuffer.seal <leto.retained.grads.GradBuffer.seal>`."""
-        self.grads.seal(step, present)
+        self.grads.seal(step, present, checksums)
 
     def clear_prepared(self) -> None:
         """Forget the prepared gradients (a rolled-back step: nothing in flight survives,

@@ -13,7 +13,7 @@ import enum
 
 import torch
 
-from .checksum import DOMAIN_DATA, checksum
+from .checksum import DOMAIN_DATA, checksum, copy_checksum
 from .errors import ChecksumError, ChunkStateError
 from .geometry import ChunkGeometry
 from .header import CHECKSUM, SLOT_CHECKSUM, SLOT_CHUNK, SLOT_VERSION, Header
@@ -109,13 +109,53 @@ class UndoSlots:
         The caller writes nothing into chunk i between the two calls; any other undo
         operation, and any seal (:meth:`drop_staged`), drops the staged copy.
         """
-        self._staged = None
-        if self.status(i) is not ChunkStatus.CLEAN or -1 not in self._chunk:
+        k = self._free_for(i)
+        if k is None:
             return False
-        k = self._chunk.index(-1)
         self._copy(k, i)
         self._staged = (k, i, self._records.version(i))
         return True
+
+    def stage_checked(self, i: int) -> bool | None:
+        """:meth:`stage`, the copy checked against chunk i's record as it is made: one
+        pass over the bytes, each block hashed just after it is copied, while it is in
+        cache (:func:`~leto.retained.checksum.copy_checksum`). That is a check of chunk
+        i's bytes (they are what was copied) and of the copy at once, so it stands in
+        for a separate checksum pass over chunk i (PREPARE's, PROTOCOL.md "Which bytes a
+        report reads"). True: staged, the bytes match; False: they fail their checksum,
+        and the copy is dropped; None: nothing copied (as :meth:`stage`'s False)."""
+        k = self._free_for(i)
+        if k is None:
+            return None
+        v = self._records.version(i)
+        cs = copy_checksum(
+            list(self.copies[k]),
+            self._geometry.slices(self._data, i),
+            index=i,
+            version=v,
+            domain=DOMAIN_DATA,
+            algorithm=self._records.algorithm,
+        )
+        if int(cs.item()) != self._records.stored_checksum(i):
+            return False
+        self._staged = (k, i, v)
+        return True
+
+    def holds_staged(self, i: int) -> bool:
+        """Is a copy of chunk i at its version staged, its slot still free?"""
+        ahead = self._staged
+        return (
+            ahead is not None
+            and ahead[1:] == (i, self._records.version(i))
+            and self._chunk[ahead[0]] == -1
+        )
+
+    def _free_for(self, i: int) -> int | None:
+        """Drop any staged copy; the free slot CLEAN chunk i may be staged into, or None."""
+        self._staged = None
+        if self.status(i) is not ChunkStatus.CLEAN or -1 not in self._chunk:
+            return None
+        return self._chunk.index(-1)
 
     def drop_staged(self) -> None:
         """Forget the copy :meth:`stage` made (its chunk's bytes or record change)."""

@@ -416,14 +416,17 @@ def test_a_flipped_bit_found_by_the_tier2_snapshot_is_rebuilt(tag: str, ref_1x2:
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"
 
 
+@pytest.mark.parametrize("chunk", [2, 1])
 def test_corruption_during_the_allreduce_is_found_before_the_vote(
-    tag: str, ref_1x2: JobResult
+    tag: str, ref_1x2: JobResult, chunk: int
 ) -> None:
     # the checksum pass runs while the gradient all-reduce is in flight: a bit that
     # flips in that window (after the rank passed its fault point) must still stop
-    # the step; found a step late, it would be laundered into step 3's new bytes
+    # the step; found a step late, it would be laundered into step 3's new bytes.
+    # Chunk 2 is read by the pass alone; chunk 1, the one rank 1 applies first, by the
+    # check of its undo copy, made in the same pass (prepare_pass's ``first``)
     # run as a module (`leto launch -m train`, found on PYTHONPATH), as torchrun's -m
-    faults = [{"kind": "corrupt", "rank": 1, "step": 3, "phase": "allreduce", "chunk": 2}]
+    faults = [{"kind": "corrupt", "rank": 1, "step": 3, "phase": "allreduce", "chunk": chunk}]
     path = os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])
     res = job(Path(tag) / "run", steps=STEPS_1x2, faults=faults, script="train",
               extra=["-m"], env={"PYTHONPATH": path})  # fmt: skip
@@ -431,7 +434,7 @@ def test_corruption_during_the_allreduce_is_found_before_the_vote(
     assert res.of("job_start")[0]["script"] == "train"
     (fail,) = res.of("failure")
     assert (fail["kind"], fail["rank"]) == ("exception", 1), fail
-    assert "chunks [2] fail their checksums at PREPARE of step 3" in fail["traceback"], fail
+    assert f"chunks [{chunk}] fail their checksums at PREPARE of step 3" in fail["traceback"]
     (rec,) = res.recoveries
     assert (rec["kind"], rec["target"], rec["chunks_repaired_tier1"]) == ("tier1", 2, 1), rec
     assert digests_equal(res, ref_1x2), "not bitwise equal to the failure-free run"

@@ -577,7 +577,7 @@ class UserLoop:
         V = session.step + 1
         if V != self.V:
             raise RuntimeError(f"the batch is of step {self.V}, the optimizer is at step {V - 1}")
-        bad = prepare_pass(session)
+        bad = prepare_pass(session, session.local_rank % lay.n_chunks)
         gdelta = None
         if session.gparity is not None and not session.replica:
             gdelta = as_bytes(lay.grad_buffer).clone()

@@ -9,9 +9,11 @@ One step ``V`` (the protocol's events in brackets):
    gradient parity (with replicas: only the record of their step), the prepare
    record (RNG, sampler position, present mask, gradient checksums) sent to the
    node agent, the vote sent [Prepare];
-4. wait for ``commit(V)`` from the coordinator [Decide], meanwhile copying the first
-   chunk to apply into a free undo slot (the slot stays free: BeginChunk is still
-   step 5's, which then writes only its header);
+4. wait for ``commit(V)`` from the coordinator [Decide]. The first chunk to apply is
+   already copied into a free undo slot by step 3's checksum pass, one pass over its
+   bytes for both (with ``verify_chunks`` off, or Fletcher checksums: copied here,
+   during the wait); the slot stays free: BeginChunk is still step 5's, which then
+   writes only its header;
 5. per chunk: undo copy [BeginChunk], new bytes written and sealed [EndChunk],
    the node's chunk parity (with replicas: its record) updated [ParityChunk],
    undo released;
@@ -157,17 +159,31 @@ class StepHost(Protocol):
     def _log(self, event: str, **kw: Any) -> None: ...
 
 
-def prepare_pass(session: PrepareHost) -> list[int]:
+def prepare_pass(session: PrepareHost, first: int | None = None) -> list[int]:
     """PREPARE's checksum pass over the rank's chunks: those failing. One failing marks
     the layout suspect at once, before anything else may stop this step (a peer's
     death, an abort): the recovery that follows, whichever ends the step, then reads
     every chunk of this rank in its report and rebuilds the chunk, instead of leaving
-    it to the next PREPARE (PROTOCOL.md, "Which bytes a report reads")."""
+    it to the next PREPARE (PROTOCOL.md, "Which bytes a report reads").
+
+    ``first``: the chunk the step applies first. Its undo copy is staged here, into a
+    free slot, and checked as it is made (``UndoSlots.stage_checked``): one pass over
+    its bytes serves the check and the copy, which the step then keeps (or drops, if
+    the step ends before its apply). None: every chunk read by the check alone, and the
+    copy left to the step (the passes apart, as before they were fused), as with a
+    Fletcher layout (a device's)."""
     if not session.cfg.verify_chunks:
         return []
-    bad = session.layout.verify()
+    lay = session.layout
+    if lay.checksum_algorithm != "xxh3":  # Fletcher: torch ops share no pass; batched
+        first = None  # over every chunk, with one read of the result, not one a chunk
+    staged = None if first is None else lay.undo.stage_checked(first)
+    if first is None or staged is None:
+        bad = lay.verify()
+    else:
+        bad = sorted(lay.verify(intact=[first]) + ([] if staged else [first]))
     if bad:
-        session.layout.mark_suspect()
+        lay.mark_suspect()
     return bad
 
 
@@ -557,7 +573,7 @@ class StepTransaction:
         # PREPARE's checksum pass over the chunks runs while the all-reduce is in
         # flight: it reads only the chunks, which nothing writes before APPLY, and a
         # rank mostly waits for the slowest one here (its CPU counts as "allreduce")
-        bad = prepare_pass(session)
+        bad = prepare_pass(session, session.local_rank % lay.n_chunks)
         try:
             wait_or_abort(
                 work, lambda: session.ch.aborted_since(session.gen), "the gradients were reduced"
@@ -588,9 +604,10 @@ class StepTransaction:
             else:
                 gdelta.copy_(as_bytes(flat))
         lay.clear_prepared()
+        sums = None  # the seal's checksums, computed as the mean is written
         with torch.no_grad():
             if gdelta is None:  # the mean written straight into retained memory: one pass
-                torch.div(flat, W, out=lay.grad_buffer)
+                sums = lay.grads.write_mean(flat, W, V)
             else:
                 lay.grad_buffer.copy_(flat)
         lay.grads.mark_reduced(V)
@@ -599,7 +616,14 @@ class StepTransaction:
         else:
             present_mask = plan.present_pieces(session.rank, present.tolist())
         return self.commit(
-            V, bad, present_mask, gdelta, rng_after, float(loss.detach()), metric=mean_loss
+            V,
+            bad,
+            present_mask,
+            gdelta,
+            rng_after,
+            float(loss.detach()),
+            metric=mean_loss,
+            grad_sums=sums,
         )
 
     def commit(
@@ -617,6 +641,7 @@ class StepTransaction:
         checkpoint: bool = True,
         skipped: bool = False,
         tail: bool = False,
+        grad_sums: torch.Tensor | None = None,
     ) -> float:
         """Steps 3-6 of step ``V``, its gradients in retained memory: prepare (seal, the
         gradient parity's ``gdelta``, the vote), decide, apply chunk by chunk, finish
@@ -628,7 +653,9 @@ class StepTransaction:
         skipped ``optimizer.step()``, as a ``GradScaler`` does on an inf/NaN: recorded
         for a roll-forward's replay of its ``update()``; ``tail``: the user's loop runs
         its own code after the step, so the process state is not closed here: the
-        agent keeps it only at the step boundary, :meth:`.step.UserLoop.next_batch`)."""
+        agent keeps it only at the step boundary, :meth:`.step.UserLoop.next_batch`;
+        ``grad_sums``: the gradients' checksums as ``GradBuffer.write_mean`` computed
+        them while it wrote them, else the seal reads the gradients again)."""
         session = self.session
         assert session.ropt is not None and session.keeper is not None
         ropt, lay, r = session.ropt, session.layout, session.rank
@@ -638,7 +665,7 @@ class StepTransaction:
         session.ch.mark("prepare")
         if bad:  # (the layout is marked suspect already: prepare_pass)
             raise IntegrityError(f"chunks {bad} fail their checksums at PREPARE of step {V}")
-        lay.seal_grads(V, present_mask)
+        lay.seal_grads(V, present_mask, grad_sums)
         point("prepare")
         if session.gparity is not None:
             if session.replica:  # the record that this member's gradients are of step V
@@ -664,11 +691,12 @@ class StepTransaction:
         # 4. decide
         session.ch.mark("decide")
         point("decide", where="before")
-        # the undo copy of the first chunk to apply, while the COMMIT is on its way: into
-        # a slot that stays free (a recovery ignores its bytes) until BeginChunk
+        # the undo copy of the first chunk to apply, in a slot that stays free (a recovery
+        # ignores its bytes) until BeginChunk: staged by PREPARE's pass, else made here
+        # while the COMMIT is on its way
         first = m % n
         session.keeper.check_writer()
-        staged = lay.undo.stage(first)
+        staged = lay.undo.holds_staged(first) or lay.undo.stage(first)
         session.ch.wait_for("commit", (session.gen, V), session.gen)
         point("decide", where="after")
         # 5. apply, chunk by chunk, each member of the node's parity group starting at
