@@ -47,6 +47,7 @@ def job(
     spares: int = 0,
     rdzv: list[str] | None = None,
     spare_agents: int = 0,
+    port: int | None = None,
 ) -> JobResult:
     e = {"TOPO": f"{nnodes}x{nproc}", "STEPS": str(steps), **(env or {})}
     res = run_local(
@@ -62,6 +63,7 @@ def job(
         spares=spares,
         rdzv=rdzv,
         spare_agents=spare_agents,
+        port=port,
     )
     assert not res.leftovers, f"processes left running after the job: {res.leftovers}"
     assert_trace(res.run_dir)

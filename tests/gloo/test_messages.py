@@ -91,6 +91,8 @@ GOOD: dict[str, Any] = {
     "port": 29400,
     "nnodes": 2,
     "at_start": True,
+    "nodes": 2,
+    "shard": False,
 }
 # for each field: a value its validator must refuse
 BAD: dict[str, Any] = {

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from leto.core import events as ev
-from leto.core import restart
+from leto.core import restart, world
 from leto.core.cluster import ClusterModel, ClusterState
 from leto.core.erasure import Topology
 from leto.core.recovery import Phase
@@ -80,6 +80,9 @@ class CoordinatorOptions:
     # that many seconds is not taken back (0: never)
     exclude_after: int = 3
     exclude_window: float = 600.0
+    # --nnodes MIN:MAX (MIN < MAX): a lost node with no replacement within the spare
+    # timeout shrinks the world while MIN are left (leto.core.world); (0, 0): fixed world
+    nodes_range: tuple[int, int] = (0, 0)
 
 
 class Coordinator:
@@ -128,6 +131,7 @@ class Coordinator:
         self.finished_nodes: set[int] = set()
         self.failed: str | None = None
         self.restart: restart.Restart | None = None  # the core's decision, when failed
+        self.resize_to = 0  # the world's nodes after a change the core decided (0: none)
         self.complete = False
         self.losses: dict[int, float] = {}
         # all the model is fed, judged
@@ -199,14 +203,18 @@ class Coordinator:
         if self.failed is not None:
             return
         self.failed = message
-        self.restart = restart.after(ending, self.opt.restarts, self.opt.max_restarts)
+        if self.resize_to:
+            self.restart = restart.resized(self.opt.restarts, self.opt.max_restarts, self.resize_to)
+        else:
+            self.restart = restart.after(ending, self.opt.restarts, self.opt.max_restarts)
         if self.restart is None:
             self.log.write("job_failed", error=message, **fields)
             self.send(None, M.Fail(error=message))
             return
         r = self.restart
-        self.log.write("job_restart", attempt=r.attempt, of=r.of, cause=message, **fields)
-        self.send(None, M.Fail(error=message, restart=r.attempt))
+        more = {"nodes": r.nodes} if r.nodes else {}
+        self.log.write("job_restart", attempt=r.attempt, of=r.of, cause=message, **more, **fields)
+        self.send(None, M.Fail(error=message, restart=r.attempt, nodes=r.nodes or None))
 
     def model_record(self, name: str, **fields: Any) -> None:
         """A record of what the model was fed (``core_init``, ``core``): to the event log,
@@ -374,6 +382,64 @@ class Coordinator:
         )
         return placed
 
+    def _world(self) -> world.World | None:
+        """The core's elastic world as it stands (members, those lost and awaited, the
+        pooled spares), or None: the world is fixed (no ``--nnodes MIN:MAX``), there is
+        no checkpoint to carry a world change (it resumes from the latest one), or the
+        state is sharded (``shard = true``: its shards are per world; not resharded)."""
+        lo, hi = self.opt.nodes_range
+        nodes = self.topology.nodes
+        if not lo or not self.info.get("checkpoint") or self.info.get("shard"):
+            return None
+        s = world.start(min(lo, nodes), max(hi, nodes), tuple(map(str, range(nodes))), 0)
+        for n in sorted(self.nodes_lost_at):
+            if n not in self.nodes_up:
+                s = world.step(s, world.LoseNode(str(n)))
+        for sid in self.spares.ids:
+            s = world.step(s, world.SpareJoins(f"spare{sid}"))
+        return s
+
+    def no_shrink(self) -> str:
+        """Why an elastic job (``--nnodes MIN:MAX``) did not shrink, for its one line."""
+        lo, hi = self.opt.nodes_range
+        if not lo:
+            return ""
+        if self.info.get("shard"):
+            return f"; --nnodes {lo}:{hi} does not shrink sharded state (shard = true)"
+        if not self.info.get("checkpoint"):
+            return f"; --nnodes {lo}:{hi} shrinks only a job with a checkpoint_dir"
+        left = self.topology.nodes - len(self.nodes_lost_at.keys() - self.nodes_up)
+        return f"; {left} node(s) left, fewer than --nnodes {lo}:{hi} allows"
+
+    def resize(self, timed_out: bool) -> bool:
+        """Does the core change the world (:func:`leto.core.world.decide`)? A shrink
+        (the spare timeout passed with no replacement, at least MIN nodes left) or a
+        grow (a spare in the pool while the world is below MAX, training running): the
+        job goes on, on the nodes of the new world, as an incarnation of the job from
+        its latest checkpoint (see docs/gloo.md, "Shrink and grow back")."""
+        s = self._world()
+        e = world.decide(s, timed_out) if s is not None else None
+        if s is None or not isinstance(e, (world.Shrink, world.Grow)):
+            return False
+        lo, hi = self.opt.nodes_range
+        nodes = self.topology.nodes
+        self.resize_to = len(world.step(s, e).members)
+        if isinstance(e, world.Shrink):
+            lost = sorted(map(int, s.lost))
+            self.log.write("world_shrink", nodes=self.resize_to, lost=lost, was=nodes)
+            self.driver.give_up(
+                f"node(s) {', '.join(map(str, lost))} lost and no replacement joined within "
+                f"{self.opt.spare_timeout:g} s: the job goes on with {self.resize_to} of "
+                f"{nodes} nodes (--nnodes {lo}:{hi}), from its latest checkpoint"
+            )
+            return True
+        self.log.write("world_grow", nodes=self.resize_to, spare=int(e.spare[5:]), was=nodes)
+        self.fail(
+            f"spare {e.spare[5:]} joined the pool of a world of {nodes} node(s) (--nnodes "
+            f"{lo}:{hi}): the job grows back to {self.resize_to} nodes, from its latest checkpoint"
+        )
+        return True
+
     def tick(self, now: float) -> None:
         """Timers: a spare that does not come, a recovery stuck waiting."""
         if self.failed is not None or self.complete or self.model is None:
@@ -387,9 +453,11 @@ class Coordinator:
                     if passed
                     else "the spare pool was empty"
                 )
+                if self.resize(timed_out=True):
+                    return
                 self.driver.give_up(
                     f"node {node} was lost and no replacement joined within "
-                    f"{self.opt.spare_timeout:g} s ({pool}): start "
+                    f"{self.opt.spare_timeout:g} s ({pool}{self.no_shrink()}): start "
                     f"`leto launch` with --node-rank {node} on a spare node (same arguments), "
                     "or keep spare agents in the pool (--spare, --spares N), to recover in place"
                 )
@@ -404,6 +472,8 @@ class Coordinator:
                 return
         s = self.state
         assert s is not None
+        if rec is None and s.phase is Phase.RUNNING and self.spares.ids and self.resize(False):
+            return
         stopped_at = self.driver.stopped_at
         for rank, since in list(stopped_at.items()):
             if rank not in stopped_at:  # cleared: another rank's failure explains it
@@ -444,6 +514,7 @@ class Coordinator:
             "tier2_parity",
             "checkpoint",
             "start",
+            "shard",
         )
         for k in keys:
             vals = {str(i.get(k)) for i in infos}

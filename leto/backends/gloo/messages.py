@@ -348,6 +348,7 @@ class Ready(Message):
     snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
     tier2_parity: int = _f(_nat, 1)
     start: int = _f(_nat, 0)  # the step the job starts at (> 0: resumed from a checkpoint)
+    shard: bool = _f(_bool, False)  # shard = true: the world does not shrink or grow
 
 
 @attrs.frozen
@@ -668,12 +669,15 @@ class Go(Message):
 @attrs.frozen
 class Fail(Message):
     """The job ends with ``error``; with ``restart`` (from 1), every node's agent starts
-    the job again, as that restart (``--max-restarts``), from the latest disk checkpoint."""
+    the job again, as that restart (``--max-restarts``), from the latest disk checkpoint;
+    with ``nodes`` too, the restart carries out a world change (a shrink or a grow-back,
+    :mod:`leto.core.world`) to that many nodes, and the pooled spares follow it."""
 
     TAG = "fail"
     ROUTE = (C, A)
     error: str = _f(LONG)
     restart: int | None = _f(_opt(_nat), None)
+    nodes: int | None = _f(_opt(_nat), None)
 
 
 @attrs.frozen

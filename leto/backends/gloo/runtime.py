@@ -364,6 +364,7 @@ class GlooSession:
                 checkpoint=self.cfg.checkpoint_dir is not None,
                 snapshot=meta,
                 start=start,
+                shard=bool(self.cfg.shard),
             )
         )
         self.ch.mark("idle", 0)

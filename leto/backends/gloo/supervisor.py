@@ -442,6 +442,7 @@ class Supervisor:
                 exclude_window=o.exclude_window,
                 max_restarts=o.max_restarts,
                 restarts=o.restarts,
+                nodes_range=(o.min_nodes, o.nnodes) if 0 < o.min_nodes < o.nnodes else (0, 0),
             ),
             record=a.record,
         )

@@ -1,6 +1,6 @@
 """The real-process tests' training script: a tiny MLP, every RNG seeded.
 
-Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
+Environment: TOPO ("NxM", default 1x2; "auto": the launched world), STEPS (6), CHUNK (64 elements), TIER2
 ("1"/"0"), OPT (a torch.optim class name, AdamW by default), DEVICE and CHECKSUM (the settings), SHARD ("1": shard = true;
 the model's parameters' SHA-256 is then written to RUN_DIR/params-rank<r> at the end, as without it), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's), STEP_SLEEP (seconds per step), SLOW_BACKWARD ("rank:step:seconds": that rank's backward of
 that step waits that long before the model's last layer, so a peer's death finds it inside
@@ -45,7 +45,11 @@ if os.environ.get("CKPT"):
     settings["checkpoint_dir"] = os.environ["CKPT"]
     settings["checkpoint_interval"] = int(os.environ.get("CKPT_EVERY", "0"))
     settings["checkpoint_mtbf"] = int(os.environ.get("CKPT_MTBF", "0"))
-cfg = leto.Config.from_dict(settings)
+if os.environ.get("TOPO") == "auto":  # the launched world (an elastic job's, shrunk or not)
+    del settings["topology"]
+    cfg = leto.Config.load(settings)
+else:
+    cfg = leto.Config.from_dict(settings)
 X, Y = torch.randn(64, 8).to(cfg.torch_device), torch.randn(64, 2).to(cfg.torch_device)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 2))
 if os.environ.get("DIVERGE"):  # each rank's model its own (not data-parallel training)
