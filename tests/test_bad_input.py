@@ -120,7 +120,7 @@ def test_a_config_without_topology_takes_the_launched_one(here: Path) -> None:
     # outside leto launch: the file alone
     cfg = Config.load("t.toml", {})
     assert (cfg.nodes, cfg.ranks_per_node) == (1, 4)
-    with pytest.raises(ConfigError, match="'replica' is built for the gloo backend only"):
+    with pytest.raises(ConfigError, match="'replica' is built for the gloo and nccl backends only"):
         Config.load("c.toml", {})
 
 

@@ -37,6 +37,7 @@ def test_every_script_here_is_run_by_this_file() -> None:
     assert scripts == sorted(
         [
             *WRAPPERS,
+            "checkpoint_stall",
             "reduce_wait",
             "replica_check",
             "retained_step",
@@ -101,3 +102,17 @@ def test_simulate_speed_prints_each_time_against_its_target() -> None:
     for seconds, ratio, target in got:
         assert float(seconds) > 0
         assert float(ratio) == pytest.approx(float(seconds) / int(target), abs=0.006), text
+
+
+def test_checkpoint_stall_reports_both_stalls_and_their_ratio() -> None:
+    got = json.loads(
+        run("checkpoint_stall.py", "--params", "200K", "--checkpoints", "2", "--every", "1",
+            "--json")
+    )  # fmt: skip
+    assert got["checkpoints"] == 2 and got["every"] == 1 and got["params"] >= 150_000
+    assert got["sync_stall_ms_median"] > 0 and got["async_stall_ms_median"] > 0
+    ratio = got["sync_stall_ms_median"] / got["async_stall_ms_median"]
+    assert abs(got["sync_over_async"] - ratio) < 1e-9
+    # the copy is part of the async stall; the write itself ran on its thread
+    assert 0 < got["async_staging_ms_median"] <= got["async_stall_ms_median"]
+    assert got["async_write_ms_median"] > 0

@@ -37,6 +37,11 @@ checkpoint_interval  0         steps between periodic checkpoints (0 .. 1,000,00
 checkpoint_mtbf      0         seconds between failures: with no interval, checkpoint every
                                Young/Daly sqrt(2 x save cost x MTBF), in steps, for the
                                measured save cost and step time (0 .. 10 years)
+checkpoint_async     false     write the periodic checkpoint (gloo) in the background:
+                               training stalls only while the state is copied to host
+                               buffers, and the checkpoint is durable when every rank's
+                               write completed (docs/gloo.md, "Asynchronous checkpoints";
+                               not with shard)
 resume               none      start from this torch.distributed.checkpoint directory
                                (leto's checkpoint_dir or one step of it, or any DCP
                                checkpoint of the same model); ``leto launch --resume DIR``
@@ -274,6 +279,7 @@ class Config:
     checkpoint_dir: str | None = attrs.field(default=None, validator=_v_dir)
     checkpoint_interval: int = attrs.field(default=0, validator=_v_count)
     checkpoint_mtbf: int = attrs.field(default=0, validator=_v_count)
+    checkpoint_async: bool = attrs.field(default=False, validator=_v_bool)
     resume: str | None = attrs.field(default=None, validator=_v_resume)
     verify_chunks: bool = attrs.field(default=True, validator=_v_bool)
     replica_check: int = attrs.field(default=1, validator=_v_count)
@@ -305,6 +311,8 @@ class Config:
         if self.shard:
             self._check_shard()
         self._check_device()
+        if self.checkpoint_async:
+            self._check_async()
         if self.tier1_code == "replica":
             if not self.tier1:
                 raise ConfigError("tier1_code", "'replica' is a tier-1 code, but tier1 is off")
@@ -338,6 +346,20 @@ class Config:
         if self.checksum == "xxh3":
             raise ConfigError(
                 "checksum", f"xxh3 reads host memory; the state is on {dev} (use 'fletcher')"
+            )
+
+    def _check_async(self) -> None:
+        if self.backend not in PROCESS_BACKENDS:
+            raise ConfigError(
+                "checkpoint_async",
+                f"asynchronous checkpoints are built for the gloo and nccl backends only, not "
+                f"{self.backend!r}",
+            )
+        if self.shard:
+            raise ConfigError(
+                "checkpoint_async",
+                "asynchronous checkpoints of sharded state (shard = true) are not built: "
+                "set checkpoint_async = false",
             )
 
     def _check_shard(self) -> None:

@@ -59,6 +59,7 @@ from .workload import (
     BenchError,
     Workload,
     available_memory,
+    device_error,
     format_count,
     parse_count,
 )
@@ -121,6 +122,16 @@ def _no_tier2(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where every system keeps the model, its gradients and optimizer state: cpu "
+        "(default), cuda or cuda:N (the ranks share that one device; leto's keepers hold "
+        "its retained state there)",
+    )
+
+
 def _fail_at(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fail-at",
@@ -150,6 +161,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     _no_tier2(p)
     _fail_at(p)
+    _device(p)
     p = sub.add_parser(
         "overhead",
         help="failure-free step time: plain DDP vs leto (its defaults: tier 1 as replicas on gloo), "
@@ -213,6 +225,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     _no_tier2(p)
     _fail_at(p)
+    _device(p)
     p = sub.add_parser(
         "control",
         help="the coordinator's protocol-model CPU per step, per recovery plan and per "
@@ -333,8 +346,12 @@ def _workload(args: argparse.Namespace, params: str) -> Workload:
     layers = getattr(args, "layers", LAYERS)
     if not 1 <= layers <= MAX_LAYERS:
         raise BenchError(f"--layers {layers}: choose 1 to {MAX_LAYERS} hidden layers")
+    device = getattr(args, "device", "cpu")
+    why = device_error(device)
+    if why:
+        raise BenchError(f"--device {show(device)}: {why}")
     return Workload.for_params(
-        count, batch=args.batch, world=args.world, seed=args.seed, layers=layers
+        count, batch=args.batch, world=args.world, seed=args.seed, layers=layers, device=device
     )
 
 

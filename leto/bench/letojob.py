@@ -146,6 +146,7 @@ def main() -> None:
         tier2=spec.get("tier2", True),
         tier2_interval=spec.get("tier2_interval", 10),
         replica_check=spec.get("replica_check", 1),
+        device=wl.device,
     )
     worker_torch()
     model = wl.build_model()

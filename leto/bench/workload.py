@@ -81,6 +81,7 @@ class Workload:
     seed: int = 0
     lr: float = 1e-3
     chunk_numel: int = 0  # leto's chunk size (elements); 0: see chunk_for
+    device: str = "cpu"  # where every system's model and state live (cuda: the ranks share it)
 
     def __post_init__(self) -> None:
         if self.chunk_numel <= 0:
@@ -141,6 +142,8 @@ class Workload:
         P, W = self.params, self.world
         proc = 350 * 2**20
         data = SAMPLES * self.width * 4
+        if self.device != "cpu":  # the state on the device: host memory holds the processes
+            return W * (2 * proc + data)
         replica = 20 * P + data
         if system == "torchft":  # + a peer's state staged to send (or received) in a heal
             return W * (proc + replica + 12 * P)
@@ -169,10 +172,11 @@ class Workload:
 
     # ------------------------------------------------------------- torch parts
 
-    def build_model(self, device: str = "cpu") -> nn.Module:
+    def build_model(self, device: str | None = None) -> nn.Module:
         import torch
         from torch import nn
 
+        device = self.device if device is None else device
         torch.manual_seed(self.seed)
         blocks: list[nn.Module] = []
         for _ in range(self.layers):
@@ -191,7 +195,7 @@ class Workload:
         g = torch.Generator().manual_seed(self.seed + 1)
         x = torch.randn(SAMPLES, self.width, generator=g)
         teacher = torch.randn(self.width, self.classes, generator=g)
-        return x, (x @ teacher).argmax(dim=1)
+        return x.to(self.device), (x @ teacher).argmax(dim=1).to(self.device)
 
     def global_batch(self, step: int) -> torch.Tensor:
         """Rows of global batch ``step`` (steps count from 1)."""
@@ -203,6 +207,22 @@ class Workload:
     def batch_indices(self, step: int, rank: int) -> torch.Tensor:
         """Rows of rank ``rank``'s share of global batch ``step``."""
         return self.global_batch(step)[rank :: self.world]
+
+
+def device_error(device: object) -> str | None:
+    """Why ``device`` cannot hold a benchmark's state here (None: it can)."""
+    if device == "cpu":
+        return None
+    kind, _, index = device.partition(":") if isinstance(device, str) else ("", "", "")
+    if kind != "cuda" or (index and not index.isdigit()):
+        return "choose cpu, cuda or cuda:N"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA (torch.cuda.is_available() is False)"
+    if index and int(index) >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
 def worker_torch() -> None:

@@ -167,7 +167,7 @@ def decode_local(parity: torch.Tensor, survivors: Sequence[Data]) -> torch.Tenso
         b = _packed(s)
         if b.numel() != out.numel():
             raise ValueError(f"survivor has {b.numel()} bytes, parity {out.numel()}")
-        out.sub_(b)
+        out.sub_(b.to(out.device))
     return out
 
 
@@ -177,7 +177,7 @@ def add_delta_(parity: torch.Tensor, old: Data, new: Data) -> None:
     ob, nb = _packed(old), _packed(new)
     if not pb.numel() == ob.numel() == nb.numel():
         raise ValueError("parity, old and new differ in size")
-    pb.add_(nb.sub_(ob))
+    pb.add_(nb.sub_(ob).to(pb.device))
 
 
 # ------------------------------------------------------------ holder placement
@@ -209,7 +209,7 @@ def update(
     pb = _check_parity(parity, delta.numel(), "holder") if coll.rank == holder else None
     coll.reduce_sum(delta, holder)
     if pb is not None:
-        pb.add_(delta)
+        pb.add_(delta.to(pb.device))  # a parity kept in host memory, data on a device
 
 
 def decode(
@@ -230,7 +230,7 @@ def decode(
     else:
         contrib = _packed(data).neg_()  # -x mod 256
     if coll.rank == holder:
-        contrib.add_(_check_parity(parity, n, "holder"))
+        contrib.add_(_check_parity(parity, n, "holder").to(contrib.device))
     coll.reduce_sum(contrib, lost)
     if coll.rank == lost:
         _scatter(contrib, data)
@@ -343,7 +343,7 @@ def update_rotated(coll: Collective, old: Data, new: Data, share: torch.Tensor) 
         )
         coll.reduce_sum(buf, s)
         if s == coll.rank:
-            sb.add_(buf)
+            sb.add_(buf.to(sb.device))
 
 
 def decode_rotated(

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from leto.bench.cli import check_memory
 from leto.bench.workload import BenchError, Workload
@@ -34,7 +35,14 @@ from leto.cli import main
         (["scaling", "--sizes", "1M,1.0M"], "at least two different model sizes"),
         (["scaling", "--layers", "0"], "--layers 0: choose 1 to 256 hidden layers"),
         (["scaling", "--layers", "257"], "--layers 257: choose 1 to 256"),
-    ],
+        (["recovery", "--device", "tpu"], "--device 'tpu': choose cpu, cuda or cuda:N"),
+        (["scaling", "--device", "cuda:x"], "--device 'cuda:x': choose cpu, cuda or cuda:N"),
+    ]
+    + (
+        []
+        if torch.cuda.is_available()
+        else [(["recovery", "--device", "cuda"], "--device 'cuda': this machine has no CUDA")]
+    ),
 )
 def test_bad_input_is_one_line_and_exit_2(
     argv: list[str],
@@ -196,3 +204,13 @@ def test_nvre_refuses_more_recoveries_than_reserves(
     assert err == (
         "leto bench: error: --repeats 9: nvre needs a reserve process per recovery, at most 8\n"
     )
+
+
+def test_the_device_travels_with_the_workload_and_moves_the_host_estimate() -> None:
+    wl = Workload.for_params(10**6, device="cuda:0")
+    assert Workload.from_dict(wl.as_dict()) == wl and wl.as_dict()["device"] == "cuda:0"
+    host = Workload.for_params(10**6)
+    assert host.device == "cpu"
+    # on a device the state is there: host memory holds the processes and the data only
+    assert wl.memory_estimate("leto") < host.memory_estimate("leto")
+    assert wl.memory_estimate("gemini") == wl.memory_estimate("leto")

@@ -28,17 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PARTS: list[tuple[str, list[str], int]] = [
     # name, test files, seconds allowed (all together well under 6 minutes)
-    ("tensor layer on CUDA", ["tests/retained/test_retained_cuda.py"], 60),
-    ("memory provider contract", ["tests/gloo/test_memory_provider.py"], 45),
-    ("retained layout in provider memory", ["tests/gloo/test_provider_layout.py"], 60),
-    ("tests/gpu", ["tests/gpu"], 170),
+    ("tensor layer on CUDA", ["tests/retained/test_retained_cuda.py"], 40),
+    ("memory provider contract", ["tests/gloo/test_memory_provider.py"], 25),
+    ("retained layout in provider memory", ["tests/gloo/test_provider_layout.py"], 35),
+    ("gloo jobs on the GPU", ["tests/gpu/test_gpu_memory.py", "tests/gpu/test_gpu_job.py"], 110),
+    ("leto bench recovery on the GPU", ["tests/gpu/test_gpu_bench.py"], 140),
 ]
 
 NOT_YET = [
-    (
-        "leto bench recovery with several GiB per rank in GPU memory",
-        "the bench's jobs build their state on the host (leto/bench has no device option yet)",
-    ),
     (
         "NCCL",
         "NCCL refuses two ranks on one device, and the lent machines have one GPU: the nccl "

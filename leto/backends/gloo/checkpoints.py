@@ -37,10 +37,12 @@ from leto.retained.layout import RetainedLayout
 from leto.retained.optim import RetainedOptimizer
 from leto.retained.process_state import BatchCursor
 from leto.retained.shard import FullParams
+from leto.retained.staged_save import BackgroundSave, HostStage
 
 from . import messages as M
 from .channel import AgentChannel
 from .collective import coll as _coll
+from .process_groups import ProcessGroups
 from .rank_memory import RankMemory
 from .rank_state import RankState
 
@@ -80,6 +82,9 @@ class CheckpointHost(Protocol):
     def memory(self) -> RankMemory: ...
     @property
     def ps(self) -> RankState: ...
+    @property
+    def groups(self) -> ProcessGroups: ...
+    def _log(self, event: str, **kw: Any) -> None: ...
 
 
 class Checkpoints:
@@ -91,6 +96,9 @@ class Checkpoints:
         self.step_t0 = 0.0  # when the start's checkpoint was done
         self.yd: int | None = None  # Young/Daly's checkpoint interval, once agreed
         self.first: int | None = None  # the job's first step (its time is Young/Daly's)
+        self.stage = HostStage()  # checkpoint_async: the host buffers of the staged state
+        self.inflight: BackgroundSave | None = None  # checkpoint_async: the save being written
+        self.abandoned: list[BackgroundSave] = []  # cancelled saves whose thread may still run
 
     def interval(self, V: int) -> int:
         """The user's ``checkpoint_interval``; or, with ``checkpoint_mtbf`` only, Young/
@@ -158,6 +166,9 @@ class Checkpoints:
         if session.rank == 0:
             store.prune(V if first else latest, newer=first)
         assert session.ropt is not None
+        if not first and getattr(session.cfg, "checkpoint_async", False):
+            self._write_async(V, store)
+            return
         t0 = time.perf_counter()
         if session.full is not None:  # sharded: each rank its own shard
             state = shard_training_state(
@@ -171,19 +182,81 @@ class Checkpoints:
             state = training_state(session.model, session.ropt)
         _coll(store.write, V, state, no_dist=False)
         self.save_s = time.perf_counter() - t0
-        lay = session.layout
-        store.write_rank_meta(
-            V,
-            session.rank,
-            {
-                "step": V,
-                "world_size": session.W,
-                "chunk_numel": lay.chunk_numel,
-                "checksums": [lay.stored_checksum(c) for c in range(lay.n_chunks)],
-                "ps": session.ps.to_json(V),
-            },
-        )
+        if not first:
+            session._log("checkpoint_stall", step=V, ms=round(self.save_s * 1e3, 3), mode="sync")
+        store.write_rank_meta(V, session.rank, self._rank_meta(V))
         session.ch.send(M.CheckpointWritten(rank=session.rank, step=V, gen=session.gen))
+
+    def _rank_meta(self, V: int) -> dict[str, Any]:
+        """This rank's process state and checksums at ``V``, written beside the DCP files."""
+        session = self.session
+        lay = session.layout
+        return {
+            "step": V,
+            "world_size": session.W,
+            "chunk_numel": lay.chunk_numel,
+            "checksums": [lay.stored_checksum(c) for c in range(lay.n_chunks)],
+            "ps": session.ps.to_json(V),
+        }
+
+    def _write_async(self, V: int, store: CheckpointStore) -> None:
+        """``SaveCheckpoint`` of step ``V`` with ``checkpoint_async`` (the module
+        docstring): wait for the save in flight, stage, report ``CheckpointStaged``, and
+        write the copy on a thread; its ``CheckpointWritten`` once the write completed."""
+        session = self.session
+        t0 = time.perf_counter()
+        self.drain()
+        if any(s.running and s.step == V for s in self.abandoned):
+            # a cancelled save of this step still runs (its abort would remove this one's
+            # files): this checkpoint is left out, the next due one is written
+            session._log("checkpoint_skipped", step=V, why="a cancelled save of it still runs")
+            return
+        assert session.ropt is not None
+        staged = self.stage.stage(training_state(session.model, session.ropt))
+        meta = self._rank_meta(V)
+        rank, gen, group = session.rank, session.gen, session.groups.ckpt_group
+        session.ch.send(M.CheckpointStaged(rank=rank, step=V, gen=gen))
+        stall = time.perf_counter() - t0
+        session._log("checkpoint_stall", step=V, ms=round(stall * 1e3, 3), mode="async")
+
+        def finish() -> None:
+            store.write_rank_meta(V, rank, meta)
+            session.ch.send(M.CheckpointWritten(rank=rank, step=V, gen=gen))
+
+        self.inflight = BackgroundSave(
+            V,
+            write=lambda: store.write(V, staged, process_group=group, no_dist=False),
+            finish=finish,
+            abort=lambda: store.abort(V),
+        )
+
+    def drain(self) -> None:
+        """Wait for the asynchronous save in flight (a checkpoint due meanwhile, the job's
+        end), and for cancelled ones' threads (briefly: a recovery tore their group down).
+        A save that failed outside a recovery raises its error here, on the training
+        thread, as the synchronous save would have raised it."""
+        for old in self.abandoned:
+            old.wait(timeout=5.0)
+        self.abandoned = [old for old in self.abandoned if old.running]
+        s = self.inflight
+        if s is None:
+            return
+        self.inflight = None
+        if not s.wait() and s.error is not None and not s.cancelled:
+            raise s.error
+
+    def cancel(self) -> None:
+        """A recovery began: the save in flight must not finish (its generation is over;
+        the protocol's ``AbortCheckpoint``). Its thread ends when its group is torn down;
+        its host buffers are dropped, since it may still read them."""
+        s = self.inflight
+        if s is None:
+            return
+        self.inflight = None
+        s.cancel()
+        if s.running:
+            self.abandoned.append(s)
+            self.stage.drop()
 
     def resume(self) -> int:
         """Start from the DCP checkpoint ``resume`` names (leto's, or any of this model):

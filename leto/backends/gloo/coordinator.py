@@ -39,6 +39,7 @@ from typing import Any
 
 from leto.core import events as ev
 from leto.core import restart, world
+from leto.core.chunk import NONE
 from leto.core.cluster import ClusterModel, ClusterState
 from leto.core.erasure import Topology
 from leto.core.recovery import Phase
@@ -111,6 +112,8 @@ class Coordinator:
         self.finished: dict[int, set[int]] = {}
         self.snaps: dict[int, dict[int, Any]] = {}
         self.ckpts: dict[int, set[int]] = {}  # step -> ranks that wrote their part
+        # (generation, step) -> ranks that staged an asynchronous checkpoint of step
+        self.staged: dict[tuple[int, int], set[int]] = {}
         # the confirmed tier-2 snapshot (kept in the commit record, which a test swaps)
         self.tier2 = Tier2Record(lambda k, v: self.record.keep(k, v), self.log)
         self.base_not_kept = False  # nor a compacted log (the state too large)
@@ -302,6 +305,8 @@ class Coordinator:
                     self._on_finished(msg, now)
                 case M.SnapshotDone():
                     self._on_snapshot_done(msg)
+                case M.CheckpointStaged():
+                    self._on_ckpt_staged(msg)
                 case M.CheckpointWritten():
                     self._on_ckpt_written(msg)
                 case M.Done():
@@ -623,11 +628,49 @@ class Coordinator:
         self.carry_out(fed)  # Tier2
         self.log.write("tier2_snapshot", step=step)
 
+    def _on_ckpt_staged(self, msg: M.CheckpointStaged) -> None:
+        """Every rank staged its state of ``step`` for an asynchronous checkpoint (each
+        sent it before its next vote: the model has them all idle at ``step``):
+        BeginCheckpoint. Their writes go on beside the steps; each one's report feeds its
+        WriteShard (:meth:`_on_ckpt_written`). A checkpoint still in progress in the model
+        (a writer failed without a recovery) leaves this one unbegun: its reports are
+        dropped, and the durable step stays where every writer completed."""
+        if not self._current(msg.gen):
+            return
+        key = (msg.gen, msg.step)
+        got = self.staged.setdefault(key, set())
+        got.add(msg.rank)
+        if len(got) < self.W:
+            return
+        del self.staged[key]
+        assert self.state is not None
+        if msg.step <= self.state.ckpt or self.state.cpend != NONE:
+            self.log.write("checkpoint_not_begun", step=msg.step, in_progress=self.state.cpend)
+            return
+        self.feeder.run(
+            [ev.BeginCheckpoint()], f"every rank staged the checkpoint of step {msg.step}"
+        )
+
     def _on_ckpt_written(self, msg: M.CheckpointWritten) -> None:
         """Every rank wrote its part of the checkpoint of ``step``: BeginCheckpoint (they
         staged it idle at ``step``), each WriteShard, then CheckpointDurable: the
-        fallback step moves. (The job's start is durable in the model from the start.)"""
+        fallback step moves. (The job's start is durable in the model from the start.)
+        An asynchronous checkpoint (begun when every rank staged it) feeds each rank's
+        WriteShard as its report comes, and CheckpointDurable with the last."""
         if not self._current(msg.gen):
+            return
+        assert self.state is not None
+        if self.state.cpend == msg.step and self.state.cpend != NONE:
+            self.feeder.run(
+                [ev.WriteShard(msg.rank)],
+                f"rank {msg.rank} wrote its part of the checkpoint of step {msg.step}",
+            )
+            if len(self.state.ckdone) == self.W:
+                self.feeder.run(
+                    [ev.CheckpointDurable()],
+                    f"every rank wrote its part of the checkpoint of step {msg.step}",
+                )
+                self.log.write("checkpoint", step=msg.step)
             return
         got = self.ckpts.setdefault(msg.step, set())
         got.add(msg.rank)

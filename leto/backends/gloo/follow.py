@@ -126,6 +126,7 @@ class Follower:
         self.plans = []
         self._before_writes = before_writes
         self._beside = beside
+        self.session.checkpoints.cancel()  # an asynchronous save in flight never reports
         self.session.groups.destroy()
         while True:
             msg = self.session.ch.next_command()
@@ -484,7 +485,7 @@ class Follower:
             bad = [
                 c
                 for c, p in zip(kept, par, strict=True)
-                if not torch.equal(p, self.session.parity[c].parity())
+                if not torch.equal(p.cpu(), self.session.parity[c].parity())
             ]
             if bad:
                 raise IntegrityError(

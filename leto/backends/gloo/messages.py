@@ -391,6 +391,20 @@ class SnapshotDone(Message):
 
 
 @attrs.frozen
+class CheckpointStaged(Message):
+    """The rank staged its state of ``step`` for an asynchronous checkpoint (``checkpoint_async``:
+    a copy in its own host buffers, written in the background): sent at the step boundary,
+    before the rank's next vote, so that with every rank's the coordinator feeds
+    ``BeginCheckpoint`` while the model has every rank idle at ``step``."""
+
+    TAG = "ckpt_staged"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    step: int = _f(_nat)
+    gen: int = _f(_nat)
+
+
+@attrs.frozen
 class CheckpointWritten(Message):
     """The rank's part of the disk checkpoint of ``step`` is written (its DCP files, its
     process state beside them): the protocol's ``WriteShard``."""
@@ -825,6 +839,7 @@ KINDS: tuple[type[Message], ...] = (
     Vote,
     Finished,
     SnapshotDone,
+    CheckpointStaged,
     CheckpointWritten,
     Stopped,
     Kept,

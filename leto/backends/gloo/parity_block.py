@@ -182,8 +182,9 @@ class ParityBlock:
                 k = nb.numel()
                 if ob.numel() != k or pos + k > self.nbytes:
                     raise ValueError("parity, old and new differ in size")
-                torch.add(src[pos : pos + k], nb, out=dst[pos : pos + k])
-                dst[pos : pos + k].sub_(ob)
+                # the block is host memory; a layout on a GPU sends its bytes over
+                torch.add(src[pos : pos + k], nb.to(dst.device), out=dst[pos : pos + k])
+                dst[pos : pos + k].sub_(ob.to(dst.device))
                 pos += k
             if pos != self.nbytes:
                 raise ValueError("parity, old and new differ in size")
@@ -206,7 +207,7 @@ class ParityBlock:
         with self.lock():
             a = self.active
             b = 1 - a
-            torch.add(self.buf[a], as_bytes(delta), out=self.buf[b])
+            torch.add(self.buf[a], as_bytes(delta).to(self.buf[a].device), out=self.buf[b])
             self._flip(a, b, member, version, None)
 
     def _flip(self, a: int, b: int, member: int, version: int, checksum: int | None) -> None:

@@ -1,8 +1,11 @@
 """One rank's gloo communicators: formed per generation, torn down at every recovery.
 
 A generation's communicator is the whole job's process group plus, on every rank and in
-the same order, one group per node (tier 1: the node's parity) and one per local rank
-across nodes (tier 2: the snapshot's cross-node code). A recovery tears them down (a
+the same order, one group per node (tier 1: the node's parity), one per local rank
+across nodes (tier 2: the snapshot's cross-node code) and, with ``checkpoint_async``,
+one more of every rank for the checkpoint's background writer (its DCP collectives run
+on a thread of their own, and must never interleave with training's on a group they
+share). A recovery tears them down (a
 broken gloo group cannot be reused) and the next generation forms them anew, behind an
 abortable barrier so that a recovery restarting meanwhile is not stuck in gloo's own
 rendezvous.
@@ -12,7 +15,9 @@ rendezvous.
 tensors (the protocol's small exchanges) over gloo, on the same group objects, so
 nothing else of the executor changes. A recovery aborts the NCCL communicators first
 (:func:`abort_nccl`: a collective hung on a dead peer returns; NCCL has no timeout of
-its own that frees a stuck kernel), then destroys the groups as for gloo. With gloo and
+its own that frees a stuck kernel), then destroys the groups as for gloo. NCCL's own
+error handling is set to abort a failed communicator and raise, never to end the
+process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``). With gloo and
 state on a GPU, gloo reduces only host tensors: tier 1's and tier 2's collectives run
 through host copies (:meth:`ProcessGroups.parity`, :class:`~leto.retained.parity.HostStaged`).
 """
@@ -94,6 +99,8 @@ class GroupsHost(Protocol):
     @property
     def spec(self) -> dict[str, Any]: ...
     @property
+    def cfg(self) -> Any: ...
+    @property
     def store(self) -> Any: ...
     @property
     def ch(self) -> AgentChannel: ...
@@ -109,8 +116,6 @@ class GroupsHost(Protocol):
     def nproc(self) -> int: ...
     @property
     def nnodes(self) -> int: ...
-    @property
-    def cfg(self) -> Any: ...
     def _log(self, event: str, **kw: Any) -> None: ...
 
 
@@ -122,6 +127,7 @@ class ProcessGroups:
         self.pg_gen: int | None = None
         self.node_group: Any = None
         self.cross_group: Any = None
+        self.ckpt_group: Any = None  # the asynchronous checkpoint's writer's (or None)
         self.teardown: threading.Thread | None = None  # the last generation's (destroy)
         cfg = getattr(session, "cfg", None)  # None: a test of destroy alone
         self.backend = group_backend(str(getattr(cfg, "backend", "gloo")))
@@ -167,6 +173,10 @@ class ProcessGroups:
         reset_group_count()  # every rank names this generation's groups alike
         collective = timedelta(seconds=float(session.spec["collective_timeout"]))
         form = min(collective, timedelta(seconds=FORM_TIMEOUT_S))
+        if self.backend != "gloo":
+            # a failed or timed-out NCCL collective aborts its communicator and raises in
+            # the caller (the recovery takes over), never tears the process down
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         dist.init_process_group(
             self.backend, store=prefix, rank=session.rank, world_size=session.W, timeout=form
         )
@@ -190,6 +200,10 @@ class ProcessGroups:
                 groups.append(g)
                 if lr == session.local_rank:
                     self.cross_group = g
+        self.ckpt_group = None
+        if getattr(session.cfg, "checkpoint_async", False) and session.cfg.checkpoint_dir:
+            self.ckpt_group = dist.new_group(list(range(session.W)), timeout=form)
+            groups.append(self.ckpt_group)
         for g in groups:
             if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
                 set_timeout(collective, g)
@@ -214,7 +228,7 @@ class ProcessGroups:
         method still holds them, and the thread then drops them (the destructors release
         the GIL). The thread is not a daemon: a process that exits meanwhile waits for
         it, since a group destroyed during interpreter exit aborts the process."""
-        old = [g for g in (self.node_group, self.cross_group) if g is not None]
+        old = [g for g in (self.node_group, self.cross_group, self.ckpt_group) if g is not None]
         if dist.is_initialized():
             old.append(dist.group.WORLD)
             if self.backend != "gloo":
@@ -226,6 +240,7 @@ class ProcessGroups:
         self.pg_gen = None
         self.node_group = None
         self.cross_group = None
+        self.ckpt_group = None
         if old:
             self.teardown = threading.Thread(
                 target=old.clear, name="leto-pg-teardown", daemon=False

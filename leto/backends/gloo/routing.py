@@ -400,6 +400,7 @@ class Routing:
                 M.Vote()
                 | M.Finished()
                 | M.SnapshotDone()
+                | M.CheckpointStaged()
                 | M.CheckpointWritten()
                 | M.Stopped()
                 | M.Kept()

@@ -474,6 +474,7 @@ class GlooSession:
         if self.completed or self.ropt is None:
             self.completed = True
             return True
+        self.checkpoints.drain()  # the job's end waits for an asynchronous save in flight
         digest = self.digest()
         if os.environ.get("LETO_DUMP_FINAL"):  # debugging: the final process state as JSON
             d = os.path.join(os.environ.get("LETO_RUN_DIR", "."), "final")

@@ -405,7 +405,7 @@ class UserLoop:
         if plan is None:
             n, k = lay.numel, len(lay.params)
             if self.buf is None or self.buf.numel() != n + k:
-                self.buf = torch.zeros(n + k, dtype=lay.dtype)
+                self.buf = torch.zeros(n + k, dtype=lay.dtype, device=lay.device)
             buf = self.buf
             flat = buf[:n]
             buf[n:].zero_()

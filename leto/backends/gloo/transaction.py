@@ -429,7 +429,9 @@ class StepTransaction:
         if plan is None:
             n = lay.numel
             if self._red is None or self._red.numel() != n + len(lay.params) + 1:
-                self._red = torch.zeros(n + len(lay.params) + 1, dtype=lay.dtype)
+                # on the layout's device: gloo reduces CUDA tensors through its own host
+                # copies, NCCL where they are
+                self._red = torch.zeros(n + len(lay.params) + 1, dtype=lay.dtype, device=lay.device)
             buf = self._red  # reused every step: no fresh pages to fault in
             flat = buf[:n]
             buf[n:].zero_()
@@ -484,7 +486,9 @@ class StepTransaction:
             # (old: zeros if the parity never held this member's gradients)
             comp = session.gparity.versions()[m]
             if self._gdelta is None or self._gdelta.numel() != flat.numel() * flat.element_size():
-                self._gdelta = torch.empty(flat.numel() * flat.element_size(), dtype=torch.uint8)
+                self._gdelta = torch.empty(
+                    flat.numel() * flat.element_size(), dtype=torch.uint8, device=flat.device
+                )
             gdelta = self._gdelta
             if comp != NONE:
                 torch.sub(as_bytes(flat), as_bytes(lay.grad_buffer), out=gdelta)

@@ -2,7 +2,7 @@
 
 Environment: TOPO ("NxM", default 1x2; "auto": the launched world), STEPS (6), CHUNK (64 elements), TIER2
 ("1"/"0"), OPT (a torch.optim class name, AdamW by default), DEVICE and CHECKSUM (the settings), SHARD ("1": shard = true;
-the model's parameters' SHA-256 is then written to RUN_DIR/params-rank<r> at the end, as without it), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's), STEP_SLEEP (seconds per step), SLOW_BACKWARD ("rank:step:seconds": that rank's backward of
+the model's parameters' SHA-256 is then written to RUN_DIR/params-rank<r> at the end, as without it), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's; CKPT_ASYNC "1": checkpoint_async; CKPT_SLOW: seconds each background write waits first; KILL_WRITER "rank:step": that rank SIGKILLs itself in its async write of that step, after its DCP files, before its metadata (once: RUN_DIR/killed-writer); each rank's checkpoint stalls go to RUN_DIR/stalls-rank<r>), STEP_SLEEP (seconds per step), SLOW_BACKWARD ("rank:step:seconds": that rank's backward of
 that step waits that long before the model's last layer, so a peer's death finds it inside
 its compute; the number of computes each rank ran is written to RUN_DIR/computes-rank<r>, and
 the main thread's highest nice value during that backward and at the end to nice-rank<r>),
@@ -11,6 +11,7 @@ SLOW_FORWARD ("rank:step:seconds": that rank's step function waits that long fir
 """
 
 import hashlib
+import json
 import os
 import random
 import threading
@@ -45,6 +46,37 @@ if os.environ.get("CKPT"):
     settings["checkpoint_dir"] = os.environ["CKPT"]
     settings["checkpoint_interval"] = int(os.environ.get("CKPT_EVERY", "0"))
     settings["checkpoint_mtbf"] = int(os.environ.get("CKPT_MTBF", "0"))
+    settings["checkpoint_async"] = os.environ.get("CKPT_ASYNC") == "1"
+if os.environ.get("CKPT_SLOW"):  # seconds each background checkpoint write waits first
+    from leto.retained.checkpoint import CheckpointStore
+
+    _write = CheckpointStore.write
+
+    def _slow_write(self, step, state, **kw):
+        if threading.current_thread().name == "leto-ckpt-writer":
+            time.sleep(float(os.environ["CKPT_SLOW"]))
+        return _write(self, step, state, **kw)
+
+    CheckpointStore.write = _slow_write
+if os.environ.get("KILL_WRITER"):  # "rank:step": SIGKILLed in its async write of that step
+    import signal
+
+    from leto.retained.checkpoint import CheckpointStore
+
+    _meta = CheckpointStore.write_rank_meta
+
+    def _killing_meta(self, step, rank, meta):
+        who, at = (int(x) for x in os.environ["KILL_WRITER"].split(":"))
+        mark = os.path.join(os.environ["LETO_RUN_DIR"], "killed-writer")
+        on_writer = threading.current_thread().name == "leto-ckpt-writer"
+        if on_writer and (rank, step) == (who, at) and not os.path.exists(mark):
+            # its DCP files written (and DCP's .metadata), its own metadata not yet
+            with open(mark, "w") as f:
+                f.write(json.dumps({"rank": rank, "step": step, "pid": os.getpid()}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _meta(self, step, rank, meta)
+
+    CheckpointStore.write_rank_meta = _killing_meta
 if os.environ.get("TOPO") == "auto":  # the launched world (an elastic job's, shrunk or not)
     del settings["topology"]
     cfg = leto.Config.load(settings)
@@ -139,4 +171,10 @@ if slow:
     out = os.path.join(os.environ["LETO_RUN_DIR"], f"nice-rank{os.environ['RANK']}")
     with open(out, "w") as f:  # the lowest priority during the slow backward, and now
         f.write(f"{calls['nice']} {_nice()}")
+if os.environ.get("CKPT"):  # each checkpoint's stall of this rank's loop (its timeline)
+    stalls = [e for e in session.timeline if e["event"] == "checkpoint_stall"]
+    with open(
+        os.path.join(os.environ["LETO_RUN_DIR"], f"stalls-rank{os.environ['RANK']}"), "w"
+    ) as f:
+        f.write(json.dumps(stalls))
 print(f"done at step {session.step}")
