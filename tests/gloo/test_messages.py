@@ -93,6 +93,7 @@ GOOD: dict[str, Any] = {
     "at_start": True,
     "nodes": 2,
     "shard": False,
+    "memory": {"device": "cpu"},
 }
 # for each field: a value its validator must refuse
 BAD: dict[str, Any] = {
