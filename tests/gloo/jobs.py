@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ def job(
     spares: int = 0,
     rdzv: list[str] | None = None,
     spare_agents: int = 0,
-    port: int | None = None,
+    late_spare: Callable[[Path], bool] | None = None,
 ) -> JobResult:
     e = {"TOPO": f"{nnodes}x{nproc}", "STEPS": str(steps), **(env or {})}
     res = run_local(
@@ -63,7 +64,7 @@ def job(
         spares=spares,
         rdzv=rdzv,
         spare_agents=spare_agents,
-        port=port,
+        late_spare=late_spare,
     )
     assert not res.leftovers, f"processes left running after the job: {res.leftovers}"
     assert_trace(res.run_dir)

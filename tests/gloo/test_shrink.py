@@ -8,17 +8,12 @@ made of failure-free jobs resumed at the changes, the way the world changed."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import threading
-import time
 from pathlib import Path
 
-from jobs import TRAIN, digests_equal, explain, job
+from jobs import digests_equal, explain, job
 from test_coordinator import Harness
 
-from leto.backends.gloo.harness import JobResult, _cmd
-from leto.backends.gloo.procs import free_port, tie_to_parent
+from leto.backends.gloo.harness import JobResult
 from leto.core.recovery import Phase
 from leto.core.restart import Restart
 from leto.spec.trace import replay
@@ -67,34 +62,17 @@ def test_a_lost_node_with_no_spare_shrinks_the_world_bitwise(tag: str) -> None:
 def test_a_spare_that_joins_a_shrunk_world_grows_it_back_bitwise(tag: str) -> None:
     """The same loss; once the world shrank, a spare agent is started (as a scheduler
     would): it joins the pool, the core grows the world back to 2 nodes."""
-    steps, port = 40, free_port()
-    run = Path(tag) / "grow"
-    env = {**_env(tag, "ckpt"), "STEP_SLEEP": "0.3", "TOPO": "auto", "STEPS": str(steps)}
-    late: list[subprocess.Popen[bytes]] = []
+    steps = 40
 
-    def start_a_spare_after_the_shrink() -> None:
-        deadline = time.monotonic() + 150
+    def shrunk(run: Path) -> bool:
         log = run / "events.jsonl"
-        while time.monotonic() < deadline:
-            if log.exists() and '"world_shrink"' in log.read_text():
-                cmd = _cmd(TRAIN, 0, 1, 1, port, run.resolve(), None, ["--quiet", *ELASTIC], [])
-                i = cmd.index("--node-rank")
-                cmd[i : i + 2] = ["--spare"]
-                with open(Path(tag) / "late-spare.out", "w") as out:
-                    late.append(subprocess.Popen(
-                        cmd, stdout=out, stderr=subprocess.STDOUT, process_group=0,
-                        env=tie_to_parent({**os.environ, **env}),
-                    ))  # fmt: skip
-                return
-            time.sleep(0.1)
+        return log.exists() and '"world_shrink"' in log.read_text()
 
-    t = threading.Thread(target=start_a_spare_after_the_shrink, daemon=True)
-    t.start()
-    res = job(run, nnodes=1, nproc=1, steps=steps, env=env, faults=LOSS, respawn=False,
-              spare_agents=1, timeout=200.0, extra=ELASTIC, port=port)  # fmt: skip
-    t.join()
-    assert late and late[0].wait(timeout=30) == 0, (Path(tag) / "late-spare.out").read_text()
+    env = {**_env(tag, "ckpt"), "STEP_SLEEP": "0.3"}
+    res = job(Path(tag) / "grow", nnodes=1, nproc=1, steps=steps, env=env, faults=LOSS,
+              respawn=False, spare_agents=1, timeout=200.0, extra=ELASTIC, late_spare=shrunk)  # fmt: skip
     assert res.ok, explain(res)
+    assert res.codes[-2] == [0], res.codes  # the late spare: node 1 of the grown world
     assert [e["nodes"] for e in res.of("rendezvous_closed")] == [2, 1, 2]
     (grow,) = res.of("world_grow")
     assert (grow["nodes"], grow["was"]) == (2, 1), grow
