@@ -330,7 +330,10 @@ def test_a_batch_plan_is_the_documented_one_and_bad_input_is_refused() -> None:
     assert plan(1, 2, 3, True) == Plan(parts=(1,), cut=3, divisor=3)
     assert plan(1, 2, 3, False) == Plan(parts=(1,), cut=3, divisor=2)
     assert plan(3, 4, 3, True) == Plan(parts=(3,), cut=4, divisor=4)  # grown past the start
+    assert plan(1, 3, 0, True) == Plan(parts=(1,), cut=3, divisor=3)  # 0: the world's ranks
     with pytest.raises(ValueError, match="0 <= rank < world"):
         plan(2, 2, 3, True)
+    with pytest.raises(ValueError, match="full >= 0"):
+        plan(0, 2, -1, True)
     with pytest.raises(TypeError, match="are ints"):
         plan(True, 2, 3, True)  # type: ignore[arg-type]

@@ -42,14 +42,16 @@ class Plan:
 
 def plan(rank: int, world: int, full: int, keep_global_batch: bool) -> Plan:
     """What rank ``rank`` of a world of ``world`` ranks computes, for a job whose global
-    batch is cut into ``full`` parts at its start."""
+    batch is cut into ``full`` parts (the config's ``batch_parts``; 0: as many as the
+    world has ranks, whatever it is)."""
     if not (type(rank) is int and type(world) is int and type(full) is int):
         raise TypeError(f"rank, world and full are ints, got {rank!r}, {world!r}, {full!r}")
-    if not 0 <= rank < world or full < 1:
+    if not 0 <= rank < world or full < 0:
         raise ValueError(
-            f"rank {rank} of a world of {world} with {full} parts: need 0 <= rank < world, full >= 1"
+            f"rank {rank} of a world of {world} with {full} parts: need 0 <= rank < world, full >= 0"
         )
+    full = full or world
     cut = max(world, full)
     if not keep_global_batch or world >= full:
-        return Plan(parts=(rank,) if rank < cut else (), cut=cut, divisor=world)
+        return Plan(parts=(rank,), cut=cut, divisor=world)
     return Plan(parts=tuple(range(rank, full, world)), cut=cut, divisor=full)

@@ -8,11 +8,14 @@ made of failure-free jobs resumed at the changes, the way the world changed."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 from jobs import digests_equal, explain, job
 from test_coordinator import Harness
 
+from leto.adapters.config import Config, ConfigError
 from leto.backends.gloo.harness import JobResult
 from leto.core.recovery import Phase
 from leto.core.restart import Restart
@@ -42,7 +45,26 @@ def _schedule(tag: str, worlds: list[tuple[int, int]], steps: int) -> JobResult:
     return res
 
 
-def test_a_lost_node_with_no_spare_shrinks_the_world_bitwise(tag: str) -> None:
+POLICIES = {
+    "split": {},  # batch_parts = 0: the global batch split over the ranks there are
+    "accumulate": {"BATCH_PARTS": "2", "KEEP_GLOBAL": "1"},  # rank 0 alone: parts 0, 1
+    "per_rank": {"BATCH_PARTS": "2"},  # rank 0 alone: part 0, part 1 skipped
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_lost_node_with_no_spare_shrinks_the_world_bitwise(tag: str, policy: str) -> None:
+    """Each global-batch policy (docs/gloo.md, "The data order and the global batch"):
+    bitwise its own failure-free run of the schedule, and not the fixed world's."""
+    os.environ.update(POLICIES[policy])  # the jobs' environment (the harness passes it on)
+    try:
+        _shrinks_bitwise(tag)
+    finally:
+        for k in POLICIES[policy]:
+            del os.environ[k]
+
+
+def _shrinks_bitwise(tag: str) -> None:
     res = job(Path(tag) / "shrink", nnodes=1, nproc=1, steps=STEPS, env=_env(tag, "ckpt"),
               faults=LOSS, respawn=False, spare_agents=1, timeout=150.0, extra=ELASTIC)  # fmt: skip
     assert res.ok, explain(res)
@@ -137,3 +159,18 @@ def test_a_spare_joining_a_world_below_max_grows_it_between_steps() -> None:
     full.c.spares.joined("late")
     full.c.tick(full.now + 2.0)
     assert full.c.failed is None and full.c.restart is None  # at MAX: the spare waits
+
+
+def test_the_global_batch_policy_is_validated_in_one_line() -> None:
+    gloo = {"backend": "gloo", "topology": "2x1"}
+    cfg = Config.from_dict({**gloo, "batch_parts": 2, "keep_global_batch": True})
+    assert (cfg.batch_parts, cfg.keep_global_batch) == (2, True)
+    for settings, why in [
+        ({"batch_parts": 2}, "runs on the gloo backend only, not 'fake'"),
+        ({**gloo, "keep_global_batch": True}, "needs batch_parts"),
+        ({**gloo, "batch_parts": 2, "shard": True}, "does not change its world"),
+        ({**gloo, "batch_parts": -1}, "batch_parts"),
+    ]:
+        with pytest.raises(ConfigError, match=why) as e:
+            Config.from_dict(settings)
+        assert "\n" not in str(e.value)

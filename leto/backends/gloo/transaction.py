@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from leto.core import accumulation
 from leto.core.chunk import NONE
 from leto.core.reconcile import keeps_compute
 from leto.retained.alloc import settle
@@ -407,7 +408,10 @@ class StepTransaction:
         session.check_float_mode()
         session.ch.mark("forward", ropt.version)
         point("forward_start")
-        batch = shard(session.cursor.batch(V), r, W)
+        # this rank's parts of the global batch (one, but where a shrunk world keeps the
+        # global batch by accumulation: leto.core.accumulation), and the gradients' divisor
+        cut = accumulation.plan(r, W, session.cfg.batch_parts, session.cfg.keep_global_batch)
+        batch = session.cursor.batch(V)
         assert session.rng is not None
         restore_rng(session.rng)
         for prm in session.model.parameters():
@@ -415,12 +419,18 @@ class StepTransaction:
         assert session.step_fn is not None
         self._phase = "forward"
         with self._compute():  # a recovery runs beside it; it stops at a layer if it must
-            loss = session.step_fn(session.model, batch)
-            point("forward")
-            session.ch.mark("backward")
-            self._phase = "backward"
-            loss.backward()
+            losses = []
+            for i, part in enumerate(cut.parts):
+                part_loss = session.step_fn(session.model, shard(batch, part, cut.cut))
+                if i == 0:
+                    point("forward")
+                    session.ch.mark("backward")
+                    self._phase = "backward"
+                part_loss.backward()  # gradients accumulate over the parts
+                losses.append(part_loss.detach())
+            loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         point("backward")
+        div = cut.divisor  # the mean over the parts the world trained on
         rng_after = capture_rng()
         # one buffer: the gradients, then a presence flag per parameter (small integers,
         # exact in floating point), so one collective is in flight, never two (a gloo
@@ -474,14 +484,14 @@ class StepTransaction:
             raise
         present = buf[n:-1]
         mean_loss = (
-            float(buf[-1]) / W
+            float(buf[-1]) / div
         )  # a metric scheduler's (ReduceLROnPlateau), alike on every rank
         point("reduced")
         session.keeper.check_writer()
         m = session.local_rank
         gdelta = None
         if session.gparity is not None and not session.replica:
-            flat.div_(W)
+            flat.div_(div)
             # this member's change of the gradient parity: new bytes - old bytes
             # (old: zeros if the parity never held this member's gradients)
             comp = session.gparity.versions()[m]
@@ -497,7 +507,7 @@ class StepTransaction:
         lay.clear_prepared()
         with torch.no_grad():
             if gdelta is None:  # the mean written straight into retained memory: one pass
-                torch.div(flat, W, out=lay.grad_buffer)
+                torch.div(flat, div, out=lay.grad_buffer)
             else:
                 lay.grad_buffer.copy_(flat)
         lay.grads.mark_reduced(V)
