@@ -536,6 +536,8 @@ _count_bad = {
 }
 
 
+BOOL_KEYS = ("tier1", "tier2", "verify_chunks", "master_weights", "shard", "checkpoint_async")
+BOOL_KEYS += ("keep_global_batch",)
 _zero_ok = {
     "batch_parts": 1 << 20,
     "checkpoint_interval": 1_000_000,
@@ -552,15 +554,7 @@ def bad_setting(key: str) -> st.SearchStrategy[Any]:
     if key == "tier1_code":
         good = ("auto", "parity")  # 'replica' is refused on the fake backend
         return st.one_of(_text.filter(lambda t: t not in good), _ints, st.booleans())
-    if key in (
-        "tier1",
-        "tier2",
-        "verify_chunks",
-        "master_weights",
-        "shard",
-        "checkpoint_async",
-        "keep_global_batch",
-    ):
+    if key in BOOL_KEYS:
         return _non_bool
     if key == "device":  # the fake backend keeps host memory: any GPU is refused too
         return st.one_of(_text.filter(lambda t: t not in ("auto", "cpu")), _ints, st.booleans())
@@ -647,15 +641,7 @@ def test_config_refuses_bad_settings(case: tuple[dict[str, Any], tuple[str, ...]
 
 
 def bad_variable(key: str) -> st.SearchStrategy[str]:
-    if key in (
-        "tier1",
-        "tier2",
-        "verify_chunks",
-        "master_weights",
-        "shard",
-        "checkpoint_async",
-        "keep_global_batch",
-    ):
+    if key in BOOL_KEYS:
         return st.sampled_from(["maybe", "2", "-1", "truth", "nan", "yes please", "0.0"])
     if key in ("backend", "tier1_code"):
         return st.sampled_from(["mpi", "", "GLOO", "replica" if key == "tier1_code" else "x"])
