@@ -472,10 +472,7 @@ WORDY: list[tuple[list[str], tuple[str, ...]]] = [
         (bench("scaling").argv(f"--sizes=1M,{p}" if p else "--sizes=1M"), ("--sizes", "model size"))
         for p in BAD_PARAMS
     ],
-    *[
-        (bench("goodput").argv(f"--systems={s}"), ("system",))
-        for s in ("torchft", "", ",", "leto,x")
-    ],
+    *[(bench("goodput").argv(f"--systems={s}"), ("system",)) for s in ("nvre", "", ",", "leto,x")],
     (bench("overhead").argv("--systems=leto"), ("--systems",)),  # overhead takes no systems
     (["bench", "nosuch"], ("nosuch",)),
     *[(SPEC.argv(f"--spec-dir={d}"), ("--spec-dir",)) for d in ("afile", "nothere")],
@@ -533,11 +530,12 @@ _count_bad = {
     "chunk_size": 1 << 30,
     "tier2_interval": 1_000_000,
     "tier2_parity": 1,  # the default topology has one node: m >= 2 needs more than m
+    "micro_batches": 4_096,
 }
 
 
 BOOL_KEYS = ("tier1", "tier2", "verify_chunks", "master_weights", "shard", "checkpoint_async")
-BOOL_KEYS += ("keep_global_batch",)
+BOOL_KEYS += ("keep_global_batch", "parallel_replay")
 _zero_ok = {
     "batch_parts": 1 << 20,
     "checkpoint_interval": 1_000_000,

@@ -67,6 +67,7 @@ def test_run_device_script_on_cpu_skips_cuda_parts_with_reasons(tmp_path: Path) 
     not_yet = [n["name"] for n in s["not_yet_possible"]]  # type: ignore[attr-defined]
     assert not_yet == ["NCCL"]
     assert "CUDA available: False" in log
+    assert s["gpu_tests_passed"] == 0 and "nothing ran on a GPU: this machine has no CUDA" in log
 
 
 def counts(runner: list[str], junit: Path, files: list[str]) -> dict[str, Any]:

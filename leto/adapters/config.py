@@ -85,6 +85,17 @@ keep_global_batch    false     with batch_parts, when the world has fewer ranks 
 checksum             "auto"    the chunk checksum's algorithm: ``xxh3`` (host memory
                                only) or ``fletcher`` (torch ops, any device); ``auto`` is
                                xxh3 on ``cpu``, fletcher on a GPU
+micro_batches        1         the step function's form (``train(step_fn)``, gloo): each
+                               rank's share of a step is split into this many micro-batches
+                               (1 .. 4,096), ``step_fn`` called on each, their gradients
+                               accumulated in order (as a loop under ``no_sync`` does)
+parallel_replay      true      with micro_batches >= 2: after a death before the vote, the
+                               lost share's micro-batches are computed by every rank and
+                               added in order by the replacement (bitwise its own sum;
+                               docs/loop.md, "The step in flight, replayed in parallel").
+                               It needs a compute that draws no random numbers (dropout:
+                               refused, naming this setting); false: the replacement
+                               computes its share alone, as before
 ===================  ========  ==========================================================
 
 ``LETO_CONFIG=path.toml`` makes :meth:`Config.from_env` read that file first; the
@@ -158,6 +169,7 @@ BOUNDS: dict[str, Bound] = {
     "replica_check": Bound(lo=0, hi=1_000_000, integer=True, unit="steps"),
     "checkpoint_mtbf": Bound(lo=0, hi=10 * 365 * 86_400, integer=True, unit="seconds"),
     "batch_parts": Bound(lo=0, hi=MAX_RANKS, integer=True, unit="parts"),
+    "micro_batches": Bound(lo=1, hi=4_096, integer=True),
 }
 
 
@@ -300,6 +312,8 @@ class Config:
     checksum: str = attrs.field(default="auto", validator=_v_checksum)
     batch_parts: int = attrs.field(default=0, validator=_v_count)
     keep_global_batch: bool = attrs.field(default=False, validator=_v_bool)
+    micro_batches: int = attrs.field(default=1, validator=_v_positive)
+    parallel_replay: bool = attrs.field(default=True, validator=_v_bool)
 
     def __attrs_post_init__(self) -> None:
         n = self.nodes * self.ranks_per_node
@@ -314,6 +328,12 @@ class Config:
                 "topology",
                 f"{self.nodes} nodes x {self.ranks_per_node} ranks per node = {n} ranks, "
                 f"but the world size is {self.world_size}",
+            )
+        if self.micro_batches > 1 and self.backend == "fake":
+            raise ConfigError(
+                "micro_batches",
+                f"{self.micro_batches} micro-batches: the step function's micro-batches run on "
+                "the gloo and nccl backends; on fake, accumulate inside step_fn",
             )
         if self.tier2_parity > 1 and self.tier2_parity >= self.nodes:
             raise ConfigError(

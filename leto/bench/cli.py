@@ -6,7 +6,7 @@
     leto bench overhead [--params 1M] [--batch 16384] [--rounds 5] [--json]
     leto bench overhead --batches 1024,4096,16384 [--rounds 3] [--json]   # against step time
     leto bench goodput  [--params 1M] [--batch 16384] [--budget 240] [--mtbf 30] [--rounds 3] [--json]
-    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--layers 4] [--no-tier2] [--fail-at forward] [--json]
+    leto bench scaling  [--sizes 1M,4M,16M] [--repeats 3] [--layers 4] [--no-tier2] [--fail-at forward] [--accum 1] [--json]
     leto bench control  [--ranks 1024] [--chunks 4096] [--per-node 8] [--json]
     leto bench tier2    [--nodes 4] [--mib 64] [--parities 2] [--rounds 5] [--json]
 
@@ -19,7 +19,9 @@ where ``import torchft`` works), ``nvre`` (nvidia-resiliency-ext's in-process re
 the wrapped training function restarted in each surviving process, a reserve process
 in the dead rank's place; likewise recovery and scaling only, where it imports, with
 at most 8 recoveries), ``leto`` (in place, through ``leto launch`` on the
-gloo backend). Each
+gloo backend), ``leto-serial`` (not in the default list: leto with ``parallel_replay =
+false``, beside ``leto`` with ``--accum K``, whose steps are K micro-batches: the step in
+flight's lost share computed by its replacement alone, against by every rank). Each
 benchmark prints a table, and writes its JSON and a PNG plot to ``--out``
 (default ``bench-results``); ``--json`` prints the JSON instead of the table.
 Bad input (an unknown system, a non-positive MTBF or budget, a model too large
@@ -68,10 +70,11 @@ MAX_LAYERS = 256
 
 __all__ = ["configure", "run"]
 
-SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto")
+SYSTEMS = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto-serial", "leto")
+# not in the default list: leto with parallel_replay = false, beside leto with --accum
 # the benchmarks torchft and nvre are measured by (goodput's failures come from a clock,
-# not steps)
-TORCHFT_BENCHES = ("recovery", "scaling")
+# not steps: torchft takes them as a signal, nvre's in-process restart has no such hook)
+BENCHES_OF = {"torchft": ("recovery", "scaling", "goodput"), "nvre": ("recovery", "scaling")}
 # the systems of other projects, each measured where it imports (else: why not)
 OPTIONAL = ("torchft", "nvre")
 
@@ -106,7 +109,8 @@ def _common(
             "--systems",
             default=None,
             help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all; torchft and "
-            "nvre where they are installed, for recovery and scaling)",
+            "nvre where they are installed: torchft for recovery, scaling and goodput, nvre for "
+            "recovery and scaling)",
         )
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
@@ -225,6 +229,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     _no_tier2(p)
     _fail_at(p)
+    p.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="leto's steps in this many micro-batches (micro_batches; default 1): a death "
+        "before the vote then has the lost share's micro-batches computed by every rank "
+        "(parallel_replay); --systems leto-serial,leto measures it without and with",
+    )
     _device(p)
     p = sub.add_parser(
         "control",
@@ -277,6 +289,7 @@ BOUNDS: dict[str, Bound] = {
     "steps": Bound(lo=2, hi=1000, integer=True),
     "nodes": Bound(lo=2, hi=64, integer=True, unit="nodes", why_hi="one process each"),
     "mib": Bound(lo=1 / 1024, hi=4096.0, unit="MiB", why_hi="memory of this machine"),
+    "accum": Bound(lo=1, hi=64, integer=True, unit="micro-batches"),
 }
 MAX_SIZES = 16
 
@@ -291,9 +304,9 @@ def _systems(text: str | None, bench: str, notes: list[str] | None = None) -> li
     measures them and they import (else left out, with one line saying why in
     ``notes``, printed once every argument was found good)."""
     if text is None:
-        names = [s for s in SYSTEMS if s not in OPTIONAL]
-        if bench in TORCHFT_BENCHES:
-            for name in OPTIONAL:
+        names = [s for s in SYSTEMS if s not in OPTIONAL and s != "leto-serial"]
+        for name in OPTIONAL:
+            if bench in BENCHES_OF[name]:
                 why = _why_not(name)
                 if why is None:
                     names.append(name)
@@ -308,9 +321,9 @@ def _systems(text: str | None, bench: str, notes: list[str] | None = None) -> li
             raise BenchError(f"unknown system {n!r} (choose from {', '.join(SYSTEMS)})")
     for name in OPTIONAL:
         if name in names:
-            if bench not in TORCHFT_BENCHES:
+            if bench not in BENCHES_OF[name]:
                 raise BenchError(
-                    f"--systems {name}: measured by {' and '.join(TORCHFT_BENCHES)} only"
+                    f"--systems {name}: measured by {', '.join(BENCHES_OF[name])} only"
                 )
             why = _why_not(name)
             if why is not None:
@@ -393,6 +406,8 @@ def _validate(args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
     if not wls:
         raise BenchError("--sizes names no model size")
     wls.sort(key=lambda w: w.params)
+    if getattr(args, "accum", 1) > min(w.batch for w in wls):
+        raise BenchError(f"--accum {args.accum}: more micro-batches than rows per rank")
     if args.bench == "scaling" and len({w.params for w in wls}) < 2:
         raise BenchError("--sizes must name at least two different model sizes to show growth")
     if getattr(args, "batches", None) is not None:
@@ -571,5 +586,6 @@ def _run(args: argparse.Namespace, wls: list[Workload], systems: list[str], prog
         progress=progress,
         tier2=not args.no_tier2,
         fail_at=args.fail_at,
+        accum=args.accum,
     )
     return res, report.scaling_table, plots.plot_scaling

@@ -27,7 +27,8 @@ process group configured: the checkpoint from a live peer starts to arrive),
 quorum's ``participants``) and ``discard`` (a step torchft did not commit: an
 error in the step's all-reduce, such as a peer's death).
 
-Failures come from the whole schedule (``plan["schedule"]``): failure ``i`` is this
+Failures come from the agent's ``SIGUSR1`` (``leto bench goodput``: at the next point
+after a forward pass), or from the whole schedule (``plan["schedule"]``): failure ``i`` is this
 process's if it names this rank and ``i`` is at least the number of failures the job
 had when this process started; it strikes at the first step at or after its step
 whose point (``forward`` or ``update``) this process reaches once the benchmark has
@@ -151,7 +152,8 @@ class FTTrainer(Trainer):
             self.opt.zero_grad(set_to_none=True)  # torchft: starts the step's quorum
             s = m.current_step() + 1  # a healing process's first batch is discarded anyway
             loss = self.loss(self.ddp, s)
-            if self.due(s, "forward"):
+            # its schedule's failure (recovery, scaling), or the agent's SIGUSR1 (goodput)
+            if self.due(s, "forward") or self.should_fail(s, "forward"):
                 self.die(s)
             loss.backward()  # the all-reduce waits for the quorum (and a heal's transfer)
             before = m.current_step()

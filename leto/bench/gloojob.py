@@ -68,6 +68,8 @@ class GlooJob:
         tier2_interval: int = 10,
         cpu_probe: tuple[int, int] | None = None,
         replica_check: int = 1,
+        micro_batches: int = 1,
+        parallel_replay: bool = True,
     ) -> None:
         if wl.world % nodes:
             nodes = 1
@@ -85,6 +87,8 @@ class GlooJob:
             "tier2": tier2,
             "tier2_interval": tier2_interval,
             "replica_check": replica_check,
+            "micro_batches": micro_batches,
+            "parallel_replay": parallel_replay,
             "cpu_probe": list(cpu_probe) if cpu_probe else None,
         }
         # failures after the vote: crashes of leto's own plan, the COMMIT received
@@ -287,6 +291,13 @@ def leto_breakdown(events: list[dict[str, Any]], stamp: dict[str, Any]) -> dict[
                 for e in events
                 if e["event"] == "compute_kept" and e["step"] == f and end["t"] <= e["t"]
             ),
+            # who computed which micro-batches of the lost share (the parallel replay,
+            # leto.core.replay): rank -> micro-batches; empty without it
+            "replayed": {
+                str(e["rank"]): e["micro_batches"]
+                for e in events
+                if e["event"] == "replayed" and e["step"] == f and end["t"] <= e["t"]
+            },
         },
     }
 

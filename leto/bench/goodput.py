@@ -13,14 +13,19 @@ trainers, under ``leto launch``, read the schedule themselves
 
 The checkpointing baselines checkpoint at the Young/Daly interval for the MTBF and
 the save cost they measure in the job; ``gemini`` snapshots every step; ``leto``
-runs with every tier on.
+runs with every tier on; ``torchft`` (:mod:`leto.bench.ftjob`: one replica group per
+rank, the lighthouse as torchft's README sets it) gets each failure as ``SIGUSR1``
+too, its dead group restarted and healed from a live peer while the other groups
+train on.
 
 ETTR = productive time / budget, where productive time is the training progress
 at the end of the budget (steps the model keeps: work lost to a restart does not
 count) times the failure-free step time of plain DDP on this workload, measured
 in short plain jobs before and after each system (their mean). A system's own
 per-step cost (checkpoint stalls, snapshots, leto's transactions and parity)
-therefore lowers its ETTR.
+therefore lowers its ETTR. torchft's progress counts each committed step by the
+share of the global batch it trained: a step its quorum committed with ``p`` of the
+``W`` groups counts ``p / W`` (the throughput the job loses while a group heals).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .agent import Job
@@ -36,7 +41,7 @@ from .interval import checkpoint_interval_steps
 from .recovery import CAL_SAVES, ORDER
 from .workload import BenchError, Workload
 
-__all__ = ["failure_times", "plain_step_time", "run_goodput"]
+__all__ = ["failure_times", "plain_step_time", "run_goodput", "run_torchft", "torchft_work"]
 
 _TIMEOUT_S = 300.0
 _REF_STEPS = 20
@@ -62,6 +67,36 @@ def plain_step_time(wl: Workload) -> float:
     from .overhead import _plain
 
     return _plain(wl, 3, _REF_STEPS)[0]
+
+
+def _drive(
+    job: Job,
+    system: str,
+    t0: float,
+    budget_s: float,
+    schedule: list[dict[str, Any]],
+    progress: Any,
+    each: Callable[[], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``job`` until the budget is spent, signalling each scheduled failure once the
+    one before it was recovered (``each`` after every slice of running); the failures
+    signalled, with their times."""
+    injected: list[dict[str, Any]] = []
+    nxt = 0
+    last_tick = 0
+    while (now := time.monotonic()) < t0 + budget_s:
+        busy = len(job.failures) < len(injected) or not job.recovered()
+        if nxt < len(schedule) and now - t0 >= schedule[nxt]["t"] and not busy:
+            if job.signal_failure(schedule[nxt]["rank"]):
+                injected.append({**schedule[nxt], "t_signal": now - t0})
+                nxt += 1
+        job.run_for(min(0.05, t0 + budget_s - now))
+        if each is not None:
+            each()
+        if progress is not None and int(now - t0) // 10 > last_tick:
+            last_tick = int(now - t0) // 10
+            progress(system, now - t0)
+    return injected
 
 
 def run_system(
@@ -99,22 +134,13 @@ def run_system(
         t0 = time.monotonic()
         step0 = job.progress() or _CAL_STEPS
         samples: list[tuple[float, int]] = [(0.0, 0)]
-        injected: list[dict[str, Any]] = []
-        nxt = 0
-        last_tick = 0
-        while (now := time.monotonic()) < t0 + budget_s:
-            busy = len(job.failures) < len(injected) or not job.recovered()
-            if nxt < len(schedule) and now - t0 >= schedule[nxt]["t"] and not busy:
-                if job.signal_failure(schedule[nxt]["rank"]):
-                    injected.append({**schedule[nxt], "t_signal": now - t0})
-                    nxt += 1
-            job.run_for(min(0.05, t0 + budget_s - now))
+
+        def sample() -> None:
             p = job.progress()
             if p is not None and p - step0 != samples[-1][1]:
                 samples.append((time.monotonic() - t0, p - step0))
-            if progress is not None and int(now - t0) // 10 > last_tick:
-                last_tick = int(now - t0) // 10
-                progress(system, now - t0)
+
+        injected = _drive(job, system, t0, budget_s, schedule, progress, sample)
         end = job.progress()
         if end is None:  # a restart is under way: its progress is what it reloads
             job.pump(lambda: job.progress() is not None, _TIMEOUT_S, "the restart point")
@@ -131,6 +157,65 @@ def run_system(
         "failure_times_s": fail_t,
         "injected": injected,
         "timeline": samples + [(budget_s, steps)],
+    }
+
+
+def torchft_work(events: list[dict[str, Any]], world: int) -> list[tuple[float, int, float]]:
+    """torchft's committed steps in order: (time, step, work), ``work`` the share of the
+    global batch the step trained (its quorum's groups over the job's ``world``), each
+    step once (every group of its quorum reports it; the first report's time)."""
+    out: dict[int, tuple[float, float]] = {}
+    for e in events:
+        if e["ev"] == "step" and e["step"] not in out:
+            out[e["step"]] = (e["t"], e["participants"] / world)
+    return [(t, s, w) for s, (t, w) in sorted(out.items())]
+
+
+def run_torchft(
+    wl: Workload, *, budget_s: float, schedule: list[dict[str, Any]], progress: Any = None
+) -> dict[str, Any]:
+    """torchft through the budget; its progress over time in full global batches."""
+    from . import ftjob
+
+    reason = ftjob.missing()
+    if reason is not None:
+        raise BenchError(reason)
+    lh = ftjob._Lighthouse(wl.world)
+    try:
+        with Job(
+            "torchft",
+            wl,
+            plan_for=lambda gen: {"schedule": []},
+            max_failures=len(schedule) + 1,
+            extra_spec=lh.spec(),
+        ) as job:
+            job.start()
+            job.pump(lambda: ftjob._full_steps(job) >= _CAL_STEPS, _TIMEOUT_S, "calibration")
+            step_s = ftjob._steady_step_s(job.events, wl.world)
+            t0 = time.monotonic()
+            injected = _drive(job, "torchft", t0, budget_s, schedule, progress)
+            fail_t = [f["t_detect"] - t0 for f in job.failures]
+            committed = torchft_work(job.events, wl.world)
+    finally:
+        lh.close()
+    # the agent stamps events with time.monotonic() (as t0 here)
+    done = [(t - t0, w) for t, _, w in committed if t0 < t <= t0 + budget_s]
+    timeline: list[tuple[float, float]] = [(0.0, 0.0)]
+    for t, w in done:
+        timeline.append((t, timeline[-1][1] + w))
+    work = timeline[-1][1]
+    return {
+        "steps": work,
+        "steps_committed": len(done),
+        "full_steps": sum(1 for _, w in done if w == 1.0),
+        "step_s": step_s,
+        "checkpoint_interval_steps": None,
+        "save_s": None,
+        "failures": len(fail_t),
+        "failure_times_s": fail_t,
+        "injected": injected,
+        "timeline": timeline + [(budget_s, work)],
+        "version": ftjob.version(),
     }
 
 
@@ -220,6 +305,8 @@ def run_goodput(
         for system in ordered[k:] + ordered[:k]:
             if system == "leto":
                 one = run_leto(wl, budget_s=budget_s, schedule=schedules[r], progress=tick)
+            elif system == "torchft":
+                one = run_torchft(wl, budget_s=budget_s, schedule=schedules[r], progress=tick)
             else:
                 one = run_system(
                     system,

@@ -5,8 +5,9 @@
 baselines train) through ``leto.wrap`` with ``backend = "gloo"``.
 
 Failures strike at the same point as in the baselines' workers
-(:mod:`leto.bench.worker`): after a rank's forward pass, before its backward (a
-failure ``"at": "update"`` is not this script's: :class:`leto.bench.gloojob.GlooJob`
+(:mod:`leto.bench.worker`): after a rank's forward pass, before its backward (with
+``micro_batches = k``, after the forward of micro-batch ``(k - 1) // 3``, the same third
+of the compute; a failure ``"at": "update"`` is not this script's: :class:`leto.bench.gloojob.GlooJob`
 plans it as a crash of leto's own fault plan, once the rank has the step's COMMIT). The step
 function does it: when its rank is due, it stamps the time (``time.time()``,
 the clock of leto's event log) in ``RUN_DIR/bench-failures.jsonl`` and SIGKILLs its
@@ -146,6 +147,8 @@ def main() -> None:
         tier2=spec.get("tier2", True),
         tier2_interval=spec.get("tier2_interval", 10),
         replica_check=spec.get("replica_check", 1),
+        micro_batches=spec.get("micro_batches", 1),
+        parallel_replay=spec.get("parallel_replay", True),
         device=wl.device,
     )
     worker_torch()
@@ -156,9 +159,19 @@ def main() -> None:
     faults = _Faults(spec, rank)
     probe = _CpuProbe(spec, rank)
 
+    k = cfg.micro_batches
+    # with micro-batches the death comes after the forward of micro-batch (k - 1) // 3,
+    # which ends a third into the share's compute (a forward ~1/3 of a forward and
+    # backward), where the death after the forward of a whole share comes without
+    calls: dict[int, int] = {}
+
     def step_fn(m: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(m(x[idx]), y[idx])
-        faults.check(sampler.step)
+        if k > 1:
+            loss = loss / k
+        n = calls[sampler.step] = calls.get(sampler.step, 0) + 1
+        if n - 1 == (k - 1) // 3:
+            faults.check(sampler.step)
         probe.at(sampler.step)
         return loss
 

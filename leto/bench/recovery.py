@@ -42,7 +42,10 @@ from .workload import BenchError, Workload
 
 __all__ = ["CAL_STEPS", "ORDER", "measure_leto", "measure_system", "run_recovery", "summarize"]
 
-ORDER = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto")
+ORDER = ("ckpt-disk", "ckpt-disk-async", "gemini", "torchft", "nvre", "leto-serial", "leto")
+# leto's job, the lost share of the step in flight computed by its replacement alone
+# (parallel_replay = false): beside "leto" with --accum, the parallel replay's gain
+LETO = ("leto", "leto-serial")
 CAL_STEPS = 5
 CAL_SAVES = 3
 _TIMEOUT_S = 300.0
@@ -160,13 +163,18 @@ def measure_leto(
     progress: Any = None,
     tier2: bool = True,
     fail_at: str = "forward",
+    accum: int = 1,
+    replay: bool = True,
 ) -> dict[str, Any]:
     """leto through ``leto launch``: the same failures, recovered in place (``tier2``:
-    with its tier-2 snapshot, leto's default)."""
+    with its tier-2 snapshot, leto's default; ``accum``: each rank's share of a step in
+    that many micro-batches, ``replay``: a lost share's micro-batches computed by every
+    rank, leto.core.replay)."""
+    job_kw: dict[str, Any] = {"tier2": tier2, "micro_batches": accum, "parallel_replay": replay}
     from .gloojob import GlooJob, leto_breakdown, step_time
 
     if schedule is None:  # no baseline ran: leto's own step time spaces the failures
-        with GlooJob(wl, steps=CAL_STEPS + 5, tier2=tier2) as cal_job:
+        with GlooJob(wl, steps=CAL_STEPS + 5, **job_kw) as cal_job:
             cal_job.start()
             cal_job.wait(lambda: bool(cal_job.seen("job_end")), _TIMEOUT_S, "calibration")
             step_s = step_time(cal_job.events, 2)
@@ -180,7 +188,7 @@ def measure_leto(
             at=fail_at,
         )
     last = schedule[-1]["step"]
-    with GlooJob(wl, steps=last, failures=schedule, tier2=tier2) as job:
+    with GlooJob(wl, steps=last, failures=schedule, **job_kw) as job:
         job.start()
         for j in range(len(schedule)):
             job.wait(lambda j=j: len(job.seen("recovery_end")) > j, _TIMEOUT_S, f"recovery {j + 1}")
@@ -196,7 +204,12 @@ def measure_leto(
         runs = [leto_breakdown(job.events, st) for st in stamps]
         step_s = step_time(job.events, 2, schedule[0]["step"] - 1)
     backend = f"leto launch, gloo, {job.nodes} nodes x {wl.world // job.nodes} ranks"
-    return {**without_checkpoints(step_s, runs, schedule, backend), "tier2": tier2}
+    return {
+        **without_checkpoints(step_s, runs, schedule, backend),
+        "tier2": tier2,
+        "accum": accum,
+        "parallel_replay": replay,
+    }
 
 
 def run_recovery(
@@ -209,10 +222,11 @@ def run_recovery(
     progress: bool = True,
     tier2: bool = True,
     fail_at: str = "forward",
+    accum: int = 1,
 ) -> dict[str, Any]:
     """The recovery benchmark's result (the JSON of ``leto bench recovery``); ``tier2``:
     leto's job keeps its tier-2 snapshot; ``fail_at``: where in its step a rank dies
-    (:mod:`leto.bench.interval`)."""
+    (:mod:`leto.bench.interval`); ``accum``: leto's steps in that many micro-batches."""
     check_fail_at(fail_at)  # before any job starts (the schedule comes after a calibration)
     from leto.sim.sweep import Progress
 
@@ -230,27 +244,28 @@ def run_recovery(
             "progress": bar,
             "fail_at": fail_at,
         }
-        if system == "leto":
-            res = measure_leto(wl, tier2=tier2, **common)
+        if system in LETO:
+            res = measure_leto(wl, tier2=tier2, accum=accum, replay=system == "leto", **common)
         elif system == "torchft":
             res = measure_torchft(wl, cal_steps=CAL_STEPS, **common)
         elif system == "nvre":
             res = measure_nvre(wl, cal_steps=CAL_STEPS, **common)
         else:
             res = measure_system(system, wl, mtbf_s=mtbf_s, **common)
-        if system in ("leto", "torchft", "nvre") and bar is not None:
+        if system in (*LETO, "torchft", "nvre") and bar is not None:
             bar.advance(f"{system} done")
         schedule = res["schedule"]
         res["phases"] = summarize(res["runs"])
         res["total_s"] = res["phases"]["total"]
         out[system] = res
-    baselines = {s: out[s]["total_s"] for s in out if s != "leto"}
+    baselines = {s: out[s]["total_s"] for s in out if s not in LETO}
     result: dict[str, Any] = {
         "benchmark": "recovery",
         "workload": {**wl.as_dict(), "params": wl.params, "label": wl.label},
         "mtbf_s": mtbf_s,
         "repeats": repeats,
         "fail_at": fail_at,
+        "accum": accum,
         "schedule": schedule,
         "systems": out,
         "elapsed_s": time.monotonic() - start,
@@ -293,6 +308,7 @@ def run_scaling(
     progress: bool = True,
     tier2: bool = True,
     fail_at: str = "forward",
+    accum: int = 1,
 ) -> dict[str, Any]:
     """The recovery benchmark at several model sizes (``leto bench scaling``)."""
     start = time.monotonic()
@@ -306,6 +322,7 @@ def run_scaling(
             progress=progress,
             tier2=tier2,
             fail_at=fail_at,
+            accum=accum,
         )
         for wl in workloads
     ]
@@ -323,6 +340,7 @@ def run_scaling(
             "ratio_vs_best_baseline": [r.get("ratio_vs_best_baseline") for r in results],
             "leto_tier2": tier2,
             "fail_at": fail_at,
+            "accum": accum,
             "results": results,
             "elapsed_s": time.monotonic() - start,
         }

@@ -47,6 +47,8 @@ def recovery_table(res: dict[str, Any]) -> str:
             note = "in-memory ckpt every step"
         elif name == "leto":
             note = "in place (leto launch, gloo)"
+        elif name == "leto-serial":
+            note = "in place, the lost share computed by its replacement alone"
         elif name == "torchft":
             frac = s["survivor_throughput"]["fraction_of_steady"]
             kept = f"{frac:.0%} of steady" if frac is not None else "unmeasured"
@@ -148,6 +150,11 @@ def goodput_table(res: dict[str, Any]) -> str:
         lines.append(
             f"{name:<16}{100 * s['ettr']:>7.1f}%{s['steps']:>8.0f}{s['failures']:>10.1f}"
             f"{s['step_s']:>11.3f}s{s['step_overhead_vs_plain_pct']:>+9.0f}%"
+        )
+    if "torchft" in res["systems"]:
+        lines.append(
+            "torchft's steps: each committed step counted by the share of the replica groups "
+            "in its quorum (a group healing trains nothing)"
         )
     if "gain_pp_vs_best_baseline" in res:
         rounds = res.get("rounds", 1)

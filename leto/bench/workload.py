@@ -155,7 +155,7 @@ class Workload:
             return W * (proc + replica + 24 * P)  # + the staged copy
         if system == "gemini":
             return W * (proc + replica + 12 * P + 48 * P)  # + 2 slots x (own + peer) in host memory
-        if system == "leto":
+        if system in ("leto", "leto-serial"):
             # leto launch (GlooJob: 2 nodes when the ranks split evenly): per rank a
             # trainer and a warm shadow (forks of a zygote that imported torch); the
             # retained state in its keeper (16 B/param, + one chunk's undo copy); the

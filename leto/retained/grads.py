@@ -77,6 +77,16 @@ class GradBuffer:
 
         return hook
 
+    def set_present(self, present: Sequence[bool]) -> None:
+        """Which parameters have a gradient, known from elsewhere (the gradients were
+        written into the buffer by another hand: FSDP2's reduce-scatter into its
+        regions): a present one's ``.grad`` is its view, an absent one's None."""
+        if len(present) != len(self._params):
+            raise LayoutError(f"present mask has {len(present)} entries, want {len(self._params)}")
+        for i, (p, has) in enumerate(zip(self._params, present, strict=True)):
+            p.grad = self.view(i) if has else None
+            self._flags[i] = bool(has)
+
     def adopt(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Copy in the gradients the parameters had before they were bound (present)."""
         with torch.no_grad():

@@ -216,3 +216,40 @@ def retain(
         checksum_algorithm=checksum_algorithm,
     )
     return to_retained(optimizer, layout, alloc=alloc, adopt=not attach, verify=verify)
+
+
+def chunked_for_pieces(optimizer: torch.optim.Optimizer, *, attach: bool, what: str) -> Any:
+    """The chunked class that steps pieces of ``optimizer``'s parameters (each rank its
+    own: the ZeRO shards, FSDP2's), or :class:`UnsupportedOptimizerError` naming
+    ``what`` (another optimizer's step is not elementwise, or not known to be; one with
+    state already, unless ``attach``)."""
+    cls = _chunked_class(optimizer)
+    if cls is None:
+        raise UnsupportedOptimizerError(
+            f"{what}: {type(optimizer).__name__} has no chunked step; a rank steps its "
+            "pieces of the parameters alone, which needs SGD, Adam or AdamW"
+        )
+    if optimizer.state and not attach:
+        raise UnsupportedOptimizerError(
+            f"{what}: the optimizer already has state; wrap it before its first step"
+        )
+    return cls
+
+
+def step_pieces(
+    cls: Any,
+    optimizer: torch.optim.Optimizer,
+    layout: RetainedLayout,
+    groups: list[dict[str, Any]],
+    *,
+    verify: bool,
+) -> RetainedOptimizer:
+    """The chunked optimizer over ``layout``'s pieces in ``groups`` (the user's groups'
+    hyper-parameters, each with its parameters' pieces); ``optimizer.param_groups``
+    becomes its, so a scheduler bound to ``optimizer`` drives the LR."""
+    defaults = dict(optimizer.defaults)
+    if cls.__name__ == "ChunkedAdamW":
+        defaults.pop("decoupled_weight_decay", None)
+    new: RetainedOptimizer = cls(layout, groups, verify=verify, **defaults)
+    optimizer.param_groups = new.param_groups
+    return new

@@ -44,10 +44,10 @@ from .layout import Allocator, LayoutError, RetainedLayout
 from .layout_meta import plan
 from .optim import (
     RetainedOptimizer,
-    UnsupportedOptimizerError,
-    _chunked_class,
     bind_layout,
+    chunked_for_pieces,
     required_states,
+    step_pieces,
 )
 from .views import bind
 
@@ -249,16 +249,7 @@ def retain_shard(
     parameter's group, hyper-parameters shared): ``optimizer.param_groups`` is the
     retained optimizer's, so a scheduler bound to ``optimizer`` drives the LR.
     """
-    cls = _chunked_class(optimizer)
-    if cls is None:
-        raise UnsupportedOptimizerError(
-            f"shard = true: {type(optimizer).__name__} has no chunked step; a rank steps its "
-            "shard alone, which needs SGD, Adam or AdamW"
-        )
-    if optimizer.state and not attach:
-        raise UnsupportedOptimizerError(
-            "shard = true: the optimizer already has state; wrap it before its first step"
-        )
+    cls = chunked_for_pieces(optimizer, attach=attach, what="shard = true")
     named = list(model.named_parameters())
     if len(named) != len(plan.names) or any(
         n != m for (n, _), m in zip(named, plan.names, strict=True)
@@ -284,9 +275,4 @@ def retain_shard(
     for g in optimizer.param_groups:
         mine = [q for p in g["params"] for q in piece_of.get(by_param[id(p)], [])]
         groups.append({**g, "params": mine})
-    defaults = dict(optimizer.defaults)
-    if cls.__name__ == "ChunkedAdamW":
-        defaults.pop("decoupled_weight_decay", None)
-    new: RetainedOptimizer = cls(layout, groups, verify=verify, **defaults)
-    optimizer.param_groups = new.param_groups
-    return new
+    return step_pieces(cls, optimizer, layout, groups, verify=verify)

@@ -17,8 +17,7 @@ from leto.cli import main
     ("argv", "message"),
     [
         (["recovery", "--systems", "ckpt-disk,torchrun"], "unknown system 'torchrun'"),
-        (["goodput", "--systems", "torchft"], "--systems torchft: measured by recovery and"),
-        (["goodput", "--systems", "nvre"], "--systems nvre: measured by recovery and"),
+        (["goodput", "--systems", "nvre"], "--systems nvre: measured by recovery, scaling only"),
         (["goodput", "--systems", ""], "names no system"),
         (["goodput", "--mtbf", "0"], "--mtbf must be positive, got 0"),
         (["recovery", "--mtbf", "-5"], "--mtbf must be positive, got -5"),
@@ -35,6 +34,9 @@ from leto.cli import main
         (["scaling", "--sizes", "1M,1.0M"], "at least two different model sizes"),
         (["scaling", "--layers", "0"], "--layers 0: choose 1 to 256 hidden layers"),
         (["scaling", "--layers", "257"], "--layers 257: choose 1 to 256"),
+        (["scaling", "--sizes", "1M,2M", "--accum", "0"], "--accum must be at least 1"),
+        (["scaling", "--sizes", "1M,2M", "--accum", "65"], "--accum"),
+        (["scaling", "--sizes", "1M,2M", "--batch", "2", "--accum", "4"], "more micro-batches"),
         (["recovery", "--device", "tpu"], "--device 'tpu': choose cpu, cuda or cuda:N"),
         (["scaling", "--device", "cuda:x"], "--device 'cuda:x': choose cpu, cuda or cuda:N"),
     ]
@@ -94,9 +96,11 @@ def test_torchft_not_installed(
     assert code == 2 and err.count("\n") == 1 and "--world" in err, err
     monkeypatch.setattr(cli, "missing", lambda: None)
     monkeypatch.setattr(cli, "nvre_missing", lambda: None)
-    assert cli._systems(None, "recovery") == list(cli.SYSTEMS)
-    assert "torchft" not in cli._systems(None, "goodput")  # goodput does not measure it
-    assert "nvre" not in cli._systems(None, "goodput")
+    # every system but leto-serial, which is asked for by name (beside leto, with --accum)
+    assert cli._systems(None, "recovery") == [s for s in cli.SYSTEMS if s != "leto-serial"]
+    assert cli._systems("leto-serial,leto", "scaling") == ["leto-serial", "leto"]
+    assert "torchft" in cli._systems(None, "goodput")  # a signal strikes it on the clock
+    assert "nvre" not in cli._systems(None, "goodput")  # its restart has no such hook
     assert capsys.readouterr().err == ""
 
 

@@ -77,3 +77,16 @@ def test_one_round_has_no_interval(calls: list[Any]) -> None:
 def test_zero_rounds_is_refused() -> None:
     with pytest.raises(BenchError, match="at least one round"):
         goodput.run_goodput(["leto"], WL, budget_s=1.0, mtbf_s=1.0, rounds=0, progress=False)
+
+
+def test_torchft_work_counts_each_step_once_by_its_quorums_share() -> None:
+    ev = [
+        {"ev": "step", "step": 5, "t": 1.0, "participants": 4},
+        {"ev": "step", "step": 5, "t": 1.1, "participants": 4},  # another group's report
+        {"ev": "discard", "step": 6, "t": 1.5},
+        {"ev": "step", "step": 6, "t": 2.0, "participants": 3},  # a group healing
+        {"ev": "step", "step": 7, "t": 3.0, "participants": 3},
+        {"ev": "step", "step": 8, "t": 4.0, "participants": 4},
+    ]
+    got = goodput.torchft_work(ev, 4)
+    assert got == [(1.0, 5, 1.0), (2.0, 6, 0.75), (3.0, 7, 0.75), (4.0, 8, 1.0)]

@@ -118,6 +118,24 @@ def test_tiny_leto_goodput_run() -> None:
 
 
 @pytest.mark.slow
+def test_tiny_torchft_goodput_run_counts_the_batches_a_heal_costs() -> None:
+    from leto.bench.ftjob import missing
+    from leto.bench.goodput import run_torchft
+
+    if missing():
+        pytest.skip(str(missing()))
+    res = run_torchft(TINY, budget_s=12.0, schedule=[{"t": 1.0, "rank": 1}])
+    assert res["failures"] == 1 and len(res["injected"]) == 1
+    assert res["version"] == "0.2.0" and res["step_s"] > 0
+    # the dead group was restarted and healed while the others trained on: some steps
+    # were committed by fewer groups than the job has, each counting that share
+    assert res["steps_committed"] > res["full_steps"] > 0, res
+    assert res["full_steps"] <= res["steps"] < res["steps_committed"]
+    t = [row[0] for row in res["timeline"]]
+    assert t == sorted(t) and t[-1] == 12.0
+
+
+@pytest.mark.slow
 def test_tiny_overhead_run_measures_step_time_and_cpu() -> None:
     from leto.bench.overhead import DEFAULT_CONFIGS as CONFIGS
     from leto.bench.overhead import run_overhead

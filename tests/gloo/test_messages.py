@@ -60,6 +60,7 @@ GOOD: dict[str, Any] = {
     "node_gpar": [1, 1],
     "summary": {"chunks_rolled_back": 0},
     "digest": {"params": "ab"},
+    "memory": {"device": "cpu", "checksum": "xxh3", "staged": False},
     "error": "it broke",
     "restart": 1,
     "warm": True,
@@ -93,7 +94,8 @@ GOOD: dict[str, Any] = {
     "at_start": True,
     "nodes": 2,
     "shard": False,
-    "memory": {"device": "cpu"},
+    "owner": 1,
+    "micro_batches": [0, 3],
 }
 # for each field: a value its validator must refuse
 BAD: dict[str, Any] = {

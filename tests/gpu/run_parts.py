@@ -136,6 +136,8 @@ def main() -> int:
         "parts": parts,
         "not_yet_possible": [{"name": n, "why": w} for n, w in NOT_YET],
         "ok": all(p["ok"] for p in parts),
+        # what ran on a GPU at all: "ok" alone also holds where every CUDA test skipped
+        "gpu_tests_passed": sum(p["passed"] for p in parts) if info["cuda"] else 0,
         "seconds": round(time.monotonic() - t0, 2),
     }
     for n, w in NOT_YET:
@@ -145,6 +147,8 @@ def main() -> int:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "gpu_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(f"summary: {Path(out) / 'gpu_summary.json'}")
+    if not info["cuda"]:
+        print("nothing ran on a GPU: this machine has no CUDA (the CUDA parts skipped)")
     print(f"all parts ok: {summary['ok']} ({summary['seconds']} s)")
     return 0 if summary["ok"] else 1
 

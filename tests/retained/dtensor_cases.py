@@ -233,7 +233,8 @@ CASES = [
 ]
 
 
-def worker(rank: int, world: int, port: int, q: Any, cases: int = len(CASES)) -> None:
+def join(rank: int, world: int, port: int) -> None:
+    """A spawned rank joins the test's world (gloo on 127.0.0.1)."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -241,6 +242,35 @@ def worker(rank: int, world: int, port: int, q: Any, cases: int = len(CASES)) ->
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
     )
+
+
+def spawn_ranks(target: Callable[..., None], world: int = 4) -> dict[int, dict[str, Any]]:
+    """Run ``target(rank, world, port, queue)`` on ``world`` spawned processes; what each
+    put on the queue, by rank."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, q)) for r in range(world)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    try:
+        res: dict[int, dict[str, Any]] = dict(q.get(timeout=240) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    print(f"{world} ranks: {time.monotonic() - t0:.1f} s")
+    return res
+
+
+def worker(rank: int, world: int, port: int, q: Any, cases: int = len(CASES)) -> None:
+    join(rank, world, port)
     out: dict[str, Any] = {}
     meshes = {c: make_mesh(c) for c in ("fsdp", "hsdp", "2d")}
     for cfg, opt_name, mp in CASES[:cases]:

@@ -3,31 +3,13 @@ train bitwise as plain FSDP2: 4 processes over gloo on 127.0.0.1 (dtensor_cases.
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import pytest
-import torch.multiprocessing as mp
-from dtensor_cases import CASES, free_port, worker
+from dtensor_cases import spawn_ranks, worker
 
 
 @pytest.mark.slow
 def test_bound_shards_train_bitwise_as_plain_fsdp2_on_four_ranks() -> None:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, 4, port, q)) for r in range(4)]
-    t0 = time.monotonic()
-    for p in procs:
-        p.start()
-    try:
-        res: dict[int, dict[str, Any]] = dict(q.get(timeout=240) for _ in range(4))
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    print(f"4 ranks, {len(CASES)} cases: {time.monotonic() - t0:.1f} s")
+    res = spawn_ranks(worker)
     for tag in res[0]:
         if tag != "pipeline refused":  # padded shards covered in every case, on some rank
             assert any(res[k][tag]["uneven"] for k in res if isinstance(res[k][tag], dict)), tag

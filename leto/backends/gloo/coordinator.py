@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import attrs
+
 from leto.core import events as ev
 from leto.core import restart, world
 from leto.core.chunk import NONE
@@ -328,6 +330,12 @@ class Coordinator:
                 case M.Kept():
                     if self._current(msg.gen):
                         self.log.write("compute_kept", rank=msg.rank, step=msg.step)
+                case M.Replayed():
+                    if self._current(msg.gen):
+                        fields = {"rank", "step", "owner", "micro_batches"}
+                        self.log.write(
+                            "replayed", **attrs.asdict(msg, filter=lambda a, _v: a.name in fields)
+                        )
                 case M.Fenced():
                     self.driver.ack("fence", node, msg.gen)
                 case M.Promoted():

@@ -114,6 +114,9 @@ class Follower:
         # (every rank of the job has reported that end) renews the gradient parity
         self._reconciled: int | None = None
         self._beside = False  # following on a thread beside the compute (_follow)
+        # the generation of the last recovery this rank resumed from (the parallel
+        # replay's exchange follows each: transaction, replay.py)
+        self.resumed_gen: int | None = None
 
     def _follow(
         self, before_writes: Callable[[], None] | None = None, *, beside: bool = False
@@ -428,6 +431,7 @@ class Follower:
         self.session.stats["recoveries"] += 1
         self.session.layout.mark_suspect(False)  # every chunk was read or is left to PREPARE
         self.deferred = self.deferred_grads = None
+        self.resumed_gen = msg.gen
         self.session._log("resumed", step=step, generation=self.session.gen)
         self.session.ch.mark("idle", step)
 

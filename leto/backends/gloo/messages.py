@@ -440,6 +440,21 @@ class Kept(Message):
 
 
 @attrs.frozen
+class Replayed(Message):
+    """The rank computed micro-batches ``micro_batches`` of rank ``owner``'s share of
+    step ``step`` (the step in flight replayed in parallel after the recovery that ended
+    in generation ``gen``; :mod:`leto.core.replay`)."""
+
+    TAG = "replayed"
+    ROUTE = (T, A, C)
+    rank: int = _f(_nat)
+    step: int = _f(_nat)
+    gen: int = _f(_nat)
+    owner: int = _f(_nat)
+    micro_batches: list[int] = _f(_ints, attrs.Factory(list))
+
+
+@attrs.frozen
 class Report(Message):
     """A trainer's answer to :class:`CallReports`: the truth of its retained state
     (chunk versions, undo copies, sealed gradients, and from a node's first rank its
@@ -843,6 +858,7 @@ KINDS: tuple[type[Message], ...] = (
     CheckpointWritten,
     Stopped,
     Kept,
+    Replayed,
     Report,
     Reconciled,
     Rebuilt,

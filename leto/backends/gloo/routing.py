@@ -404,6 +404,7 @@ class Routing:
                 | M.CheckpointWritten()
                 | M.Stopped()
                 | M.Kept()
+                | M.Replayed()
                 | M.Report()
                 | M.Reconciled()
                 | M.Rebuilt()

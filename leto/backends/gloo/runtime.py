@@ -217,6 +217,7 @@ class GlooSession:
             "steps_run": 0,
             "recoveries": 0,
             "computes_kept": 0,  # a compute paused by a recovery and not run again
+            "micro_batches_replayed": 0,  # of another rank's lost share, or its own
             "chunks_repaired_from_parity": 0,
             "grad_blocks_repaired_from_parity": 0,
             "chunks_copied_from_replicas": 0,

@@ -488,7 +488,10 @@ class UserLoop:
         from a float32 master (its gradients are float32, in retained memory). Any use of
         it stops the job with one line naming what to call instead (:class:`_RefusedGrad`)."""
         _RefusedGrad.fatal = self.session._fatal
-        return torch.Tensor._make_subclass(cls, torch.zeros((), dtype=p.dtype).expand(p.shape))
+        # on the parameter's device: torch refuses a .grad on another device ("attempting
+        # to assign a gradient with device type 'cpu' to a tensor with device type 'cuda'")
+        zero = torch.zeros((), dtype=p.dtype, device=p.device)
+        return torch.Tensor._make_subclass(cls, zero.expand(p.shape))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the reduced gradients of this step by their global norm (torch's
@@ -505,7 +508,7 @@ class UserLoop:
             )
         if session.full is None and not session.layout.derived:
             return torch.nn.utils.clip_grad_norm_(self._params(), max_norm, norm_type)
-        out = torch.zeros(())
+        out = torch.zeros((), device=session.layout.device)  # the norm where torch's is
         sharded = session.full is not None
 
         def clip() -> None:

@@ -45,6 +45,7 @@ from torch import nn
 from leto.core import accumulation
 from leto.core.chunk import NONE
 from leto.core.reconcile import keeps_compute
+from leto.core.replay import ReplayPlan
 from leto.retained.alloc import settle
 from leto.retained.layout import RetainedLayout
 from leto.retained.optim import RetainedOptimizer
@@ -73,6 +74,7 @@ from .process_groups import ProcessGroups
 from .procs import Backseat
 from .rank_memory import RankMemory
 from .rank_state import RankState
+from .replay import Replayer, accumulate, micro, params_digest
 from .snapshots import Tier2Snapshots
 from .stops import StopPoints
 
@@ -206,6 +208,7 @@ class StepTransaction:
         # while a recovery runs beside it, the compute's thread yields the CPU to it
         self._backseat = Backseat()
         self._compute_tid = 0
+        self.replayer = Replayer()  # the step in flight replayed in parallel (replay.py)
 
     def run(self, step_fn: StepFn | None = None) -> float | None:
         """One step (every rank runs it); its loss on this rank, or None if interrupted."""
@@ -387,6 +390,75 @@ class StepTransaction:
             self._wait(rec)
             self._decide()
 
+    # ------------------------------------------------ the step in flight, replayed
+
+    def _forward_done(self) -> None:
+        self.session.fault_points.point("forward")
+        self.session.ch.mark("backward")
+        self._phase = "backward"
+
+    def _replays(self) -> bool:
+        """The parallel replay applies to this job's steps (replay.py): micro-batches of
+        the step function, the setting on, the model's parameters whole on every rank
+        and no persistent buffers (a replayed forward would write a survivor's)."""
+        cfg = self.session.cfg
+        return (
+            cfg.micro_batches > 1
+            and cfg.parallel_replay
+            and self.session.full is None
+            and not self._buffers
+        )
+
+    def _exchange(self, *, fresh: bool) -> ReplayPlan | None:
+        session = self.session
+        resumed = session.follower.resumed_gen
+        assert resumed is not None
+        session.ch.mark("allreduce")  # a collective: the rank waits for the slowest
+        digest = params_digest(session.layout.records.stored_checksum_list())
+        return self.replayer.exchange(
+            resumed,
+            fresh,
+            digest,
+            session.W,
+            session.cfg.micro_batches,
+            lambda: session.ch.aborted_since(session.gen),
+        )
+
+    def _replay(self, plan: ReplayPlan, V: int, share: Any) -> torch.Tensor | None:
+        """This rank's micro-batches of ``plan.owner``'s share of step ``V``, computed
+        and gathered at the owner; the owner's ``.grad`` then their sum in order, and its
+        loss returned (None on the other ranks)."""
+        session = self.session
+        lay = session.layout
+        r = session.rank
+        assert session.step_fn is not None
+        offsets = [(sl.offset, sl.numel) for sl in lay.slots]
+        width = lay.numel + len(lay.params) + 1
+        mine = plan.of(r)
+        session.ch.mark("backward")
+        rows = self.replayer.compute(
+            plan,
+            r,
+            session.model,
+            lay.params,
+            session.step_fn,
+            micro(share, plan.micro_batches),
+            width,
+            lay.dtype,
+            offsets,
+        )
+        session.ch.mark("allreduce")
+        aborted = lambda: session.ch.aborted_since(session.gen)  # noqa: E731
+        gathered = self.replayer.gather(plan, r, rows, aborted)
+        session.stats["micro_batches_replayed"] += len(mine)
+        session.ch.send(
+            M.Replayed(rank=r, step=V, gen=session.gen, owner=plan.owner, micro_batches=list(mine))
+        )
+        session._log("replayed", step=V, owner=plan.owner, micro_batches=list(mine))
+        if gathered is None:
+            return None
+        return self.replayer.add_in_order(plan, gathered, lay.params, offsets)
+
     def _end_compute(self) -> _Beside | None:
         """Step 1 is over: no recovery starts beside it now; the one that runs, if any."""
         with self._lock:
@@ -411,25 +483,43 @@ class StepTransaction:
         # this rank's parts of the global batch (one, but where a shrunk world keeps the
         # global batch by accumulation: leto.core.accumulation), and the gradients' divisor
         cut = accumulation.plan(r, W, session.cfg.batch_parts, session.cfg.keep_global_batch)
-        batch = session.cursor.batch(V)
+        whole = session.cursor.batch(V)
+        batch = shard(whole, cut.parts[0], cut.cut)  # this rank's share (its first part)
         assert session.rng is not None
         restore_rng(session.rng)
         for prm in session.model.parameters():
             prm.grad = None
         assert session.step_fn is not None
         self._phase = "forward"
-        with self._compute():  # a recovery runs beside it; it stops at a layer if it must
-            losses = []
-            for i, part in enumerate(cut.parts):
-                part_loss = session.step_fn(session.model, shard(batch, part, cut.cut))
-                if i == 0:
-                    point("forward")
-                    session.ch.mark("backward")
-                    self._phase = "backward"
-                part_loss.backward()  # gradients accumulate over the parts
-                losses.append(part_loss.detach())
-            loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-        point("backward")
+        k = session.cfg.micro_batches
+        # the parallel replay of a lost share: one part per rank (batch_parts 0)
+        replay = self._replays() and len(cut.parts) == 1 and cut.cut == W
+        rplan = None
+        if replay and self.replayer.due(session.follower.resumed_gen):
+            rplan = self._exchange(fresh=True)  # this rank computes its share afresh
+        if rplan is not None:  # its share's micro-batches, computed by every rank
+            summed = self._replay(rplan, V, batch)
+            assert summed is not None  # (the owner's)
+            loss = summed
+        else:
+            with self._compute():  # a recovery runs beside it; it stops at a layer if it must
+                if k == 1 and len(cut.parts) == 1:
+                    loss = session.step_fn(session.model, batch)
+                    self._forward_done()
+                    loss.backward()
+                else:  # micro-batches, of each part (several: a shrunk world accumulates)
+                    loss = accumulate(
+                        session.model,
+                        session.step_fn,
+                        [mb for p in cut.parts for mb in micro(shard(whole, p, cut.cut), k)],
+                        check_rng=replay,
+                        after_forward=lambda i: self._forward_done() if i == 0 else None,
+                    )
+            point("backward")
+            if replay and self.replayer.due(session.follower.resumed_gen):
+                rplan = self._exchange(fresh=False)  # a recovery kept this compute
+                if rplan is not None:  # another rank's share: this rank computes some of it
+                    self._replay(rplan, V, shard(session.cursor.batch(V), rplan.owner, W))
         div = cut.divisor  # the mean over the parts the world trained on
         rng_after = capture_rng()
         # one buffer: the gradients, then a presence flag per parameter (small integers,
