@@ -140,6 +140,13 @@ def test_below_min_without_a_checkpoint_or_with_sharded_state_the_job_stops_in_o
         err = h.c.failed
         assert err is not None and why in err and "\n" not in err, err
         assert h.c.restart is None and not h.events("world_shrink")
+    h = Harness(nodes=2, per_node=1, spare_timeout=5.0, nodes_range=(1, 2), checkpoint=True)
+    h.c.info["shard"] = True  # as the ranks' ready messages say with shard = true
+    h.step(1)
+    h.c.node_down(1, h.now)
+    h.c.tick(h.now + 6.0)
+    assert h.c.restart is None and h.c.failed is not None
+    assert "--nnodes 1:2 does not shrink sharded state (shard = true)" in h.c.failed
     fixed = _lose_one(2, 0, 0, checkpoint=True)  # no --nnodes MIN:MAX: as before
     assert fixed.c.failed is not None and "--nnodes" not in fixed.c.failed
 
