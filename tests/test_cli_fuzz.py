@@ -544,6 +544,18 @@ _zero_ok = {
 }
 
 
+# the config's true/false settings
+BOOL_KEYS = (
+    "tier1",
+    "tier2",
+    "verify_chunks",
+    "master_weights",
+    "shard",
+    "parallel_replay",
+    "checkpoint_async",
+)
+
+
 def bad_setting(key: str) -> st.SearchStrategy[Any]:
     """Values of the config key ``key`` that a Config must refuse (the other keys at
     their defaults: the fake backend, one rank)."""

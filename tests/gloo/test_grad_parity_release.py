@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from leto.backends.gloo import follow
 from leto.backends.gloo import messages as M
@@ -56,6 +57,7 @@ class _Layout:
     n_chunks = 1
     prepared_step = STEP  # its gradients of STEP, sealed
     records = _Records()
+    device = torch.device("cpu")
 
     def clear_prepared(self) -> None:
         self.prepared_step = -1
@@ -78,7 +80,7 @@ def _first_rank(blocks: list[ParityBlock], sent: list[Any]) -> follow.Follower:
         gparity=blocks[1],
         layout=_Layout(),
         ropt=None,
-        groups=SimpleNamespace(init=nothing, node_group=None),
+        groups=SimpleNamespace(init=nothing, node_group=None, parity=lambda group: None),
         ch=SimpleNamespace(mark=nothing, send=sent.append),
         ps=SimpleNamespace(prefetch=nothing, send=nothing),
         memory=SimpleNamespace(status_lost=nothing, gather_params=nothing),
@@ -130,7 +132,6 @@ def test_the_gradient_parity_waits_for_every_release(
     f = _first_rank(blocks, sent)
     # the node's collectives: rank 1 passed the gather of checksums, then is held (and
     # killed) before its settle releases its gradients
-    monkeypatch.setattr(follow, "TorchDistCollective", lambda group: None)
     monkeypatch.setattr(f, "_node_checksums", lambda: [[7, 7]])
     monkeypatch.setattr(rx, "check_resumable", lambda *a, **k: None)
     lay = f.session.layout

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from torch.distributed import DistNetworkError
+
 from . import auth
 from . import messages as M
 from .commit_record import EtcdRecord, RecordError
@@ -213,6 +215,8 @@ class ControlPlane:
             return int(a.store.add(key, 1)) == 1
         except StoreError as e:
             raise LaunchError(f"cannot claim the fault {fault}: {e}") from None
+        except DistNetworkError:  # the coordinator's TCPStore went with its agent's link
+            raise LaunchError(f"lost the coordinator (node {a.leader_node}'s agent)") from None
 
     def fired(self, fault: str) -> bool:
         """Has the plan's fault ``fault`` been claimed in this job (a restart marks it
@@ -225,6 +229,8 @@ class ControlPlane:
             return a.store is not None and int(a.store.add(key, 0)) > 0
         except StoreError as e:
             raise LaunchError(f"cannot read the fault {fault}'s claim: {e}") from None
+        except DistNetworkError:  # the coordinator's TCPStore went with its agent's link
+            raise LaunchError(f"lost the coordinator (node {a.leader_node}'s agent)") from None
 
     def coordinator_lost(self) -> None:
         """This agent's link to the coordinator closed while the job runs. With etcd

@@ -316,7 +316,7 @@ class Coordinator:
                 case M.NodeFinished():
                     self.finished_nodes.add(node)
                 case M.Started():
-                    self._on_started(node, msg)
+                    started(self.log, self.driver.pids, node, msg)
                 case M.Unprotected():
                     self.log.write("unprotected", rank=msg.rank, node=node, detail=msg.detail)
                 case M.Shadow():
@@ -734,20 +734,6 @@ class Coordinator:
 
     # --- shadows -----------------------------------------------------------------
 
-    def _on_started(self, node: int, msg: M.Started) -> None:
-        """A process of ``node`` started: its pid in the log (which process is rank 3's
-        trainer), and a trainer's kept for the promotion that replaces it."""
-        if msg.role == "trainer" and msg.rank is not None:
-            self.driver.pids[msg.rank] = msg.pid
-        fields = {"rank": msg.rank, "incarnation": msg.incarnation}
-        self.log.write(
-            "process_started",
-            role=msg.role,
-            pid=msg.pid,
-            node=node,
-            **{k: v for k, v in fields.items() if v is not None},
-        )
-
     def _on_shadow(self, msg: M.Shadow) -> None:
         r, st = msg.rank, msg.state
         self.log.write("shadow", rank=r, state=st, reason=msg.reason or "")
@@ -772,3 +758,18 @@ class Coordinator:
             "failed": self.failed,
             "complete": self.complete,
         }
+
+
+def started(log: Any, pids: dict[int, int], node: int, msg: M.Started) -> None:
+    """A process of ``node`` started: its pid in the log (which process is rank 3's
+    trainer), and a trainer's kept in ``pids`` for the promotion that replaces it."""
+    if msg.role == "trainer" and msg.rank is not None:
+        pids[msg.rank] = msg.pid
+    fields = {"rank": msg.rank, "incarnation": msg.incarnation}
+    log.write(
+        "process_started",
+        role=msg.role,
+        pid=msg.pid,
+        node=node,
+        **{k: v for k, v in fields.items() if v is not None},
+    )
