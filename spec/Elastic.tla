@@ -19,9 +19,16 @@
 (* (they are renumbered densely); a grow appends the spare as the last     *)
 (* rank.  Both start a new generation (gen).                               *)
 (*                                                                         *)
+(* In place: a world change keeps every committed step.  The survivors go  *)
+(* on from their retained replicas (no process restart, no reload from a   *)
+(* disk checkpoint), so no step is trained twice: InPlace says the steps   *)
+(* trained (trained, every Train counted) are the schedule's steps.        *)
+(*                                                                         *)
 (* Mutant (one flag): "below_min" shrinks whatever the world left (caught  *)
 (* by InRange); "stale_grow" gives a grown spare the state of the job's    *)
-(* start instead of a member's replica (caught by Equivalence).            *)
+(* start instead of a member's replica (caught by Equivalence);          *)
+(* "from_disk" carries a shrink out as a restart of the job from its      *)
+(* latest disk checkpoint, one step behind (caught by InPlace).            *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets
 
@@ -32,10 +39,10 @@ CONSTANTS
     MaxStep,    \* steps trained
     MaxFaults,  \* nodes lost, at most
     MaxJoins,   \* spares joining the pool, at most
-    Mutant      \* "none", "below_min" or "stale_grow"
+    Mutant      \* "none", "below_min", "stale_grow" or "from_disk"
 
 ASSUME /\ 1 <= Min /\ Min <= Len(Start) /\ Len(Start) <= Max
-       /\ Mutant \in {"none", "below_min", "stale_grow"}
+       /\ Mutant \in {"none", "below_min", "stale_grow", "from_disk"}
 
 Range(f) == {f[i] : i \in DOMAIN f}
 
@@ -49,9 +56,10 @@ VARIABLES
     sched,   \* the world-size schedule of the job: sched[s] = world size of step s
     phase,   \* "RUNNING", "AWAITING" (a member lost), "STOPPED", "DONE"
     gen,     \* the generation: bumped by every world change
-    faults, joins
+    faults, joins,
+    trained  \* steps trained, a step trained again counted again
 
-vars == <<world, pool, up, lost, held, hist, sched, phase, gen, faults, joins>>
+vars == <<world, pool, up, lost, held, hist, sched, phase, gen, faults, joins, trained>>
 
 Init ==
     /\ world = Start
@@ -65,6 +73,7 @@ Init ==
     /\ gen = 0
     /\ faults = 0
     /\ joins = 0
+    /\ trained = 0
 
 \* One committed step (Leto.tla's transaction) with the world as it is.
 Train ==
@@ -73,6 +82,7 @@ Train ==
     /\ sched' = Append(sched, Len(world))
     /\ hist' = [n \in Nodes |-> IF n \in Range(world)
                                 THEN Append(hist[n], Len(world)) ELSE hist[n]]
+    /\ trained' = trained + 1
     /\ UNCHANGED <<world, pool, up, lost, held, phase, gen, faults, joins>>
 
 \* A member's node is lost (its agent, keepers and memory): its replica goes.
@@ -85,7 +95,7 @@ LoseNode(n) ==
     /\ held' = held \ {n}
     /\ phase' = "AWAITING"
     /\ faults' = faults + 1
-    /\ UNCHANGED <<world, pool, hist, sched, gen, joins>>
+    /\ UNCHANGED <<world, pool, hist, sched, gen, joins, trained>>
 
 \* A node that is down joins the pool: a new one, or a lost one repaired once
 \* the world no longer names it (a lost member keeps its rank until it is
@@ -97,7 +107,7 @@ SpareJoins(n) ==
     /\ up' = up \cup {n}
     /\ pool' = pool \cup {n}
     /\ joins' = joins + 1
-    /\ UNCHANGED <<world, lost, held, hist, sched, phase, gen, faults>>
+    /\ UNCHANGED <<world, lost, held, hist, sched, phase, gen, faults, trained>>
 
 Survivor == CHOOSE m \in Range(world) \ lost : TRUE
 
@@ -115,12 +125,14 @@ Replace(n, s) ==
     /\ hist' = [hist EXCEPT ![s] = hist[Survivor]]
     /\ phase' = IF lost' = {} THEN "RUNNING" ELSE "AWAITING"
     /\ gen' = gen + 1
-    /\ UNCHANGED <<up, sched, faults, joins>>
+    /\ UNCHANGED <<up, sched, faults, joins, trained>>
 
 Kept(n) == n \notin lost
 
 \* The spare timeout passed with the pool empty and at least Min members left:
-\* the job goes on without the lost members, the others renumbered densely.
+\* the job goes on without the lost members, the others renumbered densely, in
+\* place: their replicas and the schedule are kept.
+Behind(q) == SubSeq(q, 1, IF Len(q) > 0 THEN Len(q) - 1 ELSE 0)
 Shrink ==
     /\ phase = "AWAITING"
     /\ pool = {}
@@ -129,7 +141,11 @@ Shrink ==
     /\ lost' = {}
     /\ phase' = "RUNNING"
     /\ gen' = gen + 1
-    /\ UNCHANGED <<pool, up, held, hist, sched, faults, joins>>
+    /\ IF Mutant = "from_disk"
+       THEN /\ sched' = Behind(sched)
+            /\ hist' = [n \in Nodes |-> IF n \in Range(world) THEN Behind(hist[n]) ELSE hist[n]]
+       ELSE UNCHANGED <<hist, sched>>
+    /\ UNCHANGED <<pool, up, held, faults, joins, trained>>
 
 \* The spare timeout passed with the pool empty and fewer than Min left, or no
 \* member is left to copy a replica from: the job stops in one line (or
@@ -140,7 +156,7 @@ Stop ==
     /\ Len(world) - Cardinality(lost) < Min
     /\ Mutant # "below_min"
     /\ phase' = "STOPPED"
-    /\ UNCHANGED <<world, pool, up, lost, held, hist, sched, gen, faults, joins>>
+    /\ UNCHANGED <<world, pool, up, lost, held, hist, sched, gen, faults, joins, trained>>
 
 \* A spare in the pool while the world is below Max: at the step boundary it
 \* joins as the last rank, its replica copied from a member's (broadcast).
@@ -153,13 +169,13 @@ Grow(s) ==
     /\ held' = held \cup {s}
     /\ hist' = [hist EXCEPT ![s] = IF Mutant = "stale_grow" THEN <<>> ELSE hist[world[1]]]
     /\ gen' = gen + 1
-    /\ UNCHANGED <<up, lost, sched, phase, faults, joins>>
+    /\ UNCHANGED <<up, lost, sched, phase, faults, joins, trained>>
 
 Finish ==
     /\ phase = "RUNNING"
     /\ Len(sched) = MaxStep
     /\ phase' = "DONE"
-    /\ UNCHANGED <<world, pool, up, lost, held, hist, sched, gen, faults, joins>>
+    /\ UNCHANGED <<world, pool, up, lost, held, hist, sched, gen, faults, joins, trained>>
 
 \* The job has ended: nothing more happens (not a deadlock).
 Ended == phase \in {"DONE", "STOPPED"} /\ UNCHANGED vars
@@ -202,6 +218,9 @@ InRange ==
 \* Every live member's replica is the failure-free run of the same world-size
 \* schedule.
 Equivalence == \A n \in Range(world) \ lost : hist[n] = sched
+
+\* In place: no step was trained twice (a world change loses no committed step).
+InPlace == trained = Len(sched)
 
 \* A node lost with no spare is either replaced, shrunk away, or the job stops.
 Progress == phase = "AWAITING" ~> phase \in {"RUNNING", "STOPPED"}

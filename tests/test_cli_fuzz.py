@@ -534,8 +534,6 @@ _count_bad = {
 }
 
 
-BOOL_KEYS = ("tier1", "tier2", "verify_chunks", "master_weights", "shard", "checkpoint_async")
-BOOL_KEYS += ("keep_global_batch", "parallel_replay")
 _zero_ok = {
     "batch_parts": 1 << 20,
     "checkpoint_interval": 1_000_000,
@@ -553,6 +551,7 @@ BOOL_KEYS = (
     "shard",
     "parallel_replay",
     "checkpoint_async",
+    "keep_global_batch",
 )
 
 

@@ -64,6 +64,7 @@ GOOD: dict[str, Any] = {
     "error": "it broke",
     "restart": 1,
     "warm": True,
+    "grow": True,
     "ms": 12.5,
     "kind": "crash",
     "detected_by": "process exit (pidfd)",

@@ -836,6 +836,23 @@ class Resume(Message):
     t2: int | None = _f(_opt(_nat), None)
 
 
+@attrs.frozen
+class Reshape(Message):
+    """The world changes in place (:mod:`leto.core.reshape`): each trainer rolls to
+    ``step`` (the committed step), keeps its rank in a world of ``nodes`` nodes (nodes
+    lost or joined are the last ones: every other rank keeps its number), forms
+    generation ``gen``'s groups, re-encodes tier 2 over them and says ``ready`` again;
+    it keeps its process and its retained state. ``grow``: nodes joined last; their
+    ranks' state is copied from rank 0's (a live replica)."""
+
+    TAG = "reshape"
+    ROUTE = (C, A, T)
+    gen: int = _f(_nat)
+    step: int = _f(_nat)
+    nodes: int = _f(_nat)
+    grow: bool = _f(_bool, False)  # new nodes joined last: rank 0's state copied to them
+
+
 KINDS: tuple[type[Message], ...] = (
     Hello,
     Heartbeat,
@@ -893,6 +910,7 @@ KINDS: tuple[type[Message], ...] = (
     Reconcile,
     Rebuild,
     Resume,
+    Reshape,
 )
 TAGS: dict[str, type[Message]] = {k.TAG: k for k in KINDS}
 

@@ -351,6 +351,15 @@ class GlooSession:
             self.store.set(f"leto/{self.spec['job']}/first_step", str(start + 1))
         self.checkpoints.step_t0 = time.perf_counter()
         self.memory.status_lost(False)
+        self.ready(start, meta)
+
+    def resize(self, nodes: int) -> None:
+        """The world changed in place to ``nodes`` nodes (this rank keeps its number)."""
+        self.nnodes, self.W = nodes, nodes * self.nproc
+
+    def ready(self, start: int, meta: dict[str, Any] | None) -> None:
+        """Say this rank is ready to train from ``start`` (its tier-2 snapshot ``meta``):
+        at the job's start, and after an in-place change of the world (``reshape``)."""
         self.ch.send(
             M.Ready(
                 rank=self.rank,

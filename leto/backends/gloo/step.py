@@ -326,7 +326,7 @@ class UserLoop:
         session.ch.mark("forward", session.step)
         if self.per_rank:
             return batch
-        cut = self._cut()
+        cut = _cut(self.session)
         if len(cut.parts) > 1:
             raise ConfigError(
                 "keep_global_batch",
@@ -335,11 +335,6 @@ class UserLoop:
                 "in your own loop keep the per-rank batch (keep_global_batch = false)",
             )
         return shard(batch, cut.parts[0], cut.cut)
-
-    def _cut(self) -> accumulation.Plan:
-        """This rank's part of the global batch (leto.core.accumulation)."""
-        cfg, session = self.session.cfg, self.session
-        return accumulation.plan(session.rank, session.W, cfg.batch_parts, cfg.keep_global_batch)
 
     def _checkpoint(self) -> None:
         """The periodic checkpoint of the step just committed, if one is due."""
@@ -463,7 +458,7 @@ class UserLoop:
             self.old = as_bytes(lay.grad_buffer).clone()
         lay.clear_prepared()
         with torch.no_grad():  # the mean written straight into retained memory: one pass
-            torch.div(flat, self._cut().divisor, out=lay.grad_buffer)
+            torch.div(flat, _cut(self.session).divisor, out=lay.grad_buffer)
         lay.grads.mark_reduced(self.V)
         flags = buf[n:].tolist()
         if plan is None:
@@ -738,3 +733,10 @@ def scaler_update(st: dict[str, Any], skipped: bool) -> dict[str, Any]:
         tracker = 0
     out["_growth_tracker"] = tracker
     return out
+
+
+def _cut(session: Any) -> accumulation.Plan:
+    """``session``'s rank's part of the global batch (leto.core.accumulation)."""
+    return accumulation.plan(
+        session.rank, session.W, session.cfg.batch_parts, session.cfg.keep_global_batch
+    )

@@ -88,6 +88,8 @@ class SupervisedRouting(Protocol):
 
     def expire_unproven(self, now: float) -> None: ...
 
+    def assign_spares(self, now: float) -> None: ...
+
     def place(self, sid: int, n: int, now: float, *, start: bool = False) -> None: ...
 
     def send_go(self, node: int) -> None: ...
@@ -766,7 +768,8 @@ class Supervisor:
                 if (
                     a.coord.complete
                     and self.node_done()
-                    and a.coord.finished_nodes >= set(range(a.o.nnodes)) - {a.node}
+                    # the world's nodes now (a shrink in place dropped the lost ones)
+                    and a.coord.finished_nodes >= set(range(a.coord.topology.nodes)) - {a.node}
                 ):
                     a.stop = True
 
@@ -806,6 +809,8 @@ class Supervisor:
             a.routing.expire_unproven(now)
             a.control.settle_rejoin(now)
             a.coord.tick(now)
+            if a.coord.growing:  # a grow in place: the pool places its spare now
+                a.routing.assign_spares(now)
             if not a.started and self.elastic():
                 self.close_rendezvous(now)
             if not a.started and now - a.t_start > o.rdzv_timeout and self.elastic():

@@ -299,6 +299,7 @@ class StepTransaction:
         session = self.session
         return (
             keeps_compute(session.follower.plans, session.rank, self.in_progress - 1)
+            and not session.follower.world_changed
             and session.full is None
             and not self._buffers
         )
