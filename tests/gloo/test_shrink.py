@@ -285,15 +285,16 @@ def test_a_kill_at_a_random_instant_of_the_shrink_ends_bitwise_or_in_one_line(
     core decided the shrink: while it rolls, forms the new world or re-encodes, or once
     the new world trains. The job never hangs: a death before the new world's model
     starts ends the shrunk job in one line, which ``--max-restarts 1`` restarts from the
-    latest checkpoint on the nodes left; a death after it is recovered as any crash
-    (a cold shadow; ``--no-shadows``). Either way, bitwise the 2-then-1 run."""
+    latest checkpoint on the nodes left; a death after it is recovered as any crash, by
+    the rank's shadow (started for the 2-node world: promoted into the 1-node one).
+    Either way, bitwise the 2-then-1 run."""
     run = Path(tag) / "kill"
     delay = random.Random(seed).uniform(0.0, 0.4)
     box: list[Any] = []
     t = threading.Thread(target=lambda: box.append(job(
         run, nnodes=1, nproc=1, steps=STEPS, env={**_env(tag, "ckpt"), "STEP_SLEEP": "0.1"},
         faults=LOSS, respawn=False, spare_agents=1, timeout=150.0,
-        extra=[*ELASTIC, "--max-restarts", "1"],
+        extra=[*ELASTIC[:4], "--max-restarts", "1"],  # with shadows: one warmed for 2 nodes
     )), daemon=True)  # fmt: skip
     t.start()
     log, killed = run / "events.jsonl", None

@@ -783,13 +783,15 @@ class PromoteRank(Message):
 
 @attrs.frozen
 class Promote(Message):
-    """A shadow becomes its rank's trainer, with its keeper (it may be a new one)."""
+    """A shadow becomes its rank's trainer, with its keeper (it may be a new one), in a
+    world of ``nodes`` nodes (a world changed in place since the shadow started)."""
 
     TAG = "promote"
     ROUTE = (A, T)
     gen: int = _f(_nat)
     keeper_pid: int = _f(_nat)
     keeper_socket: str = _f(NAME)
+    nodes: int | None = _f(_opt(_nat), None)
 
 
 @attrs.frozen

@@ -352,6 +352,6 @@ def copy_replica(session: RepairHost, step: int, joins: bool) -> None:
         )
     rx.free_undo(lay)
     rx.unpack_into(lay, data)
-    rx.seal_checked(lay, step, meta["checksums"], "rank 0's replica", f"rank {session.rank}")
+    rx.seal_checked(lay, step, meta["checksums"], "replica of rank 0", f"rank {session.rank}")
     lay.clear_prepared()
     session.ps.load(meta["ps"])

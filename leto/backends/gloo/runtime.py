@@ -418,6 +418,8 @@ class GlooSession:
         self.gen = msg.gen
         self.keeper_pid = msg.keeper_pid
         self.role = "trainer"
+        if msg.nodes:  # the world now (changed in place since this shadow started)
+            self.resize(msg.nodes)
         set_title(f"trainer rank {self.rank}", str(self.spec.get("job", "")))
         # the keeper may have been replaced (its memory lost) since this shadow connected
         self.keeper.close()
