@@ -255,6 +255,15 @@ def test_a_spare_joining_a_world_below_max_grows_it_in_place_between_steps() -> 
     s = h.c.state
     assert s is not None and (s.gen, s.step, h.c.growing) == (gen, (1, 1, 1), {})
     assert replay(enumerate(h.log.records, 1)).divergence is None
+    late = Harness(nodes=2, per_node=1, nodes_range=(1, 3), checkpoint=True, spare_timeout=5.0)
+    late.step(1)
+    late.c.spares.joined("late")
+    late.c.tick(late.now + 1.0)  # the grow begins; its spare never starts its trainers
+    late.c.tick(late.now + 5.5)
+    assert late.c.failed is None
+    late.c.tick(late.now + 6.5)
+    err = late.c.failed
+    assert err is not None and "did not start its trainers within 5 s" in err and "\n" not in err
     full = Harness(nodes=3, per_node=1, nodes_range=(1, 3), checkpoint=True)
     full.step(1)
     full.c.spares.joined("late")

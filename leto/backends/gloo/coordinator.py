@@ -143,6 +143,7 @@ class Coordinator:
         # a grow in place awaiting its new node's trainers (node, step, gen), those up
         self.growing: dict[str, int] = {}
         self.joined: set[int] = set()
+        self.growing_since = 0.0
         self.complete = False
         self.losses: dict[int, float] = {}
         # all the model is fed, judged
@@ -402,6 +403,15 @@ class Coordinator:
 
     def tick(self, now: float) -> None:
         """Timers: a spare that does not come, a recovery stuck waiting."""
+        if (
+            self.failed is None
+            and self.growing
+            and now - self.growing_since > self.opt.spare_timeout
+        ):
+            self.fail(
+                f"the spare that was to grow the world to {self.topology.nodes} nodes in place "
+                f"did not start its trainers within {self.opt.spare_timeout:g} s (--spare-timeout)"
+            )
         if self.failed is not None or self.complete or self.model is None:
             return
         for node, since in list(self.nodes_lost_at.items()):
@@ -800,7 +810,7 @@ def grow_in_place(c: Coordinator, spare: int, now: float) -> None:
     )  # fmt: skip
     c.send(None, M.Abort(gen=s.gen + 1))
     _new_world(c, nodes + 1, gen)
-    c.growing = {"node": nodes, "step": step, "gen": gen}
+    c.growing, c.growing_since = {"node": nodes, "step": step, "gen": gen}, now
     c.joined.clear()
     c.nodes_lost_at[nodes] = now  # the pool places the spare there (routing.assign_spares)
 
