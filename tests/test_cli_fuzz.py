@@ -535,6 +535,7 @@ _count_bad = {
 
 
 _zero_ok = {
+    "batch_parts": 1 << 20,
     "checkpoint_interval": 1_000_000,
     "checkpoint_mtbf": 10 * 365 * 86_400,
     "replica_check": 1_000_000,
@@ -550,6 +551,7 @@ BOOL_KEYS = (
     "shard",
     "parallel_replay",
     "checkpoint_async",
+    "keep_global_batch",
 )
 
 

@@ -72,6 +72,16 @@ device               "auto"    where the retained state and the model live: ``cp
                                ``cuda`` or ``cuda:N`` (refused without CUDA); ``auto`` is
                                ``cuda`` with the nccl backend, else ``cpu``. On a GPU the
                                keepers hold GPU memory (docs/gpu.md); gloo and nccl only
+batch_parts          0         the parts a global batch is cut into, one per rank of the
+                               full world (``--nnodes MIN:MAX``: MAX nodes' ranks); 0: as
+                               many as the world has ranks, whatever it is (a shrunk world
+                               keeps the global batch, each rank's part larger). gloo only
+keep_global_batch    false     with batch_parts, when the world has fewer ranks than
+                               parts: true, each rank computes its parts in turn,
+                               accumulating their gradients (every part trained on);
+                               false, each rank computes its own part and the missing
+                               ranks' parts are skipped (the per-rank batch kept).
+                               docs/gloo.md, "Shrink and grow back"
 checksum             "auto"    the chunk checksum's algorithm: ``xxh3`` (host memory
                                only) or ``fletcher`` (torch ops, any device); ``auto`` is
                                xxh3 on ``cpu``, fletcher on a GPU
@@ -159,6 +169,7 @@ BOUNDS: dict[str, Bound] = {
     "checkpoint_interval": Bound(lo=0, hi=1_000_000, integer=True, unit="steps"),
     "replica_check": Bound(lo=0, hi=1_000_000, integer=True, unit="steps"),
     "checkpoint_mtbf": Bound(lo=0, hi=10 * 365 * 86_400, integer=True, unit="seconds"),
+    "batch_parts": Bound(lo=0, hi=MAX_RANKS, integer=True, unit="parts"),
     "micro_batches": Bound(lo=1, hi=4_096, integer=True),
 }
 
@@ -300,6 +311,8 @@ class Config:
     shard: bool = attrs.field(default=False, validator=_v_bool)
     device: str = attrs.field(default="auto", validator=_v_device)
     checksum: str = attrs.field(default="auto", validator=_v_checksum)
+    batch_parts: int = attrs.field(default=0, validator=_v_count)
+    keep_global_batch: bool = attrs.field(default=False, validator=_v_bool)
     micro_batches: int = attrs.field(default=1, validator=_v_positive)
     parallel_replay: bool = attrs.field(default=True, validator=_v_bool)
 
@@ -331,6 +344,8 @@ class Config:
             )
         if self.shard:
             self._check_shard()
+        if self.batch_parts or self.keep_global_batch:
+            self._check_batch_parts()
         self._check_device()
         if self.checkpoint_async:
             self._check_async()
@@ -381,6 +396,23 @@ class Config:
                 "checkpoint_async",
                 "asynchronous checkpoints of sharded state (shard = true) are not built: "
                 "set checkpoint_async = false",
+            )
+
+    def _check_batch_parts(self) -> None:
+        if self.backend not in PROCESS_BACKENDS:
+            raise ConfigError(
+                "batch_parts",
+                f"a world that shrinks and grows runs on the gloo backend only, not {self.backend!r}",
+            )
+        if self.shard:
+            raise ConfigError(
+                "batch_parts", "sharded state (shard = true) does not change its world"
+            )
+        if self.keep_global_batch and not self.batch_parts:
+            raise ConfigError(
+                "keep_global_batch",
+                "keeping the global batch by accumulation needs batch_parts (the parts of "
+                "the full world's global batch, one per rank of --nnodes MAX)",
             )
 
     def _check_shard(self) -> None:

@@ -2,10 +2,10 @@
 
 torchrun's elastic form: the job starts once ``MAX`` nodes have joined, or once at
 least ``MIN`` have and the rendezvous timeout has passed (fewer than ``MIN`` then: the
-job cannot start). The world it starts with is the job's from then on: leto's retained
-state, its parity groups and its bitwise guarantees are per world, so agents that join
-later wait in the spare pool, and a node lost with no spare to take its place goes to
-``--max-restarts`` (which restarts the same world). Pure: no IO, no clock (whether the
+job cannot start). The world it starts with changes only as :mod:`leto.core.world`
+decides (a shrink when a lost node has no replacement within the spare timeout, a
+grow-back when a spare joins a world below ``MAX``); agents that join a world at ``MAX``
+wait in the spare pool. Pure: no IO, no clock (whether the
 timeout passed comes in as an argument).
 """
 

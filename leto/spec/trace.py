@@ -68,6 +68,7 @@ import attrs
 
 from leto.core import effects as fx
 from leto.core import events as ev
+from leto.core import reshape
 from leto.core.adopt import Retained, adopt
 from leto.core.cluster import ClusterConfig, ClusterModel, ClusterState, Effect
 from leto.core.erasure import Topology
@@ -285,6 +286,10 @@ class CoreSetup:
     shadows: ShadowState = ShadowState.WARM  # every shadow at the start (gloo: spawning)
     tier2_parity: int = 1  # the core's ClusterConfig.tier2_parity
     start: int = 0  # > 0: a job resumed from the durable checkpoint of this step
+    # a world changed in place (leto.core.reshape): its generation, and the old world's
+    # durable checkpoint (None: a new job, or one resumed from its checkpoint at start)
+    gen: int = 0
+    ckpt: int | None = None
 
     def model(self) -> ClusterModel:
         return ClusterModel(
@@ -300,7 +305,10 @@ class CoreSetup:
         )
 
     def initial(self, model: ClusterModel) -> ClusterState:
-        s = model.initial(self.start)
+        if self.ckpt is None:
+            s = model.initial(self.start)
+        else:
+            s = reshape.in_place(model, self.start, self.gen, self.ckpt)
         if self.shadows is not ShadowState.WARM:
             s = attrs.evolve(s, shadow=(self.shadows,) * model.config.ranks)
         return s
@@ -314,6 +322,7 @@ class CoreSetup:
             "shadows": self.shadows.value,
             "tier2_parity": self.tier2_parity,
             "start": self.start,
+            **({"gen": self.gen, "ckpt": self.ckpt} if self.ckpt is not None else {}),
         }
 
     @classmethod
@@ -338,7 +347,12 @@ class CoreSetup:
         start = rec.get("start", 0)
         if not _nat(start):
             raise TraceError(f"start must be an int >= 0, got {start!r}")
-        return cls(tuple(nodes), chunks, k, tier1, shadows, m, start)
+        gen, ckpt = rec.get("gen", 0), rec.get("ckpt")
+        if not _nat(gen) or not (ckpt is None or (_nat(ckpt) and ckpt <= start)):
+            raise TraceError(
+                f"gen and ckpt must be ints >= 0, ckpt <= start, got {gen!r}, {ckpt!r}"
+            )
+        return cls(tuple(nodes), chunks, k, tier1, shadows, m, start, gen, ckpt)
 
 
 def _nat(v: Any) -> TypeGuard[int]:

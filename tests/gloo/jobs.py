@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ def job(
     spares: int = 0,
     rdzv: list[str] | None = None,
     spare_agents: int = 0,
+    late_spare: Callable[[Path], bool] | None = None,
 ) -> JobResult:
     e = {"TOPO": f"{nnodes}x{nproc}", "STEPS": str(steps), **(env or {})}
     res = run_local(
@@ -62,6 +64,7 @@ def job(
         spares=spares,
         rdzv=rdzv,
         spare_agents=spare_agents,
+        late_spare=late_spare,
     )
     assert not res.leftovers, f"processes left running after the job: {res.leftovers}"
     assert_trace(res.run_dir)

@@ -64,6 +64,7 @@ GOOD: dict[str, Any] = {
     "error": "it broke",
     "restart": 1,
     "warm": True,
+    "grow": True,
     "ms": 12.5,
     "kind": "crash",
     "detected_by": "process exit (pidfd)",
@@ -92,6 +93,8 @@ GOOD: dict[str, Any] = {
     "port": 29400,
     "nnodes": 2,
     "at_start": True,
+    "nodes": 2,
+    "shard": False,
     "owner": 1,
     "micro_batches": [0, 3],
 }

@@ -36,7 +36,7 @@ def _agent(*, recovering: bool) -> Any:
         recovering=recovering,
         generation=0,
         spawns={},
-        o=SimpleNamespace(shadows=True),
+        o=SimpleNamespace(shadows=True, nnodes=1),
         degraded={},
         complete=False,
         stop=False,

@@ -54,6 +54,7 @@ COMMANDS = (
     M.Reconcile,
     M.Rebuild,
     M.Resume,
+    M.Reshape,
     M.Complete,
     M.Fail,
     M.Abort,

@@ -40,7 +40,7 @@ from typing import Any
 import attrs
 
 from leto.core import events as ev
-from leto.core import restart
+from leto.core import reshape, restart, world
 from leto.core.chunk import NONE
 from leto.core.cluster import ClusterModel, ClusterState
 from leto.core.erasure import Topology
@@ -83,6 +83,9 @@ class CoordinatorOptions:
     # that many seconds is not taken back (0: never)
     exclude_after: int = 3
     exclude_window: float = 600.0
+    # --nnodes MIN:MAX (MIN < MAX): a lost node with no replacement within the spare
+    # timeout shrinks the world while MIN are left (leto.core.world); (0, 0): fixed world
+    nodes_range: tuple[int, int] = (0, 0)
 
 
 class Coordinator:
@@ -133,6 +136,14 @@ class Coordinator:
         self.finished_nodes: set[int] = set()
         self.failed: str | None = None
         self.restart: restart.Restart | None = None  # the core's decision, when failed
+        self.resize_to = 0  # the world's nodes after a change the core decided (0: none)
+        # the new world's generation and the old one's checkpoint (CoreSetup's gen, ckpt),
+        # while an in-place change of the world awaits the ready reports
+        self.reshaped_from: dict[str, int] = {}
+        # a grow in place awaiting its new node's trainers (node, step, gen), those up
+        self.growing: dict[str, int] = {}
+        self.joined: set[int] = set()
+        self.growing_since = 0.0
         self.complete = False
         self.losses: dict[int, float] = {}
         # all the model is fed, judged
@@ -145,13 +156,7 @@ class Coordinator:
             feeder=self.feeder,
             max_recoveries=self.opt.max_recoveries,
         )
-        self.replicas = ReplicaChecks(  # the data-parallel replicas agree, or are repaired
-            [self.topology.node_of(r) for r in range(self.W)],
-            log,
-            send=self.send,
-            lose=self.driver.failure,
-            fail=self.fail,
-        )
+        self.replicas = replica_checks(self)  # the data-parallel replicas agree, or are repaired
 
     # ------------------------------------------------------------------ plumbing
 
@@ -179,7 +184,9 @@ class Coordinator:
 
     @property
     def generation(self) -> int:
-        return self.state.gen if self.state is not None else 0
+        if self.state is None:  # none yet, or the world changes in place to a new one
+            return self.reshaped_from.get("gen", 0)
+        return self.state.gen
 
     def lost_node(self, node: int, now: float) -> None:
         """``node`` is lost since ``now`` (unless it was already): its replacement is due
@@ -204,14 +211,18 @@ class Coordinator:
         if self.failed is not None:
             return
         self.failed = message
-        self.restart = restart.after(ending, self.opt.restarts, self.opt.max_restarts)
+        if self.resize_to:
+            self.restart = restart.resized(self.opt.restarts, self.opt.max_restarts, self.resize_to)
+        else:
+            self.restart = restart.after(ending, self.opt.restarts, self.opt.max_restarts)
         if self.restart is None:
             self.log.write("job_failed", error=message, **fields)
             self.send(None, M.Fail(error=message))
             return
         r = self.restart
-        self.log.write("job_restart", attempt=r.attempt, of=r.of, cause=message, **fields)
-        self.send(None, M.Fail(error=message, restart=r.attempt))
+        more = {"nodes": r.nodes} if r.nodes else {}
+        self.log.write("job_restart", attempt=r.attempt, of=r.of, cause=message, **more, **fields)
+        self.send(None, M.Fail(error=message, restart=r.attempt, nodes=r.nodes or None))
 
     def model_record(self, name: str, **fields: Any) -> None:
         """A record of what the model was fed (``core_init``, ``core``): to the event log,
@@ -331,7 +342,8 @@ class Coordinator:
                 case M.Fenced():
                     self.driver.ack("fence", node, msg.gen)
                 case M.Promoted():
-                    self.driver.on_promoted(msg)
+                    if not on_joined(self, msg.rank):
+                        self.driver.on_promoted(msg)
                 case M.Report():
                     self.driver.on_report(msg)
                 case M.Reconciled():
@@ -349,6 +361,7 @@ class Coordinator:
         if self.nodes_lost_at.pop(node, None) is not None:
             self.node_back_at = now
         self.log.write("node_joined", node=node, spare=spare)
+        on_node_up(self, node)
 
     def node_down(self, node: int, now: float, why: str = "agent link closed") -> None:
         """The link to ``node``'s agent closed: the node is lost (unless the job is over)."""
@@ -357,7 +370,8 @@ class Coordinator:
             self.finished_nodes.add(node)  # gone after the job completed: done too
             return
         if self.model is None:
-            self.fail(f"node {node} was lost before training started ({why})")
+            when = "while the world changed in place" if self.reshaped_from else ""
+            self.fail(f"node {node} was lost {when or 'before training started'} ({why})")
             return
         self.nodes_lost_at[node] = now
         with self.feeder.judging():
@@ -389,6 +403,15 @@ class Coordinator:
 
     def tick(self, now: float) -> None:
         """Timers: a spare that does not come, a recovery stuck waiting."""
+        if (
+            self.failed is None
+            and self.growing
+            and now - self.growing_since > self.opt.spare_timeout
+        ):
+            self.fail(
+                f"the spare that was to grow the world to {self.topology.nodes} nodes in place "
+                f"did not start its trainers within {self.opt.spare_timeout:g} s (--spare-timeout)"
+            )
         if self.failed is not None or self.complete or self.model is None:
             return
         for node, since in list(self.nodes_lost_at.items()):
@@ -400,9 +423,11 @@ class Coordinator:
                     if passed
                     else "the spare pool was empty"
                 )
+                if resize(self, True, now):
+                    return
                 self.driver.give_up(
                     f"node {node} was lost and no replacement joined within "
-                    f"{self.opt.spare_timeout:g} s ({pool}): start "
+                    f"{self.opt.spare_timeout:g} s ({pool}{no_shrink(self)}): start "
                     f"`leto launch` with --node-rank {node} on a spare node (same arguments), "
                     "or keep spare agents in the pool (--spare, --spares N), to recover in place"
                 )
@@ -416,7 +441,15 @@ class Coordinator:
                 )
                 return
         s = self.state
-        assert s is not None
+        if s is None:  # the world changed in place: the new one's ready reports come
+            return
+        if (
+            rec is None
+            and s.phase is Phase.RUNNING
+            and self.spares.ids
+            and resize(self, False, now)
+        ):
+            return
         stopped_at = self.driver.stopped_at
         for rank, since in list(stopped_at.items()):
             if rank not in stopped_at:  # cleared: another rank's failure explains it
@@ -457,6 +490,7 @@ class Coordinator:
             "tier2_parity",
             "checkpoint",
             "start",
+            "shard",
         )
         for k in keys:
             vals = {str(i.get(k)) for i in infos}
@@ -479,7 +513,9 @@ class Coordinator:
             # shadows are started with the trainers: spawning until they report warm
             shadows=ShadowState.SPAWNING,
             start=int(self.info.get("start") or 0),
+            **self.reshaped_from,  # in place: the old world's generation and checkpoint
         )
+        self.reshaped_from = {}
         self.model = setup.model()
         self.state = setup.initial(self.model)
         self.model_record("core_init", **setup.to_record())
@@ -501,7 +537,8 @@ class Coordinator:
         for r, st in self.shadow_pending:
             self.driver.shadow_state(r, st)
         self.shadow_pending.clear()
-        self.send(None, M.Tier2(step=setup.start, gen=0))  # the start's snapshot is current
+        # the start's snapshot is current (an in-place change's: re-encoded at its start)
+        self.send(None, M.Tier2(step=setup.start, gen=self.state.gen))
         self._all_done()
 
     # --- training path ---------------------------------------------------------
@@ -702,3 +739,174 @@ def started(log: Any, pids: dict[int, int], node: int, msg: M.Started) -> None:
         node=node,
         **{k: v for k, v in fields.items() if v is not None},
     )
+
+
+def replica_checks(c: Coordinator) -> ReplicaChecks:
+    """The checks that the data-parallel replicas of ``c``'s world agree."""
+    nodes = [c.topology.node_of(r) for r in range(c.W)]
+    return ReplicaChecks(nodes, c.log, send=c.send, lose=c.driver.failure, fail=c.fail)
+
+
+def shrink_in_place(c: Coordinator, lost: list[int], left: int) -> None:
+    """The core shrank the world (:func:`leto.core.world.decide`) and the lost nodes are
+    the last ones: the job goes on in place (:mod:`leto.core.reshape`). The recovery
+    under way ends in the change; the keepers are fenced at a new generation; every
+    surviving trainer rolls to the committed step, forms the new world's groups and says
+    ready again (:class:`~.messages.Reshape`), and the new world's model starts from the
+    old one's state there (:meth:`Coordinator._on_ready`). No process restarts, nothing
+    is read from disk, no committed step is lost."""
+    s = c.state
+    assert s is not None
+    nodes, per_node = c.topology.nodes, c.W // c.topology.nodes
+    kept = reshape.survivors(nodes, per_node, frozenset(lost))
+    gen, step = s.gen + 1, s.committed
+    c.log.write(
+        "world_shrink", nodes=left, lost=lost, was=nodes, in_place=True, step=step,
+        generation=gen, ranks=list(kept),
+    )  # fmt: skip
+    for n in lost:
+        c.nodes_lost_at.pop(n, None)
+    _new_world(c, left, gen)
+    c.send(None, M.Fence(gen=gen))  # the keepers first: the trainers join gen
+    c.send(None, M.Reshape(gen=gen, step=step, nodes=left))
+
+
+def _new_world(c: Coordinator, nodes: int, gen: int) -> None:
+    """The world changes in place to ``nodes`` nodes at generation ``gen``: the recovery
+    under way (if any) ends in it, the old world's model and what was gathered for it
+    go, and the new world's model starts when its ranks are ready (``_on_ready``)."""
+    s = c.state
+    assert s is not None
+    c.driver.world_changed()
+    c.reshaped_from = {"gen": gen, "ckpt": min(s.ckpt, s.committed)}
+    c.model = c.state = None
+    per_node = c.W // c.topology.nodes
+    c.topology = Topology.uniform(nodes, per_node)
+    c.W = c.topology.world_size
+    c.ready.clear()
+    c.done.clear()
+    c.forget_gathered()
+    c.ckpts.clear()
+    c.staged.clear()
+    c.replicas = replica_checks(c)
+
+
+def grow_in_place(c: Coordinator, spare: int, now: float) -> None:
+    """The core grew the world (a spare in the pool, the world below MAX): the spare
+    joins in place as the last node. The trainers stop their step (an abort); the
+    spare is placed as node ``nodes`` (the pool's assignment, as for a lost node's
+    replacement) and its trainers promoted (:meth:`on_node_up`); then every rank rolls
+    to the committed step, forms the new world's groups and takes part in the copy of a
+    live replica (rank 0's retained state and process state) into the new node's ranks
+    (:class:`~.messages.Reshape` with ``grow``), with no process of the old world
+    restarted and nothing read from disk."""
+    s = c.state
+    assert s is not None
+    nodes, step = c.topology.nodes, s.committed
+    gen = s.gen + 2  # s.gen + 1: the abort that stops the old world's step
+    c.log.write(
+        "world_grow", nodes=nodes + 1, spare=spare, was=nodes, in_place=True, step=step,
+        generation=gen,
+    )  # fmt: skip
+    c.send(None, M.Abort(gen=s.gen + 1))
+    _new_world(c, nodes + 1, gen)
+    c.growing, c.growing_since = {"node": nodes, "step": step, "gen": gen}, now
+    c.joined.clear()
+    c.nodes_lost_at[nodes] = now  # the pool places the spare there (routing.assign_spares)
+
+
+def on_node_up(c: Coordinator, node: int) -> None:
+    """A node joined; the one a grow in place awaits: its ranks' trainers are promoted."""
+    g = c.growing
+    if g and node == g["node"]:
+        per = c.W // c.topology.nodes
+        for r in range(node * per, (node + 1) * per):
+            c.send(node, M.PromoteRank(rank=r, gen=g["gen"], warm=False))
+
+
+def on_joined(c: Coordinator, rank: int) -> bool:
+    """A trainer of the node a grow in place awaits is up (promoted): once all are, the
+    world changes (every rank's :class:`~.messages.Reshape`). False: not one of them."""
+    g = c.growing
+    per = c.W // c.topology.nodes if g else 0
+    if not g or rank // per != g["node"]:
+        return False
+    c.joined.add(rank)
+    if len(c.joined) == per:
+        c.growing = {}
+        c.send(None, M.Fence(gen=g["gen"]))  # the old nodes' keepers; the new one's are
+        c.send(None, M.Reshape(gen=g["gen"], step=g["step"], nodes=c.topology.nodes, grow=True))
+    return True
+
+
+def _world(c: Coordinator) -> world.World | None:
+    """The core's elastic world as it stands (members, those lost and awaited, the
+    pooled spares), or None: the world is fixed (no ``--nnodes MIN:MAX``), there is
+    no checkpoint to carry a world change (it resumes from the latest one), or the
+    state is sharded (``shard = true``: its shards are per world; not resharded)."""
+    lo, hi = c.opt.nodes_range
+    nodes = c.topology.nodes
+    if not lo or c.info.get("shard"):
+        return None
+    s = world.start(min(lo, nodes), max(hi, nodes), tuple(map(str, range(nodes))), 0)
+    for n in sorted(c.nodes_lost_at):
+        if n not in c.nodes_up:
+            s = world.step(s, world.LoseNode(str(n)))
+    for sid in c.spares.ids:
+        s = world.step(s, world.SpareJoins(f"spare{sid}"))
+    return s
+
+
+def no_shrink(c: Coordinator) -> str:
+    """Why an elastic job (``--nnodes MIN:MAX``) did not shrink, for its one line."""
+    lo, hi = c.opt.nodes_range
+    if not lo:
+        return ""
+    if c.info.get("shard"):
+        return f"; --nnodes {lo}:{hi} does not shrink sharded state (shard = true)"
+    if not c.info.get("checkpoint"):
+        return (
+            f"; --nnodes {lo}:{hi} shrinks in place only when the lost nodes are the "
+            "last ones, else only a job with a checkpoint_dir"
+        )
+    left = c.topology.nodes - len(c.nodes_lost_at.keys() - c.nodes_up)
+    return f"; {left} node(s) left, fewer than --nnodes {lo}:{hi} allows"
+
+
+def resize(c: Coordinator, timed_out: bool, now: float) -> bool:
+    """Does the core change the world (:func:`leto.core.world.decide`)? A shrink
+    (the spare timeout passed with no replacement, at least MIN nodes left) or a
+    grow (a spare in the pool while the world is below MAX, training running): the
+    job goes on, on the nodes of the new world, as an incarnation of the job from
+    its latest checkpoint (see docs/gloo.md, "Shrink and grow back")."""
+    s = _world(c)
+    e = world.decide(s, timed_out) if s is not None else None
+    if s is None or not isinstance(e, (world.Shrink, world.Grow)):
+        return False
+    lo, hi = c.opt.nodes_range
+    nodes = c.topology.nodes
+    left = len(world.step(s, e).members)
+    lost = sorted(map(int, s.lost)) if isinstance(e, world.Shrink) else []
+    if lost and lost == list(range(left, nodes)) and c.state is not None:
+        shrink_in_place(c, lost, left)
+        return True
+    if isinstance(e, world.Grow) and c.state is not None:
+        grow_in_place(c, int(e.spare[5:]), now)
+        return True
+    if not c.info.get("checkpoint"):
+        return False  # a restart carries the change out: it needs a checkpoint
+    c.resize_to = left
+    if isinstance(e, world.Shrink):
+        c.log.write("world_shrink", nodes=c.resize_to, lost=lost, was=nodes)
+        c.driver.give_up(
+            f"node(s) {', '.join(map(str, lost))} lost and no replacement joined within "
+            f"{c.opt.spare_timeout:g} s: the job goes on with {c.resize_to} of "
+            f"{nodes} nodes (--nnodes {lo}:{hi}), from its latest checkpoint"
+        )
+        return True
+    c.log.write("world_grow", nodes=c.resize_to, spare=int(e.spare[5:]), was=nodes)
+    c.fail(
+        f"spare {e.spare[5:]} joined the pool of a world of {nodes} node(s) (--nnodes "
+        f"{lo}:{hi}): the job grows back to {c.resize_to} nodes, from its latest checkpoint"
+    )
+    return True

@@ -44,7 +44,7 @@ from .fault_points import FaultPoints
 from .faults import COMMAND_POINT
 from .keeper_client import FencedError, KeeperClient
 from .rank_memory import RankMemory
-from .repair_ops import RepairHost, ops_for
+from .repair_ops import RepairHost, copy_replica, ops_for
 
 __all__ = ["Follower", "FollowerHost", "StepStopper"]
 
@@ -85,6 +85,8 @@ class FollowerHost(RepairHost, Protocol):
     def txn(self) -> StepStopper: ...
     def _fatal(self, message: str) -> None: ...
     def _log(self, event: str, **kw: Any) -> None: ...
+    def ready(self, start: int, meta: dict[str, Any] | None) -> None: ...
+    def resize(self, nodes: int) -> None: ...
 
 
 class Follower:
@@ -114,6 +116,7 @@ class Follower:
         # (every rank of the job has reported that end) renews the gradient parity
         self._reconciled: int | None = None
         self._beside = False  # following on a thread beside the compute (_follow)
+        self.world_changed = False  # the recovery changed the world in place (reshape)
         # the generation of the last recovery this rank resumed from (the parallel
         # replay's exchange follows each: transaction, replay.py)
         self.resumed_gen: int | None = None
@@ -127,6 +130,7 @@ class Follower:
         that recovery's thread, the sampler is left for the compute's thread to put
         back (after it, with the rest of what the compute reads)."""
         self.plans = []
+        self.world_changed = False  # a reshape: no compute of the old world is kept
         self._before_writes = before_writes
         self._beside = beside
         self.session.checkpoints.cancel()  # an asynchronous save in flight never reports
@@ -139,6 +143,9 @@ class Follower:
             if isinstance(msg, M.Complete):
                 self.session.completed = True
                 continue
+            if isinstance(msg, M.Reshape) and not self.session.ch.aborted_since(msg.gen):
+                self._reshape(msg)
+                return
             if not isinstance(msg, tuple(COMMAND_POINT)):
                 continue  # nothing else is a recovery command
             t = msg.TAG
@@ -434,6 +441,37 @@ class Follower:
         self.resumed_gen = msg.gen
         self.session._log("resumed", step=step, generation=self.session.gen)
         self.session.ch.mark("idle", step)
+
+    def _reshape(self, msg: M.Reshape) -> None:
+        """The world changed in place (:mod:`leto.core.reshape`): this rank keeps its
+        process and its retained state, rolls to the committed step, forms the new
+        world's groups, rebuilds its redundancy there (tier 1 in its node, as before;
+        tier 2 re-encoded over the surviving nodes) and says ``ready`` again."""
+        session = self.session
+        session.ch.mark("reshape")
+        self.world_changed = True
+        if self._before_writes is not None:  # a compute beside: it stops first
+            self._before_writes()
+        session.gen = msg.gen
+        assert session.keeper is not None
+        session.keeper.readmit(msg.gen)
+        joins = session.memory.ensure_layout()  # lost: a rank of a node joining (grow)
+        if joins and not msg.grow:
+            session._fatal("its retained state was lost; the world cannot change in place")
+        was = session.W
+        forward, back = (0, 0) if joins else self._settle(msg.step)
+        session.resize(msg.nodes)
+        session.groups.init(msg.gen)
+        if msg.grow:
+            copy_replica(session, msg.step, joins)
+        meta = self._after_recovery_state(msg.step)
+        self._renew_grad_parity()
+        self._resume(M.Resume(gen=msg.gen, step=msg.step, t2=msg.step))
+        session._log(
+            "reshaped", step=msg.step, generation=msg.gen, world=session.W, was=was,
+            rolled_forward=forward, rolled_back=back,
+        )  # fmt: skip
+        session.ready(msg.step, meta)
 
     def _seal_rebuilt_grads(self, step: int, how: str) -> None:
         """This rank's gradients of ``step``, rebuilt: sealed with the present mask of

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,8 +113,10 @@ def run_local(
     spares: int = 0,
     rdzv: list[str] | None = None,
     spare_agents: int = 0,
+    late_spare: Callable[[Path], bool] | None = None,
 ) -> JobResult:
-    """Run the job to its end; see the module docstring."""
+    """Run the job to its end; see the module docstring. ``late_spare``: one more spare
+    agent (code ``-spare_agents - 1``) started once it says so of the run directory."""
     run = Path(run_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -121,6 +124,9 @@ def run_local(
     procs: dict[int, subprocess.Popen[str]] = {}
     # nodes 0..nnodes-1, and the spare agents started here (-1, -2, ...)
     agents = [*range(nnodes), *range(-1, -spare_agents - 1, -1)]
+    late = -spare_agents - 1 if late_spare is not None else None
+    if late is not None:
+        agents.append(late)
     codes: dict[int, list[int]] = {n: [] for n in agents}
     output: dict[int, list[str]] = {n: [] for n in agents}
     logs: dict[int, Any] = {}
@@ -156,11 +162,20 @@ def run_local(
     start(0)
     time.sleep(0.2)
     for n in agents[1:]:
-        start(n)
+        if n != late:
+            start(n)
     killed = False
     deadline = t0 + timeout
     try:
         while procs:
+            if (
+                late is not None
+                and late_spare is not None
+                and not codes[late]
+                and late not in procs
+            ):
+                if late_spare(run):
+                    start(late)
             if kill_node_after and not killed and time.monotonic() - t0 > kill_node_after[1]:
                 n = kill_node_after[0]
                 if n in procs:

@@ -348,6 +348,7 @@ class Ready(Message):
     snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
     tier2_parity: int = _f(_nat, 1)
     start: int = _f(_nat, 0)  # the step the job starts at (> 0: resumed from a checkpoint)
+    shard: bool = _f(_bool, False)  # shard = true: the world does not shrink or grow
 
 
 @attrs.frozen
@@ -697,12 +698,15 @@ class Go(Message):
 @attrs.frozen
 class Fail(Message):
     """The job ends with ``error``; with ``restart`` (from 1), every node's agent starts
-    the job again, as that restart (``--max-restarts``), from the latest disk checkpoint."""
+    the job again, as that restart (``--max-restarts``), from the latest disk checkpoint;
+    with ``nodes`` too, the restart carries out a world change (a shrink or a grow-back,
+    :mod:`leto.core.world`) to that many nodes, and the pooled spares follow it."""
 
     TAG = "fail"
     ROUTE = (C, A)
     error: str = _f(LONG)
     restart: int | None = _f(_opt(_nat), None)
+    nodes: int | None = _f(_opt(_nat), None)
 
 
 @attrs.frozen
@@ -779,13 +783,15 @@ class PromoteRank(Message):
 
 @attrs.frozen
 class Promote(Message):
-    """A shadow becomes its rank's trainer, with its keeper (it may be a new one)."""
+    """A shadow becomes its rank's trainer, with its keeper (it may be a new one), in a
+    world of ``nodes`` nodes (a world changed in place since the shadow started)."""
 
     TAG = "promote"
     ROUTE = (A, T)
     gen: int = _f(_nat)
     keeper_pid: int = _f(_nat)
     keeper_socket: str = _f(NAME)
+    nodes: int | None = _f(_opt(_nat), None)
 
 
 @attrs.frozen
@@ -830,6 +836,23 @@ class Resume(Message):
     gen: int = _f(_nat)
     step: int = _f(_nat)
     t2: int | None = _f(_opt(_nat), None)
+
+
+@attrs.frozen
+class Reshape(Message):
+    """The world changes in place (:mod:`leto.core.reshape`): each trainer rolls to
+    ``step`` (the committed step), keeps its rank in a world of ``nodes`` nodes (nodes
+    lost or joined are the last ones: every other rank keeps its number), forms
+    generation ``gen``'s groups, re-encodes tier 2 over them and says ``ready`` again;
+    it keeps its process and its retained state. ``grow``: nodes joined last; their
+    ranks' state is copied from rank 0's (a live replica)."""
+
+    TAG = "reshape"
+    ROUTE = (C, A, T)
+    gen: int = _f(_nat)
+    step: int = _f(_nat)
+    nodes: int = _f(_nat)
+    grow: bool = _f(_bool, False)  # new nodes joined last: rank 0's state copied to them
 
 
 KINDS: tuple[type[Message], ...] = (
@@ -889,6 +912,7 @@ KINDS: tuple[type[Message], ...] = (
     Reconcile,
     Rebuild,
     Resume,
+    Reshape,
 )
 TAGS: dict[str, type[Message]] = {k.TAG: k for k in KINDS}
 

@@ -139,6 +139,9 @@ class RecoveryHost(Protocol):
     @property
     def exclusions(self) -> Exclusions: ...
 
+    @property
+    def reshaped_from(self) -> dict[str, int]: ...
+
     def forget_done(self) -> None: ...
 
     def forget_gathered(self) -> None: ...
@@ -230,8 +233,9 @@ class RecoveryDriver:
             tb = (msg.traceback or "").strip()
             what = msg.detail or msg.kind
             last = tb.splitlines()[-1] if tb else ""
+            when = "while the world changed in place" if self.host.reshaped_from else ""
             self.host.fail(
-                f"rank {msg.rank} failed before training started ({what})"
+                f"rank {msg.rank} failed {when or 'before training started'} ({what})"
                 + (f": {last}" if last else ""),
                 # a process lost (killed, crashed) may succeed when the job starts again
                 # (--max-restarts); the script's own exception would only repeat
@@ -390,6 +394,13 @@ class RecoveryDriver:
                 return
             raise AssertionError(f"no executor for the scheduled {first!r}")  # pragma: no cover
         raise RuntimeError("recovery driver did not settle")  # pragma: no cover
+
+    def world_changed(self) -> None:
+        """The recovery under way ended in an in-place change of the world
+        (:mod:`leto.core.reshape`): it waits for nothing more."""
+        self.rec = self.wait = None
+        self.stopped_at.clear()
+        self.reports.clear()
 
     def give_up(self, message: str, ending: restart.Ending = restart.Ending.GAVE_UP) -> None:
         """A deadline passed (the clock is the coordinator's): the core decides what ends

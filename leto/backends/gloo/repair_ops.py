@@ -324,3 +324,34 @@ def restore_snapshot(session: RepairHost, step: int, snap: dict[str, Any]) -> No
     rx.seal_checked(lay, step, meta["checksums"], "tier-2 snapshot", f"rank {session.rank}")
     lay.clear_prepared()
     session.ps.load(meta["ps"])
+
+
+def copy_replica(session: RepairHost, step: int, joins: bool) -> None:
+    """A grow in place: rank 0's retained state at ``step`` (its bytes, checksums and
+    process state: a live data-parallel replica) copied into the ranks that ``joins``
+    (a new node's, their memory fresh), over the new world's group; every rank takes
+    part (one broadcast), the others keep their own."""
+    lay = session.layout
+    head: list[Any] = [None]
+    if session.rank == 0:
+        sums = [lay.stored_checksum(c) for c in range(lay.n_chunks)]
+        head = [{"step": step, "checksums": sums, "ps": session.ps.to_json(step)}]
+    dist.broadcast_object_list(head, src=0)
+    if session.rank == 0:
+        data = rx.packed(lay)
+    else:
+        nbytes = sum(b.numel() * b.element_size() for b in lay.data_buffers())
+        data = torch.empty(nbytes, dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    if not joins:
+        return
+    meta = head[0]
+    if int(meta["step"]) != step:
+        raise IntegrityError(
+            f"rank {session.rank}: rank 0's state is at {meta['step']}, not {step}"
+        )
+    rx.free_undo(lay)
+    rx.unpack_into(lay, data)
+    rx.seal_checked(lay, step, meta["checksums"], "replica of rank 0", f"rank {session.rank}")
+    lay.clear_prepared()
+    session.ps.load(meta["ps"])

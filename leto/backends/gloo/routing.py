@@ -40,6 +40,7 @@ TO_TRAINERS = (
     M.Reconcile,
     M.Rebuild,
     M.Resume,
+    M.Reshape,
     M.Complete,
 )
 UNPROVEN_FRAME = 4096  # bytes a TCP peer may send before it has proven the job's secret
@@ -109,8 +110,7 @@ class RoutingHost(Protocol):
     @property
     def nproc(self) -> int: ...
 
-    @property
-    def W(self) -> int: ...
+    W: int
 
     @property
     def who(self) -> str: ...
@@ -593,7 +593,7 @@ class Routing:
         a = self.agent
         c = a.coord
         assert c is not None
-        if c.model is None:
+        if c.model is None and not c.growing:  # not started, or a world change under way
             return
         said = set(c.spares.passed)
         for sid, n in c.spares.assign(c.nodes_lost_at, c.nodes_up):
@@ -617,7 +617,8 @@ class Routing:
         a.joined.add(n)
         a.coord.exclusions.joined(n, link.peer)
         a.say(f"spare {sid} {'is' if start else 'takes the place of'} node {n}")
-        msg = M.Assign(node=n, gen=a.coord.generation, nnodes=a.o.nnodes, at_start=start)
+        nnodes = a.coord.topology.nodes  # the world's now (an in-place change's too)
+        msg = M.Assign(node=n, gen=a.coord.generation, nnodes=nnodes, at_start=start)
         _send_link(link.conn, msg)
         a.coord.node_up(n, spare=not start, now=now)
         if not start:
@@ -716,6 +717,11 @@ class Routing:
             case M.Go():
                 a.supervisor.go(spare=msg.spare)
                 return
+            case M.Fail() if a.pooled and msg.restart and msg.nodes:
+                # a world change (shrink, grow-back): the spare joins the restart's pool
+                a.say(f"the job's world changes; joining its restart's pool ({msg.error})")
+                a.failed, a.restart, a.stop = msg.error, msg.restart, True
+                return
             case M.Fail() if a.pooled:
                 a.say(f"the job failed; leaving the pool ({msg.error})")
                 a.failed = msg.error
@@ -750,6 +756,10 @@ class Routing:
             case M.Abort():
                 a.generation = max(a.generation, msg.gen)
                 a.recovering = True
+            case M.Reshape():  # the trainers it starts from now on are of the new world
+                a.o.nnodes, a.W = msg.nodes, msg.nodes * a.nproc
+                a.recovering = False
+                a.shadows.resumed()
             case M.Resume():
                 a.recovering = False
                 a.shadows.resumed()

@@ -353,6 +353,15 @@ class GlooSession:
             self.store.set(f"leto/{self.spec['job']}/first_step", str(start + 1))
         self.checkpoints.step_t0 = time.perf_counter()
         self.memory.status_lost(False)
+        self.ready(start, meta)
+
+    def resize(self, nodes: int) -> None:
+        """The world changed in place to ``nodes`` nodes (this rank keeps its number)."""
+        self.nnodes, self.W = nodes, nodes * self.nproc
+
+    def ready(self, start: int, meta: dict[str, Any] | None) -> None:
+        """Say this rank is ready to train from ``start`` (its tier-2 snapshot ``meta``):
+        at the job's start, and after an in-place change of the world (``reshape``)."""
         self.ch.send(
             M.Ready(
                 rank=self.rank,
@@ -367,6 +376,7 @@ class GlooSession:
                 checkpoint=self.cfg.checkpoint_dir is not None,
                 snapshot=meta,
                 start=start,
+                shard=bool(self.cfg.shard),
             )
         )
         self.ch.mark("idle", 0)
@@ -410,6 +420,8 @@ class GlooSession:
         self.gen = msg.gen
         self.keeper_pid = msg.keeper_pid
         self.role = "trainer"
+        if msg.nodes:  # the world now (changed in place since this shadow started)
+            self.resize(msg.nodes)
         set_title(f"trainer rank {self.rank}", str(self.spec.get("job", "")))
         # the keeper may have been replaced (its memory lost) since this shadow connected
         self.keeper.close()

@@ -105,7 +105,10 @@ class Shadows:
         sh.progress_t = sh.hb
         a.children.keeper(lr, "admit", gen, sh.pid)
         h = a.keepers[lr]
-        a.routing.send_proc(sh, M.Promote(gen=gen, keeper_pid=h.pid, keeper_socket=h.socket_name))
+        promote = M.Promote(
+            gen=gen, keeper_pid=h.pid, keeper_socket=h.socket_name, nodes=a.o.nnodes
+        )
+        a.routing.send_proc(sh, promote)
         if a.recovering:  # the replacement warms in the background, after the recovery
             self.after_recovery.add(lr)
         else:

@@ -126,7 +126,9 @@ class Tier2Snapshots:
         copy again, which cost this copy five times its memory traffic."""
         nb, share = self.layout()
         total = self.session.nproc * (nb + share)
-        fd = self.session.memory.segment(f"snap.{slot}", total)
+        # named for the world's node count too: a world changed in place (reshape)
+        # encodes its snapshots over the nodes left, in segments of their own size
+        fd = self.session.memory.segment(f"snap.{slot}.{self.session.nnodes}", total)
         try:
             key = (total, os.fstat(fd).st_ino)
             have = self._mapped.get(slot)

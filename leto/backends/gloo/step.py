@@ -45,7 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from leto.core import accumulation
 from leto.core.chunk import NONE
+from leto.errors import ConfigError
 from leto.retained.layout import RetainedLayout
 from leto.retained.parity import as_bytes
 from leto.retained.process_state import (
@@ -322,7 +324,17 @@ class UserLoop:
         batch = session.cursor.batch(self.V)
         self.open, self.stepped, self.reduced = True, False, False
         session.ch.mark("forward", session.step)
-        return batch if self.per_rank else shard(batch, session.rank, session.W)
+        if self.per_rank:
+            return batch
+        cut = _cut(self.session)
+        if len(cut.parts) > 1:
+            raise ConfigError(
+                "keep_global_batch",
+                f"rank {session.rank} of a world of {session.W} would accumulate parts "
+                f"{list(cut.parts)} of each global batch, which only session.train does; "
+                "in your own loop keep the per-rank batch (keep_global_batch = false)",
+            )
+        return shard(batch, cut.parts[0], cut.cut)
 
     def _checkpoint(self) -> None:
         """The periodic checkpoint of the step just committed, if one is due."""
@@ -447,7 +459,7 @@ class UserLoop:
             self.old = as_bytes(lay.grad_buffer).clone()
         lay.clear_prepared()
         with torch.no_grad():  # the mean written straight into retained memory: one pass
-            torch.div(flat, session.W, out=lay.grad_buffer)
+            torch.div(flat, _cut(self.session).divisor, out=lay.grad_buffer)
         lay.grads.mark_reduced(self.V)
         flags = buf[n:].tolist()
         if plan is None:
@@ -722,3 +734,10 @@ def scaler_update(st: dict[str, Any], skipped: bool) -> dict[str, Any]:
         tracker = 0
     out["_growth_tracker"] = tracker
     return out
+
+
+def _cut(session: Any) -> accumulation.Plan:
+    """``session``'s rank's part of the global batch (leto.core.accumulation)."""
+    return accumulation.plan(
+        session.rank, session.W, session.cfg.batch_parts, session.cfg.keep_global_batch
+    )

@@ -88,6 +88,8 @@ class SupervisedRouting(Protocol):
 
     def expire_unproven(self, now: float) -> None: ...
 
+    def assign_spares(self, now: float) -> None: ...
+
     def place(self, sid: int, n: int, now: float, *, start: bool = False) -> None: ...
 
     def send_go(self, node: int) -> None: ...
@@ -442,6 +444,7 @@ class Supervisor:
                 exclude_window=o.exclude_window,
                 max_restarts=o.max_restarts,
                 restarts=o.restarts,
+                nodes_range=(o.min_nodes, o.nnodes) if 0 < o.min_nodes < o.nnodes else (0, 0),
             ),
             record=a.record,
         )
@@ -765,7 +768,8 @@ class Supervisor:
                 if (
                     a.coord.complete
                     and self.node_done()
-                    and a.coord.finished_nodes >= set(range(a.o.nnodes)) - {a.node}
+                    # the world's nodes now (a shrink in place dropped the lost ones)
+                    and a.coord.finished_nodes >= set(range(a.coord.topology.nodes)) - {a.node}
                 ):
                     a.stop = True
 
@@ -805,6 +809,8 @@ class Supervisor:
             a.routing.expire_unproven(now)
             a.control.settle_rejoin(now)
             a.coord.tick(now)
+            if a.coord.growing:  # a grow in place: the pool places its spare now
+                a.routing.assign_spares(now)
             if not a.started and self.elastic():
                 self.close_rendezvous(now)
             if not a.started and now - a.t_start > o.rdzv_timeout and self.elastic():

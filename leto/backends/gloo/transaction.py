@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from leto.core import accumulation
 from leto.core.chunk import NONE
 from leto.core.reconcile import keeps_compute
 from leto.core.replay import ReplayPlan
@@ -314,6 +315,7 @@ class StepTransaction:
         session = self.session
         return (
             keeps_compute(session.follower.plans, session.rank, self.in_progress - 1)
+            and not session.follower.world_changed
             and session.full is None
             and not self._buffers
         )
@@ -495,7 +497,11 @@ class StepTransaction:
         session.check_float_mode()
         session.ch.mark("forward", ropt.version)
         point("forward_start")
-        batch = shard(session.cursor.batch(V), r, W)
+        # this rank's parts of the global batch (one, but where a shrunk world keeps the
+        # global batch by accumulation: leto.core.accumulation), and the gradients' divisor
+        cut = accumulation.plan(r, W, session.cfg.batch_parts, session.cfg.keep_global_batch)
+        whole = session.cursor.batch(V)
+        batch = shard(whole, cut.parts[0], cut.cut)  # this rank's share (its first part)
         assert session.rng is not None
         restore_rng(session.rng)
         for prm in session.model.parameters():
@@ -503,7 +509,8 @@ class StepTransaction:
         assert session.step_fn is not None
         self._phase = "forward"
         k = session.cfg.micro_batches
-        replay = self._replays()
+        # the parallel replay of a lost share: one part per rank (batch_parts 0)
+        replay = self._replays() and len(cut.parts) == 1 and cut.cut == W
         rplan = None
         if replay and self.replayer.due(session.follower.resumed_gen):
             rplan = self._exchange(fresh=True)  # this rank computes its share afresh
@@ -513,15 +520,15 @@ class StepTransaction:
             loss = summed
         else:
             with self._compute():  # a recovery runs beside it; it stops at a layer if it must
-                if k == 1:
+                if k == 1 and len(cut.parts) == 1:
                     loss = session.step_fn(session.model, batch)
                     self._forward_done()
                     loss.backward()
-                else:
+                else:  # micro-batches, of each part (several: a shrunk world accumulates)
                     loss = accumulate(
                         session.model,
                         session.step_fn,
-                        micro(batch, k),
+                        [mb for p in cut.parts for mb in micro(shard(whole, p, cut.cut), k)],
                         check_rng=replay,
                         after_forward=lambda i: self._forward_done() if i == 0 else None,
                     )
@@ -530,6 +537,7 @@ class StepTransaction:
                 rplan = self._exchange(fresh=False)  # a recovery kept this compute
                 if rplan is not None:  # another rank's share: this rank computes some of it
                     self._replay(rplan, V, shard(session.cursor.batch(V), rplan.owner, W))
+        div = cut.divisor  # the mean over the parts the world trained on
         rng_after = capture_rng()
         # one buffer: the gradients, then a presence flag per parameter (small integers,
         # exact in floating point), so one collective is in flight, never two (a gloo
@@ -583,14 +591,14 @@ class StepTransaction:
             raise
         present = buf[n:-1]
         mean_loss = (
-            float(buf[-1]) / W
+            float(buf[-1]) / div
         )  # a metric scheduler's (ReduceLROnPlateau), alike on every rank
         point("reduced")
         session.keeper.check_writer()
         m = session.local_rank
         gdelta = None
         if session.gparity is not None and not session.replica:
-            flat.div_(W)
+            flat.div_(div)
             # this member's change of the gradient parity: new bytes - old bytes
             # (old: zeros if the parity never held this member's gradients)
             comp = session.gparity.versions()[m]
@@ -607,7 +615,7 @@ class StepTransaction:
         sums = None  # the seal's checksums, computed as the mean is written
         with torch.no_grad():
             if gdelta is None:  # the mean written straight into retained memory: one pass
-                sums = lay.grads.write_mean(flat, W, V)
+                sums = lay.grads.write_mean(flat, div, V)
             else:
                 lay.grad_buffer.copy_(flat)
         lay.grads.mark_reduced(V)

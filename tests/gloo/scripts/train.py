@@ -1,6 +1,6 @@
 """The real-process tests' training script: a tiny MLP, every RNG seeded.
 
-Environment: TOPO ("NxM", default 1x2), STEPS (6), CHUNK (64 elements), TIER2
+Environment: TOPO ("NxM", default 1x2; "auto": the launched world), BATCH_PARTS and KEEP_GLOBAL (batch_parts, keep_global_batch = "1"), STEPS (6), CHUNK (64 elements), TIER2
 ("1"/"0"), OPT (a torch.optim class name, AdamW by default), DEVICE and CHECKSUM (the settings), SHARD ("1": shard = true;
 the model's parameters' SHA-256 is then written to RUN_DIR/params-rank<r> at the end, as without it), TIER1_CODE ("parity", the default here, "replica" or "auto"), DIVERGE (each rank's model made different), CKPT (a checkpoint directory; CKPT_EVERY: its interval in steps, or CKPT_MTBF: seconds, Young/Daly's; CKPT_ASYNC "1": checkpoint_async; CKPT_SLOW: seconds each background write waits first; KILL_WRITER "rank:step": that rank SIGKILLs itself in its async write of that step, after its DCP files, before its metadata (once: RUN_DIR/killed-writer); each rank's checkpoint stalls go to RUN_DIR/stalls-rank<r>), STEP_SLEEP (seconds per step), SLOW_BACKWARD ("rank:step:seconds": that rank's backward of
 that step waits that long before the model's last layer, so a peer's death finds it inside
@@ -77,7 +77,14 @@ if os.environ.get("KILL_WRITER"):  # "rank:step": SIGKILLed in its async write o
         return _meta(self, step, rank, meta)
 
     CheckpointStore.write_rank_meta = _killing_meta
-cfg = leto.Config.from_dict(settings)
+if os.environ.get("BATCH_PARTS"):  # the global batch's parts; KEEP_GLOBAL=1: accumulate
+    settings["batch_parts"] = int(os.environ["BATCH_PARTS"])
+    settings["keep_global_batch"] = os.environ.get("KEEP_GLOBAL") == "1"
+if os.environ.get("TOPO") == "auto":  # the launched world (an elastic job's, shrunk or not)
+    del settings["topology"]
+    cfg = leto.Config.load(settings)
+else:
+    cfg = leto.Config.from_dict(settings)
 X, Y = torch.randn(64, 8).to(cfg.torch_device), torch.randn(64, 2).to(cfg.torch_device)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 2))
 if os.environ.get("DIVERGE"):  # each rank's model its own (not data-parallel training)

@@ -1,0 +1,48 @@
+"""A world change carried out in place (``spec/Elastic.tla``'s Shrink, InPlace): the
+protocol model of the new world, taken over from the old one's, with no step lost.
+
+Theory of operation: when :func:`leto.core.world.decide` shrinks the world, the
+surviving ranks keep their processes and their retained state; each rolls to the
+committed step (forward with its sealed gradients where the commit was recorded, back
+with its undo copies where it was not: the settle of any recovery), the old ranks are
+renumbered densely in their order (:func:`survivors`), and the new world starts at the
+committed step, in the generation the recovery fenced the keepers at, with tier 2
+re-encoded over the surviving nodes there. The disk checkpoint the model falls back to
+is the old world's: nothing was written to disk for the change.
+
+Pure: no IO, no clock.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from leto.core.cluster import ClusterModel
+from leto.core.state import ClusterState
+
+__all__ = ["in_place", "survivors"]
+
+
+def survivors(nodes: int, per_node: int, lost: frozenset[int]) -> tuple[int, ...]:
+    """The old ranks kept, in the new world's rank order: the nodes not in ``lost`` keep
+    their order and their ranks are renumbered densely (new rank ``i`` is old rank
+    ``survivors(...)[i]``)."""
+    if nodes < 1 or per_node < 1:
+        raise ValueError(f"a world of {nodes} node(s) x {per_node} rank(s) has no ranks")
+    if not lost <= set(range(nodes)):
+        raise ValueError(f"lost nodes {sorted(lost)} are not all among nodes 0..{nodes - 1}")
+    if len(lost) == nodes:
+        raise ValueError("every node is lost: no world is left to go on with")
+    return tuple(n * per_node + r for n in range(nodes) if n not in lost for r in range(per_node))
+
+
+def in_place(model: ClusterModel, step: int, gen: int, ckpt: int) -> ClusterState:
+    """The new world's state (``model``: its topology) after an in-place change of the
+    world at the committed ``step``: every member idle there, in generation ``gen`` (the
+    one the keepers were fenced at for the change), its tier-2 snapshot re-encoded there,
+    and the old world's disk checkpoint of step ``ckpt`` the fallback (the change makes
+    no step durable on disk)."""
+    if not 0 <= ckpt <= step:
+        raise ValueError(f"the checkpoint of step {ckpt} is not in 0..{step}")
+    s = model.initial(step)
+    return attrs.evolve(s, gen=gen, tgen=(gen,) * model.config.ranks, ckpt=ckpt)
