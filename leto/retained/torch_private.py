@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -43,6 +44,9 @@ __all__ = [
     "check_object",
     "check_torch",
     "dim_group_names",
+    "flattened_dims",
+    "set_dim_groups",
+    "set_mesh_info_groups",
     "fsdp_param_groups",
     "fsdp_params",
     "keeps_partial_reduce",
@@ -92,7 +96,7 @@ PRIVATE: dict[str, tuple[str, ...]] = {
         "reduce_scatter_process_group",
         "replicate_process_group",
     ),
-    "DeviceMesh": ("_dim_group_names", "_get_root_mesh"),
+    "DeviceMesh": ("_dim_group_names", "_get_root_mesh", "_pg_registry", "_flatten_mapping"),
 }
 """What :func:`check_torch` verifies, by kind; the functions below read only these."""
 
@@ -212,6 +216,45 @@ def mesh_infos(group: Any) -> list[Any]:
 def dim_group_names(mesh: DeviceMesh) -> list[str]:
     """The c10d group names a mesh resolves its dimensions through, at each ``get_group``."""
     return list(_get(mesh, "_dim_group_names"))
+
+
+def set_dim_groups(mesh: DeviceMesh, groups: Sequence[dist.ProcessGroup]) -> None:
+    """Make ``mesh`` resolve its dimensions, in order, through ``groups``: its
+    ``_dim_group_names`` (what ``get_group`` resolves outside ``torch.compile``) and its
+    root mesh's ``_pg_registry`` (what it resolves inside) name them."""
+    names = [g.group_name for g in groups]
+    old = dim_group_names(mesh)
+    if len(old) != len(names):
+        raise TorchPrivateError(f"DeviceMesh has {len(old)} dimension group(s), {len(names)} given")
+    mesh._dim_group_names = names
+    registry = _get(root_mesh(mesh), "_pg_registry")
+    for name in old:
+        registry.pop(name, None)
+    registry.update(zip(names, groups, strict=True))
+
+
+def flattened_dims(mesh: DeviceMesh) -> list[str]:
+    """The names of the dimensions flattened (``_flatten``) from ``mesh``'s root mesh."""
+    return sorted(_get(root_mesh(mesh), "_flatten_mapping"))
+
+
+def set_mesh_info_groups(info: Any) -> None:
+    """Re-read an FSDP2 mesh info's cached groups from its mesh (after
+    :func:`set_dim_groups`): ``shard_process_group`` and, for HSDP,
+    ``replicate_process_group``. A ``reduce_scatter_process_group`` of its own (set by
+    ``set_separate_reduce_scatter_group``) has no dimension to be matched by: refused."""
+    mesh = _get(info, "mesh")
+    shard_dim = getattr(info, "shard_mesh_dim", None)
+    if shard_dim is not None:
+        if _get(info, "reduce_scatter_process_group") is not None:
+            raise TorchPrivateError(
+                "an FSDP2 group reduce-scatters over a separate process group "
+                "(set_separate_reduce_scatter_group): it cannot be regrouped"
+            )
+        info.shard_process_group = mesh.get_group(shard_dim)
+    replicate_dim = getattr(info, "replicate_mesh_dim", None)
+    if replicate_dim is not None:
+        info.replicate_process_group = mesh.get_group(replicate_dim)
 
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -68,16 +68,23 @@ def make_mesh(cfg: str) -> DeviceMesh:
 
 
 def build(
-    cfg: str, mesh: DeviceMesh, *, mp: MixedPrecisionPolicy | None = None, **kw: Any
+    cfg: str,
+    mesh: DeviceMesh,
+    *,
+    mp: MixedPrecisionPolicy | None = None,
+    src_data_rank: int | None = 0,
+    **kw: Any,
 ) -> nn.Module:
-    """``parallelize_module`` on "tp" (2d), then ``fully_shard`` per layer and on the root."""
+    """``parallelize_module`` on "tp" (2d), then ``fully_shard`` per layer and on the root.
+    ``src_data_rank=None``: each rank shards its own copy (the same seed), no scatter: a
+    replacement process builds it alone while the others are not building."""
     torch.manual_seed(0)
     model = Model()
     dp = mesh
     if cfg == "2d":
         for i in range(len(model.layers)):
             plan = {f"layers.{i}.w1": ColwiseParallel(), f"layers.{i}.w2": RowwiseParallel()}
-            parallelize_module(model, mesh["tp"], plan)
+            parallelize_module(model, mesh["tp"], plan, src_data_rank=src_data_rank)
         dp = mesh["dp"]
     elif cfg == "pp":
         dp = mesh["dp"]
