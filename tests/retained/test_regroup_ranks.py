@@ -53,11 +53,9 @@ def check(res: dict[str, Any], victim: int, what: str) -> dict[int, Any]:
     [
         (3, (2, "between")),
         (0, (2, "backward")),
-        (1, (3, "prepared")),
-        (2, (1, "voted")),
-        (3, (2, "undo:4")),
         (0, (3, f"applied:{CHUNKS - 1}")),
-        (0, (2, "ended")),
+        # "prepared", "voted", "undo:<c>", "ended" and every chunk's points: drawn by
+        # the random test below, one per run (each listed here passed once, 12-14 s)
     ],
 )
 def test_a_killed_rank_is_replaced_and_the_survivors_regrouped_bitwise(
