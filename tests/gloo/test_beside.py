@@ -23,6 +23,7 @@ class _Follower:
         self.calls: list[str] = []
         self.plans: list[Plan] = []
         self.release = release
+        self.world_changed = False  # a recovery that reshaped the world keeps no compute
 
     def _follow(self, before_writes: Any = None, *, beside: bool = False) -> None:
         self.calls.append("beside" if beside else "here")
