@@ -13,10 +13,11 @@ from leto.backends.gloo.harness import JobResult
 
 SCRIPT = str(HERE / "scripts" / "replay_train.py")
 STEPS = 8
-# rank 1 dies after its first micro-batch's forward of step 5; ranks 0 and 2 are still
-# inside their compute then (their last micro-batch of step 5 waits 1.5 s first)
+# rank 1 dies after its first micro-batch's forward of step 5; ranks 0 and 2 are
+# inside their compute then (rank 1's first micro-batch waits 0.5 s, so theirs of step 5
+# have begun even on a loaded machine; their last waits 1.5 s first)
 DEATH = [{"kind": "crash", "rank": 1, "step": 5, "phase": "forward"}]
-SLOW = {"SLOW": "0,2:5:1.5"}
+SLOW = {"SLOW": "0,2:5:1.5;1:5:0.5:1"}
 
 
 def _job(run_dir: Path, faults: list[dict[str, object]] | None = None, **env: str) -> JobResult:

@@ -48,9 +48,13 @@ slow = os.environ.get("SLOW", "")
 def step_fn(m, idx):
     step = session.step + 1
     calls[step] = calls.get(step, 0) + 1
-    if slow:
-        ranks, at, seconds = slow.split(":")
-        if os.environ["RANK"] in ranks.split(",") and step == int(at) and calls[step] == MB:
+    for spec in filter(None, slow.split(";")):  # ranks:step:seconds[:micro-batch, 1..MB]
+        ranks, at, seconds, *nth = spec.split(":")
+        if (
+            os.environ["RANK"] in ranks.split(",")
+            and step == int(at)
+            and calls[step] == int(nth[0] if nth else MB)
+        ):
             time.sleep(float(seconds))
     return F.mse_loss(m(X[idx]), Y[idx]) / MB
 
