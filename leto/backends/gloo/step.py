@@ -73,7 +73,7 @@ from .parity_block import ParityBlock
 from .rank_memory import RankMemory
 from .rank_state import RankState
 from .snapshots import Tier2Snapshots
-from .transaction import StepTransaction, prepare_pass
+from .transaction import StepTransaction, first_chunk, prepare_pass
 
 __all__ = ["LoopHost", "UserLoop", "install_unscale_grads", "scaler_update"]
 
@@ -589,7 +589,7 @@ class UserLoop:
         V = session.step + 1
         if V != self.V:
             raise RuntimeError(f"the batch is of step {self.V}, the optimizer is at step {V - 1}")
-        bad = prepare_pass(session, session.local_rank % lay.n_chunks)
+        bad = prepare_pass(session, first_chunk(session.local_rank, lay))
         gdelta = None
         if session.gparity is not None and not session.replica:
             gdelta = as_bytes(lay.grad_buffer).clone()

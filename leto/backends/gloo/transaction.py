@@ -80,7 +80,15 @@ from .replay import Replayer, accumulate, micro, params_digest
 from .snapshots import Tier2Snapshots
 from .stops import StopPoints
 
-__all__ = ["PrepareHost", "Recovered", "StepFn", "StepHost", "StepTransaction", "prepare_pass"]
+__all__ = [
+    "PrepareHost",
+    "Recovered",
+    "StepFn",
+    "StepHost",
+    "StepTransaction",
+    "first_chunk",
+    "prepare_pass",
+]
 
 StepFn = Any  # the user's step function (model, batch) -> loss
 
@@ -158,6 +166,12 @@ class StepHost(Protocol):
     def stops(self) -> StopPoints: ...
     def check_float_mode(self) -> None: ...
     def _log(self, event: str, **kw: Any) -> None: ...
+
+
+def first_chunk(local_rank: int, layout: RetainedLayout) -> int:
+    """The chunk a rank applies first (the members of a node's parity group start at
+    different chunks): PREPARE's pass stages its undo copy, DECIDE keeps it."""
+    return local_rank % layout.n_chunks
 
 
 def prepare_pass(session: PrepareHost, first: int | None = None) -> list[int]:
@@ -581,7 +595,7 @@ class StepTransaction:
         # PREPARE's checksum pass over the chunks runs while the all-reduce is in
         # flight: it reads only the chunks, which nothing writes before APPLY, and a
         # rank mostly waits for the slowest one here (its CPU counts as "allreduce")
-        bad = prepare_pass(session, session.local_rank % lay.n_chunks)
+        bad = prepare_pass(session, first_chunk(session.local_rank, lay))
         try:
             wait_or_abort(
                 work, lambda: session.ch.aborted_since(session.gen), "the gradients were reduced"
@@ -702,7 +716,7 @@ class StepTransaction:
         # the undo copy of the first chunk to apply, in a slot that stays free (a recovery
         # ignores its bytes) until BeginChunk: staged by PREPARE's pass, else made here
         # while the COMMIT is on its way
-        first = m % n
+        first = first_chunk(m, lay)
         session.keeper.check_writer()
         staged = lay.undo.holds_staged(first) or lay.undo.stage(first)
         session.ch.wait_for("commit", (session.gen, V), session.gen)
