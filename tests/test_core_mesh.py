@@ -118,7 +118,8 @@ def test_mixed_node_parity_is_over_the_states_not_the_ranks() -> None:
 
 
 def test_pure_dp_is_all_replicas() -> None:
-    mesh = Mesh(("dp",), (4,), replicate=("dp",), ranks_per_node=2)
+    mesh = Mesh("dp", 4, replicate="dp", ranks_per_node=2)
+    assert mesh == Mesh(("dp",), (4,), replicate=("dp",), ranks_per_node=2)
     pl = place_mesh(mesh)
     assert pl.replicas == ((0, 1, 2, 3),) and t1_members(pl) == {}
     assert decode(pl, lost_blocks(pl, [RankMemory(2)])).order == (

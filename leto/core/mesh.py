@@ -63,13 +63,19 @@ def _str_tuple(value: Any) -> tuple[Any, ...]:
     return tuple(value)
 
 
+def _int_tuple(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
+
+
 @attrs.frozen
 class Mesh:
     """A device mesh as the protection rule sees it: named dimensions and their sizes,
     which of them replicate the state, and how many consecutive ranks share a node."""
 
     dims: tuple[str, ...] = attrs.field(converter=_str_tuple)
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_int_tuple)
     replicate: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     ranks_per_node: int = 1
 
