@@ -42,13 +42,22 @@ holding a copy of the other's snapshot; with ``p = N - 1`` it is full replicatio
 With ``p = 0`` the snapshots have no cross-node parity: they still cover memory losses
 inside a node (including a single-node job), not a node loss.
 
+Replicas
+--------
+Ranks that hold identical state (data parallel; on a device mesh, ranks that differ only
+along a replicate dimension: :mod:`leto.core.mesh`) are listed in
+:attr:`Placement.replicas`. A lost DataBlock with a live replica is copied from it at
+the current step, from its own node or another one: a tier-1 repair whose ``group`` is
+:data:`REPLICA`. :func:`place` lists none; :func:`leto.core.mesh.place_mesh` does.
+
 Decoding
 --------
 A block belonging to several groups holds one *share* (stripe) in each; a group rebuilds
 its missing shares when at most ``tolerance`` (= its number of parity blocks) of its
 blocks are missing. Groups share no share, so peeling finishes in one pass per tier.
-Tier 1 is tried first: if it brings back every lost :class:`DataBlock`, the plan is
-tier 1 (no work lost). Otherwise the plan is a tier-2 rollback, which needs *every*
+Tier 1 is tried first, copies from live replicas and tier-1 groups to a fixpoint (a
+block one brings back can feed the other): if it brings back every lost
+:class:`DataBlock`, the plan is tier 1 (no work lost). Otherwise the plan is a tier-2 rollback, which needs *every*
 node's snapshot (present, or rebuilt from its stripes), since every rank restores its
 snapshot, not only the ones that lost memory; failing that, tier 3. Tier 1 and tier 2
 never feed each other: the snapshot holds an older step than the live data. A tier-2
@@ -88,16 +97,19 @@ __all__ = [
     "Placement",
     "RankMemory",
     "BlockRepair",
+    "REPLICA",
     "Tier1Parity",
     "Tier2Parity",
     "SnapshotBlock",
     "Topology",
+    "check_tier2",
     "coverage",
     "decode",
     "lost_blocks",
     "place",
     "placement_graph",
     "replay",
+    "tier2_stripes",
 ]
 
 
@@ -317,6 +329,14 @@ def _group_tuple(value: Iterable[Group]) -> tuple[Group, ...]:
     return tuple(value)
 
 
+def _classes(value: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(sorted(tuple(sorted(cls)) for cls in value))
+
+
+# The ``group`` of a :class:`BlockRepair` that copies a DataBlock from a live replica.
+REPLICA = "replica"
+
+
 @attrs.frozen
 class Placement:
     """Where every block lives and which groups protect it.
@@ -328,11 +348,23 @@ class Placement:
     topology: Topology
     groups: tuple[Group, ...] = attrs.field(converter=_group_tuple)
     snapshots: bool = False
+    replicas: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_classes)
 
     def __attrs_post_init__(self) -> None:
         names = [g.name for g in self.groups]
         if len(set(names)) != len(names):
             raise ValueError(f"Placement: group names must be unique, got {names}")
+        if REPLICA in names:
+            raise ValueError(f"Placement: {REPLICA!r} names the copies from a replica, not a group")
+        seen_ranks: set[int] = set()
+        for cls in self.replicas:
+            if len(cls) < 2:
+                raise ValueError(f"Placement: a replica class needs two ranks or more, got {cls}")
+            for rank in cls:
+                self.topology._check_rank(rank)
+                if rank in seen_ranks:
+                    raise ValueError(f"Placement: rank {rank} is in two replica classes")
+                seen_ranks.add(rank)
         parity_seen: set[Block] = set()
         tier1_seen: set[Block] = set()
         for group in self.groups:
@@ -349,6 +381,14 @@ class Placement:
                     tier1_seen.add(block)
             elif not self.snapshots:
                 raise ValueError(f"Placement: tier-2 group {group.name!r} needs snapshots=True")
+
+    def replicas_of(self, rank: int) -> tuple[int, ...]:
+        """The other ranks that hold the same state as ``rank`` (sorted; () if none)."""
+        self.topology._check_rank(rank)
+        for cls in self.replicas:
+            if rank in cls:
+                return tuple(r for r in cls if r != rank)
+        return ()
 
     def holder(self, block: Block) -> int:
         """The node whose memory holds ``block``."""
@@ -393,15 +433,8 @@ def place(
     """
     if not isinstance(topology, Topology):
         raise TypeError(f"place: topology must be a Topology, got {topology!r}")
-    if not isinstance(tier2_parity, int) or isinstance(tier2_parity, bool) or tier2_parity < 0:
-        raise ValueError(f"place: tier2_parity must be an int >= 0, got {tier2_parity!r}")
     nodes = topology.nodes
-    if tier2 and tier2_parity >= nodes:
-        raise ValueError(
-            f"place: tier2_parity={tier2_parity} must be smaller than the number of nodes "
-            f"({nodes}): a node cannot protect its own snapshot against its own loss "
-            f"(use tier2_parity=0, or tier2=False)"
-        )
+    check_tier2("place", nodes, tier2, tier2_parity)
     groups: list[Group] = []
     if tier1:
         for n in range(nodes):
@@ -413,18 +446,38 @@ def place(
                     parity=(Tier1Parity(n),),
                 )
             )
-    if tier2 and tier2_parity > 0:
-        for s in range(nodes):
-            holders = [(s + j) % nodes for j in range(tier2_parity)]
-            groups.append(
-                Group(
-                    name=f"t2/s{s}",
-                    tier=2,
-                    members=tuple(SnapshotBlock(n) for n in range(nodes) if n not in holders),
-                    parity=tuple(Tier2Parity(s, h) for h in holders),
-                )
-            )
+    if tier2:
+        groups.extend(tier2_stripes(nodes, tier2_parity))
     return Placement(topology=topology, groups=tuple(groups), snapshots=tier2)
+
+
+def check_tier2(where: str, nodes: int, tier2: bool, tier2_parity: int) -> None:
+    """Refuse a ``tier2_parity`` that is not an int >= 0, or that is not smaller than the
+    number of nodes while tier 2 is on."""
+    if not isinstance(tier2_parity, int) or isinstance(tier2_parity, bool) or tier2_parity < 0:
+        raise ValueError(f"{where}: tier2_parity must be an int >= 0, got {tier2_parity!r}")
+    if tier2 and tier2_parity >= nodes:
+        raise ValueError(
+            f"{where}: tier2_parity={tier2_parity} must be smaller than the number of nodes "
+            f"({nodes}): a node cannot protect its own snapshot against its own loss "
+            f"(use tier2_parity=0, or tier2=False)"
+        )
+
+
+def tier2_stripes(nodes: int, tier2_parity: int) -> list[Group]:
+    """The rotated tier-2 stripes over ``nodes`` nodes' snapshots (none for parity 0)."""
+    groups = []
+    for s in range(nodes if tier2_parity > 0 else 0):
+        holders = [(s + j) % nodes for j in range(tier2_parity)]
+        groups.append(
+            Group(
+                name=f"t2/s{s}",
+                tier=2,
+                members=tuple(SnapshotBlock(n) for n in range(nodes) if n not in holders),
+                parity=tuple(Tier2Parity(s, h) for h in holders),
+            )
+        )
+    return groups
 
 
 def placement_graph(placement: Placement) -> Any:
@@ -477,7 +530,9 @@ class BlockRepair:
 
     A tier-2 repair of a :class:`DataBlock` is a *restore*: ``group`` is
     ``"restore/n<node>"`` and the only source is the node's whole (rebuilt)
-    :class:`SnapshotBlock`.
+    :class:`SnapshotBlock`. A tier-1 repair with ``group`` :data:`REPLICA` is a *copy*:
+    the only source is the DataBlock of a live replica (a rank holding the same state,
+    :attr:`Placement.replicas`), on the block's node or another one.
     """
 
     block: Block
@@ -489,13 +544,17 @@ class BlockRepair:
     def is_restore(self) -> bool:
         return isinstance(self.block, DataBlock) and self.tier == 2
 
+    @property
+    def is_copy(self) -> bool:
+        return self.group == REPLICA
+
 
 @attrs.frozen
 class DecodePlan:
     """What a set of lost blocks costs, and how to rebuild what can be rebuilt.
 
     ``tier``: 0 nothing lost; 1 every lost DataBlock comes back at the current step
-    (through tier-1 parity; lost redundancy blocks are rebuilt where their groups allow,
+    (through tier-1 parity or a copy from a live replica; lost redundancy blocks are rebuilt where their groups allow,
     the rest is listed in ``unrecoverable`` for the caller to re-encode); 2 some lost
     DataBlock needs the tier-2 snapshot, and every node's snapshot is available, so every
     rank rolls back to the snapshot step (the caller does that; ``order`` restores the
@@ -534,6 +593,33 @@ def _repair_groups(
     return broken
 
 
+def _tier1_repairs(
+    placement: Placement, groups: list[Group], lost: frozenset[Block], out: list[BlockRepair]
+) -> set[Block]:
+    """Repairs at the current step, to a fixpoint: a lost DataBlock copied from a live
+    replica (one on its own node first), then every decodable tier-1 group; a block one
+    brings back can be the source of the other (two replicas of a node both lost: parity
+    rebuilds the one in the group, the other copies it). Returns what is still missing."""
+    missing = set(lost)
+    progress = True
+    while progress:
+        progress = False
+        for block in sorted(b for b in missing if isinstance(b, DataBlock)):
+            node = placement.holder(block)
+            live = [q for q in placement.replicas_of(block.rank) if DataBlock(q) not in missing]
+            if live:
+                source = min(live, key=lambda q: (placement.topology.node_of(q) != node, q))
+                out.append(BlockRepair(block, 1, REPLICA, (DataBlock(source),)))
+                missing.discard(block)
+                progress = True
+        before = len(out)
+        _repair_groups(groups, frozenset(missing), out)
+        for repair in out[before:]:
+            missing.discard(repair.block)
+            progress = True
+    return missing
+
+
 def decode(placement: Placement, lost: frozenset[Block]) -> DecodePlan:
     """Decide the tier a set of lost blocks costs and an executable repair order."""
     known = set(placement.blocks())
@@ -550,10 +636,9 @@ def decode(placement: Placement, lost: frozenset[Block]) -> DecodePlan:
     tier2_groups = [g for g in placement.groups if g.tier == 2]
 
     order: list[BlockRepair] = []
-    t1_broken = _repair_groups(tier1_groups, lost, order)
-    in_tier1 = {b for g in tier1_groups for b in g.members}
+    t1_missing = _tier1_repairs(placement, tier1_groups, lost, order)
     lost_data = sorted(b for b in lost if isinstance(b, DataBlock))
-    need_tier2 = [b for b in lost_data if b not in in_tier1 or b in t1_broken]
+    need_tier2 = [b for b in lost_data if b in t1_missing]
 
     t2_order: list[BlockRepair] = []
     t2_broken = _repair_groups(tier2_groups, lost, t2_order)
@@ -621,6 +706,21 @@ def replay(
         block = repair.block
         if block not in shares:
             raise ValueError(f"{where}: block is not part of this placement")
+        if repair.is_copy:
+            (source,) = repair.sources if len(repair.sources) == 1 else (None,)
+            if not (
+                isinstance(block, DataBlock)
+                and isinstance(source, DataBlock)
+                and repair.tier == 1
+                and source.rank in placement.replicas_of(block.rank)
+            ):
+                raise ValueError(f"{where}: a copy reads one replica of the block's rank")
+            if not whole(source):
+                raise ValueError(f"{where}: source {source!r} is not available")
+            if whole(block):
+                raise ValueError(f"{where}: block is not missing")
+            available.update((block, s) for s in shares[block])
+            continue
         if repair.is_restore:
             node = placement.holder(block)
             if repair.group != _restore_group(node) or repair.sources != (SnapshotBlock(node),):
@@ -708,7 +808,8 @@ class CoverageReport:
         lines = [
             f"erasure coverage: {topo.nodes} node(s) ({sizes} ranks), "
             f"tier 1 {'on' if pl.tier1 else 'off'}, tier 2 {t2}, "
-            f"patterns of up to {self.max_failures} failure(s)",
+            + (f"{len(pl.replicas)} replica class(es), " if pl.replicas else "")
+            + f"patterns of up to {self.max_failures} failure(s)",
             f"{'failures':>8}  {'patterns':>8}  {'tier 1':>6}  {'tier 2':>6}  {'tier 3':>6}",
         ]
 

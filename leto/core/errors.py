@@ -21,3 +21,8 @@ class ProtocolError(Exception):
         state_name = getattr(state, "name", state)
         detail = f": {why}" if why else ""
         super().__init__(f"{machine}: event {event!r} is illegal in state {state_name}{detail}")
+
+
+class StepAgreementError(ValueError):
+    """The ranks' reports of their retained step cannot be agreed on
+    (:func:`leto.core.steps.agree_step`): one line naming the steps reported."""

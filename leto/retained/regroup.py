@@ -20,7 +20,9 @@ taking the dead rank's. The private attributes are those of
 :mod:`~leto.retained.torch_private`. Found by ``docs/research/fsdp2/proto_regroup.py``.
 
 :func:`agree_step` is the rule the ranks apply after regrouping to end an interrupted
-retained step all alike (rolled back, or forward where every rank sealed its gradients).
+retained step all alike (rolled back, or forward where every rank sealed its gradients);
+a pure protocol rule, it lives in the core (:mod:`leto.core.steps`) and is re-exported
+here.
 """
 
 from __future__ import annotations
@@ -35,11 +37,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from leto.core.steps import StepAgreementError, StepReport, agree_step
+
 from . import torch_private as private
 
 __all__ = [
     "RegroupError",
     "Regrouped",
+    "StepAgreementError",
     "StepReport",
     "agree_step",
     "mesh_groups",
@@ -149,37 +154,3 @@ def regroup(
     for info in infos:
         private.set_mesh_info_groups(info)
     return Regrouped(meshes=len(found), mesh_infos=len(infos))
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """One rank's retained step after a failure: the step its chunks are committed at
-    (``version``) and the step whose gradients it sealed last (``prepared``)."""
-
-    version: int
-    prepared: int
-
-
-def agree_step(reports: Sequence[StepReport]) -> int:
-    """The step every rank ends at, ``v`` being the highest committed step: ``v`` when a
-    rank is behind at ``v - 1`` (it rolls forward, its gradients of ``v`` sealed); ``v + 1``
-    when every rank is at ``v`` and sealed the gradients of ``v + 1`` (all roll forward);
-    else ``v`` (each rank rolls back what it prepared beyond).
-
-    A rank begins applying a step only once every rank sealed its gradients (the
-    caller's vote), so a rank behind another always has them sealed; anything else is
-    refused."""
-    if not reports:
-        raise RegroupError("no rank reported its step")
-    top = max(r.version for r in reports)
-    behind = [r for r in reports if r.version < top]
-    if any(r.version < top - 1 or r.prepared != top for r in behind):
-        raise RegroupError(
-            f"ranks at steps {sorted({r.version for r in reports})} cannot agree: "
-            f"a rank behind step {top} has not sealed its gradients"
-        )
-    if behind:
-        return top
-    if all(r.prepared == top + 1 for r in reports):
-        return top + 1
-    return top

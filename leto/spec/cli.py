@@ -1,7 +1,8 @@
 """``leto spec check``: the verification ladder in one command.
 
 TLC on the TLA+ model-checking configs, the explicit-state checker on the Python
-core, and every mutant through both. Prints a summary, or with ``--json`` one JSON
+core, and every mutant through both; with the default configs, also TLC on the side
+modules (:data:`SIDE_SPECS`: one rule each, e.g. ``Mesh.tla``) and their mutants. Prints a summary, or with ``--json`` one JSON
 object. TLC needs Java and ``tla2tools.jar``: without them the command stops with
 one line that says so (exit status 2), unless ``--skip-tlc`` says to check without
 TLC; a check that did not run is never reported as passed.
@@ -28,6 +29,24 @@ LIVENESS_CONFIG = "MCLetoLiveness.cfg"
 # catches them with its "Bounded" check): mutant -> what TLC must report violated in
 # MCLeto_<mutant>.cfg
 TEMPORAL_MUTANTS = {"no_timeout": "Liveness"}
+# Side modules, each one rule checked in full in a few seconds, run with the default
+# configs: module -> (config, the invariants TLC must report violated: () for a config
+# that must pass; a mutant's, or a reachability check's, otherwise)
+SIDE_SPECS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "Replay.tla": (
+        ("MCReplay.cfg", ()),
+        ("MCReplay_out_of_order.cfg", ("ReplayOK",)),
+        ("MCReplay_own_rng.cfg", ("ReplayOK",)),
+        ("MCReplay_stale_params.cfg", ("ReplayOK",)),
+    ),
+    "Mesh.tla": (
+        ("MCMesh.cfg", ()),
+        ("MCMesh_double.cfg", ()),
+        ("MCMesh_reach.cfg", ("NoNodeLossAtTier1",)),
+        ("MCMesh_parity_over_replicas.cfg", ("Promise",)),
+        ("MCMesh_replica_on_own_node.cfg", ("Promise",)),
+    ),
+}
 
 _CFG_KEYWORDS = {
     "SPECIFICATION", "INIT", "NEXT", "CONSTANT", "CONSTANTS", "INVARIANT", "INVARIANTS",
@@ -130,11 +149,13 @@ def validate_cfg(path: Path) -> None:
         raise SpecInputError(f"config {path}: names neither SPECIFICATION nor INIT")
 
 
-def _tlc(cfg: Path, spec_dir: Path, workers: int, timeout: float) -> dict[str, Any]:
+def _tlc(
+    cfg: Path, spec_dir: Path, workers: int, timeout: float, spec: str = "MCLeto.tla"
+) -> dict[str, Any]:
     from leto.spec import tlc
 
     try:
-        res = tlc.run_tlc(cfg, spec_dir=spec_dir, workers=workers, timeout=timeout)
+        res = tlc.run_tlc(cfg, spec=spec, spec_dir=spec_dir, workers=workers, timeout=timeout)
     except tlc.TLCNotAvailable as exc:
         raise SpecInputError(f"TLC cannot run: {exc}") from None
     if res.error:
@@ -175,6 +196,8 @@ def run_checks(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         "tlc_skipped": None if run_tlc else "--skip-tlc",
         "core": {},
         "mutants": {},
+        "side": [],
+        "side_failed": 0,
     }
     started = time.monotonic()
     if run_tlc:
@@ -187,6 +210,8 @@ def run_checks(args: argparse.Namespace, log: Any) -> dict[str, Any]:
                 f"  {r['distinct_states']} distinct states, {len(r['violations'])} violations, {r['seconds']} s"
             )
         out["tlc_distinct_states"] = out["tlc"][0]["distinct_states"]
+        if not args.config:
+            _side_specs(args, spec_dir, log, out)
     if not args.skip_core:
         report = check_core(on_config=lambda name: log(f"core checker: {name} ..."))
         out["core_states"] = report.states
@@ -230,6 +255,24 @@ def run_checks(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     return out
 
 
+def _side_specs(args: argparse.Namespace, spec_dir: Path, log: Any, out: dict[str, Any]) -> None:
+    """TLC on every side module's configs (its mutants unless --skip-mutants); a run
+    fails where its violations are not exactly the expected ones."""
+    for module, runs in SIDE_SPECS.items():
+        for name, expected in runs:
+            if expected and args.skip_mutants:
+                continue
+            cfg = spec_dir / name
+            validate_cfg(cfg)
+            log(f"TLC {module} {name} ...")
+            r = _tlc(cfg, spec_dir, args.workers, args.timeout, spec=module)
+            r.update(module=module, expected=list(expected))
+            r["ok"] = r["violations"] == list(expected)
+            out["side"].append(r)
+            out["side_failed"] += int(not r["ok"])
+            log(f"  {r['distinct_states']} distinct states, violations {r['violations']}")
+
+
 def _summary(out: dict[str, Any]) -> str:
     lines = ["leto spec check"]
     if out["tlc_skipped"]:
@@ -238,6 +281,13 @@ def _summary(out: dict[str, Any]) -> str:
         lines.append(
             f"  TLC {r['config']}: {r['distinct_states']} distinct states, "
             f"violations {r['violations'] or 'none'} ({r['seconds']} s)"
+        )
+    for r in out["side"]:
+        want = f"must violate {r['expected']}" if r["expected"] else "must pass"
+        lines.append(
+            f"  TLC {r['module']} {r['config']}: {r['distinct_states']} distinct states, "
+            f"violations {r['violations'] or 'none'} ({want}: {'ok' if r['ok'] else 'FAILED'}, "
+            f"{r['seconds']} s)"
         )
     if out["core_states"] is not None:
         lines.append(f"  core checker: {out['core_states']} states over {len(out['core'])} configs")
@@ -304,5 +354,6 @@ def run(args: argparse.Namespace) -> int:
         out["violations"] == 0
         and not out["unreached_sometimes"]
         and out["mutants_caught"] == out["mutants_total"]
+        and out["side_failed"] == 0
     )
     return 0 if ok else 1

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from dtensor_cases import build
 from torch.distributed.device_mesh import init_device_mesh
 
+from leto.core.steps import StepAgreementError
 from leto.retained import torch_private as private
 from leto.retained.regroup import RegroupError, StepReport, agree_step, mesh_groups, regroup
 
@@ -34,7 +35,7 @@ def test_agree_step(reports: list[StepReport], target: int) -> None:
     "reports", [[], [R(1, 1), R(2, 2)], [R(0, 1), R(2, 2)], [R(1, 2), R(2, 3), R(3, 3)]]
 )
 def test_agree_step_refuses_ranks_that_cannot_agree(reports: list[StepReport]) -> None:
-    with pytest.raises(RegroupError):
+    with pytest.raises(StepAgreementError):
         agree_step(reports)
 
 
