@@ -172,6 +172,14 @@ def check_spec(cmd: str, tmp_path: Path) -> None:
     assert main is not None and int(main.group(1)) > 10_000, out[-2000:]
     live = re.search(r"TLC MCLetoLiveness\.cfg: (\d+) distinct states, violations none", out)
     assert live is not None and int(live.group(1)) > 5_000, out[-2000:]
+    # the side modules (Replay.tla, Mesh.tla): each config passes or is caught as it must
+    from leto.spec.cli import SIDE_SPECS
+
+    side = re.findall(
+        r"^  TLC (\w+\.tla) (\S+): \d+ distinct states, .*\((.*?): (ok|FAILED), ", out, re.M
+    )
+    assert len(side) == sum(map(len, SIDE_SPECS.values())), out[-3000:]
+    assert all(verdict == "ok" for *_, verdict in side), side
     assert "unreached 'sometimes' properties: none" in out, out[-2000:]
     assert "reached where forbidden (leto.core.verify.NEVER): none" in out, out[-2000:]
     # the core's explicit-state check, every configuration (its one run in the tests)
