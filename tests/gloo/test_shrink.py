@@ -136,6 +136,27 @@ def test_a_3_node_job_shrinks_to_2_in_place_and_grows_back_to_3_bitwise(tag: str
     assert digests_equal(res, ref), f"not bitwise the 3-2-3 run: {res.digests} {ref.digests}"
 
 
+def test_a_lost_middle_node_shrinks_in_place_its_successors_renumbered_bitwise(tag: str) -> None:
+    """3 nodes (``--nnodes 2:3``), node 1 (the middle one) lost at step 7 with no spare:
+    node 2 becomes node 1 and its rank 2 rank 1, in place (its trainer's process kept,
+    its part of the global batch now rank 1's). Bitwise the failure-free 3-then-2 run,
+    and not the fixed 3-node run."""
+    extra = ["--nnodes", "2:3", *ELASTIC[2:]]
+    res = job(Path(tag) / "middle", nnodes=1, nproc=1, steps=STEPS, env=_env(tag, "ckpt"),
+              faults=[{**LOSS[0], "rank": 1}], respawn=False, spare_agents=2, timeout=150.0,
+              extra=extra)  # fmt: skip
+    assert res.ok, explain(res)
+    (shrink,) = res.of("world_shrink")
+    assert (shrink["lost"], shrink["ranks"], shrink["renumbered"]) == ([1], [0, 2], {"2": 1})
+    _in_place(res, was=3, left=2, step=6)
+    started = [(e["rank"], e["pid"]) for e in res.of("process_started") if e["role"] == "trainer"]
+    assert sorted(r for r, _ in started) == [0, 1, 2], f"a trainer (re)started: {started}"
+    ref = _schedule(tag, [(3, 0), (2, 6)], STEPS)
+    assert digests_equal(res, ref), f"not bitwise the 3-then-2 run: {res.digests} {ref.digests}"
+    fixed = job(Path(tag) / "fixed3", nnodes=3, nproc=1, steps=STEPS, env=_env(tag, "f-ckpt"))
+    assert not digests_equal(res, fixed), "the schedule made no difference: the check is vacuous"
+
+
 # --- in process: the coordinator's decisions (leto.core.world through Coordinator) ----
 
 

@@ -748,27 +748,52 @@ def replica_checks(c: Coordinator) -> ReplicaChecks:
 
 
 def shrink_in_place(c: Coordinator, lost: list[int], left: int) -> None:
-    """The core shrank the world (:func:`leto.core.world.decide`) and the lost nodes are
-    the last ones: the job goes on in place (:mod:`leto.core.reshape`). The recovery
-    under way ends in the change; the keepers are fenced at a new generation; every
-    surviving trainer rolls to the committed step, forms the new world's groups and says
-    ready again (:class:`~.messages.Reshape`), and the new world's model starts from the
-    old one's state there (:meth:`Coordinator._on_ready`). No process restarts, nothing
-    is read from disk, no committed step is lost."""
+    """The core shrank the world (:func:`leto.core.world.decide`): the job goes on in
+    place (:mod:`leto.core.reshape`). The recovery under way ends in the change; the
+    keepers are fenced at a new generation; the nodes after a lost one are renumbered,
+    their ranks with them (:func:`leto.core.reshape.survivors`: here at once, in each
+    agent and trainer as the :class:`~.messages.Reshape` reaches it); every surviving
+    trainer rolls to the committed step, takes its new rank, forms the new world's
+    groups and says ready again, and the new world's model starts from the old one's
+    state there (:meth:`Coordinator._on_ready`). No process restarts, nothing is read
+    from disk, no committed step is lost."""
     s = c.state
     assert s is not None
     nodes, per_node = c.topology.nodes, c.W // c.topology.nodes
     kept = reshape.survivors(nodes, per_node, frozenset(lost))
     gen, step = s.gen + 1, s.committed
+    moved = {n: reshape.renumbered(n, frozenset(lost)) for n in range(nodes) if n not in lost}
     c.log.write(
         "world_shrink", nodes=left, lost=lost, was=nodes, in_place=True, step=step,
         generation=gen, ranks=list(kept),
+        renumbered={str(n): m for n, m in moved.items() if n != m},
     )  # fmt: skip
     for n in lost:
         c.nodes_lost_at.pop(n, None)
+    _renumber(c, moved, per_node)
     _new_world(c, left, gen)
     c.send(None, M.Fence(gen=gen))  # the keepers first: the trainers join gen
-    c.send(None, M.Reshape(gen=gen, step=step, nodes=left))
+    c.send(None, M.Reshape(gen=gen, step=step, nodes=left, lost=lost))
+
+
+def _renumber(c: Coordinator, moved: dict[int, int], per_node: int) -> None:
+    """What the coordinator keeps by node or by rank, renumbered for the new world
+    (``moved``: each surviving node's new index); the lost nodes' entries go."""
+
+    def rank(r: int) -> int | None:
+        n = moved.get(r // per_node)
+        return None if n is None else n * per_node + r % per_node
+
+    c.nodes_up = {moved[n] for n in c.nodes_up if n in moved}
+    c.finished_nodes = {moved[n] for n in c.finished_nodes if n in moved}
+    c.nodes_lost_at = {moved[n]: t for n, t in c.nodes_lost_at.items() if n in moved}
+    hosts = c.exclusions.hosts
+    c.exclusions.hosts = {moved[n]: h for n, h in hosts.items() if n in moved}
+    pids, degraded = dict(c.driver.pids), dict(c.degraded)
+    c.driver.pids.clear()
+    c.driver.pids.update({r2: v for r, v in pids.items() if (r2 := rank(r)) is not None})
+    c.degraded = {r2: v for r, v in degraded.items() if (r2 := rank(r)) is not None}
+    c.shadow_pending = [(r2, st) for r, st in c.shadow_pending if (r2 := rank(r)) is not None]
 
 
 def _new_world(c: Coordinator, nodes: int, gen: int) -> None:
@@ -887,7 +912,7 @@ def resize(c: Coordinator, timed_out: bool, now: float) -> bool:
     nodes = c.topology.nodes
     left = len(world.step(s, e).members)
     lost = sorted(map(int, s.lost)) if isinstance(e, world.Shrink) else []
-    if lost and lost == list(range(left, nodes)) and c.state is not None:
+    if lost and 0 not in lost and c.state is not None:
         shrink_in_place(c, lost, left)
         return True
     if isinstance(e, world.Grow) and c.state is not None:
