@@ -1,14 +1,15 @@
 """Shrink instead of stopping, and grow back, in place (issue 43 part 3): an elastic job
-(``--nnodes 1:2`` or ``2:3``) loses its last node and no spare comes within the spare
-timeout; the core shrinks the world (``leto.core.world.decide``) and the surviving
-trainers go on in place (``leto.core.reshape``: no process restarted, nothing read from
-disk, the step in flight the one step trained again). A spare that joins later grows it
-back in place (the 3-node test), its state copied from rank 0. Each run ends bitwise equal to the
-failure-free run of the same world-size schedule (e.g. 2 nodes to step 6, 1 node from
-step 7, and 2 again from the step the grow happened at), made of failure-free jobs
+(``--nnodes 1:2`` or ``2:3``) loses a node (its last, or a middle one) and no spare
+comes within the spare timeout; the core shrinks the world (``leto.core.world.decide``)
+and the surviving trainers go on in place (``leto.core.reshape``: no process restarted,
+nothing read from disk, the step in flight the one step trained again; a node after the
+lost one renumbered, its rank 2 becoming rank 1). A spare that joins later grows it back
+in place (the 3-node test), its state copied from rank 0. Each run ends bitwise equal to
+the failure-free run of the same world-size schedule (e.g. 2 nodes to step 6, 1 node
+from step 7, and 2 again from the step the grow happened at), made of failure-free jobs
 resumed from a checkpoint at the changes (the checkpoints serve only the references).
-A lost node that is not the last still shrinks by a restart from the checkpoint (in
-process below)."""
+A lost node 0 (a coordinator elected elsewhere) still shrinks by a restart from the
+checkpoint (in process below)."""
 
 from __future__ import annotations
 
@@ -151,9 +152,15 @@ def test_a_lost_middle_node_shrinks_in_place_its_successors_renumbered_bitwise(t
     _in_place(res, was=3, left=2, step=6)
     started = [(e["rank"], e["pid"]) for e in res.of("process_started") if e["role"] == "trainer"]
     assert sorted(r for r, _ in started) == [0, 1, 2], f"a trainer (re)started: {started}"
-    ref = _schedule(tag, [(3, 0), (2, 6)], STEPS)
+    # one job less than _schedule: the fixed 3-node run's only checkpoint (but its start's)
+    # is step 6's, which the 2-node part of the reference resumes from
+    env = {**_env(tag, "ref-ckpt"), "CKPT_EVERY": "6"}
+    fixed = job(Path(tag) / "fixed3", nnodes=3, nproc=1, steps=STEPS, env=env)
+    assert fixed.ok, explain(fixed)
+    ref = job(Path(tag) / "ref-2", nnodes=2, nproc=1, steps=STEPS, env=env,
+              extra=["--resume", env["CKPT"]])  # fmt: skip
+    assert ref.ok and [e["start"] for e in ref.of("core_init")] == [6], explain(ref)
     assert digests_equal(res, ref), f"not bitwise the 3-then-2 run: {res.digests} {ref.digests}"
-    fixed = job(Path(tag) / "fixed3", nnodes=3, nproc=1, steps=STEPS, env=_env(tag, "f-ckpt"))
     assert not digests_equal(res, fixed), "the schedule made no difference: the check is vacuous"
 
 
@@ -181,7 +188,8 @@ def test_the_spare_timeout_shrinks_a_world_above_min_in_place_and_tells_every_no
         sent = [m.to_wire() for n, m in h.c.outbox if n is None]
         gen = shrink["generation"]
         assert [m["t"] for m in sent] == ["fence", "reshape"], sent
-        assert sent[1] == {"t": "reshape", "gen": gen, "step": 1, "nodes": 2, "grow": False}
+        want = {"t": "reshape", "gen": gen, "step": 1, "nodes": 2, "grow": False, "lost": [2]}
+        assert sent[1] == want, sent
         assert sent[0]["gen"] == gen and (h.c.W, h.c.topology.nodes, h.c.model) == (2, 2, None)
         for r in range(2):  # the survivors say ready again: the new world's model
             h.send(0, ready(r, gen=gen, start=1, checkpoint=ckpt))
@@ -196,11 +204,43 @@ def test_the_spare_timeout_shrinks_a_world_above_min_in_place_and_tells_every_no
         assert replay(enumerate(h.log.records, 1)).divergence is None
 
 
-def test_a_middle_node_lost_shrinks_by_a_restart_and_below_min_the_job_stops_in_one_line() -> None:
-    h = _lose_one(3, 2, 3, node=1, checkpoint=True)  # not the last: renumbering is a restart
-    assert h.c.restart == Restart(1, 1, 2), h.c.restart  # needs no --max-restarts
+def test_a_middle_node_lost_shrinks_in_place_renumbering_and_below_min_stops_in_one_line() -> None:
+    h = Harness(nodes=3, per_node=2, spare_timeout=5.0, nodes_range=(2, 3))
+    h.step(1)
+    h.c.driver.pids.update({r: 100 + r for r in range(6)})
+    h.c.degraded[5] = "no skeleton"
+    h.c.node_down(1, h.now)
+    h.c.outbox.clear()
+    h.c.tick(h.now + 6.0)  # no checkpoint needed: in place
+    assert h.c.failed is None and h.c.restart is None, h.c.failed
     (shrink,) = h.events("world_shrink")
-    assert (shrink["nodes"], shrink["lost"], shrink["was"]) == (2, [1], 3)
+    assert (shrink["nodes"], shrink["lost"], shrink["was"], shrink["in_place"]) == (2, [1], 3, True)
+    assert (shrink["ranks"], shrink["renumbered"]) == ([0, 1, 4, 5], {"2": 1}), shrink
+    gen = shrink["generation"]
+    sent = [m.to_wire() for n, m in h.c.outbox if n is None]
+    assert sent[1] == {
+        "t": "reshape",
+        "gen": gen,
+        "step": 1,
+        "nodes": 2,
+        "grow": False,
+        "lost": [1],
+    }
+    # what the coordinator keeps by node or rank follows node 2 to its new number
+    assert (h.c.nodes_up, h.c.topology.nodes, h.c.W) == ({0, 1}, 2, 4)
+    assert h.c.driver.pids == {0: 100, 1: 101, 2: 104, 3: 105} and h.c.degraded == {
+        3: "no skeleton"
+    }
+    for r in range(4):  # the survivors, renumbered, say ready again: the new world's model
+        h.send(r // 2, ready(r, gen=gen, start=1))
+    s = h.c.state
+    assert s is not None and (s.gen, s.committed, s.step) == (gen, 1, (1, 1, 1, 1))
+    assert replay(enumerate(h.log.records, 1)).divergence is None
+    h = _lose_one(3, 2, 3, node=0, checkpoint=True)  # node 0 (a coordinator elected elsewhere)
+    assert h.c.restart == Restart(1, 1, 2), h.c.restart  # a restart: needs no --max-restarts
+    (shrink,) = h.events("world_shrink")
+    assert (shrink["nodes"], shrink["lost"], shrink["was"]) == (2, [0], 3)
+    assert "in_place" not in shrink
     fail = [m.to_wire() for n, m in h.c.outbox if n is None and m.to_wire()["t"] == "fail"]
     assert fail and (fail[0]["restart"], fail[0]["nodes"]) == (1, 2), fail
     assert h.c.state is not None and h.c.state.phase is Phase.FAILED  # the core's GiveUp
@@ -209,7 +249,7 @@ def test_a_middle_node_lost_shrinks_by_a_restart_and_below_min_the_job_stops_in_
         ({"lo": 2, "node": -1, "checkpoint": True}, "1 node(s) left, fewer than --nnodes 2:3"),
         (
             {"lo": 1, "node": 0, "checkpoint": False},
-            "in place only when the lost nodes are the last",
+            "in place unless node 0 is among the lost nodes",
         ),
     ]:
         lo = opts.pop("lo")
@@ -250,7 +290,7 @@ def test_a_spare_joining_a_world_below_max_grows_it_in_place_between_steps() -> 
     out = h.send(2, {"t": "promoted", "rank": 2, "gen": gen})
     assert [m for _, m in out] == [
         {"t": "fence", "gen": gen, "kill": []},
-        {"t": "reshape", "gen": gen, "step": 1, "nodes": 3, "grow": True},
+        {"t": "reshape", "gen": gen, "step": 1, "nodes": 3, "grow": True, "lost": []},
     ], out
     for r in range(3):
         h.send(r, ready(r, gen=gen, start=1, checkpoint=True))

@@ -891,8 +891,8 @@ def no_shrink(c: Coordinator) -> str:
         return f"; --nnodes {lo}:{hi} does not shrink sharded state (shard = true)"
     if not c.info.get("checkpoint"):
         return (
-            f"; --nnodes {lo}:{hi} shrinks in place only when the lost nodes are the "
-            "last ones, else only a job with a checkpoint_dir"
+            f"; --nnodes {lo}:{hi} shrinks in place unless node 0 is among the lost "
+            "nodes, and then only a job with a checkpoint_dir (by a restart)"
         )
     left = c.topology.nodes - len(c.nodes_lost_at.keys() - c.nodes_up)
     return f"; {left} node(s) left, fewer than --nnodes {lo}:{hi} allows"
@@ -902,8 +902,11 @@ def resize(c: Coordinator, timed_out: bool, now: float) -> bool:
     """Does the core change the world (:func:`leto.core.world.decide`)? A shrink
     (the spare timeout passed with no replacement, at least MIN nodes left) or a
     grow (a spare in the pool while the world is below MAX, training running): the
-    job goes on, on the nodes of the new world, as an incarnation of the job from
-    its latest checkpoint (see docs/gloo.md, "Shrink and grow back")."""
+    job goes on, on the nodes of the new world, in place (:func:`shrink_in_place`,
+    the nodes after a lost one renumbered; :func:`grow_in_place`), or where node 0
+    was lost (a coordinator elected elsewhere: it renumbers no node) as an
+    incarnation of the job from its latest checkpoint (see docs/gloo.md, "Shrink
+    and grow back")."""
     s = _world(c)
     e = world.decide(s, timed_out) if s is not None else None
     if s is None or not isinstance(e, (world.Shrink, world.Grow)):

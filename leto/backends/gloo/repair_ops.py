@@ -326,12 +326,13 @@ def restore_snapshot(session: RepairHost, step: int, snap: dict[str, Any]) -> No
     session.ps.load(meta["ps"])
 
 
-def take_process_state(session: RepairHost, step: int) -> dict[str, Any]:
+def take_process_state(session: RepairHost, step: int, *, load: bool = True) -> dict[str, Any]:
     """An in-place change of the world: every rank takes rank 0's process state at
     ``step`` (its RNG, data position, optimizer scalars, scheduler), over the new world's
     group, as a job resumed in a world of another size takes rank 0's from the checkpoint
     (:meth:`.Checkpoints.resume`), so that the run goes on as that one does; rank 0's
-    head (``step``, its chunks' checksums, its process state), for a copy of its chunks."""
+    head (``step``, its chunks' checksums, its process state), for a copy of its chunks
+    (``load`` false: a rank whose chunks the copy brings takes the state after them)."""
     lay = session.layout
     head: list[Any] = [None]
     if session.rank == 0:
@@ -343,7 +344,7 @@ def take_process_state(session: RepairHost, step: int) -> dict[str, Any]:
         raise IntegrityError(
             f"rank {session.rank}: rank 0's state is at {meta['step']}, not {step}"
         )
-    if session.rank != 0:
+    if load and session.rank != 0:
         session.ps.load(meta["ps"])
     return meta
 
@@ -355,7 +356,7 @@ def copy_replica(session: RepairHost, step: int, joins: bool) -> None:
     part (two broadcasts) and takes rank 0's process state (:func:`take_process_state`),
     the others keep their own chunks."""
     lay = session.layout
-    meta = take_process_state(session, step)
+    meta = take_process_state(session, step, load=not joins)
     if session.rank == 0:
         data = rx.packed(lay)
     else:
@@ -368,3 +369,4 @@ def copy_replica(session: RepairHost, step: int, joins: bool) -> None:
     rx.unpack_into(lay, data)
     rx.seal_checked(lay, step, meta["checksums"], "replica of rank 0", f"rank {session.rank}")
     lay.clear_prepared()
+    session.ps.load(meta["ps"])
