@@ -164,6 +164,17 @@ def test_a_lost_middle_node_shrinks_in_place_its_successors_renumbered_bitwise(t
     assert not digests_equal(res, fixed), "the schedule made no difference: the check is vacuous"
 
 
+def test_node_0_lost_without_etcd_ends_the_elastic_job_in_one_line_saying_why(tag: str) -> None:
+    """Node 0's agent runs the coordinator: without etcd nothing takes its place, so the
+    elastic job cannot shrink; node 1's agent ends in one line that says so."""
+    res = job(Path(tag) / "node0", nnodes=1, nproc=1, steps=STEPS, env=_env(tag, "ckpt"),
+              faults=[{**LOSS[0], "rank": 0}], respawn=False, spare_agents=1, timeout=60.0,
+              extra=ELASTIC)  # fmt: skip
+    assert not res.ok and not res.of("world_shrink"), explain(res)
+    lines = [ln for ln in res.text(-1).splitlines() if "lost the coordinator" in ln]
+    assert len(lines) == 1 and "without --rdzv-backend etcd no other agent" in lines[0], lines
+
+
 # --- in process: the coordinator's decisions (leto.core.world through Coordinator) ----
 
 

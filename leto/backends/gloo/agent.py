@@ -234,3 +234,4 @@ class Agent:
                 p.rank = self.rank(p.local_rank)
         self.memory.renumber(lambda r: reshape.renumbered_rank(r, self.nproc, gone))
         self.name_self()
+        self.control.present()  # with etcd: a/<node> under its new number too
