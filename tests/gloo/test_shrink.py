@@ -199,7 +199,7 @@ def test_the_spare_timeout_shrinks_a_world_above_min_in_place_and_tells_every_no
         sent = [m.to_wire() for n, m in h.c.outbox if n is None]
         gen = shrink["generation"]
         assert [m["t"] for m in sent] == ["fence", "reshape"], sent
-        want = {"t": "reshape", "gen": gen, "step": 1, "nodes": 2, "grow": False, "lost": [2]}
+        want = {"t": "reshape", "gen": gen, "step": 1, "nodes": 2, "grow": False, "lost_nodes": [2]}
         assert sent[1] == want, sent
         assert sent[0]["gen"] == gen and (h.c.W, h.c.topology.nodes, h.c.model) == (2, 2, None)
         for r in range(2):  # the survivors say ready again: the new world's model
@@ -235,7 +235,7 @@ def test_a_middle_node_lost_shrinks_in_place_renumbering_and_below_min_stops_in_
         "step": 1,
         "nodes": 2,
         "grow": False,
-        "lost": [1],
+        "lost_nodes": [1],
     }
     # what the coordinator keeps by node or rank follows node 2 to its new number
     assert (h.c.nodes_up, h.c.topology.nodes, h.c.W) == ({0, 1}, 2, 4)
@@ -301,7 +301,7 @@ def test_a_spare_joining_a_world_below_max_grows_it_in_place_between_steps() -> 
     out = h.send(2, {"t": "promoted", "rank": 2, "gen": gen})
     assert [m for _, m in out] == [
         {"t": "fence", "gen": gen, "kill": []},
-        {"t": "reshape", "gen": gen, "step": 1, "nodes": 3, "grow": True, "lost": []},
+        {"t": "reshape", "gen": gen, "step": 1, "nodes": 3, "grow": True, "lost_nodes": []},
     ], out
     for r in range(3):
         h.send(r, ready(r, gen=gen, start=1, checkpoint=True))

@@ -773,7 +773,7 @@ def shrink_in_place(c: Coordinator, lost: list[int], left: int) -> None:
     _renumber(c, moved, per_node)
     _new_world(c, left, gen)
     c.send(None, M.Fence(gen=gen))  # the keepers first: the trainers join gen
-    c.send(None, M.Reshape(gen=gen, step=step, nodes=left, lost=lost))
+    c.send(None, M.Reshape(gen=gen, step=step, nodes=left, lost_nodes=lost))
 
 
 def _renumber(c: Coordinator, moved: dict[int, int], per_node: int) -> None:

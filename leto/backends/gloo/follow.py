@@ -462,7 +462,7 @@ class Follower:
             session._fatal("its retained state was lost; the world cannot change in place")
         was, rank = session.W, session.rank
         # its new number first: its agent keeps its process states by it since the change
-        session.take_place(reshape.renumbered(session.node, frozenset(msg.lost)), msg.nodes)
+        session.take_place(reshape.renumbered(session.node, frozenset(msg.lost_nodes)), msg.nodes)
         forward, back = (0, 0) if joins else self._settle(msg.step)
         session.groups.init(msg.gen)
         if msg.grow:

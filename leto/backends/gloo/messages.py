@@ -844,7 +844,7 @@ class Resume(Message):
 class Reshape(Message):
     """The world changes in place (:mod:`leto.core.reshape`): each trainer rolls to
     ``step`` (the committed step), takes its rank in a world of ``nodes`` nodes (the old
-    world's nodes ``lost`` are gone: each node after one is renumbered, and its ranks
+    world's nodes ``lost_nodes`` are gone: each node after one is renumbered, and its ranks
     with it, :func:`leto.core.reshape.renumbered`; every other rank keeps its number),
     forms generation ``gen``'s groups, re-encodes tier 2 over them and says ``ready``
     again; it keeps its process and its retained state. ``grow``: nodes joined last;
@@ -856,7 +856,7 @@ class Reshape(Message):
     step: int = _f(_nat)
     nodes: int = _f(_nat)
     grow: bool = _f(_bool, False)  # new nodes joined last: rank 0's state copied to them
-    lost: list[int] = _f(_ints, attrs.Factory(list))  # the old world's nodes lost (shrink)
+    lost_nodes: list[int] = _f(_ints, attrs.Factory(list))  # the old world's, lost (shrink)
 
 
 KINDS: tuple[type[Message], ...] = (

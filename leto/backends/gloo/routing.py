@@ -445,7 +445,7 @@ class Routing:
                     except WireError:
                         pass
             if isinstance(msg, M.Reshape):  # the nodes after a lost one: numbered anew
-                a.renumber(msg.lost, msg.gen)
+                a.renumber(msg.lost_nodes, msg.gen)
             if node is None and isinstance(msg, (M.Complete, M.Fail)):
                 for link in list(a.pool_links.values()):  # the job's end: spares leave
                     _send_link(link.conn, msg)
@@ -761,7 +761,7 @@ class Routing:
                 a.generation = max(a.generation, msg.gen)
                 a.recovering = True
             case M.Reshape():  # the trainers it starts from now on are of the new world
-                a.renumber(msg.lost, msg.gen)  # first: its old world's numbers
+                a.renumber(msg.lost_nodes, msg.gen)  # first: its old world's numbers
                 a.o.nnodes, a.W = msg.nodes, msg.nodes * a.nproc
                 a.recovering = False
                 a.shadows.resumed()
