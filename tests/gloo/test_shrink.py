@@ -138,20 +138,26 @@ def test_a_3_node_job_shrinks_to_2_in_place_and_grows_back_to_3_bitwise(tag: str
 
 
 def test_a_lost_middle_node_shrinks_in_place_its_successors_renumbered_bitwise(tag: str) -> None:
-    """3 nodes (``--nnodes 2:3``), node 1 (the middle one) lost at step 7 with no spare:
-    node 2 becomes node 1 and its rank 2 rank 1, in place (its trainer's process kept,
-    its part of the global batch now rank 1's). Bitwise the failure-free 3-then-2 run,
-    and not the fixed 3-node run."""
-    extra = ["--nnodes", "2:3", *ELASTIC[2:]]
+    """3 nodes (``--nnodes 2:3``, with shadows), node 1 (the middle one) lost at step 7
+    with no spare: node 2 becomes node 1 and its rank 2 rank 1, in place (its trainer's
+    process kept, its part of the global batch now rank 1's). That trainer then crashes
+    in step 9: its shadow, started as rank 2's, is promoted as rank 1. Bitwise the
+    failure-free 3-then-2 run, and not the fixed 3-node run."""
+    extra = ["--nnodes", "2:3", *ELASTIC[2:4]]  # shadows on
+    crash = {"kind": "crash", "rank": 2, "step": 9, "phase": "forward"}  # old rank 2's
     res = job(Path(tag) / "middle", nnodes=1, nproc=1, steps=STEPS, env=_env(tag, "ckpt"),
-              faults=[{**LOSS[0], "rank": 1}], respawn=False, spare_agents=2, timeout=150.0,
-              extra=extra)  # fmt: skip
+              faults=[{**LOSS[0], "rank": 1}, crash], respawn=False, spare_agents=2,
+              timeout=150.0, extra=extra)  # fmt: skip
     assert res.ok, explain(res)
     (shrink,) = res.of("world_shrink")
     assert (shrink["lost"], shrink["ranks"], shrink["renumbered"]) == ([1], [0, 2], {"2": 1})
     _in_place(res, was=3, left=2, step=6)
     started = [(e["rank"], e["pid"]) for e in res.of("process_started") if e["role"] == "trainer"]
     assert sorted(r for r, _ in started) == [0, 1, 2], f"a trainer (re)started: {started}"
+    crashed = [f for f in res.of("failure") if f["t"] > shrink["t"]]
+    assert [(f["rank"], f["step"]) for f in crashed] == [(1, 8)], crashed  # as rank 1
+    promoted = [(p["rank"], p["warm"]) for r in res.recoveries for p in r["promoted"]]
+    assert promoted == [(1, True)], res.recoveries  # the shadow warmed as rank 2's
     # one job less than _schedule: the fixed 3-node run's only checkpoint (but its start's)
     # is step 6's, which the 2-node part of the reference resumes from
     env = {**_env(tag, "ref-ckpt"), "CKPT_EVERY": "6"}
