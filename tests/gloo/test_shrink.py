@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from etcd import EtcdCluster
 from jobs import digests_equal, explain, job
 from test_coordinator import Harness, ready
 
 from leto.adapters.config import Config, ConfigError
 from leto.backends.gloo.harness import JobResult
-from leto.core.recovery import Phase
-from leto.core.restart import Restart
 from leto.spec.trace import replay
 
 STEPS = 10
@@ -158,8 +157,13 @@ def test_a_lost_middle_node_shrinks_in_place_its_successors_renumbered_bitwise(t
     assert [(f["rank"], f["step"]) for f in crashed] == [(1, 8)], crashed  # as rank 1
     promoted = [(p["rank"], p["warm"]) for r in res.recoveries for p in r["promoted"]]
     assert promoted == [(1, True)], res.recoveries  # the shadow warmed as rank 2's
-    # one job less than _schedule: the fixed 3-node run's only checkpoint (but its start's)
-    # is step 6's, which the 2-node part of the reference resumes from
+    _bitwise_3_then_2(tag, res)
+
+
+def _bitwise_3_then_2(tag: str, res: JobResult) -> None:
+    """``res`` is bitwise the failure-free run of 3 nodes to step 6, then 2, and not the
+    fixed 3-node run. One job less than :func:`_schedule`: the fixed 3-node run's only
+    checkpoint (but its start's) is step 6's, which the 2-node part resumes from."""
     env = {**_env(tag, "ref-ckpt"), "CKPT_EVERY": "6"}
     fixed = job(Path(tag) / "fixed3", nnodes=3, nproc=1, steps=STEPS, env=env)
     assert fixed.ok, explain(fixed)
@@ -168,6 +172,28 @@ def test_a_lost_middle_node_shrinks_in_place_its_successors_renumbered_bitwise(t
     assert ref.ok and [e["start"] for e in ref.of("core_init")] == [6], explain(ref)
     assert digests_equal(res, ref), f"not bitwise the 3-then-2 run: {res.digests} {ref.digests}"
     assert not digests_equal(res, fixed), "the schedule made no difference: the check is vacuous"
+
+
+def test_node_0_lost_with_etcd_shrinks_in_place_every_node_renumbered(
+    tag: str, etcd_cluster: EtcdCluster
+) -> None:
+    """3 nodes (``--nnodes 2:3``, ``--rdzv-backend etcd``), node 0 lost at step 7 with
+    its agent, the coordinator's: node 1's agent takes the coordinator over (etcd), and
+    with no spare the world shrinks in place, nodes 1 and 2 renumbered 0 and 1 (the
+    coordinator's node too: etcd's record of it says so). Bitwise the 3-then-2 run."""
+    rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_cluster.endpoint_flag]
+    res = job(Path(tag) / "node0", nnodes=1, nproc=1, steps=STEPS, env=_env(tag, "ckpt"),
+              faults=[{**LOSS[0], "rank": 0}], respawn=False, spare_agents=2, timeout=150.0,
+              rdzv=[*rdzv, "--rdzv-id", "lose-node-0"], extra=["--nnodes", "2:3", *ELASTIC[2:]])  # fmt: skip
+    assert res.of("job_end")[-1]["status"] == "ok", explain(res)
+    assert len(res.of("coordinator_took_over")) == 1, explain(res)
+    (shrink,) = res.of("world_shrink")
+    assert shrink["in_place"] and (shrink["lost"], shrink["ranks"]) == ([0], [1, 2]), shrink
+    assert shrink["renumbered"] == {"1": 0, "2": 1}, shrink
+    assert not res.of("job_restart")
+    started = [e["rank"] for e in res.of("process_started") if e["role"] == "trainer"]
+    assert sorted(started) == [0, 1, 2], f"a trainer (re)started: {started}"
+    _bitwise_3_then_2(tag, res)
 
 
 def test_node_0_lost_without_etcd_ends_the_elastic_job_in_one_line_saying_why(tag: str) -> None:
@@ -221,7 +247,7 @@ def test_the_spare_timeout_shrinks_a_world_above_min_in_place_and_tells_every_no
         assert replay(enumerate(h.log.records, 1)).divergence is None
 
 
-def test_a_middle_node_lost_shrinks_in_place_renumbering_and_below_min_stops_in_one_line() -> None:
+def test_a_middle_node_or_node_0_lost_shrinks_in_place_renumbering_below_min_one_line() -> None:
     h = Harness(nodes=3, per_node=2, spare_timeout=5.0, nodes_range=(2, 3))
     h.step(1)
     h.c.driver.pids.update({r: 100 + r for r in range(6)})
@@ -253,27 +279,23 @@ def test_a_middle_node_lost_shrinks_in_place_renumbering_and_below_min_stops_in_
     s = h.c.state
     assert s is not None and (s.gen, s.committed, s.step) == (gen, 1, (1, 1, 1, 1))
     assert replay(enumerate(h.log.records, 1)).divergence is None
-    h = _lose_one(3, 2, 3, node=0, checkpoint=True)  # node 0 (a coordinator elected elsewhere)
-    assert h.c.restart == Restart(1, 1, 2), h.c.restart  # a restart: needs no --max-restarts
+    h = _lose_one(3, 2, 3, node=0)  # node 0 (the coordinator elected elsewhere, etcd)
+    assert h.c.failed is None and h.c.restart is None, h.c.failed
     (shrink,) = h.events("world_shrink")
-    assert (shrink["nodes"], shrink["lost"], shrink["was"]) == (2, [0], 3)
-    assert "in_place" not in shrink
-    fail = [m.to_wire() for n, m in h.c.outbox if n is None and m.to_wire()["t"] == "fail"]
-    assert fail and (fail[0]["restart"], fail[0]["nodes"]) == (1, 2), fail
-    assert h.c.state is not None and h.c.state.phase is Phase.FAILED  # the core's GiveUp
+    assert (shrink["lost"], shrink["ranks"], shrink["renumbered"]) == (
+        [0],
+        [1, 2],
+        {"1": 0, "2": 1},
+    )
+    assert h.c.nodes_up == {0, 1} and h.c.W == 2
+    for r in range(2):
+        h.send(r, ready(r, gen=shrink["generation"], start=1))
+    assert h.c.state is not None and h.c.state.committed == 1
     assert replay(enumerate(h.log.records, 1)).divergence is None
-    for opts, why in [
-        ({"lo": 2, "node": -1, "checkpoint": True}, "1 node(s) left, fewer than --nnodes 2:3"),
-        (
-            {"lo": 1, "node": 0, "checkpoint": False},
-            "in place unless node 0 is among the lost nodes",
-        ),
-    ]:
-        lo = opts.pop("lo")
-        h = _lose_one(2, lo, 3, **opts)
-        err = h.c.failed
-        assert err is not None and why in err and "\n" not in err, err
-        assert h.c.restart is None and not h.events("world_shrink")
+    h = _lose_one(2, 2, 3, checkpoint=True)
+    err = h.c.failed
+    assert err is not None and "1 node(s) left, fewer than --nnodes 2:3" in err, err
+    assert "\n" not in err and h.c.restart is None and not h.events("world_shrink")
     h = Harness(nodes=2, per_node=1, spare_timeout=5.0, nodes_range=(1, 2), checkpoint=True)
     h.c.info["shard"] = True  # as the ranks' ready messages say with shard = true
     h.step(1)

@@ -70,7 +70,7 @@ from .control_plane import ControlPlane
 from .coordinator import Coordinator
 from .deathwatch import DeathWatch
 from .election import Election
-from .etcdstore import EtcdStore
+from .etcdstore import EtcdStore, StoreError
 from .eventlog import EventLog
 from .host_memory import HostMemory
 from .keeper import KeeperHandle
@@ -235,3 +235,12 @@ class Agent:
         self.memory.renumber(lambda r: reshape.renumbered_rank(r, self.nproc, gone))
         self.name_self()
         self.control.present()  # with etcd: a/<node> under its new number too
+        led = self.leader_info.get("node") if self.leader_info is not None else None
+        if self.leader_info is not None and isinstance(led, int) and led not in gone:
+            # the coordinator's node (elected with etcd) may be renumbered too
+            self.leader_info = {**self.leader_info, "node": reshape.renumbered(led, gone)}
+            if self.coord is not None and self.election is not None:
+                try:
+                    self.election.renumbered(self.node)
+                except StoreError as e:
+                    raise LaunchError(str(e)) from None

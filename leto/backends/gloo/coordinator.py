@@ -136,7 +136,6 @@ class Coordinator:
         self.finished_nodes: set[int] = set()
         self.failed: str | None = None
         self.restart: restart.Restart | None = None  # the core's decision, when failed
-        self.resize_to = 0  # the world's nodes after a change the core decided (0: none)
         # the new world's generation and the old one's checkpoint (CoreSetup's gen, ckpt),
         # while an in-place change of the world awaits the ready reports
         self.reshaped_from: dict[str, int] = {}
@@ -211,10 +210,7 @@ class Coordinator:
         if self.failed is not None:
             return
         self.failed = message
-        if self.resize_to:
-            self.restart = restart.resized(self.opt.restarts, self.opt.max_restarts, self.resize_to)
-        else:
-            self.restart = restart.after(ending, self.opt.restarts, self.opt.max_restarts)
+        self.restart = restart.after(ending, self.opt.restarts, self.opt.max_restarts)
         if self.restart is None:
             self.log.write("job_failed", error=message, **fields)
             self.send(None, M.Fail(error=message))
@@ -866,8 +862,7 @@ def on_joined(c: Coordinator, rank: int) -> bool:
 
 def _world(c: Coordinator) -> world.World | None:
     """The core's elastic world as it stands (members, those lost and awaited, the
-    pooled spares), or None: the world is fixed (no ``--nnodes MIN:MAX``), there is
-    no checkpoint to carry a world change (it resumes from the latest one), or the
+    pooled spares), or None: the world is fixed (no ``--nnodes MIN:MAX``), or the
     state is sharded (``shard = true``: its shards are per world; not resharded)."""
     lo, hi = c.opt.nodes_range
     nodes = c.topology.nodes
@@ -889,11 +884,6 @@ def no_shrink(c: Coordinator) -> str:
         return ""
     if c.info.get("shard"):
         return f"; --nnodes {lo}:{hi} does not shrink sharded state (shard = true)"
-    if not c.info.get("checkpoint"):
-        return (
-            f"; --nnodes {lo}:{hi} shrinks in place unless node 0 is among the lost "
-            "nodes, and then only a job with a checkpoint_dir (by a restart)"
-        )
     left = c.topology.nodes - len(c.nodes_lost_at.keys() - c.nodes_up)
     return f"; {left} node(s) left, fewer than --nnodes {lo}:{hi} allows"
 
@@ -903,38 +893,15 @@ def resize(c: Coordinator, timed_out: bool, now: float) -> bool:
     (the spare timeout passed with no replacement, at least MIN nodes left) or a
     grow (a spare in the pool while the world is below MAX, training running): the
     job goes on, on the nodes of the new world, in place (:func:`shrink_in_place`,
-    the nodes after a lost one renumbered; :func:`grow_in_place`), or where node 0
-    was lost (a coordinator elected elsewhere: it renumbers no node) as an
-    incarnation of the job from its latest checkpoint (see docs/gloo.md, "Shrink
-    and grow back")."""
+    the nodes after a lost one renumbered, node 0 too when it was lost and the
+    coordinator runs elsewhere, elected with etcd; :func:`grow_in_place`): see
+    docs/gloo.md, "Shrink and grow back"."""
     s = _world(c)
     e = world.decide(s, timed_out) if s is not None else None
-    if s is None or not isinstance(e, (world.Shrink, world.Grow)):
+    if s is None or c.state is None or not isinstance(e, (world.Shrink, world.Grow)):
         return False
-    lo, hi = c.opt.nodes_range
-    nodes = c.topology.nodes
-    left = len(world.step(s, e).members)
-    lost = sorted(map(int, s.lost)) if isinstance(e, world.Shrink) else []
-    if lost and 0 not in lost and c.state is not None:
-        shrink_in_place(c, lost, left)
-        return True
-    if isinstance(e, world.Grow) and c.state is not None:
-        grow_in_place(c, int(e.spare[5:]), now)
-        return True
-    if not c.info.get("checkpoint"):
-        return False  # a restart carries the change out: it needs a checkpoint
-    c.resize_to = left
     if isinstance(e, world.Shrink):
-        c.log.write("world_shrink", nodes=c.resize_to, lost=lost, was=nodes)
-        c.driver.give_up(
-            f"node(s) {', '.join(map(str, lost))} lost and no replacement joined within "
-            f"{c.opt.spare_timeout:g} s: the job goes on with {c.resize_to} of "
-            f"{nodes} nodes (--nnodes {lo}:{hi}), from its latest checkpoint"
-        )
-        return True
-    c.log.write("world_grow", nodes=c.resize_to, spare=int(e.spare[5:]), was=nodes)
-    c.fail(
-        f"spare {e.spare[5:]} joined the pool of a world of {nodes} node(s) (--nnodes "
-        f"{lo}:{hi}): the job grows back to {c.resize_to} nodes, from its latest checkpoint"
-    )
+        shrink_in_place(c, sorted(map(int, s.lost)), len(world.step(s, e).members))
+    else:
+        grow_in_place(c, int(e.spare[5:]), now)
     return True
