@@ -25,6 +25,21 @@ def test_survivors_keep_their_order_and_are_renumbered_densely() -> None:
         assert "\n" not in str(e.value)
 
 
+def test_a_surviving_node_and_its_ranks_are_renumbered_as_survivors_orders_them() -> None:
+    for nodes, per, lost in [(3, 1, {1}), (3, 2, {1}), (4, 2, {0, 2}), (3, 1, {2}), (3, 1, {0})]:
+        kept = reshape.survivors(nodes, per, frozenset(lost))
+        new = [reshape.renumbered_rank(r, per, frozenset(lost)) for r in kept]
+        assert new == list(range(len(kept))), (nodes, per, lost, new)
+    assert [reshape.renumbered(n, frozenset({1})) for n in (0, 2, 3)] == [0, 1, 2]
+    assert reshape.renumbered(3, frozenset({0, 2})) == 1
+    for args, why in [((1, frozenset({1})), "not a surviving node"), ((-1, frozenset()), "not a")]:
+        with pytest.raises(ValueError, match=why) as e:
+            reshape.renumbered(*args)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="is not a rank"):
+        reshape.renumbered_rank(2, 0, frozenset())
+
+
 def test_the_new_world_starts_idle_at_the_committed_step_in_the_change_s_generation() -> None:
     setup = CoreSetup(nodes=(1, 1), chunks=3, k=2, start=6, gen=4, ckpt=5)
     model = setup.model()

@@ -20,7 +20,7 @@ import attrs
 from leto.core.cluster import ClusterModel
 from leto.core.state import ClusterState
 
-__all__ = ["in_place", "survivors"]
+__all__ = ["in_place", "renumbered", "renumbered_rank", "survivors"]
 
 
 def survivors(nodes: int, per_node: int, lost: frozenset[int]) -> tuple[int, ...]:
@@ -34,6 +34,24 @@ def survivors(nodes: int, per_node: int, lost: frozenset[int]) -> tuple[int, ...
     if len(lost) == nodes:
         raise ValueError("every node is lost: no world is left to go on with")
     return tuple(n * per_node + r for n in range(nodes) if n not in lost for r in range(per_node))
+
+
+def renumbered(node: int, lost: frozenset[int]) -> int:
+    """The index in the new world of the old world's surviving node ``node``: the nodes
+    after a lost one move down by one for each lost node below them (node ``n`` becomes
+    ``n - |{l in lost: l < n}|``), as :func:`survivors` orders their ranks."""
+    if node < 0 or node in lost:
+        raise ValueError(f"node {node} is not a surviving node (lost: {sorted(lost)})")
+    return node - sum(1 for n in lost if n < node)
+
+
+def renumbered_rank(rank: int, per_node: int, lost: frozenset[int]) -> int:
+    """The new world's number of the old world's surviving ``rank`` (``per_node`` ranks a
+    node): its node renumbered (:func:`renumbered`), its local rank kept; the inverse of
+    :func:`survivors`."""
+    if rank < 0 or per_node < 1:
+        raise ValueError(f"rank {rank} of {per_node} rank(s) a node is not a rank")
+    return renumbered(rank // per_node, lost) * per_node + rank % per_node
 
 
 def in_place(model: ClusterModel, step: int, gen: int, ckpt: int) -> ClusterState:

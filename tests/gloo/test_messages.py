@@ -65,6 +65,7 @@ GOOD: dict[str, Any] = {
     "restart": 1,
     "warm": True,
     "grow": True,
+    "lost_nodes": [1],
     "ms": 12.5,
     "kind": "crash",
     "detected_by": "process exit (pidfd)",

@@ -1,14 +1,15 @@
 """Shrink instead of stopping, and grow back, in place (issue 43 part 3): an elastic job
-(``--nnodes 1:2`` or ``2:3``) loses its last node and no spare comes within the spare
-timeout; the core shrinks the world (``leto.core.world.decide``) and the surviving
-trainers go on in place (``leto.core.reshape``: no process restarted, nothing read from
-disk, the step in flight the one step trained again). A spare that joins later grows it
-back in place (the 3-node test), its state copied from rank 0. Each run ends bitwise equal to the
-failure-free run of the same world-size schedule (e.g. 2 nodes to step 6, 1 node from
-step 7, and 2 again from the step the grow happened at), made of failure-free jobs
+(``--nnodes 1:2`` or ``2:3``) loses a node (its last, or a middle one) and no spare
+comes within the spare timeout; the core shrinks the world (``leto.core.world.decide``)
+and the surviving trainers go on in place (``leto.core.reshape``: no process restarted,
+nothing read from disk, the step in flight the one step trained again; a node after the
+lost one renumbered, its rank 2 becoming rank 1). A spare that joins later grows it back
+in place (the 3-node test), its state copied from rank 0. Each run ends bitwise equal to
+the failure-free run of the same world-size schedule (e.g. 2 nodes to step 6, 1 node
+from step 7, and 2 again from the step the grow happened at), made of failure-free jobs
 resumed from a checkpoint at the changes (the checkpoints serve only the references).
-A lost node that is not the last still shrinks by a restart from the checkpoint (in
-process below)."""
+A lost node 0 (a coordinator elected elsewhere) still shrinks by a restart from the
+checkpoint (in process below)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from etcd import EtcdCluster
 from jobs import digests_equal, explain, job
 from test_coordinator import Harness, ready
 
 from leto.adapters.config import Config, ConfigError
 from leto.backends.gloo.harness import JobResult
-from leto.core.recovery import Phase
-from leto.core.restart import Restart
 from leto.spec.trace import replay
 
 STEPS = 10
@@ -136,6 +136,77 @@ def test_a_3_node_job_shrinks_to_2_in_place_and_grows_back_to_3_bitwise(tag: str
     assert digests_equal(res, ref), f"not bitwise the 3-2-3 run: {res.digests} {ref.digests}"
 
 
+def test_a_lost_middle_node_shrinks_in_place_its_successors_renumbered_bitwise(tag: str) -> None:
+    """3 nodes (``--nnodes 2:3``, with shadows), node 1 (the middle one) lost at step 7
+    with no spare: node 2 becomes node 1 and its rank 2 rank 1, in place (its trainer's
+    process kept, its part of the global batch now rank 1's). That trainer then crashes
+    in step 9: its shadow, started as rank 2's, is promoted as rank 1. Bitwise the
+    failure-free 3-then-2 run, and not the fixed 3-node run."""
+    extra = ["--nnodes", "2:3", *ELASTIC[2:4]]  # shadows on
+    crash = {"kind": "crash", "rank": 2, "step": 9, "phase": "forward"}  # old rank 2's
+    res = job(Path(tag) / "middle", nnodes=1, nproc=1, steps=STEPS, env=_env(tag, "ckpt"),
+              faults=[{**LOSS[0], "rank": 1}, crash], respawn=False, spare_agents=2,
+              timeout=150.0, extra=extra)  # fmt: skip
+    assert res.ok, explain(res)
+    (shrink,) = res.of("world_shrink")
+    assert (shrink["lost"], shrink["ranks"], shrink["renumbered"]) == ([1], [0, 2], {"2": 1})
+    _in_place(res, was=3, left=2, step=6)
+    started = [(e["rank"], e["pid"]) for e in res.of("process_started") if e["role"] == "trainer"]
+    assert sorted(r for r, _ in started) == [0, 1, 2], f"a trainer (re)started: {started}"
+    crashed = [f for f in res.of("failure") if f["t"] > shrink["t"]]
+    assert [(f["rank"], f["step"]) for f in crashed] == [(1, 8)], crashed  # as rank 1
+    promoted = [(p["rank"], p["warm"]) for r in res.recoveries for p in r["promoted"]]
+    assert promoted == [(1, True)], res.recoveries  # the shadow warmed as rank 2's
+    _bitwise_3_then_2(tag, res)
+
+
+def _bitwise_3_then_2(tag: str, res: JobResult) -> None:
+    """``res`` is bitwise the failure-free run of 3 nodes to step 6, then 2, and not the
+    fixed 3-node run. One job less than :func:`_schedule`: the fixed 3-node run's only
+    checkpoint (but its start's) is step 6's, which the 2-node part resumes from."""
+    env = {**_env(tag, "ref-ckpt"), "CKPT_EVERY": "6"}
+    fixed = job(Path(tag) / "fixed3", nnodes=3, nproc=1, steps=STEPS, env=env)
+    assert fixed.ok, explain(fixed)
+    ref = job(Path(tag) / "ref-2", nnodes=2, nproc=1, steps=STEPS, env=env,
+              extra=["--resume", env["CKPT"]])  # fmt: skip
+    assert ref.ok and [e["start"] for e in ref.of("core_init")] == [6], explain(ref)
+    assert digests_equal(res, ref), f"not bitwise the 3-then-2 run: {res.digests} {ref.digests}"
+    assert not digests_equal(res, fixed), "the schedule made no difference: the check is vacuous"
+
+
+def test_node_0_lost_with_etcd_shrinks_in_place_every_node_renumbered(
+    tag: str, etcd_cluster: EtcdCluster
+) -> None:
+    """3 nodes (``--nnodes 2:3``, ``--rdzv-backend etcd``), node 0 lost at step 7 with
+    its agent, the coordinator's: node 1's agent takes the coordinator over (etcd), and
+    with no spare the world shrinks in place, nodes 1 and 2 renumbered 0 and 1 (the
+    coordinator's node too: etcd's record of it says so). Bitwise the 3-then-2 run."""
+    rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_cluster.endpoint_flag]
+    res = job(Path(tag) / "node0", nnodes=1, nproc=1, steps=STEPS, env=_env(tag, "ckpt"),
+              faults=[{**LOSS[0], "rank": 0}], respawn=False, spare_agents=2, timeout=150.0,
+              rdzv=[*rdzv, "--rdzv-id", "lose-node-0"], extra=["--nnodes", "2:3", *ELASTIC[2:]])  # fmt: skip
+    assert res.of("job_end")[-1]["status"] == "ok", explain(res)
+    assert len(res.of("coordinator_took_over")) == 1, explain(res)
+    (shrink,) = res.of("world_shrink")
+    assert shrink["in_place"] and (shrink["lost"], shrink["ranks"]) == ([0], [1, 2]), shrink
+    assert shrink["renumbered"] == {"1": 0, "2": 1}, shrink
+    assert not res.of("job_restart")
+    started = [e["rank"] for e in res.of("process_started") if e["role"] == "trainer"]
+    assert sorted(started) == [0, 1, 2], f"a trainer (re)started: {started}"
+    _bitwise_3_then_2(tag, res)
+
+
+def test_node_0_lost_without_etcd_ends_the_elastic_job_in_one_line_saying_why(tag: str) -> None:
+    """Node 0's agent runs the coordinator: without etcd nothing takes its place, so the
+    elastic job cannot shrink; node 1's agent ends in one line that says so."""
+    res = job(Path(tag) / "node0", nnodes=1, nproc=1, steps=STEPS, env=_env(tag, "ckpt"),
+              faults=[{**LOSS[0], "rank": 0}], respawn=False, spare_agents=1, timeout=60.0,
+              extra=ELASTIC)  # fmt: skip
+    assert not res.ok and not res.of("world_shrink"), explain(res)
+    lines = [ln for ln in res.text(-1).splitlines() if "lost the coordinator" in ln]
+    assert len(lines) == 1 and "without --rdzv-backend etcd no other agent" in lines[0], lines
+
+
 # --- in process: the coordinator's decisions (leto.core.world through Coordinator) ----
 
 
@@ -160,7 +231,8 @@ def test_the_spare_timeout_shrinks_a_world_above_min_in_place_and_tells_every_no
         sent = [m.to_wire() for n, m in h.c.outbox if n is None]
         gen = shrink["generation"]
         assert [m["t"] for m in sent] == ["fence", "reshape"], sent
-        assert sent[1] == {"t": "reshape", "gen": gen, "step": 1, "nodes": 2, "grow": False}
+        want = {"t": "reshape", "gen": gen, "step": 1, "nodes": 2, "grow": False, "lost_nodes": [2]}
+        assert sent[1] == want, sent
         assert sent[0]["gen"] == gen and (h.c.W, h.c.topology.nodes, h.c.model) == (2, 2, None)
         for r in range(2):  # the survivors say ready again: the new world's model
             h.send(0, ready(r, gen=gen, start=1, checkpoint=ckpt))
@@ -175,27 +247,55 @@ def test_the_spare_timeout_shrinks_a_world_above_min_in_place_and_tells_every_no
         assert replay(enumerate(h.log.records, 1)).divergence is None
 
 
-def test_a_middle_node_lost_shrinks_by_a_restart_and_below_min_the_job_stops_in_one_line() -> None:
-    h = _lose_one(3, 2, 3, node=1, checkpoint=True)  # not the last: renumbering is a restart
-    assert h.c.restart == Restart(1, 1, 2), h.c.restart  # needs no --max-restarts
+def test_a_middle_node_or_node_0_lost_shrinks_in_place_renumbering_below_min_one_line() -> None:
+    h = Harness(nodes=3, per_node=2, spare_timeout=5.0, nodes_range=(2, 3))
+    h.step(1)
+    h.c.driver.pids.update({r: 100 + r for r in range(6)})
+    h.c.degraded[5] = "no skeleton"
+    h.c.node_down(1, h.now)
+    h.c.outbox.clear()
+    h.c.tick(h.now + 6.0)  # no checkpoint needed: in place
+    assert h.c.failed is None and h.c.restart is None, h.c.failed
     (shrink,) = h.events("world_shrink")
-    assert (shrink["nodes"], shrink["lost"], shrink["was"]) == (2, [1], 3)
-    fail = [m.to_wire() for n, m in h.c.outbox if n is None and m.to_wire()["t"] == "fail"]
-    assert fail and (fail[0]["restart"], fail[0]["nodes"]) == (1, 2), fail
-    assert h.c.state is not None and h.c.state.phase is Phase.FAILED  # the core's GiveUp
+    assert (shrink["nodes"], shrink["lost"], shrink["was"], shrink["in_place"]) == (2, [1], 3, True)
+    assert (shrink["ranks"], shrink["renumbered"]) == ([0, 1, 4, 5], {"2": 1}), shrink
+    gen = shrink["generation"]
+    sent = [m.to_wire() for n, m in h.c.outbox if n is None]
+    assert sent[1] == {
+        "t": "reshape",
+        "gen": gen,
+        "step": 1,
+        "nodes": 2,
+        "grow": False,
+        "lost_nodes": [1],
+    }
+    # what the coordinator keeps by node or rank follows node 2 to its new number
+    assert (h.c.nodes_up, h.c.topology.nodes, h.c.W) == ({0, 1}, 2, 4)
+    assert h.c.driver.pids == {0: 100, 1: 101, 2: 104, 3: 105} and h.c.degraded == {
+        3: "no skeleton"
+    }
+    for r in range(4):  # the survivors, renumbered, say ready again: the new world's model
+        h.send(r // 2, ready(r, gen=gen, start=1))
+    s = h.c.state
+    assert s is not None and (s.gen, s.committed, s.step) == (gen, 1, (1, 1, 1, 1))
     assert replay(enumerate(h.log.records, 1)).divergence is None
-    for opts, why in [
-        ({"lo": 2, "node": -1, "checkpoint": True}, "1 node(s) left, fewer than --nnodes 2:3"),
-        (
-            {"lo": 1, "node": 0, "checkpoint": False},
-            "in place only when the lost nodes are the last",
-        ),
-    ]:
-        lo = opts.pop("lo")
-        h = _lose_one(2, lo, 3, **opts)
-        err = h.c.failed
-        assert err is not None and why in err and "\n" not in err, err
-        assert h.c.restart is None and not h.events("world_shrink")
+    h = _lose_one(3, 2, 3, node=0)  # node 0 (the coordinator elected elsewhere, etcd)
+    assert h.c.failed is None and h.c.restart is None, h.c.failed
+    (shrink,) = h.events("world_shrink")
+    assert (shrink["lost"], shrink["ranks"], shrink["renumbered"]) == (
+        [0],
+        [1, 2],
+        {"1": 0, "2": 1},
+    )
+    assert h.c.nodes_up == {0, 1} and h.c.W == 2
+    for r in range(2):
+        h.send(r, ready(r, gen=shrink["generation"], start=1))
+    assert h.c.state is not None and h.c.state.committed == 1
+    assert replay(enumerate(h.log.records, 1)).divergence is None
+    h = _lose_one(2, 2, 3, checkpoint=True)
+    err = h.c.failed
+    assert err is not None and "1 node(s) left, fewer than --nnodes 2:3" in err, err
+    assert "\n" not in err and h.c.restart is None and not h.events("world_shrink")
     h = Harness(nodes=2, per_node=1, spare_timeout=5.0, nodes_range=(1, 2), checkpoint=True)
     h.c.info["shard"] = True  # as the ranks' ready messages say with shard = true
     h.step(1)
@@ -229,7 +329,7 @@ def test_a_spare_joining_a_world_below_max_grows_it_in_place_between_steps() -> 
     out = h.send(2, {"t": "promoted", "rank": 2, "gen": gen})
     assert [m for _, m in out] == [
         {"t": "fence", "gen": gen, "kill": []},
-        {"t": "reshape", "gen": gen, "step": 1, "nodes": 3, "grow": True},
+        {"t": "reshape", "gen": gen, "step": 1, "nodes": 3, "grow": True, "lost_nodes": []},
     ], out
     for r in range(3):
         h.send(r, ready(r, gen=gen, start=1, checkpoint=True))

@@ -61,6 +61,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from leto.core import reshape
+
 from .board import StatusBoard
 from .children import Children
 from .commit_record import EtcdRecord
@@ -68,7 +70,7 @@ from .control_plane import ControlPlane
 from .coordinator import Coordinator
 from .deathwatch import DeathWatch
 from .election import Election
-from .etcdstore import EtcdStore
+from .etcdstore import EtcdStore, StoreError
 from .eventlog import EventLog
 from .host_memory import HostMemory
 from .keeper import KeeperHandle
@@ -115,6 +117,7 @@ class Agent:
         self.local_inbox: list[Message] = []
         self.incarnation = 0
         self.generation = 0
+        self.renumbered_at = 0  # the generation of the last shrink that renumbered nodes
         self.started = False
         self.spare = False  # a replacement node (it joined a started job)
         # a spare agent in the job's pool (no node rank yet: self.node is -1)
@@ -202,3 +205,42 @@ class Agent:
 
     def rank(self, lr: int) -> int:
         return self.node * self.nproc + lr
+
+    def renumber(self, lost: list[int], gen: int) -> None:
+        """A shrink in place at generation ``gen`` lost the old world's nodes ``lost``:
+        each surviving node after one is renumbered (:func:`leto.core.reshape.renumbered`).
+        The one place an agent's identity changes: this node's index, its processes'
+        ranks, the process states and prepare records it keeps by rank, and on the
+        coordinator's node its links to the other agents (renumbered as the change is
+        sent to them, before its own copy of it arrives here: once per change)."""
+        if not lost or gen <= self.renumbered_at:
+            return
+        self.renumbered_at = gen
+        gone = frozenset(lost)
+        if not self.pooled and self.node not in gone:
+            self.node = self.o.node_rank = reshape.renumbered(self.node, gone)
+        if self.coord is not None:
+            self.links = {
+                reshape.renumbered(n, gone): c for n, c in self.links.items() if n not in gone
+            }
+            self.joined = {reshape.renumbered(n, gone) for n in self.joined if n not in gone}
+            for key in self.sel.get_map().values():
+                kind, link = key.data
+                if kind == "link" and isinstance(link, Link) and link.node is not None:
+                    link.node = None if link.node in gone else reshape.renumbered(link.node, gone)
+        procs = [*self.by_pid.values(), *self.trainer.values(), *self.shadow.values()]
+        for p in procs:
+            if p is not None:
+                p.rank = self.rank(p.local_rank)
+        self.memory.renumber(lambda r: reshape.renumbered_rank(r, self.nproc, gone))
+        self.name_self()
+        self.control.present()  # with etcd: a/<node> under its new number too
+        led = self.leader_info.get("node") if self.leader_info is not None else None
+        if self.leader_info is not None and isinstance(led, int) and led not in gone:
+            # the coordinator's node (elected with etcd) may be renumbered too
+            self.leader_info = {**self.leader_info, "node": reshape.renumbered(led, gone)}
+            if self.coord is not None and self.election is not None:
+                try:
+                    self.election.renumbered(self.node)
+                except StoreError as e:
+                    raise LaunchError(str(e)) from None

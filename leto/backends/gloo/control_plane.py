@@ -248,7 +248,11 @@ class ControlPlane:
             self.repool(old)
             return
         if not a.o.etcd or a.election is None or old is None:
-            raise LaunchError(f"lost the coordinator (node {a.leader_node}'s agent)")
+            raise LaunchError(
+                f"lost the coordinator (node {a.leader_node}'s agent): without "
+                "--rdzv-backend etcd no other agent can take its place, so the job ends "
+                "here (an elastic job shrinks in place only while the coordinator lives)"
+            )
         a.supervisor.drop_coord()
         a.say(f"lost the coordinator (node {old.get('node')}'s agent): electing another")
         deadline = time.monotonic() + a.o.rdzv_timeout

@@ -136,7 +136,6 @@ class Coordinator:
         self.finished_nodes: set[int] = set()
         self.failed: str | None = None
         self.restart: restart.Restart | None = None  # the core's decision, when failed
-        self.resize_to = 0  # the world's nodes after a change the core decided (0: none)
         # the new world's generation and the old one's checkpoint (CoreSetup's gen, ckpt),
         # while an in-place change of the world awaits the ready reports
         self.reshaped_from: dict[str, int] = {}
@@ -211,10 +210,7 @@ class Coordinator:
         if self.failed is not None:
             return
         self.failed = message
-        if self.resize_to:
-            self.restart = restart.resized(self.opt.restarts, self.opt.max_restarts, self.resize_to)
-        else:
-            self.restart = restart.after(ending, self.opt.restarts, self.opt.max_restarts)
+        self.restart = restart.after(ending, self.opt.restarts, self.opt.max_restarts)
         if self.restart is None:
             self.log.write("job_failed", error=message, **fields)
             self.send(None, M.Fail(error=message))
@@ -748,27 +744,52 @@ def replica_checks(c: Coordinator) -> ReplicaChecks:
 
 
 def shrink_in_place(c: Coordinator, lost: list[int], left: int) -> None:
-    """The core shrank the world (:func:`leto.core.world.decide`) and the lost nodes are
-    the last ones: the job goes on in place (:mod:`leto.core.reshape`). The recovery
-    under way ends in the change; the keepers are fenced at a new generation; every
-    surviving trainer rolls to the committed step, forms the new world's groups and says
-    ready again (:class:`~.messages.Reshape`), and the new world's model starts from the
-    old one's state there (:meth:`Coordinator._on_ready`). No process restarts, nothing
-    is read from disk, no committed step is lost."""
+    """The core shrank the world (:func:`leto.core.world.decide`): the job goes on in
+    place (:mod:`leto.core.reshape`). The recovery under way ends in the change; the
+    keepers are fenced at a new generation; the nodes after a lost one are renumbered,
+    their ranks with them (:func:`leto.core.reshape.survivors`: here at once, in each
+    agent and trainer as the :class:`~.messages.Reshape` reaches it); every surviving
+    trainer rolls to the committed step, takes its new rank, forms the new world's
+    groups and says ready again, and the new world's model starts from the old one's
+    state there (:meth:`Coordinator._on_ready`). No process restarts, nothing is read
+    from disk, no committed step is lost."""
     s = c.state
     assert s is not None
     nodes, per_node = c.topology.nodes, c.W // c.topology.nodes
     kept = reshape.survivors(nodes, per_node, frozenset(lost))
     gen, step = s.gen + 1, s.committed
+    moved = {n: reshape.renumbered(n, frozenset(lost)) for n in range(nodes) if n not in lost}
     c.log.write(
         "world_shrink", nodes=left, lost=lost, was=nodes, in_place=True, step=step,
         generation=gen, ranks=list(kept),
+        renumbered={str(n): m for n, m in moved.items() if n != m},
     )  # fmt: skip
     for n in lost:
         c.nodes_lost_at.pop(n, None)
+    _renumber(c, moved, per_node)
     _new_world(c, left, gen)
     c.send(None, M.Fence(gen=gen))  # the keepers first: the trainers join gen
-    c.send(None, M.Reshape(gen=gen, step=step, nodes=left))
+    c.send(None, M.Reshape(gen=gen, step=step, nodes=left, lost_nodes=lost))
+
+
+def _renumber(c: Coordinator, moved: dict[int, int], per_node: int) -> None:
+    """What the coordinator keeps by node or by rank, renumbered for the new world
+    (``moved``: each surviving node's new index); the lost nodes' entries go."""
+
+    def rank(r: int) -> int | None:
+        n = moved.get(r // per_node)
+        return None if n is None else n * per_node + r % per_node
+
+    c.nodes_up = {moved[n] for n in c.nodes_up if n in moved}
+    c.finished_nodes = {moved[n] for n in c.finished_nodes if n in moved}
+    c.nodes_lost_at = {moved[n]: t for n, t in c.nodes_lost_at.items() if n in moved}
+    hosts = c.exclusions.hosts
+    c.exclusions.hosts = {moved[n]: h for n, h in hosts.items() if n in moved}
+    pids, degraded = dict(c.driver.pids), dict(c.degraded)
+    c.driver.pids.clear()
+    c.driver.pids.update({r2: v for r, v in pids.items() if (r2 := rank(r)) is not None})
+    c.degraded = {r2: v for r, v in degraded.items() if (r2 := rank(r)) is not None}
+    c.shadow_pending = [(r2, st) for r, st in c.shadow_pending if (r2 := rank(r)) is not None]
 
 
 def _new_world(c: Coordinator, nodes: int, gen: int) -> None:
@@ -841,8 +862,7 @@ def on_joined(c: Coordinator, rank: int) -> bool:
 
 def _world(c: Coordinator) -> world.World | None:
     """The core's elastic world as it stands (members, those lost and awaited, the
-    pooled spares), or None: the world is fixed (no ``--nnodes MIN:MAX``), there is
-    no checkpoint to carry a world change (it resumes from the latest one), or the
+    pooled spares), or None: the world is fixed (no ``--nnodes MIN:MAX``), or the
     state is sharded (``shard = true``: its shards are per world; not resharded)."""
     lo, hi = c.opt.nodes_range
     nodes = c.topology.nodes
@@ -864,11 +884,6 @@ def no_shrink(c: Coordinator) -> str:
         return ""
     if c.info.get("shard"):
         return f"; --nnodes {lo}:{hi} does not shrink sharded state (shard = true)"
-    if not c.info.get("checkpoint"):
-        return (
-            f"; --nnodes {lo}:{hi} shrinks in place only when the lost nodes are the "
-            "last ones, else only a job with a checkpoint_dir"
-        )
     left = c.topology.nodes - len(c.nodes_lost_at.keys() - c.nodes_up)
     return f"; {left} node(s) left, fewer than --nnodes {lo}:{hi} allows"
 
@@ -877,36 +892,16 @@ def resize(c: Coordinator, timed_out: bool, now: float) -> bool:
     """Does the core change the world (:func:`leto.core.world.decide`)? A shrink
     (the spare timeout passed with no replacement, at least MIN nodes left) or a
     grow (a spare in the pool while the world is below MAX, training running): the
-    job goes on, on the nodes of the new world, as an incarnation of the job from
-    its latest checkpoint (see docs/gloo.md, "Shrink and grow back")."""
+    job goes on, on the nodes of the new world, in place (:func:`shrink_in_place`,
+    the nodes after a lost one renumbered, node 0 too when it was lost and the
+    coordinator runs elsewhere, elected with etcd; :func:`grow_in_place`): see
+    docs/gloo.md, "Shrink and grow back"."""
     s = _world(c)
     e = world.decide(s, timed_out) if s is not None else None
-    if s is None or not isinstance(e, (world.Shrink, world.Grow)):
+    if s is None or c.state is None or not isinstance(e, (world.Shrink, world.Grow)):
         return False
-    lo, hi = c.opt.nodes_range
-    nodes = c.topology.nodes
-    left = len(world.step(s, e).members)
-    lost = sorted(map(int, s.lost)) if isinstance(e, world.Shrink) else []
-    if lost and lost == list(range(left, nodes)) and c.state is not None:
-        shrink_in_place(c, lost, left)
-        return True
-    if isinstance(e, world.Grow) and c.state is not None:
-        grow_in_place(c, int(e.spare[5:]), now)
-        return True
-    if not c.info.get("checkpoint"):
-        return False  # a restart carries the change out: it needs a checkpoint
-    c.resize_to = left
     if isinstance(e, world.Shrink):
-        c.log.write("world_shrink", nodes=c.resize_to, lost=lost, was=nodes)
-        c.driver.give_up(
-            f"node(s) {', '.join(map(str, lost))} lost and no replacement joined within "
-            f"{c.opt.spare_timeout:g} s: the job goes on with {c.resize_to} of "
-            f"{nodes} nodes (--nnodes {lo}:{hi}), from its latest checkpoint"
-        )
-        return True
-    c.log.write("world_grow", nodes=c.resize_to, spare=int(e.spare[5:]), was=nodes)
-    c.fail(
-        f"spare {e.spare[5:]} joined the pool of a world of {nodes} node(s) (--nnodes "
-        f"{lo}:{hi}): the job grows back to {c.resize_to} nodes, from its latest checkpoint"
-    )
+        shrink_in_place(c, sorted(map(int, s.lost)), len(world.step(s, e).members))
+    else:
+        grow_in_place(c, int(e.spare[5:]), now)
     return True

@@ -62,6 +62,13 @@ class Election:
         entry = self.store.get(KEY)
         return None if entry is None else entry.value
 
+    def renumbered(self, node: int) -> None:
+        """The leader's node has a new number (a shrink in place lost a node before it):
+        its record says so, for an agent that follows it or campaigns after it."""
+        entry = self.store.get(KEY)
+        if entry is not None and self.lease and entry.value.get("lease") == f"{self.lease:x}":
+            self.store.put(KEY, {**entry.value, "node": node}, lease=self.lease)
+
     def keep(self) -> None:
         """Keep this agent's lease alive (StoreError once etcd let it expire). A keep that
         fails found the lease expired, or no member answering for the store's patience:

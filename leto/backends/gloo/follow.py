@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from leto.core import reshape
 from leto.core.chunk import LOST, NONE
 from leto.core.reconcile import Plan, Repair, writes_no_chunk
 from leto.core.recovery import Kind
@@ -44,7 +45,7 @@ from .fault_points import FaultPoints
 from .faults import COMMAND_POINT
 from .keeper_client import FencedError, KeeperClient
 from .rank_memory import RankMemory
-from .repair_ops import RepairHost, copy_replica, ops_for
+from .repair_ops import RepairHost, copy_replica, ops_for, take_process_state
 
 __all__ = ["Follower", "FollowerHost", "StepStopper"]
 
@@ -86,7 +87,7 @@ class FollowerHost(RepairHost, Protocol):
     def _fatal(self, message: str) -> None: ...
     def _log(self, event: str, **kw: Any) -> None: ...
     def ready(self, start: int, meta: dict[str, Any] | None) -> None: ...
-    def resize(self, nodes: int) -> None: ...
+    def take_place(self, node: int, nodes: int) -> None: ...
 
 
 class Follower:
@@ -444,7 +445,8 @@ class Follower:
 
     def _reshape(self, msg: M.Reshape) -> None:
         """The world changed in place (:mod:`leto.core.reshape`): this rank keeps its
-        process and its retained state, rolls to the committed step, forms the new
+        process and its retained state, rolls to the committed step, takes its number
+        in the new world (renumbered when a node before its own was lost), forms the new
         world's groups, rebuilds its redundancy there (tier 1 in its node, as before;
         tier 2 re-encoded over the surviving nodes) and says ``ready`` again."""
         session = self.session
@@ -458,18 +460,21 @@ class Follower:
         joins = session.memory.ensure_layout()  # lost: a rank of a node joining (grow)
         if joins and not msg.grow:
             session._fatal("its retained state was lost; the world cannot change in place")
-        was = session.W
+        was, rank = session.W, session.rank
+        # its new number first: its agent keeps its process states by it since the change
+        session.take_place(reshape.renumbered(session.node, frozenset(msg.lost_nodes)), msg.nodes)
         forward, back = (0, 0) if joins else self._settle(msg.step)
-        session.resize(msg.nodes)
         session.groups.init(msg.gen)
         if msg.grow:
             copy_replica(session, msg.step, joins)
+        else:
+            take_process_state(session, msg.step)
         meta = self._after_recovery_state(msg.step)
         self._renew_grad_parity()
         self._resume(M.Resume(gen=msg.gen, step=msg.step, t2=msg.step))
         session._log(
             "reshaped", step=msg.step, generation=msg.gen, world=session.W, was=was,
-            rolled_forward=forward, rolled_back=back,
+            rolled_forward=forward, rolled_back=back, rank=session.rank, was_rank=rank,
         )  # fmt: skip
         session.ready(msg.step, meta)
 

@@ -8,6 +8,7 @@ segments."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from . import segments
@@ -44,6 +45,12 @@ class HostMemory:
         hist[step] = ps
         for old in [s for s in hist if s < step - 3 and s != self.snap_step]:
             del hist[old]
+
+    def renumber(self, new_rank: Callable[[int], int]) -> None:
+        """This node's ranks renumbered (a node before it was lost): what is kept by rank
+        follows each rank to its new number."""
+        self.ps = {new_rank(r): h for r, h in self.ps.items()}
+        self.pending = {new_rank(r): p for r, p in self.pending.items()}
 
     def state_of(self, rank: int) -> dict[str, Any]:
         """The reply to a rank's ``get_state``: its process states and prepare record."""

@@ -784,7 +784,8 @@ class PromoteRank(Message):
 @attrs.frozen
 class Promote(Message):
     """A shadow becomes its rank's trainer, with its keeper (it may be a new one), in a
-    world of ``nodes`` nodes (a world changed in place since the shadow started)."""
+    world of ``nodes`` nodes as ``node``'s local rank ``rank`` has it now (a world changed
+    in place since the shadow started: the nodes after a lost one renumbered)."""
 
     TAG = "promote"
     ROUTE = (A, T)
@@ -792,6 +793,7 @@ class Promote(Message):
     keeper_pid: int = _f(_nat)
     keeper_socket: str = _f(NAME)
     nodes: int | None = _f(_opt(_nat), None)
+    node: int | None = _f(_opt(_nat), None)
 
 
 @attrs.frozen
@@ -841,11 +843,12 @@ class Resume(Message):
 @attrs.frozen
 class Reshape(Message):
     """The world changes in place (:mod:`leto.core.reshape`): each trainer rolls to
-    ``step`` (the committed step), keeps its rank in a world of ``nodes`` nodes (nodes
-    lost or joined are the last ones: every other rank keeps its number), forms
-    generation ``gen``'s groups, re-encodes tier 2 over them and says ``ready`` again;
-    it keeps its process and its retained state. ``grow``: nodes joined last; their
-    ranks' state is copied from rank 0's (a live replica)."""
+    ``step`` (the committed step), takes its rank in a world of ``nodes`` nodes (the old
+    world's nodes ``lost_nodes`` are gone: each node after one is renumbered, and its ranks
+    with it, :func:`leto.core.reshape.renumbered`; every other rank keeps its number),
+    forms generation ``gen``'s groups, re-encodes tier 2 over them and says ``ready``
+    again; it keeps its process and its retained state. ``grow``: nodes joined last;
+    their ranks' state is copied from rank 0's (a live replica)."""
 
     TAG = "reshape"
     ROUTE = (C, A, T)
@@ -853,6 +856,7 @@ class Reshape(Message):
     step: int = _f(_nat)
     nodes: int = _f(_nat)
     grow: bool = _f(_bool, False)  # new nodes joined last: rank 0's state copied to them
+    lost_nodes: list[int] = _f(_ints, attrs.Factory(list))  # the old world's, lost (shrink)
 
 
 KINDS: tuple[type[Message], ...] = (

@@ -326,17 +326,37 @@ def restore_snapshot(session: RepairHost, step: int, snap: dict[str, Any]) -> No
     session.ps.load(meta["ps"])
 
 
-def copy_replica(session: RepairHost, step: int, joins: bool) -> None:
-    """A grow in place: rank 0's retained state at ``step`` (its bytes, checksums and
-    process state: a live data-parallel replica) copied into the ranks that ``joins``
-    (a new node's, their memory fresh), over the new world's group; every rank takes
-    part (one broadcast), the others keep their own."""
+def take_process_state(session: RepairHost, step: int, *, load: bool = True) -> dict[str, Any]:
+    """An in-place change of the world: every rank takes rank 0's process state at
+    ``step`` (its RNG, data position, optimizer scalars, scheduler), over the new world's
+    group, as a job resumed in a world of another size takes rank 0's from the checkpoint
+    (:meth:`.Checkpoints.resume`), so that the run goes on as that one does; rank 0's
+    head (``step``, its chunks' checksums, its process state), for a copy of its chunks
+    (``load`` false: a rank whose chunks the copy brings takes the state after them)."""
     lay = session.layout
     head: list[Any] = [None]
     if session.rank == 0:
         sums = [lay.stored_checksum(c) for c in range(lay.n_chunks)]
         head = [{"step": step, "checksums": sums, "ps": session.ps.to_json(step)}]
     dist.broadcast_object_list(head, src=0)
+    meta: dict[str, Any] = head[0]
+    if int(meta["step"]) != step:
+        raise IntegrityError(
+            f"rank {session.rank}: rank 0's state is at {meta['step']}, not {step}"
+        )
+    if load and session.rank != 0:
+        session.ps.load(meta["ps"])
+    return meta
+
+
+def copy_replica(session: RepairHost, step: int, joins: bool) -> None:
+    """A grow in place: rank 0's retained state at ``step`` (its bytes, checksums and
+    process state: a live data-parallel replica) copied into the ranks that ``joins``
+    (a new node's, their memory fresh), over the new world's group; every rank takes
+    part (two broadcasts) and takes rank 0's process state (:func:`take_process_state`),
+    the others keep their own chunks."""
+    lay = session.layout
+    meta = take_process_state(session, step, load=not joins)
     if session.rank == 0:
         data = rx.packed(lay)
     else:
@@ -345,11 +365,6 @@ def copy_replica(session: RepairHost, step: int, joins: bool) -> None:
     dist.broadcast(data, src=0)
     if not joins:
         return
-    meta = head[0]
-    if int(meta["step"]) != step:
-        raise IntegrityError(
-            f"rank {session.rank}: rank 0's state is at {meta['step']}, not {step}"
-        )
     rx.free_undo(lay)
     rx.unpack_into(lay, data)
     rx.seal_checked(lay, step, meta["checksums"], "replica of rank 0", f"rank {session.rank}")

@@ -129,6 +129,8 @@ class RoutingHost(Protocol):
     @property
     def lost_leader(self) -> int | None: ...
 
+    def renumber(self, lost: list[int], gen: int) -> None: ...
+
     @property
     def rejoin(self) -> set[int]: ...
 
@@ -442,6 +444,8 @@ class Routing:
                         a.links[n].send(msg.to_wire())
                     except WireError:
                         pass
+            if isinstance(msg, M.Reshape):  # the nodes after a lost one: numbered anew
+                a.renumber(msg.lost_nodes, msg.gen)
             if node is None and isinstance(msg, (M.Complete, M.Fail)):
                 for link in list(a.pool_links.values()):  # the job's end: spares leave
                     _send_link(link.conn, msg)
@@ -757,6 +761,7 @@ class Routing:
                 a.generation = max(a.generation, msg.gen)
                 a.recovering = True
             case M.Reshape():  # the trainers it starts from now on are of the new world
+                a.renumber(msg.lost_nodes, msg.gen)  # first: its old world's numbers
                 a.o.nnodes, a.W = msg.nodes, msg.nodes * a.nproc
                 a.recovering = False
                 a.shadows.resumed()

@@ -355,9 +355,17 @@ class GlooSession:
         self.memory.status_lost(False)
         self.ready(start, meta)
 
-    def resize(self, nodes: int) -> None:
-        """The world changed in place to ``nodes`` nodes (this rank keeps its number)."""
-        self.nnodes, self.W = nodes, nodes * self.nproc
+    def take_place(self, node: int, nodes: int) -> None:
+        """The world changed in place to ``nodes`` nodes, this rank's node now numbered
+        ``node`` (a node before it was lost: :func:`leto.core.reshape.renumbered`). The
+        one place a rank's identity changes: everything after (its groups, its part of
+        the global batch, its messages, its node's tier-2 share) reads it from here, and
+        the script's torchrun variables say it too."""
+        self.node, self.nnodes = node, nodes
+        self.rank, self.W = node * self.nproc + self.local_rank, nodes * self.nproc
+        for k, v in (("RANK", self.rank), ("ROLE_RANK", self.rank), ("WORLD_SIZE", self.W)):
+            os.environ[k] = str(v)
+        os.environ["GROUP_RANK"] = os.environ["NODE_RANK"] = str(node)
 
     def ready(self, start: int, meta: dict[str, Any] | None) -> None:
         """Say this rank is ready to train from ``start`` (its tier-2 snapshot ``meta``):
@@ -421,7 +429,7 @@ class GlooSession:
         self.keeper_pid = msg.keeper_pid
         self.role = "trainer"
         if msg.nodes:  # the world now (changed in place since this shadow started)
-            self.resize(msg.nodes)
+            self.take_place(self.node if msg.node is None else msg.node, msg.nodes)
         set_title(f"trainer rank {self.rank}", str(self.spec.get("job", "")))
         # the keeper may have been replaced (its memory lost) since this shadow connected
         self.keeper.close()

@@ -106,7 +106,7 @@ class Shadows:
         a.children.keeper(lr, "admit", gen, sh.pid)
         h = a.keepers[lr]
         promote = M.Promote(
-            gen=gen, keeper_pid=h.pid, keeper_socket=h.socket_name, nodes=a.o.nnodes
+            gen=gen, keeper_pid=h.pid, keeper_socket=h.socket_name, nodes=a.o.nnodes, node=a.node
         )
         a.routing.send_proc(sh, promote)
         if a.recovering:  # the replacement warms in the background, after the recovery
