@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,6 +85,10 @@ def test_sweep_removes_a_dead_process_s_hosts_and_keeps_a_live_one_s(
     assert maker.stdout is not None
     ns, br, sleeper = maker.stdout.readline().split()
     assert ns.startswith(f"leto-{maker.pid}-") and ns in namespaces()
+    # `ip netns exec` joins the namespace, then execs: under load that takes a while
+    deadline = time.monotonic() + 20
+    while int(sleeper) not in pids_in(ns) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert int(sleeper) in pids_in(ns)
     maker.kill()  # SIGKILL: no finalizer runs, its namespaces and the sleep stay
     maker.wait()
