@@ -89,7 +89,8 @@ class ShardPlan:
         self.dtype: torch.dtype = getattr(torch, meta["dtype"])
         self.world = world
         self.chunk_numel = chunk_numel
-        used = self.offsets[-1] + self.numels[-1]
+        #: the flat space's elements up to the last parameter's end (the rest is padding)
+        self.used = used = self.offsets[-1] + self.numels[-1]
         #: chunks per rank
         total = -(-used // chunk_numel)
         self.chunks = max(1, -(-total // world))
