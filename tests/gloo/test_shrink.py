@@ -85,6 +85,29 @@ def _shrinks_bitwise(tag: str) -> None:
     assert not digests_equal(res, fixed), "the schedule made no difference: the check is vacuous"
 
 
+def test_a_sharded_job_losing_its_last_node_reshards_in_place_bitwise(tag: str) -> None:
+    """``shard = true`` on 2 nodes x 1 rank, node 1 lost at step 7: the survivor goes to
+    the tier-2 snapshot's step, gathers node 1's shard from its share of the tier-2
+    code, and reshards in place to one rank holding everything. Sharded training on 2
+    ranks is bitwise pure data parallelism (and on 1, the whole state), so the reference
+    is the unsharded 2-then-1 run from the step the shrink resumed at."""
+    os.environ["SHARD"] = "1"
+    try:
+        res = job(Path(tag) / "shrink", nnodes=1, nproc=1, steps=STEPS, env=_env(tag, "ckpt"),
+                  faults=LOSS, respawn=False, spare_agents=1, timeout=150.0, extra=ELASTIC)  # fmt: skip
+    finally:
+        del os.environ["SHARD"]
+    assert res.ok, explain(res)
+    (shrink,) = res.of("world_shrink")
+    step = shrink["step"]  # the tier-2 snapshot's (every 2 steps): at most the committed 6
+    assert 0 < step <= 6 and step % 2 == 0, shrink
+    _in_place(res, was=2, left=1, step=step)
+    ref = _schedule(tag, [(2, 0), (1, step)], STEPS)
+    assert digests_equal(res, ref), f"not bitwise the 2-then-1 run: {res.digests} {ref.digests}"
+    fixed = job(Path(tag) / "fixed", nnodes=2, nproc=1, steps=STEPS, env=_env(tag, "fixed-ckpt"))
+    assert not digests_equal(res, fixed), "the schedule made no difference: the check is vacuous"
+
+
 def _in_place(res: JobResult, *, was: int, left: int, step: int, grown: bool = False) -> None:
     """The shrink was carried out in place: one rendezvous, no restart, nothing loaded
     from disk, the surviving trainers' processes those that started, every survivor
@@ -296,13 +319,28 @@ def test_a_middle_node_or_node_0_lost_shrinks_in_place_renumbering_below_min_one
     err = h.c.failed
     assert err is not None and "1 node(s) left, fewer than --nnodes 2:3" in err, err
     assert "\n" not in err and h.c.restart is None and not h.events("world_shrink")
-    h = Harness(nodes=2, per_node=1, spare_timeout=5.0, nodes_range=(1, 2), checkpoint=True)
-    h.c.info["shard"] = True  # as the ranks' ready messages say with shard = true
-    h.step(1)
-    h.c.node_down(1, h.now)
-    h.c.tick(h.now + 6.0)
-    assert h.c.restart is None and h.c.failed is not None
-    assert "--nnodes 1:2 does not shrink sharded state (shard = true)" in h.c.failed
+    # sharded state (shard = true): from 2 nodes to 1, node 1 lost, resharded at the
+    # tier-2 snapshot's step (every rank's record of it sent with the change); else refused
+    for nodes, lost in [(2, 1), (3, 2), (2, 0)]:
+        h = Harness(nodes=nodes, per_node=1, spare_timeout=5.0, nodes_range=(1, 3), checkpoint=True)
+        h.c.info["shard"] = True  # as the ranks' ready messages say with shard = true
+        h.step(1)
+        h.c.node_down(lost, h.now)
+        h.c.outbox.clear()
+        h.c.tick(h.now + 6.0)
+        if (nodes, lost) != (2, 1):
+            assert h.c.restart is None and h.c.failed is not None, (nodes, lost)
+            assert (
+                "--nnodes 1:3 shrinks sharded state (shard = true) only from 2 nodes to 1, its node 1 lost"
+                in h.c.failed
+            )
+            continue
+        assert h.c.failed is None, h.c.failed
+        (shrink,) = h.events("world_shrink")
+        sent = [m.to_wire() for n, m in h.c.outbox if n is None]
+        assert [m["t"] for m in sent] == ["fence", "reshape"], sent
+        assert sent[1]["snapshot"]["step"] == shrink["step"] == h.c.tier2.step, (sent, shrink)
+        assert sorted(sent[1]["snapshot"]["meta"]) == ["0", "1"]
     fixed = _lose_one(2, 0, 0, checkpoint=True)  # no --nnodes MIN:MAX: as before
     assert fixed.c.failed is not None and "--nnodes" not in fixed.c.failed
 
