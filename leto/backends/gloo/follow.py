@@ -454,7 +454,9 @@ class Follower:
         process and its retained state, rolls to the committed step, takes its number
         in the new world (renumbered when a node before its own was lost), forms the new
         world's groups, rebuilds its redundancy there (tier 1 in its node, as before;
-        tier 2 re-encoded over the surviving nodes) and says ``ready`` again."""
+        tier 2 re-encoded over the surviving nodes) and says ``ready`` again. Sharded
+        state (``msg.snapshot``) goes to the tier-2 snapshot's step instead, resharded
+        from it for the new world (:mod:`.reshard`)."""
         session = self.session
         session.ch.mark("reshape")
         self.world_changed = True

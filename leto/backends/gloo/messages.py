@@ -348,7 +348,7 @@ class Ready(Message):
     snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
     tier2_parity: int = _f(_nat, 1)
     start: int = _f(_nat, 0)  # the step the job starts at (> 0: resumed from a checkpoint)
-    shard: bool = _f(_bool, False)  # shard = true: the world does not shrink or grow
+    shard: bool = _f(_bool, False)  # shard = true: shrinks only 2 nodes to 1, never grows
 
 
 @attrs.frozen

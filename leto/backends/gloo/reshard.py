@@ -1,10 +1,11 @@
-"""Sharded state (``shard = true``) moved to a world of another size: a new rank's
-shard of one flat buffer (the parameters, or one optimizer state) from the old ranks'
-shards, by the core's rule (:func:`leto.core.reshape.shard_slices`).
-
-Groundwork for shrinking a sharded job in place (docs/gloo.md, "Sharded state"): the
-caller supplies every old rank's shard, verified against its chunks' checksums (the
-survivors' own, the lost ranks' decoded from tier 2), all at one step.
+"""Sharded state (``shard = true``) resharded in place when the world shrinks
+(docs/gloo.md, "Sharded state"): a new rank's shard of one flat buffer (the parameters,
+or one optimizer state) from the old ranks' shards by the core's rule
+(:func:`leto.core.reshape.shard_slices`, :func:`reshard`); the old shards read from the
+tier-2 snapshot in the old world (:func:`old_shards`: this rank's own bytes and, with
+two nodes, its lost partner's, which its share of the code is), gathered, checked
+against their chunks' checksums and cut into the new shard in the new world
+(:func:`reshard_in_place`).
 """
 
 from __future__ import annotations
@@ -149,20 +150,16 @@ def reshard_in_place(
     step, meta = int(snap["step"]), snap["meta"]
     assert session.full is not None
     old = session.full.plan
-    held = sorted(mine)
-    got = [
-        torch.empty(2 * next(iter(mine.values())).numel(), dtype=torch.uint8)
-        for _ in range(session.W)
-    ]
+    held = sorted(mine)  # two old ranks a new rank: its own and its lost partner
+    n = mine[held[0]].numel()
+    got = [torch.empty(len(held) * n, dtype=torch.uint8) for _ in range(session.W)]
     dist.all_gather(got, torch.cat([mine[q] for q in held]))
-    owners = dist.all_gather_object  # each new rank's old ranks, in the same order
-    lists: list[Any] = [None] * session.W
-    owners(lists, held)
+    owners: list[Any] = [None] * session.W  # each new rank's old ranks, in its order
+    dist.all_gather_object(owners, held)
     shards: dict[int, RetainedLayout] = {}
-    for qs, flat in zip(lists, got, strict=True):
+    for qs, flat in zip(owners, got, strict=True):
         for k, q in enumerate(qs):
             lay = _layout_of(old, q, session)
-            n = flat.numel() // 2
             rx.unpack_into(lay, flat[k * n : (k + 1) * n])
             rx.seal_checked(
                 lay, step, meta[str(q)]["checksums"], "tier-2 snapshot", f"old rank {q}"
