@@ -752,7 +752,8 @@ def shrink_in_place(c: Coordinator, lost: list[int], left: int) -> None:
     trainer rolls to the committed step, takes its new rank, forms the new world's
     groups and says ready again, and the new world's model starts from the old one's
     state there (:meth:`Coordinator._on_ready`). No process restarts, nothing is read
-    from disk, no committed step is lost."""
+    from disk, no committed step is lost (sharded state: every rank goes to the tier-2
+    snapshot's step, the lost shards being only there, and reshards from it)."""
     s = c.state
     assert s is not None
     nodes, per_node = c.topology.nodes, c.W // c.topology.nodes
