@@ -55,3 +55,43 @@ def test_the_new_world_starts_idle_at_the_committed_step_in_the_change_s_generat
         reshape.in_place(model, 6, 4, 7)
     with pytest.raises(TraceError, match="ckpt <= start"):
         CoreSetup.from_record({**setup.to_record(), "ckpt": 7})
+
+
+def test_a_new_shard_is_the_old_shards_slices_of_its_part_of_the_flat_space() -> None:
+    cases = [
+        (10, (2, 8), (1, 16)),
+        (10, (2, 8), (3, 4)),
+        (259, (8, 64), (3, 128)),
+        (5, (1, 8), (4, 2)),
+    ]
+    cases += [
+        (u, (ow, os_), (nw, ns))
+        for u in (1, 7, 12)
+        for ow, os_ in ((2, 6), (3, 4))
+        for nw, ns in ((1, 12), (2, 6), (4, 3), (3, 8))
+    ]
+    for used, old, new in cases:
+        got = []  # (flat position, old rank, its offset) of every element copied
+        for rank in range(new[0]):
+            for s in reshape.shard_slices(used, old, new, rank):
+                assert 0 <= s.start < s.stop <= old[1] and 0 <= s.at < new[1], (used, old, new, s)
+                assert s.at + s.stop - s.start <= new[1]
+                got += [
+                    (rank * new[1] + s.at + i, s.old, s.start + i) for i in range(s.stop - s.start)
+                ]
+        # every real element exactly once, in order, from the old rank that held it
+        assert got == [(e, e // old[1], e % old[1]) for e in range(used)], (used, old, new)
+    assert reshape.shard_slices(10, (2, 8), (1, 16), 0) == (
+        reshape.Slice(0, 0, 8, 0),
+        reshape.Slice(1, 0, 2, 8),
+    )
+    assert reshape.shard_slices(4, (2, 8), (3, 4), 2) == ()  # padding only: from no one
+    for args, why in [
+        ((10, (2, 8), (0, 16), 0), "positive worlds"),
+        ((17, (2, 8), (1, 16), 0), "do not fit"),
+        ((10, (2, 8), (2, 4), 0), "do not fit"),
+        ((10, (2, 8), (1, 16), 1), "not a rank of the new world of 1"),
+    ]:
+        with pytest.raises(ValueError, match=why) as e:
+            reshape.shard_slices(*args)  # type: ignore[arg-type]
+        assert "\n" not in str(e.value)

@@ -10,6 +10,11 @@ committed step, in the generation the recovery fenced the keepers at, with tier 
 re-encoded over the surviving nodes there. The disk checkpoint the model falls back to
 is the old world's: nothing was written to disk for the change.
 
+Sharded state (``shard = true``) is one flat element space cut into equal shards, one
+a rank (:mod:`leto.retained.shard`); in a world of another size each new rank's shard
+is a run of slices of the old ranks' shards (:func:`shard_slices`), the same for the
+parameters, the gradients and every optimizer state.
+
 Pure: no IO, no clock.
 """
 
@@ -20,7 +25,18 @@ import attrs
 from leto.core.cluster import ClusterModel
 from leto.core.state import ClusterState
 
-__all__ = ["in_place", "renumbered", "renumbered_rank", "survivors"]
+__all__ = ["Slice", "in_place", "renumbered", "renumbered_rank", "shard_slices", "survivors"]
+
+
+@attrs.frozen
+class Slice:
+    """Elements ``[start, stop)`` of old rank ``old``'s shard go to offset ``at`` of the
+    new rank's shard."""
+
+    old: int
+    start: int
+    stop: int
+    at: int
 
 
 def survivors(nodes: int, per_node: int, lost: frozenset[int]) -> tuple[int, ...]:
@@ -52,6 +68,31 @@ def renumbered_rank(rank: int, per_node: int, lost: frozenset[int]) -> int:
     if rank < 0 or per_node < 1:
         raise ValueError(f"rank {rank} of {per_node} rank(s) a node is not a rank")
     return renumbered(rank // per_node, lost) * per_node + rank % per_node
+
+
+def shard_slices(
+    used: int, old: tuple[int, int], new: tuple[int, int], rank: int
+) -> tuple[Slice, ...]:
+    """Where new rank ``rank``'s shard comes from when sharded state of ``used`` real
+    elements (the rest of the flat space is padding, zeros) moves from ``old`` = (world,
+    elements a shard) to ``new`` = (world, elements a shard): the old ranks' slices, in
+    order, that cover the new shard's part of ``[0, used)`` (its padding comes from no
+    one). Rank ``r`` of a world of shards of ``S`` elements holds ``[r*S, (r+1)*S)``."""
+    (ow, os_), (nw, ns) = old, new
+    if min(ow, os_, nw, ns) < 1:
+        raise ValueError(f"a shard layout needs positive worlds and shards: old {old}, new {new}")
+    if not 0 <= used <= min(ow * os_, nw * ns):
+        raise ValueError(
+            f"{used} elements do not fit both the old layout ({ow} x {os_}) and the new ({nw} x {ns})"
+        )
+    if not 0 <= rank < nw:
+        raise ValueError(f"rank {rank} is not a rank of the new world of {nw}")
+    lo, hi = rank * ns, min((rank + 1) * ns, used)
+    out = []
+    for q in range(lo // os_, -(-hi // os_) if hi > lo else 0):
+        a, b = max(lo, q * os_), min(hi, (q + 1) * os_)
+        out.append(Slice(q, a - q * os_, b - q * os_, a - lo))
+    return tuple(out)
 
 
 def in_place(model: ClusterModel, step: int, gen: int, ckpt: int) -> ClusterState:

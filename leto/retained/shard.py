@@ -89,7 +89,8 @@ class ShardPlan:
         self.dtype: torch.dtype = getattr(torch, meta["dtype"])
         self.world = world
         self.chunk_numel = chunk_numel
-        used = self.offsets[-1] + self.numels[-1]
+        #: the flat space's elements up to the last parameter's end (the rest is padding)
+        self.used = used = self.offsets[-1] + self.numels[-1]
         #: chunks per rank
         total = -(-used // chunk_numel)
         self.chunks = max(1, -(-total // world))
@@ -241,6 +242,7 @@ def retain_shard(
     verify: bool = False,
     prefix: str = "leto",
     checksum_algorithm: str | None = None,
+    groups: Sequence[Sequence[str]] | None = None,
 ) -> RetainedOptimizer:
     """Rank ``rank``'s retained shard of ``model`` and ``optimizer``: create (or
     ``attach`` to) the layout of its pieces, and the chunked optimizer over them.
@@ -248,6 +250,8 @@ def retain_shard(
     The optimizer's parameter groups become groups of pieces (each piece in its
     parameter's group, hyper-parameters shared): ``optimizer.param_groups`` is the
     retained optimizer's, so a scheduler bound to ``optimizer`` drives the LR.
+    ``groups``: each group's parameters by name, where ``optimizer``'s groups hold
+    pieces already (bound once, now bound again for another plan).
     """
     cls = chunked_for_pieces(optimizer, attach=attach, what="shard = true")
     named = list(model.named_parameters())
@@ -267,12 +271,17 @@ def retain_shard(
         numel=plan.shard_numel,
         checksum_algorithm=checksum_algorithm,
     )
-    by_param = {id(p): i for i, (_, p) in enumerate(named)}
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    if groups is not None:
+        at = {n: i for i, n in enumerate(plan.names)}
+        params = [[at[n] for n in names] for names in groups]
+    else:
+        params = [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     piece_of: dict[int, list[nn.Parameter]] = {}
     for pc, p in zip(plan.pieces[rank], layout.params, strict=False):  # none: padding only
         piece_of.setdefault(pc.param, []).append(p)
-    groups = []
-    for g in optimizer.param_groups:
-        mine = [q for p in g["params"] for q in piece_of.get(by_param[id(p)], [])]
-        groups.append({**g, "params": mine})
-    return step_pieces(cls, optimizer, layout, groups, verify=verify)
+    mine = [
+        {**g, "params": [q for i in ps for q in piece_of.get(i, [])]}
+        for g, ps in zip(optimizer.param_groups, params, strict=True)
+    ]
+    return step_pieces(cls, optimizer, layout, mine, verify=verify)

@@ -85,11 +85,42 @@ def _shrinks_bitwise(tag: str) -> None:
     assert not digests_equal(res, fixed), "the schedule made no difference: the check is vacuous"
 
 
-def _in_place(res: JobResult, *, was: int, left: int, step: int, grown: bool = False) -> None:
+def test_a_sharded_job_losing_its_last_node_reshards_in_place_bitwise(tag: str) -> None:
+    """``shard = true`` on 2 nodes x 1 rank, node 1 lost in step 8 (step 7 committed, the
+    tier-2 snapshot of step 6): the survivor goes back to the snapshot's step, gathers
+    node 1's shard from its share of the tier-2 code, and reshards in place to one rank
+    holding everything. Sharded training on 2 ranks is bitwise pure data parallelism
+    (and on 1, the whole state), so the reference is the unsharded 2-then-1 run from the
+    step the shrink resumed at."""
+    at = 8  # 7 (the snapshot's step committed last) passes too: 8 also rolls one back
+    os.environ["SHARD"] = "1"
+    try:
+        res = job(Path(tag) / "shrink", nnodes=1, nproc=1, steps=STEPS, env=_env(tag, "ckpt"),
+                  faults=[{**LOSS[0], "step": at}], respawn=False, spare_agents=1, timeout=150.0,
+                  extra=ELASTIC)  # fmt: skip
+    finally:
+        del os.environ["SHARD"]
+    assert res.ok, explain(res)
+    (shrink,) = res.of("world_shrink")
+    step = shrink["step"]
+    assert step == 6, shrink  # the tier-2 snapshot's (every 2 steps), not the committed 7
+    _in_place(res, was=2, left=1, step=step, committed=at - 1)
+    old, new = (e["chunks"] for e in res.of("core_init"))
+    assert new > old, (old, new)  # resharded: one rank holds what two did
+    ref = _schedule(tag, [(2, 0), (1, step)], STEPS)
+    assert digests_equal(res, ref), f"not bitwise the 2-then-1 run: {res.digests} {ref.digests}"
+    fixed = job(Path(tag) / "fixed", nnodes=2, nproc=1, steps=STEPS, env=_env(tag, "fixed-ckpt"))
+    assert not digests_equal(res, fixed), "the schedule made no difference: the check is vacuous"
+
+
+def _in_place(
+    res: JobResult, *, was: int, left: int, step: int, grown: bool = False, committed: int = -1
+) -> None:
     """The shrink was carried out in place: one rendezvous, no restart, nothing loaded
     from disk, the surviving trainers' processes those that started, every survivor
     rolled to the committed ``step`` (the step in flight, never committed, is the one
-    step trained again)."""
+    step trained again; ``committed``: sharded, the step committed last, after the
+    tier-2 snapshot's ``step`` every survivor went back to)."""
     assert [e["nodes"] for e in res.of("rendezvous_closed")] == [was]
     (shrink,) = res.of("world_shrink")
     assert shrink["in_place"] and (shrink["nodes"], shrink["was"], shrink["step"]) == (
@@ -106,7 +137,9 @@ def _in_place(res: JobResult, *, was: int, left: int, step: int, grown: bool = F
     kept = [(e["rank"], e["pid"]) for e in started if e["rank"] < len(shrink["ranks"])]
     assert len(dict(kept)) == len(kept) == len(shrink["ranks"]), f"a trainer restarted: {kept}"
     (fault,) = res.of("failure")[:1]
-    assert fault["step"] == step  # the step in flight (step + 1) is the one trained again
+    # the step in flight (committed + 1) is the one trained again; sharded, every step
+    # after the tier-2 snapshot's too
+    assert fault["step"] == (step if committed < 0 else committed)
 
 
 def test_a_3_node_job_shrinks_to_2_in_place_and_grows_back_to_3_bitwise(tag: str) -> None:
@@ -296,13 +329,28 @@ def test_a_middle_node_or_node_0_lost_shrinks_in_place_renumbering_below_min_one
     err = h.c.failed
     assert err is not None and "1 node(s) left, fewer than --nnodes 2:3" in err, err
     assert "\n" not in err and h.c.restart is None and not h.events("world_shrink")
-    h = Harness(nodes=2, per_node=1, spare_timeout=5.0, nodes_range=(1, 2), checkpoint=True)
-    h.c.info["shard"] = True  # as the ranks' ready messages say with shard = true
-    h.step(1)
-    h.c.node_down(1, h.now)
-    h.c.tick(h.now + 6.0)
-    assert h.c.restart is None and h.c.failed is not None
-    assert "--nnodes 1:2 does not shrink sharded state (shard = true)" in h.c.failed
+    # sharded state (shard = true): from 2 nodes to 1, node 1 lost, resharded at the
+    # tier-2 snapshot's step (every rank's record of it sent with the change); else refused
+    for nodes, lost in [(2, 1), (3, 2), (2, 0)]:
+        h = Harness(nodes=nodes, per_node=1, spare_timeout=5.0, nodes_range=(1, 3), checkpoint=True)
+        h.c.info["shard"] = True  # as the ranks' ready messages say with shard = true
+        h.step(1)
+        h.c.node_down(lost, h.now)
+        h.c.outbox.clear()
+        h.c.tick(h.now + 6.0)
+        if (nodes, lost) != (2, 1):
+            assert h.c.restart is None and h.c.failed is not None, (nodes, lost)
+            assert (
+                "--nnodes 1:3 shrinks sharded state (shard = true) only from 2 nodes to 1, its node 1 lost"
+                in h.c.failed
+            )
+            continue
+        assert h.c.failed is None, h.c.failed
+        (shrink,) = h.events("world_shrink")
+        sent = [m.to_wire() for n, m in h.c.outbox if n is None]
+        assert [m["t"] for m in sent] == ["fence", "reshape"], sent
+        assert sent[1]["snapshot"]["step"] == shrink["step"] == h.c.tier2.step, (sent, shrink)
+        assert sorted(sent[1]["snapshot"]["meta"]) == ["0", "1"]
     fixed = _lose_one(2, 0, 0, checkpoint=True)  # no --nnodes MIN:MAX: as before
     assert fixed.c.failed is not None and "--nnodes" not in fixed.c.failed
 

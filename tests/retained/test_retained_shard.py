@@ -1,5 +1,6 @@
 """Sharded retained state in one process: W ranks' shards stepped alone are, bit for
-bit, the unsharded step; each rank retains about 1/W of the bytes."""
+bit, the unsharded step; each rank retains about 1/W of the bytes; moved to a world of
+another size (a shrink), each new shard is bitwise the unsharded state's slice."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from leto.backends.gloo.reshard import reshard
 from leto.retained.checkpoint import CheckpointError
 from leto.retained.dcp_shard import (
     check_same_plan,
@@ -317,3 +319,80 @@ def test_a_sharded_checkpoint_is_read_whole_and_loads_back_bitwise(tmp_path: Pat
             load_shard_state(tmp_path / "o", m2, lay2, plan2, 0, "o")
     finally:
         dist.destroy_process_group()
+
+
+# --- sharded state moved to a world of another size (leto.backends.gloo.reshard)
+
+RC = 16
+
+
+def _stepped(W: int, steps: int) -> tuple[list[RetainedLayout], ShardPlan]:
+    """W ranks' retained shards (AdamW) after ``steps`` steps of the same gradients."""
+    lays = []
+    for r in range(W):
+        m = _model()
+        plan = ShardPlan(list(m.named_parameters()), W, RC)
+        ropt = retain_shard(
+            m, torch.optim.AdamW(m.parameters(), lr=1e-2), plan, r, alloc=None, attach=False
+        )
+        for step in range(1, steps + 1):
+            for p, g in zip(m.parameters(), _grads(m, step), strict=True):
+                p.grad = g
+            rows = torch.empty(W * (plan.shard_numel + len(plan.names)))
+            plan.pack_grads(list(m.parameters()), rows)
+            mine = rows.view(W, -1)[r]
+            ropt.layout.grad_buffer.copy_(mine[: plan.shard_numel])
+            ropt.layout.seal_grads(step, plan.present_pieces(r, mine[plan.shard_numel :].tolist()))
+            ropt.begin(step)
+            ropt._apply_pending(step, None)
+            ropt.end()
+        lays.append(ropt.layout)
+    return lays, plan
+
+
+def _whole(steps: int) -> RetainedLayout:
+    """The unsharded retained state after the same steps: the reference."""
+    m = _model()
+    ropt = retain(m, torch.optim.AdamW(m.parameters(), lr=1e-2), chunk_numel=RC)
+    for step in range(1, steps + 1):
+        for p, g in zip(m.parameters(), _grads(m, step), strict=True):
+            p.grad = g
+        ropt.step()
+    return ropt.layout
+
+
+@pytest.mark.parametrize("old_w,new_w", [(2, 1), (3, 2), (2, 3), (8, 3)])
+def test_resharded_state_is_the_whole_state_s_slice_of_each_new_shard(
+    old_w: int, new_w: int
+) -> None:
+    lays, old = _stepped(old_w, 3)
+    ref = _whole(3)
+    new = ShardPlan(list(_model().named_parameters()), new_w, RC)
+    bufs = [(ref.param_buffer, [lay.param_buffer for lay in lays])]
+    bufs += [(ref.state_buffer(s), [lay.state_buffer(s) for lay in lays]) for s in ref.states]
+    assert len(bufs) == 3  # the parameters and AdamW's two states
+    for whole, shards in bufs:
+        flat = torch.zeros(new.numel)
+        flat[: new.used] = whole[: new.used]
+        assert whole[: new.used].abs().sum() > 0  # not vacuous: stepped values
+        for r in range(new_w):
+            got = reshard(shards, old, new, r)
+            lo, hi = new.shard_range(r)
+            assert torch.equal(got, flat[lo:hi]), (old_w, new_w, r)
+
+
+def test_reshard_refuses_shards_of_another_layout_in_one_line() -> None:
+    lays, old = _stepped(2, 1)
+    shards = [lay.param_buffer for lay in lays]
+    other = nn.Sequential(nn.Linear(8, 16))
+    for args, why in [
+        ((shards[:1], old, ShardPlan(list(_model().named_parameters()), 1, RC), 0), "1 shard"),
+        ((shards, old, ShardPlan(list(other.named_parameters()), 1, RC), 0), "same flat space"),
+        (
+            ([s[1:] for s in shards], old, ShardPlan(list(_model().named_parameters()), 1, RC), 0),
+            "ranks \\[0, 1\\]",
+        ),
+    ]:
+        with pytest.raises(LayoutError, match=why) as e:
+            reshard(*args)
+        assert "\n" not in str(e.value)

@@ -752,12 +752,17 @@ def shrink_in_place(c: Coordinator, lost: list[int], left: int) -> None:
     trainer rolls to the committed step, takes its new rank, forms the new world's
     groups and says ready again, and the new world's model starts from the old one's
     state there (:meth:`Coordinator._on_ready`). No process restarts, nothing is read
-    from disk, no committed step is lost."""
+    from disk, no committed step is lost (sharded state: every rank goes to the tier-2
+    snapshot's step, the lost shards being only there, and reshards from it)."""
     s = c.state
     assert s is not None
     nodes, per_node = c.topology.nodes, c.W // c.topology.nodes
     kept = reshape.survivors(nodes, per_node, frozenset(lost))
     gen, step = s.gen + 1, s.committed
+    snapshot = None
+    if c.info.get("shard"):  # the lost shards are the tier-2 snapshot's: every rank goes there
+        step = c.tier2.step
+        snapshot = {"step": step, "meta": {str(r): m for r, m in c.tier2.meta.items()}}
     moved = {n: reshape.renumbered(n, frozenset(lost)) for n in range(nodes) if n not in lost}
     c.log.write(
         "world_shrink", nodes=left, lost=lost, was=nodes, in_place=True, step=step,
@@ -768,8 +773,9 @@ def shrink_in_place(c: Coordinator, lost: list[int], left: int) -> None:
         c.nodes_lost_at.pop(n, None)
     _renumber(c, moved, per_node)
     _new_world(c, left, gen)
+    c.reshaped_from["ckpt"] = min(c.reshaped_from["ckpt"], step)
     c.send(None, M.Fence(gen=gen))  # the keepers first: the trainers join gen
-    c.send(None, M.Reshape(gen=gen, step=step, nodes=left, lost_nodes=lost))
+    c.send(None, M.Reshape(gen=gen, step=step, nodes=left, lost_nodes=lost, snapshot=snapshot))
 
 
 def _renumber(c: Coordinator, moved: dict[int, int], per_node: int) -> None:
@@ -860,13 +866,23 @@ def on_joined(c: Coordinator, rank: int) -> bool:
     return True
 
 
+def _sharded_shrinks(c: Coordinator) -> bool:
+    """Sharded state (``shard = true``) is resharded in place only from 2 nodes to 1, its
+    node 1 lost: the survivors then hold the lost node's tier-2 bytes as their own
+    shares of the code (no decode across nodes), and the new world grows back no more
+    (a grow copies rank 0's state, a replica only without sharding)."""
+    lost = c.nodes_lost_at.keys() - c.nodes_up
+    return c.topology.nodes == 2 and lost == {1} and bool(c.info.get("tier2"))
+
+
 def _world(c: Coordinator) -> world.World | None:
     """The core's elastic world as it stands (members, those lost and awaited, the
     pooled spares), or None: the world is fixed (no ``--nnodes MIN:MAX``), or the
-    state is sharded (``shard = true``: its shards are per world; not resharded)."""
+    state is sharded (``shard = true``) and this loss is not one that reshards it in
+    place (:func:`_sharded_shrinks`)."""
     lo, hi = c.opt.nodes_range
     nodes = c.topology.nodes
-    if not lo or c.info.get("shard"):
+    if not lo or (c.info.get("shard") and not _sharded_shrinks(c)):
         return None
     s = world.start(min(lo, nodes), max(hi, nodes), tuple(map(str, range(nodes))), 0)
     for n in sorted(c.nodes_lost_at):
@@ -882,8 +898,11 @@ def no_shrink(c: Coordinator) -> str:
     lo, hi = c.opt.nodes_range
     if not lo:
         return ""
-    if c.info.get("shard"):
-        return f"; --nnodes {lo}:{hi} does not shrink sharded state (shard = true)"
+    if c.info.get("shard") and not _sharded_shrinks(c):
+        return (
+            f"; --nnodes {lo}:{hi} shrinks sharded state (shard = true) only from 2 nodes "
+            "to 1, its node 1 lost, with tier 2"
+        )
     left = c.topology.nodes - len(c.nodes_lost_at.keys() - c.nodes_up)
     return f"; {left} node(s) left, fewer than --nnodes {lo}:{hi} allows"
 
@@ -900,6 +919,8 @@ def resize(c: Coordinator, timed_out: bool, now: float) -> bool:
     e = world.decide(s, timed_out) if s is not None else None
     if s is None or c.state is None or not isinstance(e, (world.Shrink, world.Grow)):
         return False
+    if isinstance(e, world.Grow) and c.info.get("shard"):
+        return False  # sharded: no replica to copy to the new node
     if isinstance(e, world.Shrink):
         shrink_in_place(c, sorted(map(int, s.lost)), len(world.step(s, e).members))
     else:

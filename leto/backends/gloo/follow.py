@@ -38,6 +38,7 @@ from leto.retained.parity import (
 )
 from leto.retained.process_state import BatchCursor, restore_buffers
 from leto.retained.recovery import IntegrityError
+from leto.retained.shard import FullParams
 
 from . import messages as M
 from .collective import CHECK_KEPT_PARITY, comm_error
@@ -46,6 +47,7 @@ from .faults import COMMAND_POINT
 from .keeper_client import FencedError, KeeperClient
 from .rank_memory import RankMemory
 from .repair_ops import RepairHost, copy_replica, ops_for, take_process_state
+from .reshard import old_shards, reshard_in_place
 
 __all__ = ["Follower", "FollowerHost", "StepStopper"]
 
@@ -74,6 +76,10 @@ class FollowerHost(RepairHost, Protocol):
     def model(self) -> nn.Module: ...
     @property
     def ropt(self) -> RetainedOptimizer | None: ...
+    @property
+    def full(self) -> FullParams | None: ...
+    @property
+    def user_optimizer(self) -> torch.optim.Optimizer: ...
     @property
     def keeper(self) -> KeeperClient | None: ...
     @property
@@ -448,7 +454,9 @@ class Follower:
         process and its retained state, rolls to the committed step, takes its number
         in the new world (renumbered when a node before its own was lost), forms the new
         world's groups, rebuilds its redundancy there (tier 1 in its node, as before;
-        tier 2 re-encoded over the surviving nodes) and says ``ready`` again."""
+        tier 2 re-encoded over the surviving nodes) and says ``ready`` again. Sharded
+        state (``msg.snapshot``) goes to the tier-2 snapshot's step instead, resharded
+        from it for the new world (:mod:`.reshard`)."""
         session = self.session
         session.ch.mark("reshape")
         self.world_changed = True
@@ -461,12 +469,16 @@ class Follower:
         if joins and not msg.grow:
             session._fatal("its retained state was lost; the world cannot change in place")
         was, rank = session.W, session.rank
+        sharded = msg.snapshot is not None  # resharded from the tier-2 snapshot of msg.step
+        mine = old_shards(session, msg.snapshot) if msg.snapshot is not None else {}
         # its new number first: its agent keeps its process states by it since the change
         session.take_place(reshape.renumbered(session.node, frozenset(msg.lost_nodes)), msg.nodes)
-        forward, back = (0, 0) if joins else self._settle(msg.step)
+        forward, back = (0, 0) if joins or sharded else self._settle(msg.step)
         session.groups.init(msg.gen)
         if msg.grow:
             copy_replica(session, msg.step, joins)
+        elif msg.snapshot is not None:
+            reshard_in_place(session, msg.snapshot, mine)
         else:
             take_process_state(session, msg.step)
         meta = self._after_recovery_state(msg.step)

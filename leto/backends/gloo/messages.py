@@ -348,7 +348,7 @@ class Ready(Message):
     snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
     tier2_parity: int = _f(_nat, 1)
     start: int = _f(_nat, 0)  # the step the job starts at (> 0: resumed from a checkpoint)
-    shard: bool = _f(_bool, False)  # shard = true: the world does not shrink or grow
+    shard: bool = _f(_bool, False)  # shard = true: shrinks only 2 nodes to 1, never grows
 
 
 @attrs.frozen
@@ -857,6 +857,9 @@ class Reshape(Message):
     nodes: int = _f(_nat)
     grow: bool = _f(_bool, False)  # new nodes joined last: rank 0's state copied to them
     lost_nodes: list[int] = _f(_ints, attrs.Factory(list))  # the old world's, lost (shrink)
+    # sharded state: the tier-2 snapshot of ``step`` (its record, as a Reconcile's) to
+    # reshard from (docs/gloo.md, "Sharded state")
+    snapshot: dict[str, Any] | None = _f(_opt(_of(dict)), None)
 
 
 KINDS: tuple[type[Message], ...] = (

@@ -123,6 +123,9 @@ class RankMemory:
         # a warm shadow's mapping of its node's tier-1 segment (its name, descriptor and
         # bytes), made before any promotion (:meth:`premap_node`)
         self.premapped: tuple[str, int, torch.Tensor] | None = None
+        #: the retained segments' prefix: ``leto``, or, sharded state resharded in place
+        #: to a world of W ranks, ``leto.wW`` (the old world's segments are of another size)
+        self.prefix = "leto"
 
     def _status_seg(self) -> torch.Tensor:
         if self.status is None:
@@ -170,13 +173,21 @@ class RankMemory:
         self.shard_groups = [
             [name_of[id(p)] for p in g["params"]] for g in session.user_optimizer.param_groups
         ]
+        self.rebind_shard(attach=attach, values=not attach)
+
+    def rebind_shard(self, *, attach: bool, values: bool, groups: bool = False) -> None:
+        """This rank's shard of the world it is in now (:meth:`_bind_shard`); ``groups``:
+        the optimizer's groups hold another plan's pieces (resharded in place)."""
+        session = self.session
+        assert session.keeper is not None
+        named = list(session.model.named_parameters())
         plan = ShardPlan(
             named,
             session.W,
             int(session.cfg.chunk_size),
             master_weights=bool(session.cfg.master_weights),
         )
-        session.full = FullParams(plan, named, values=not attach)
+        session.full = FullParams(plan, named, values=values)
         session.ropt = retain_shard(
             session.model,
             session.user_optimizer,
@@ -184,8 +195,12 @@ class RankMemory:
             session.rank,
             alloc=session.keeper.alloc,
             attach=attach,
+            prefix=self.prefix,
             checksum_algorithm=getattr(session.cfg, "checksum_algorithm", None),
+            groups=self.shard_groups if groups else None,
         )
+        if groups:  # tier 1 of the new shard's geometry, mapped at its rebuild
+            session.parity, session.gparity = [], None
 
     def gather_params(self) -> None:
         """Sharded state: every rank's shard of the parameters into the model's (a
@@ -206,8 +221,10 @@ class RankMemory:
         if session.ropt is not None:
             return bool(self._status_seg()[0])
         have = session.keeper.open()  # the listing, and every segment's descriptor with it
+        if session.cfg.shard and f"leto.w{session.W}.super" in have:
+            self.prefix = f"leto.w{session.W}"  # resharded in place to this world
         try:
-            if "leto.super" in have:
+            if f"{self.prefix}.super" in have:
                 try:
                     self.bind(attach=True)
                 except ShapeMismatchError as e:
