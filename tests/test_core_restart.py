@@ -49,15 +49,3 @@ def test_an_elastic_job_starts_with_max_nodes_or_at_the_timeout_with_at_least_mi
     assert world_at_close(3, 3, 3, timed_out=False) == 3  # a fixed size is MIN = MAX
     with pytest.raises(ValueError, match="need 1 <= lo <= hi"):
         world_at_close(3, 2, 3, timed_out=False)
-
-
-def test_a_world_change_is_a_restart_that_needs_no_max_restarts() -> None:
-    from leto.core.restart import resized
-
-    assert resized(0, 0, 2) == Restart(1, 1, 2)  # a shrink to 2 nodes, no --max-restarts
-    assert resized(1, 3, 3) == Restart(2, 3, 3)  # counted among the restarts
-    assert after(Ending.GAVE_UP, 1, 1) is None  # so it spends one where there are some
-    with pytest.raises(ValueError, match="nodes 0"):
-        resized(0, 0, 0)
-    with pytest.raises(ValueError, match="are ints"):
-        Restart(1, 1, -1)

@@ -754,9 +754,8 @@ def restart_launch(agent: Any, argv: list[str]) -> None:
     os.umask(agent.umask)  # the user's (the agent keeps its own files private)
     os.environ[RESTART_ENV] = str(agent.restart)
     os.environ[FIRED_ENV] = ",".join(map(str, agent.fired))
-    if agent.node == 0:  # the world it starts with: the same, or the one a shrink left
-        shrunk = agent.coord.restart.nodes if agent.coord and agent.coord.restart else 0
-        os.environ[NODES_ENV] = str(shrunk or agent.o.nnodes)
+    if agent.node == 0:  # the world it starts with: the one it had when it ended
+        os.environ[NODES_ENV] = str(agent.o.nnodes)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, "-m", "leto.cli", *argv])

@@ -29,7 +29,7 @@ import enum
 
 import attrs
 
-__all__ = ["Ending", "Restart", "after", "refusal", "resized"]
+__all__ = ["Ending", "Restart", "after", "refusal"]
 
 
 class Ending(enum.Enum):
@@ -40,16 +40,14 @@ class Ending(enum.Enum):
 
 @attrs.frozen
 class Restart:
-    """Start the whole job again, as restart number ``attempt`` of ``of`` (from 1);
-    ``nodes``: the world it starts with, when the world changes (a shrink,
-    :mod:`leto.core.world`), else 0 (the same world)."""
+    """Start the whole job again, as restart number ``attempt`` of ``of`` (from 1), in
+    the world it had (a world change is carried out in place: :mod:`leto.core.reshape`)."""
 
     attempt: int
     of: int
-    nodes: int = 0
 
     def __attrs_post_init__(self) -> None:
-        if not all(type(v) is int for v in (self.attempt, self.of, self.nodes)) or self.nodes < 0:
+        if not all(type(v) is int for v in (self.attempt, self.of)):
             raise ValueError(f"a restart's attempt and of are ints, got {self!r}")
         if not 1 <= self.attempt <= self.of:
             raise ValueError(f"restart {self.attempt} of {self.of} is not in 1..{self.of}")
@@ -63,15 +61,6 @@ def after(ending: Ending, restarts: int, max_restarts: int) -> Restart | None:
     if ending is not Ending.GAVE_UP or restarts >= max_restarts:
         return None
     return Restart(restarts + 1, max_restarts)
-
-
-def resized(restarts: int, max_restarts: int, nodes: int) -> Restart:
-    """The restart that carries out a world change to ``nodes`` nodes (a shrink decided by
-    :func:`leto.core.world.decide`), having made ``restarts`` restarts: it needs no
-    ``--max-restarts``, and counts among the job's restarts (each is an incarnation)."""
-    if restarts < 0 or max_restarts < 0 or nodes < 1:
-        raise ValueError(f"restarts {restarts}, max_restarts {max_restarts}, nodes {nodes}")
-    return Restart(restarts + 1, max(max_restarts, restarts + 1), nodes)
 
 
 def refusal(max_restarts: int, checkpoint: bool) -> str | None:

@@ -216,9 +216,8 @@ class Coordinator:
             self.send(None, M.Fail(error=message))
             return
         r = self.restart
-        more = {"nodes": r.nodes} if r.nodes else {}
-        self.log.write("job_restart", attempt=r.attempt, of=r.of, cause=message, **more, **fields)
-        self.send(None, M.Fail(error=message, restart=r.attempt, nodes=r.nodes or None))
+        self.log.write("job_restart", attempt=r.attempt, of=r.of, cause=message, **fields)
+        self.send(None, M.Fail(error=message, restart=r.attempt))
 
     def model_record(self, name: str, **fields: Any) -> None:
         """A record of what the model was fed (``core_init``, ``core``): to the event log,

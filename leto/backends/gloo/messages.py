@@ -698,15 +698,13 @@ class Go(Message):
 @attrs.frozen
 class Fail(Message):
     """The job ends with ``error``; with ``restart`` (from 1), every node's agent starts
-    the job again, as that restart (``--max-restarts``), from the latest disk checkpoint;
-    with ``nodes`` too, the restart carries out a world change (a shrink or a grow-back,
-    :mod:`leto.core.world`) to that many nodes, and the pooled spares follow it."""
+    the job again, as that restart (``--max-restarts``), from the latest disk checkpoint
+    (a world change is carried out in place: :class:`Reshape`)."""
 
     TAG = "fail"
     ROUTE = (C, A)
     error: str = _f(LONG)
     restart: int | None = _f(_opt(_nat), None)
-    nodes: int | None = _f(_opt(_nat), None)
 
 
 @attrs.frozen

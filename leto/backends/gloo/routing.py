@@ -721,11 +721,6 @@ class Routing:
             case M.Go():
                 a.supervisor.go(spare=msg.spare)
                 return
-            case M.Fail() if a.pooled and msg.restart and msg.nodes:
-                # a world change (shrink, grow-back): the spare joins the restart's pool
-                a.say(f"the job's world changes; joining its restart's pool ({msg.error})")
-                a.failed, a.restart, a.stop = msg.error, msg.restart, True
-                return
             case M.Fail() if a.pooled:
                 a.say(f"the job failed; leaving the pool ({msg.error})")
                 a.failed = msg.error
