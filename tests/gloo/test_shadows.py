@@ -35,6 +35,7 @@ def _agent(*, recovering: bool) -> Any:
         routing=SimpleNamespace(send_proc=lambda p, msg: None),
         recovering=recovering,
         generation=0,
+        node=0,
         spawns={},
         o=SimpleNamespace(shadows=True, nnodes=1),
         degraded={},
