@@ -225,6 +225,8 @@ def test_spec_check_flags_and_tlc(
 ) -> None:
     _, line = refusal(["spec", "check", "--workers", "0"], capsys)
     assert line == "leto spec check: error: --workers must be at least 1, got 0"
+    _, line = refusal(["spec", "check", "--full", "--config", "MCLetoSmall.cfg"], capsys)
+    assert line == "leto spec check: error: --full runs MCLeto.cfg: give it or --config, not both"
     monkeypatch.setenv("LETO_TLA2TOOLS", "/no/such/tla2tools.jar")
     _, line = refusal(["spec", "check"], capsys)
     assert "LETO_TLA2TOOLS points to /no/such/tla2tools.jar" in line and "--skip-tlc" in line

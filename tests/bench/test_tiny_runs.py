@@ -78,6 +78,7 @@ def test_tiny_recovery_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # test_tiny_recovery_run's path, another failure point
 def test_tiny_recovery_run_with_a_death_after_the_vote() -> None:
     from leto.bench.recovery import run_recovery
 
@@ -198,7 +199,7 @@ def test_leto_job_nodes_share_the_benchmarks_session() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fail_at", ["forward", "update"])
+@pytest.mark.parametrize("fail_at", ["forward", pytest.param("update", marks=pytest.mark.soak)])
 def test_tiny_torchft_recovery_run(fail_at: str) -> None:
     pytest.importorskip("torchft", reason="torchft is in the dev extra")
     from leto.bench.recovery import run_recovery

@@ -23,6 +23,7 @@ def _run(run_dir: Path, faults: list[dict[str, Any]] | None) -> JobResult:
     return script_job(EXAMPLE, run_dir, settings, ["--steps", str(STEPS)], faults)
 
 
+@pytest.mark.soak  # the user loop's path (tests/gloo/test_loop.py), through Fabric
 def test_fabric_loop_killed_at_every_phase_is_bitwise(session_dir: Path) -> None:
     ref = _run(session_dir / "fabric-ref", None)
     assert ref.ok and ref.digests, explain(ref)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from jobs import LOOP_POINTS, digests_equal, explain, kills, script_job
 
 from leto.backends.gloo.harness import JobResult
@@ -29,6 +30,7 @@ def _run(run_dir: Path, faults: list[dict[str, Any]] | None) -> JobResult:
     return script_job(EXAMPLE, run_dir, SETTINGS, args, faults, hang_timeout=5, timeout=300)
 
 
+@pytest.mark.soak  # test_masters.py's sharded bf16-with-masters path, on a transformers model
 def test_hf_gpt2_bf16_masters_sharded_killed_at_every_phase_is_bitwise(
     session_dir: Path,
 ) -> None:

@@ -51,8 +51,8 @@ def check(res: dict[str, Any], victim: int, what: str) -> dict[int, Any]:
 @pytest.mark.parametrize(
     ("victim", "kill"),
     [
-        (3, (2, "between")),
-        (0, (2, "backward")),
+        pytest.param(3, (2, "between"), marks=pytest.mark.soak),
+        pytest.param(0, (2, "backward"), marks=pytest.mark.soak),
         (0, (3, f"applied:{CHUNKS - 1}")),
         # "prepared", "voted", "undo:<c>", "ended" and every chunk's points: drawn by
         # the random test below, one per run (each listed here passed once, 12-14 s)
